@@ -1,0 +1,40 @@
+# Set-up and the two entry points. Everything installs itself into .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# Where a local torch wheel lives on our machines; harmless where it does not exist.
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+PIP    := $(BIN)/python -m pip install --disable-pip-version-check -q $(FIND_LINKS) -c constraints.txt
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test test-slow lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml constraints.txt
+	$(PIP) --upgrade pip setuptools wheel
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[all]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/batchbound demo
+
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow
+
+lint: install
+	$(BIN)/ruff check .
+
+bench: install
+	$(BIN)/python benchmarks/diversity.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

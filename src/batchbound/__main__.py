@@ -1,0 +1,3 @@
+from batchbound.cli import main
+
+raise SystemExit(main())

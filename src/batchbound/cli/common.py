@@ -1,0 +1,30 @@
+"""Arguments shared by several subcommands, so they read the same everywhere."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_data_arguments(parser: argparse.ArgumentParser, default: str | None = "digits") -> None:
+    parser.add_argument(
+        "--dataset",
+        default=default,
+        required=default is None,
+        help="data set spec, e.g. digits or 'synthetic-linear(n=2000,d=50)' "
+        "(see `batchbound data list`)" + (f"; default {default}" if default else ""),
+    )
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        help="directory holding a user's data files; default $BATCHBOUND_DATA, "
+        "else ~/.cache/batchbound/data",
+    )
+
+
+def add_model_argument(parser: argparse.ArgumentParser, default: str | None = None) -> None:
+    parser.add_argument(
+        "--model",
+        default=default,
+        required=default is None,
+        help="model spec, e.g. 'fc(depth=3,params=16000,act=relu)'",
+    )

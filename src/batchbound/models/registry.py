@@ -1,0 +1,75 @@
+"""The registry of model families, addressed by spec strings such as
+``fc(depth=4,params=16000,act=relu)``.
+
+A family is a builder ``(input_shape, num_outputs, **kwargs) -> nn.Module``; register one
+with ``@register_family("name")``. Unknown keys and bad values raise BatchboundError.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from batchbound.errors import BatchboundError
+from batchbound.spec import Spec, parse_spec
+
+Builder = Callable[..., nn.Module]
+_FAMILIES: dict[str, Builder] = {}
+
+
+def register_family(name: str) -> Callable[[Builder], Builder]:
+    def decorate(builder: Builder) -> Builder:
+        if name in _FAMILIES:
+            raise ValueError(f"model family {name!r} registered twice")
+        _FAMILIES[name] = builder
+        return builder
+
+    return decorate
+
+
+def family_names() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def get_family(name: str) -> Builder:
+    if name not in _FAMILIES:
+        raise BatchboundError(
+            f"unknown model family {name!r}; available: {', '.join(family_names())}"
+        )
+    return _FAMILIES[name]
+
+
+def build_model(
+    spec: str | Spec,
+    input_shape: Sequence[int],
+    num_outputs: int,
+    seed: int | None = None,
+) -> nn.Module:
+    """Build a model from its spec. With ``seed``, initialisation is reproducible."""
+    parsed = parse_spec(spec) if isinstance(spec, str) else spec
+    builder = get_family(parsed.name)
+    accepted = inspect.signature(builder).parameters
+    unknown = [key for key in parsed.kwargs if key not in accepted]
+    if unknown:
+        options = [p for p in accepted if p not in ("input_shape", "num_outputs")]
+        raise BatchboundError(
+            f"model {parsed.name!r} has no option {', '.join(map(repr, unknown))}; "
+            f"options: {', '.join(options)}"
+        )
+    if seed is None:
+        return builder(tuple(input_shape), num_outputs, **parsed.kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return builder(tuple(input_shape), num_outputs, **parsed.kwargs)
+
+
+def count_parameters(model: nn.Module, include_biases: bool = True) -> int:
+    """Trainable parameters; with ``include_biases=False`` parameters named ``*bias`` are left out."""
+    return sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if p.requires_grad and (include_biases or not name.endswith("bias"))
+    )
