@@ -1,0 +1,32 @@
+"""batchbound.train: synchronous data-parallel mini-batch SGD on torch.distributed.
+
+>>> from batchbound.train import TrainConfig, Target, train
+>>> config = TrainConfig(dataset="digits", model="fc(depth=2,params=4000)", batch_size=64,
+...                      lr=0.1, targets=(Target("train_acc", 0.95),), max_epochs=30)
+>>> result = train(config)          # doctest: +SKIP
+>>> result.status, result.targets[0].epoch   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchbound.train.config import TARGET_METRICS, Target, TrainConfig, target_list
+from batchbound.train.result import RunResult, TargetResult
+
+__all__ = [
+    "TARGET_METRICS",
+    "RunResult",
+    "Target",
+    "TargetResult",
+    "TrainConfig",
+    "target_list",
+    "train",
+]
+
+
+def train(config: TrainConfig, **kwargs: Any) -> RunResult:
+    """Train per ``config`` (see batchbound.train.loop.train for the keyword options)."""
+    from batchbound.train.loop import train as _train
+
+    return _train(config, **kwargs)

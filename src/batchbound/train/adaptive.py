@@ -1,0 +1,76 @@
+"""Adaptive batch size (seed 002: "set the batch size ≈ n·Δ").
+
+``adaptive(delta=δ, min=b_min, max=b_max, every=k)`` resets the global batch size every k
+iterations to B = clip(⌊δ·n·Δ̂(w)⌋ + 1, b_min, b_max), the bound of seed 001's Lemma 1 with
+the measured diversity Δ̂ in place of Δ_S(w). The learning rate then follows the strategy
+for the new B (see schedule.py). ``fixed`` keeps the configured batch size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from batchbound.errors import BatchboundError
+from batchbound.spec import parse_spec
+
+SOURCES = ("exact", "online")
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """``adaptive`` is False for a fixed batch size; then the other fields are unused."""
+
+    adaptive: bool = False
+    delta: float = 1.0
+    min: int = 1
+    max: int = 1 << 30
+    every: int = 100
+    source: str = "exact"
+
+    def __post_init__(self) -> None:
+        if not self.adaptive:
+            return
+        if self.delta <= 0:
+            raise BatchboundError(f"adaptive batch: delta must be > 0, got {self.delta}")
+        if not 1 <= self.min <= self.max:
+            raise BatchboundError(
+                f"adaptive batch: need 1 <= min <= max, got min={self.min}, max={self.max}"
+            )
+        if self.every < 1:
+            raise BatchboundError(f"adaptive batch: every must be >= 1 iteration, got {self.every}")
+        if self.source not in SOURCES:
+            raise BatchboundError(
+                f"adaptive batch: unknown source {self.source!r}; choose from {', '.join(SOURCES)}"
+            )
+
+    def batch_size(self, n: int, diversity: float) -> int:
+        """B = clip(⌊δ·n·Δ̂⌋ + 1, min, max); a non-finite Δ̂ keeps the lower end."""
+        if not math.isfinite(diversity) or diversity <= 0:
+            return self.min
+        return int(min(max(math.floor(self.delta * n * diversity) + 1, self.min), self.max))
+
+
+def parse_batch_policy(text: str) -> BatchPolicy:
+    """``fixed`` or ``adaptive(delta=0.1,min=16,max=1024,every=50[,source=exact|online])``."""
+    spec = parse_spec(text)
+    if spec.name == "fixed":
+        if spec.kwargs:
+            raise BatchboundError("batch policy 'fixed' takes no options")
+        return BatchPolicy()
+    if spec.name != "adaptive":
+        raise BatchboundError(
+            f"unknown batch policy {spec.name!r}; choose fixed or "
+            "adaptive(delta=..,min=..,max=..,every=..)"
+        )
+    allowed = {"delta", "min", "max", "every", "source"}
+    unknown = sorted(set(spec.kwargs) - allowed)
+    if unknown:
+        raise BatchboundError(
+            f"adaptive batch has no option {', '.join(map(repr, unknown))}; "
+            f"options: {', '.join(sorted(allowed))}"
+        )
+    missing = sorted({"delta", "min", "max", "every"} - set(spec.kwargs))
+    if missing:
+        raise BatchboundError(f"adaptive batch needs {', '.join(missing)}")
+    return BatchPolicy(adaptive=True, **spec.kwargs)

@@ -1,0 +1,249 @@
+"""TrainConfig: everything that defines a training run, validated before any work starts.
+
+A run is identified by ``config.config_hash()``: the hash of its canonical dict without the
+fields that only say where things live (``data_dir``). Checks that need the data set (B ≤ n,
+accuracy targets only on classification) are in ``validate_against(dataset)``, which
+``train()`` calls before building the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from batchbound.config import config_hash, to_plain
+from batchbound.errors import BatchboundError
+from batchbound.train.adaptive import BatchPolicy, parse_batch_policy
+from batchbound.train.mechanisms import GRANULARITIES, Mechanism, parse_mechanism
+from batchbound.train.schedule import Strategy, parse_strategy
+
+CONVENTIONS = ("mean", "sum")
+SAMPLINGS = ("epoch", "replacement")
+ONLINE_MODES = ("off", "norms", "two_batch")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("float32", "float64")
+# metric -> direction: a target is reached when the metric is >= (acc) or <= (loss) threshold
+TARGET_METRICS = {"train_acc": ">=", "train_loss": "<=", "test_acc": ">=", "test_loss": "<="}
+# Fields that say where things are, not what the run is: left out of the hash.
+NOT_HASHED = ("data_dir",)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Reached the first time ``metric`` is >= threshold (accuracies) or <= (losses)."""
+
+    metric: str
+    threshold: float
+
+    def __post_init__(self) -> None:
+        if self.metric not in TARGET_METRICS:
+            raise BatchboundError(
+                f"unknown target metric {self.metric!r}; choose from {', '.join(TARGET_METRICS)}"
+            )
+        if not math.isfinite(self.threshold):
+            raise BatchboundError(f"target {self.metric} threshold must be finite")
+        if self.metric.endswith("_acc") and not 0 < self.threshold <= 1:
+            raise BatchboundError(
+                f"target {self.metric} is a fraction in (0, 1], got {self.threshold} "
+                "(write 0.95, not 95)"
+            )
+
+    @property
+    def name(self) -> str:
+        return f"{self.metric}{TARGET_METRICS[self.metric]}{self.threshold:g}"
+
+    def reached(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        if TARGET_METRICS[self.metric] == ">=":
+            return value >= self.threshold
+        return value <= self.threshold
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # what is trained on
+    dataset: str = "digits"
+    transform: str | None = None  # a transform spec for batchbound.data.apply_transform
+    data_dir: str | None = None  # where user files live; not part of the hash
+    model: str = "fc(depth=2,params=4000)"
+    loss: str | None = None  # None: cross_entropy for classification, mse for regression
+    # the optimiser
+    batch_size: int = 64  # the global batch B, split across workers
+    lr: float = 0.1  # η0, the base learning rate the strategy scales
+    strategy: str = "blr"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    convention: str = "mean"  # mean: w -= γ·(1/B)Σg_i ; sum (the seeds'): w -= γ·Σg_i
+    sampling: str = "epoch"  # epoch: permutations without replacement; replacement: i.i.d.
+    seed: int = 0
+    workers: int = 1
+    # stopping
+    targets: tuple[Target, ...] = ()
+    stop_at_targets: bool = True  # stop once every target is reached
+    max_epochs: float | None = 100.0
+    max_iterations: int | None = None
+    max_seconds: float | None = None
+    divergence_factor: float | None = 10.0  # batch loss > factor × initial loss: diverged
+    # evaluation
+    eval_every_epochs: float | None = 0.5
+    eval_every_iterations: int | None = None  # when set, replaces eval_every_epochs
+    eval_subset: int | None = None  # evaluate train metrics on this many fixed examples
+    eval_batch_size: int = 4096
+    # diversity
+    diversity_every_epochs: float | None = None  # exact Δ over the train set (seed 000: 10)
+    online_diversity: str = "off"  # off | norms | two_batch
+    mechanism: str | None = None  # dropconnect(p=..) | sgld(sigma=..) | quantize
+    mechanism_granularity: str = "worker"  # example (exact, costly) | worker
+    batch_policy: str = "fixed"  # fixed | adaptive(delta=..,min=..,max=..,every=..)
+    # bookkeeping
+    checkpoint_every: int | None = None  # iterations between periodic checkpoints
+    device: str = "auto"  # auto: cuda when available
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        targets = tuple(_target(t) for t in self.targets)
+        object.__setattr__(self, "targets", targets)
+        _positive_int("batch_size", self.batch_size)
+        _positive_int("workers", self.workers)
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise BatchboundError(f"lr must be a positive number, got {self.lr!r}")
+        if self.workers > self.batch_size:
+            raise BatchboundError(
+                f"more workers ({self.workers}) than examples in the global batch "
+                f"({self.batch_size}): every worker needs at least one example"
+            )
+        _choice("convention", self.convention, CONVENTIONS)
+        _choice("sampling", self.sampling, SAMPLINGS)
+        _choice("online_diversity", self.online_diversity, ONLINE_MODES)
+        _choice("mechanism_granularity", self.mechanism_granularity, GRANULARITIES)
+        _choice("device", self.device.split(":")[0], DEVICES)
+        _choice("dtype", self.dtype, DTYPES)
+        if not 0 <= self.momentum < 1:
+            raise BatchboundError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.weight_decay < 0:
+            raise BatchboundError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if len({t.name for t in targets}) != len(targets):
+            raise BatchboundError("the same target is given twice")
+        for name in ("max_epochs", "max_seconds", "eval_every_epochs", "diversity_every_epochs"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise BatchboundError(f"{name} must be > 0 (or unset), got {value}")
+        for name in ("max_iterations", "eval_every_iterations", "eval_subset", "checkpoint_every"):
+            value = getattr(self, name)
+            if value is not None:
+                _positive_int(name, value)
+        _positive_int("eval_batch_size", self.eval_batch_size)
+        if self.max_epochs is None and self.max_iterations is None and self.max_seconds is None:
+            raise BatchboundError(
+                "no limit: set max_epochs, max_iterations or max_seconds so the run ends "
+                "even when a target is never reached"
+            )
+        if self.eval_every_epochs is None and self.eval_every_iterations is None:
+            raise BatchboundError("set eval_every_epochs or eval_every_iterations")
+        if self.divergence_factor is not None and not self.divergence_factor > 1:
+            raise BatchboundError(
+                f"divergence_factor must be > 1 (or unset to disable), got {self.divergence_factor}"
+            )
+        # parse the spec strings now, so a typo fails before any work
+        self.parsed_strategy()
+        self.parsed_mechanism()
+        policy = self.parsed_batch_policy()
+        if policy.adaptive and policy.min < self.workers:
+            raise BatchboundError(
+                f"adaptive batch min={policy.min} is below the number of workers {self.workers}"
+            )
+
+    # ---- parsed views of the spec strings -------------------------------------------------
+    def parsed_strategy(self) -> Strategy:
+        return parse_strategy(self.strategy)
+
+    def parsed_mechanism(self) -> Mechanism | None:
+        return None if self.mechanism is None else parse_mechanism(self.mechanism)
+
+    def parsed_batch_policy(self) -> BatchPolicy:
+        return parse_batch_policy(self.batch_policy)
+
+    # ---- checks that need the data ---------------------------------------------------------
+    def validate_against(self, dataset: Any) -> None:
+        """Raise BatchboundError if this config cannot run on ``dataset`` (a Dataset)."""
+        n = dataset.n_train
+        if self.batch_size > n:
+            raise BatchboundError(
+                f"batch size {self.batch_size} is larger than the training set ({n} examples)"
+            )
+        if dataset.task != "classification":
+            bad = [t.name for t in self.targets if t.metric.endswith("_acc")]
+            if bad:
+                raise BatchboundError(
+                    f"target {', '.join(bad)} needs accuracy, which a {dataset.task} task does "
+                    "not have; use train_loss or test_loss targets"
+                )
+        if dataset.n_test == 0 and any(t.metric.startswith("test_") for t in self.targets):
+            raise BatchboundError(f"data set {dataset.name!r} has no test split for a test target")
+        if self.eval_subset is not None and self.eval_subset > n:
+            raise BatchboundError(f"eval_subset {self.eval_subset} exceeds the {n} train examples")
+        policy = self.parsed_batch_policy()
+        if policy.adaptive and policy.min > n:
+            raise BatchboundError(f"adaptive batch min={policy.min} exceeds n={n}")
+        if self.loss is not None:
+            from batchbound.diversity.losses import resolve_loss
+
+            resolve_loss(self.loss, dataset.task)
+
+    # ---- serialisation ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return to_plain(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise BatchboundError(
+                f"unknown train config field(s) {', '.join(unknown)}; fields: {', '.join(sorted(names))}"
+            )
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    def config_hash(self) -> str:
+        identity = {k: v for k, v in self.to_dict().items() if k not in NOT_HASHED}
+        return config_hash(identity)
+
+
+def _target(value: Any) -> Target:
+    if isinstance(value, Target):
+        return value
+    if isinstance(value, dict):
+        return Target(**value)
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        return Target(str(value[0]), float(value[1]))
+    raise BatchboundError(f"a target is {{metric, threshold}}, got {value!r}")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise BatchboundError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise BatchboundError(f"unknown {name} {value!r}; choose from {', '.join(choices)}")
+
+
+def target_list(**thresholds: float | list[float] | None) -> tuple[Target, ...]:
+    """``target_list(train_acc=[0.9, 0.95], test_acc=0.9)`` -> Targets, for the CLI and tests."""
+    out: list[Target] = []
+    for metric, values in thresholds.items():
+        if values is None:
+            continue
+        for value in values if isinstance(values, (list, tuple)) else [values]:
+            out.append(Target(metric, float(value)))
+    return tuple(out)
+
+
+__all__ = ["TARGET_METRICS", "Target", "TrainConfig", "target_list"]
