@@ -6,7 +6,9 @@
 (1438, (64,), 'classification')
 """
 
-from batchbound.data import embedded as _embedded  # noqa: F401  (registers the embedded sets)
+# Importing these modules registers their data sets.
+from batchbound.data import embedded as _embedded  # noqa: F401
+from batchbound.data import files as _files  # noqa: F401
 from batchbound.data.dataset import CLASSIFICATION, REGRESSION, Dataset
 from batchbound.data.registry import (
     DatasetEntry,

@@ -1,45 +1,94 @@
 """The registry of data sets, addressed by a spec string such as ``digits`` or
 ``synthetic-linear(n=2000,d=50)``.
 
-Each entry is a loader ``(data_dir, **options) -> Dataset`` and a note on where its data
-comes from. Register one with ``@register_dataset(...)``.
+Each entry is a loader ``(data_dir, **options) -> Dataset``, a note on where its data comes
+from, and static facts (sizes, shape, classes, task) so ``batchbound data list`` can describe
+a set without loading it. A file-backed entry also has ``missing(data_dir)``: ``None`` when its
+files are there, else the reason they are not. Register one with ``@register_dataset(...)``.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from batchbound.data.dataset import Dataset
 from batchbound.errors import BatchboundError
 from batchbound.spec import parse_spec
 
 Loader = Callable[..., Dataset]
+MissingCheck = Callable[[Path], "str | None"]
 
 DEFAULT_DATA_DIR = Path("~/.cache/batchbound/data").expanduser()
 
 
 @dataclass(frozen=True)
 class DatasetEntry:
+    """A registered data set. Facts describe the default options and may be ``None``
+    where they depend on the user's file (``libsvm``, ``npz``)."""
+
     name: str
     loader: Loader
     source: str
     embedded: bool
     description: str
+    task: str | None = None
+    n_train: int | None = None
+    n_test: int | None = None
+    input_shape: tuple[int, ...] | None = None
+    classes: int | None = None
+    check: MissingCheck | None = None
+
+    def missing(self, data_dir: str | Path | None = None) -> str | None:
+        """Why this set cannot be loaded from ``data_dir`` now, or ``None`` if it can."""
+        if self.check is None:
+            return None
+        return self.check(resolve_data_dir(data_dir))
+
+    def describe(self, data_dir: str | Path | None = None) -> dict[str, Any]:
+        reason = self.missing(data_dir)
+        return {
+            "name": self.name,
+            "n_train": self.n_train,
+            "n_test": self.n_test,
+            "input_shape": None if self.input_shape is None else list(self.input_shape),
+            "classes": self.classes,
+            "task": self.task,
+            "source": self.source,
+            "embedded": self.embedded,
+            "available": reason is None,
+            "reason": reason,
+            "description": self.description,
+        }
 
 
 _REGISTRY: dict[str, DatasetEntry] = {}
 
 
 def register_dataset(
-    name: str, *, source: str, embedded: bool, description: str = ""
+    name: str,
+    *,
+    source: str,
+    embedded: bool,
+    description: str = "",
+    task: str | None = None,
+    n_train: int | None = None,
+    n_test: int | None = None,
+    input_shape: tuple[int, ...] | None = None,
+    classes: int | None = None,
+    check: MissingCheck | None = None,
 ) -> Callable[[Loader], Loader]:
     def decorate(loader: Loader) -> Loader:
         if name in _REGISTRY:
             raise ValueError(f"data set {name!r} registered twice")
-        _REGISTRY[name] = DatasetEntry(name, loader, source, embedded, description)
+        _REGISTRY[name] = DatasetEntry(
+            name, loader, source, embedded, description,
+            task, n_train, n_test, input_shape, classes, check,
+        )  # fmt: skip
         return loader
 
     return decorate
@@ -69,9 +118,18 @@ def load_dataset(spec: str, data_dir: str | Path | None = None) -> Dataset:
     """Load a data set by spec string, e.g. ``load_dataset("synthetic-linear(n=500,d=20)")``."""
     parsed = parse_spec(spec)
     entry = get_entry(parsed.name)
-    try:
-        return entry.loader(resolve_data_dir(data_dir), **parsed.kwargs)
-    except TypeError as exc:
-        if "unexpected keyword argument" in str(exc):
-            raise BatchboundError(f"data set {parsed.name!r}: {exc}") from None
-        raise
+    accepted = options_of(entry)
+    unknown = sorted(set(parsed.kwargs) - set(accepted))
+    if unknown:
+        raise BatchboundError(
+            f"data set {parsed.name!r} has no option {', '.join(map(repr, unknown))}; "
+            f"options: {', '.join(accepted) or '(none)'}"
+        )
+    return entry.loader(resolve_data_dir(data_dir), **parsed.kwargs)
+
+
+def options_of(entry: DatasetEntry) -> list[str]:
+    """The option names a data set's spec accepts, in the loader's order."""
+    params = list(inspect.signature(entry.loader).parameters.values())[1:]  # skip data_dir
+    return [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY
+            or p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]

@@ -1,0 +1,375 @@
+"""Data sets read from files a user already has, in their published formats.
+
+Where the files are looked for, in order: ``DIR/<name>/`` then ``DIR/`` itself, where DIR is
+``--data-dir``, else ``$BATCHBOUND_DATA``, else ``~/.cache/batchbound/data``. Fashion-MNIST
+also falls back to ``/usr/share/datasets/fashion-mnist/`` (Debian's dataset-fashion-mnist).
+
+Normalisation: images are scaled to [0, 1] and standardised with the training split's own
+statistics (one mean/std for grey images, one per channel for CIFAR), which reproduces the
+usual constants (MNIST 0.1307/0.3081, CIFAR-10 (0.4914, 0.4822, 0.4465)/(0.2470, 0.2435,
+0.2616)). LIBSVM and npz inputs are used as stored. The statistics go in ``Dataset.meta``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from batchbound.data.dataset import CLASSIFICATION, REGRESSION, Dataset
+from batchbound.data.formats import read_cifar_batch, read_idx, read_svmlight
+from batchbound.data.registry import MissingCheck, register_dataset
+from batchbound.data.splits import split_indices
+from batchbound.errors import BatchboundError
+
+DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+
+
+def candidate_dirs(data_dir: Path, name: str, extra: Sequence[Path] = ()) -> list[Path]:
+    return [data_dir / name, data_dir, *extra]
+
+
+def find_files(dirs: Sequence[Path], names: Sequence[str], compressed: Sequence[str]) -> (
+    list[Path] | None
+):
+    """The first directory holding every name (each raw or with one of the ``compressed``
+    suffixes); ``None`` when no directory has them all."""
+    for directory in dirs:
+        found = []
+        for name in names:
+            options = [directory / name] + [directory / f"{name}{s}" for s in compressed]
+            hit = next((p for p in options if p.is_file()), None)
+            if hit is None:
+                break
+            found.append(hit)
+        else:
+            return found
+    return None
+
+
+def missing_message(label: str, dirs: Sequence[Path], names: Sequence[str], note: str) -> str:
+    looked = ", ".join(str(d) for d in dirs)
+    return (
+        f"{label}: files not found; looked in {looked}. The directory should contain "
+        f"{', '.join(names)}{note}. Point --data-dir or $BATCHBOUND_DATA at it (or at its parent, "
+        f"with the files in a subdirectory named after the data set)."
+    )
+
+
+def standardise(x: np.ndarray, train: np.ndarray, axes: tuple[int, ...]) -> tuple[
+    torch.Tensor, list[float], list[float]
+]:
+    """(x − mean)/std with statistics of ``train`` over ``axes`` (images already in [0, 1])."""
+    mean = train.mean(axis=axes, keepdims=True, dtype=np.float64)
+    std = train.std(axis=axes, keepdims=True, dtype=np.float64)
+    out = torch.from_numpy(((x - mean) / std).astype(np.float32))
+    return out, mean.ravel().tolist(), std.ravel().tolist()
+
+
+# --------------------------------------------------------------------------- IDX family
+
+IDX_FILES = (
+    "train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte",
+)  # fmt: skip
+
+EMNIST_SPLITS = {  # split: (classes, n_train, n_test)
+    "balanced": (47, 112_800, 18_800),
+    "byclass": (62, 697_932, 116_323),
+    "bymerge": (47, 697_932, 116_323),
+    "digits": (10, 240_000, 40_000),
+    "letters": (26, 124_800, 20_800),
+    "mnist": (10, 60_000, 10_000),
+}
+
+
+def emnist_files(split: str) -> tuple[str, ...]:
+    return tuple(
+        f"emnist-{split}-{part}-{kind}-idx{3 if kind == 'images' else 1}-ubyte"
+        for part in ("train", "test") for kind in ("images", "labels")
+    )  # fmt: skip
+
+
+def _idx_dataset(
+    name: str, dirs: list[Path], files: Sequence[str], classes: int, source: str,
+    note: str = "", transpose: bool = False, label_offset: int = 0,
+) -> Dataset:  # fmt: skip
+    found = find_files(dirs, files, (".gz",))
+    if found is None:
+        raise BatchboundError(missing_message(name, dirs, files, note))
+    x_tr, y_tr, x_te, y_te = (read_idx(p) for p in found)
+    for images, labels, path in ((x_tr, y_tr, found[0]), (x_te, y_te, found[2])):
+        if images.ndim != 3 or len(images) != len(labels):
+            raise BatchboundError(
+                f"{path}: expected (n, H, W) images matching {len(labels)} labels, "
+                f"got shape {images.shape}"
+            )
+    if transpose:  # EMNIST stores each image transposed relative to MNIST
+        x_tr, x_te = x_tr.transpose(0, 2, 1), x_te.transpose(0, 2, 1)
+    train = x_tr[:, None].astype(np.float32) / 255.0
+    test = x_te[:, None].astype(np.float32) / 255.0
+    x_train, mean, std = standardise(train, train, (0, 1, 2, 3))
+    x_test, _, _ = standardise(test, train, (0, 1, 2, 3))
+    return Dataset(
+        name=name,
+        task=CLASSIFICATION,
+        x_train=x_train,
+        y_train=torch.from_numpy(y_tr.astype(np.int64) - label_offset),
+        x_test=x_test,
+        y_test=torch.from_numpy(y_te.astype(np.int64) - label_offset),
+        num_classes=classes,
+        source=f"{source} in {found[0].parent}",
+        meta={"files": [str(p) for p in found], "mean": mean, "std": std},
+    )
+
+
+def _register_idx(
+    name: str, source: str, classes: int, n_train: int, n_test: int, files: Sequence[str],
+    extra: Sequence[Path] = (), note: str = "", transpose: bool = False, label_offset: int = 0,
+) -> None:  # fmt: skip
+    def check(data_dir: Path) -> str | None:
+        dirs = candidate_dirs(data_dir, name, extra)
+        if find_files(dirs, files, (".gz",)) is None:
+            return missing_message(name, dirs, files, note)
+        return None
+
+    def load(data_dir: Path) -> Dataset:
+        dirs = candidate_dirs(data_dir, name, extra)
+        return _idx_dataset(name, dirs, files, classes, source, note, transpose, label_offset)
+
+    register_dataset(
+        name, source=source, embedded=False, task=CLASSIFICATION, n_train=n_train,
+        n_test=n_test, input_shape=(1, 28, 28), classes=classes, check=check,
+        description=f"28x28 grey images, {classes} classes; IDX files " + ", ".join(files),
+    )(load)  # fmt: skip
+
+
+_GZ_NOTE = " (each raw or .gz)"
+_register_idx(
+    "fashion-mnist", "Fashion-MNIST (Xiao et al. 2017), IDX files", 10, 60_000, 10_000,
+    IDX_FILES, extra=(DEBIAN_FASHION_MNIST,),
+    note=_GZ_NOTE + "; on Debian/Ubuntu: sudo apt-get install dataset-fashion-mnist",
+)  # fmt: skip
+_register_idx("mnist", "MNIST (LeCun et al.), IDX files", 10, 60_000, 10_000, IDX_FILES,
+              note=_GZ_NOTE)
+_register_idx("kmnist", "Kuzushiji-MNIST (Clanuwat et al. 2018), IDX files", 10, 60_000,
+              10_000, IDX_FILES, note=_GZ_NOTE)
+for _split, (_classes, _n_train, _n_test) in EMNIST_SPLITS.items():
+    _register_idx(
+        f"emnist-{_split}", f"EMNIST {_split} (Cohen et al. 2017), IDX files from gzip.zip",
+        _classes, _n_train, _n_test, emnist_files(_split), note=_GZ_NOTE, transpose=True,
+        label_offset=1 if _split == "letters" else 0,  # letters are labelled 1..26
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- CIFAR
+
+CIFAR = {  # name: (folder, train files, test files, label key, classes)
+    "cifar10": ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)],
+                ["test_batch"], b"labels", 10),
+    "cifar100": ("cifar-100-python", ["train"], ["test"], b"fine_labels", 100),
+}  # fmt: skip
+
+
+def _cifar_dirs(data_dir: Path, name: str) -> list[Path]:
+    folder = CIFAR[name][0]
+    return [data_dir / folder, data_dir / name / folder, data_dir / name, data_dir]
+
+
+def _cifar_check(name: str) -> MissingCheck:
+    def check(data_dir: Path) -> str | None:
+        folder, train, test, _, _ = CIFAR[name]
+        dirs = _cifar_dirs(data_dir, name)
+        if find_files(dirs, train + test, ()) is None:
+            return missing_message(name, dirs, train + test, f" (the {folder} folder of the "
+                                   "python version)")
+        return None
+
+    return check
+
+
+def _load_cifar(data_dir: Path, name: str, label_key: bytes) -> Dataset:
+    _, train_names, test_names, _, classes = CIFAR[name]
+    dirs = _cifar_dirs(data_dir, name)
+    found = find_files(dirs, train_names + test_names, ())
+    if found is None:
+        raise BatchboundError(_cifar_check(name)(data_dir) or "")
+    parts = [read_cifar_batch(p, label_key) for p in found]
+    n_tr = len(train_names)
+    x_tr = np.concatenate([p[0] for p in parts[:n_tr]]).astype(np.float32) / 255.0
+    x_te = np.concatenate([p[0] for p in parts[n_tr:]]).astype(np.float32) / 255.0
+    x_train, mean, std = standardise(x_tr, x_tr, (0, 2, 3))
+    x_test, _, _ = standardise(x_te, x_tr, (0, 2, 3))
+    labels = [torch.from_numpy(np.concatenate([p[1] for p in group]))
+              for group in (parts[:n_tr], parts[n_tr:])]
+    return Dataset(
+        name=name,
+        task=CLASSIFICATION,
+        x_train=x_train,
+        y_train=labels[0],
+        x_test=x_test,
+        y_test=labels[1],
+        num_classes=classes if label_key != b"coarse_labels" else 20,
+        source=f"{name} python batches in {found[0].parent}",
+        meta={"files": [str(p) for p in found], "mean": mean, "std": std,
+              "labels": label_key.decode()},
+    )
+
+
+@register_dataset(
+    "cifar10", source="CIFAR-10 (Krizhevsky 2009), python batches", embedded=False,
+    description="32x32 colour images, 10 classes; cifar-10-batches-py/data_batch_1..5, test_batch",
+    task=CLASSIFICATION, n_train=50_000, n_test=10_000, input_shape=(3, 32, 32), classes=10,
+    check=_cifar_check("cifar10"),
+)  # fmt: skip
+def load_cifar10(data_dir: Path) -> Dataset:
+    return _load_cifar(data_dir, "cifar10", b"labels")
+
+
+@register_dataset(
+    "cifar100", source="CIFAR-100 (Krizhevsky 2009), python batches", embedded=False,
+    description="32x32 colour images, 100 fine classes (labels=coarse for 20); "
+    "cifar-100-python/train, test",
+    task=CLASSIFICATION, n_train=50_000, n_test=10_000, input_shape=(3, 32, 32), classes=100,
+    check=_cifar_check("cifar100"),
+)  # fmt: skip
+def load_cifar100(data_dir: Path, labels: str = "fine") -> Dataset:
+    if labels not in ("fine", "coarse"):
+        raise BatchboundError(f"cifar100: labels must be fine or coarse, got {labels!r}")
+    return _load_cifar(data_dir, "cifar100", f"{labels}_labels".encode())
+
+
+# --------------------------------------------------------------------------- LIBSVM, npz
+
+
+def resolve_user_file(data_dir: Path, path: object, label: str, option: str) -> Path:
+    """``path`` as given (absolute or relative to the working directory), else under DIR."""
+    if not isinstance(path, str) or not path:
+        raise BatchboundError(f"{label}: needs {option}=FILE, e.g. {label}({option}=train.txt)")
+    given = Path(path).expanduser()
+    for candidate in (given, data_dir / given):
+        if candidate.is_file():
+            return candidate
+    raise BatchboundError(f"{label}: file {path!r} not found (looked at {given} and "
+                          f"{data_dir / given})")
+
+
+def _labels(y_train: np.ndarray, y_test: np.ndarray, task: str, label: str) -> tuple[
+    str, torch.Tensor, torch.Tensor, int | None, list | None
+]:
+    """Classification when every label is integral (mapped to 0..K-1 in sorted order),
+    else regression with targets of shape (n, outputs)."""
+    both = np.concatenate([y_train.reshape(len(y_train), -1), y_test.reshape(len(y_test), -1)])
+    integral = both.shape[1] == 1 and np.all(np.equal(np.mod(both, 1), 0))
+    if task == "auto":
+        task = CLASSIFICATION if integral else REGRESSION
+    if task == CLASSIFICATION:
+        if not integral:
+            raise BatchboundError(f"{label}: task=classification needs integer labels")
+        values = np.unique(both)
+        tr, te = (torch.from_numpy(np.searchsorted(values, y.reshape(-1)).astype(np.int64))
+                  for y in (y_train, y_test))
+        return task, tr, te, len(values), values.tolist()
+    if task == REGRESSION:
+        tr, te = (torch.from_numpy(y.reshape(len(y), -1).astype(np.float32))
+                  for y in (y_train, y_test))
+        return task, tr, te, None, None
+    raise BatchboundError(f"{label}: task must be auto, classification or regression, "
+                          f"got {task!r}")
+
+
+def _from_arrays(
+    name: str, x: np.ndarray, y: np.ndarray, x_test: np.ndarray | None, y_test: np.ndarray | None,
+    task: str, test_fraction: float, split_seed: int, source: str, meta: dict,
+) -> Dataset:  # fmt: skip
+    if x_test is None or y_test is None:
+        train_idx, test_idx = split_indices(len(y), test_fraction, split_seed)
+        x, y, x_test, y_test = x[train_idx], y[train_idx], x[test_idx], y[test_idx]
+        meta = {**meta, "split": f"test_fraction={test_fraction},split_seed={split_seed}"}
+    task, y_tr, y_te, classes, values = _labels(y, y_test, task, name)
+    if values is not None:
+        meta = {**meta, "label_values": values}
+    return Dataset(
+        name=name, task=task,
+        x_train=torch.from_numpy(np.asarray(x, dtype=np.float32)), y_train=y_tr,
+        x_test=torch.from_numpy(np.asarray(x_test, dtype=np.float32)), y_test=y_te,
+        num_classes=classes, source=source, meta=meta,
+    )  # fmt: skip
+
+
+@register_dataset(
+    "libsvm", source="your LIBSVM/SVMlight text file(s)", embedded=False,
+    description="libsvm(path=FILE[,test=FILE][,task=auto|classification|regression]); "
+    "no test file: deterministic 80/20 split; features used as stored",
+)  # fmt: skip
+def load_libsvm(
+    data_dir: Path, path: str | None = None, test: str | None = None, task: str = "auto",
+    test_fraction: float = 0.2, split_seed: int = 0,
+) -> Dataset:  # fmt: skip
+    train_path = resolve_user_file(data_dir, path, "libsvm", "path")
+    x, y = read_svmlight(train_path)
+    x_te = y_te = None
+    if test is not None:
+        test_path = resolve_user_file(data_dir, test, "libsvm", "test")
+        x_te, y_te = read_svmlight(test_path, n_features=x.shape[1])
+    return _from_arrays("libsvm", x, y, x_te, y_te, task, test_fraction, split_seed,
+                        f"LIBSVM file {train_path}", {"path": str(train_path)})
+
+
+GISETTE_FILES = ("gisette_scale", "gisette_scale.t")
+
+
+def _gisette_check(data_dir: Path) -> str | None:
+    dirs = candidate_dirs(data_dir, "gisette")
+    if find_files(dirs, GISETTE_FILES, (".bz2", ".gz")) is None:
+        return missing_message("gisette", dirs, GISETTE_FILES,
+                               " (LIBSVM text from the LIBSVM data page; raw, .bz2 or .gz)")
+    return None
+
+
+@register_dataset(
+    "gisette", source="Gisette (NIPS 2003 feature selection), LIBSVM scaled version",
+    embedded=False, description="5000 features scaled to [-1, 1], labels ±1 mapped to 0/1; "
+    "files gisette_scale, gisette_scale.t",
+    task=CLASSIFICATION, n_train=6000, n_test=1000, input_shape=(5000,), classes=2,
+    check=_gisette_check,
+)  # fmt: skip
+def load_gisette(data_dir: Path) -> Dataset:
+    dirs = candidate_dirs(data_dir, "gisette")
+    found = find_files(dirs, GISETTE_FILES, (".bz2", ".gz"))
+    if found is None:
+        raise BatchboundError(_gisette_check(data_dir) or "")
+    x, y = read_svmlight(found[0], n_features=5000)
+    x_te, y_te = read_svmlight(found[1], n_features=5000)
+    return _from_arrays("gisette", x, y, x_te, y_te, CLASSIFICATION, 0.0, 0,
+                        f"Gisette LIBSVM files in {found[0].parent}",
+                        {"files": [str(p) for p in found]})
+
+
+@register_dataset(
+    "npz", source="your .npz file", embedded=False,
+    description="npz(path=FILE[,task=...]) with arrays x, y and optionally x_test, y_test "
+    "(else a deterministic 80/20 split); x used as stored",
+)  # fmt: skip
+def load_npz(
+    data_dir: Path, path: str | None = None, task: str = "auto", test_fraction: float = 0.2,
+    split_seed: int = 0,
+) -> Dataset:  # fmt: skip
+    file = resolve_user_file(data_dir, path, "npz", "path")
+    with np.load(file, allow_pickle=False) as archive:
+        arrays = {key: archive[key] for key in archive.files}
+    for key in ("x", "y"):
+        if key not in arrays:
+            raise BatchboundError(f"npz: {file} has no array {key!r} (has {sorted(arrays)}); "
+                                  "expected x, y and optionally x_test, y_test")
+    if ("x_test" in arrays) != ("y_test" in arrays):
+        raise BatchboundError(f"npz: {file} must have both x_test and y_test, or neither")
+    for xs, ys in (("x", "y"), ("x_test", "y_test")):
+        if xs in arrays and len(arrays[xs]) != len(arrays[ys]):
+            raise BatchboundError(f"npz: {xs} has {len(arrays[xs])} rows but {ys} has "
+                                  f"{len(arrays[ys])}")
+    return _from_arrays("npz", arrays["x"], arrays["y"], arrays.get("x_test"),
+                        arrays.get("y_test"), task, test_fraction, split_seed,
+                        f"npz file {file}", {"path": str(file)})
