@@ -2,10 +2,15 @@
 
 >>> from batchbound.models import build_model
 >>> model = build_model("fc(depth=3,params=16000)", input_shape=(64,), num_outputs=10, seed=0)
+
+Families: fc, linear, lenet, resnet, vgg, mobilenetv2, alexnet, cnn1d. Each module below
+registers its family when imported; they are all imported here, in one place.
 """
 
-from batchbound.models import fc as _fc  # noqa: F401  (registers the fc family)
-from batchbound.models.fc import solve_width, weight_count
+from batchbound.models import alexnet, cnn1d, fc, lenet, mobilenet, resnet, vgg  # registers
+from batchbound.models.describe import LayerRow, ModelDescription, describe_model, model_shape
+from batchbound.models.fc import budget_count, solve_width, weight_count
+from batchbound.models.layers import ModelShape
 from batchbound.models.registry import (
     build_model,
     count_parameters,
@@ -13,13 +18,31 @@ from batchbound.models.registry import (
     get_family,
     register_family,
 )
+from batchbound.models.sweep import ShapeRow, block_sweep, family_sweep, parse_depths
 
 __all__ = [
+    "LayerRow",
+    "ModelDescription",
+    "ModelShape",
+    "ShapeRow",
+    "alexnet",
+    "block_sweep",
+    "budget_count",
     "build_model",
+    "cnn1d",
     "count_parameters",
+    "describe_model",
     "family_names",
+    "family_sweep",
+    "fc",
     "get_family",
+    "lenet",
+    "mobilenet",
+    "model_shape",
+    "parse_depths",
     "register_family",
+    "resnet",
     "solve_width",
+    "vgg",
     "weight_count",
 ]

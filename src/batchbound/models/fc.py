@@ -1,10 +1,14 @@
-"""Fully connected families at a fixed parameter budget (seed 000).
+"""Fully connected families at a fixed parameter budget (seed 000): ``fc`` and ``linear``.
 
 Depth L counts *hidden* layers, as in seed 000's experiments (L = 1..10): a depth-L net has
 L hidden layers of width K and L + 1 weight matrices, so its weight count is
 d_in·K + (L−1)·K² + K·d_out. Depth 0 is the linear model x ↦ Wx (d_in·d_out weights).
 Given a budget p, the solver picks the positive integer K whose count is closest to p.
-(Seed 000's *theory* writes L for the number of weight matrices, i.e. our depth + 1.)
+By default the budget counts weights only, as seed 000 does; ``count_biases=true`` makes the
+solver count the L·K + d_out biases too. (Seed 000's *theory* writes L for the number of weight
+matrices, i.e. our depth + 1.)
+
+``linear`` is seed 000's deep linear network: no activations and no biases.
 """
 
 from __future__ import annotations
@@ -15,20 +19,10 @@ from collections.abc import Sequence
 from torch import nn
 
 from batchbound.errors import BatchboundError
+from batchbound.models.layers import ModelShape, activation, tag
+from batchbound.models.options import flag, one_of_width_params, positive_int
 from batchbound.models.registry import register_family
-
-ACTIVATIONS = {
-    "relu": nn.ReLU,
-    "tanh": nn.Tanh,
-    "softsign": nn.Softsign,
-    "arctan": None,  # built below: torch has no nn.Arctan module
-    "linear": nn.Identity,
-}
-
-
-class Arctan(nn.Module):
-    def forward(self, x):  # type: ignore[no-untyped-def]
-        return x.atan()
+from batchbound.spec import Spec
 
 
 def weight_count(d_in: int, width: int, depth: int, d_out: int) -> int:
@@ -38,16 +32,75 @@ def weight_count(d_in: int, width: int, depth: int, d_out: int) -> int:
     return d_in * width + (depth - 1) * width**2 + width * d_out
 
 
-def solve_width(params: int, d_in: int, depth: int, d_out: int) -> int:
-    """The integer K ≥ 1 whose weight count is closest to ``params`` (seed 000's solver)."""
+def bias_count(width: int, depth: int, d_out: int) -> int:
+    """Biases of the same net: one per hidden unit and per output, L·K + d_out."""
+    return depth * width + d_out
+
+
+def budget_count(d_in: int, width: int, depth: int, d_out: int, count_biases: bool = False) -> int:
+    """What the solver compares with the budget: weights, plus biases when asked."""
+    extra = bias_count(width, depth, d_out) if count_biases else 0
+    return weight_count(d_in, width, depth, d_out) + extra
+
+
+def solve_width(
+    params: int, d_in: int, depth: int, d_out: int, count_biases: bool = False
+) -> int:
+    """The integer K >= 1 whose budget count is closest to ``params`` (seed 000's solver).
+
+    The count a·K² + b·K + c is increasing in K, so the real root of a·K² + b·K + c = p lies
+    between the two best integers; ties go to the smaller K.
+    """
     if depth < 1:
         raise BatchboundError("solving a width needs depth >= 1: depth 0 has no hidden layer")
-    a, b = depth - 1, d_in + d_out
-    root = params / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * params)) / (2 * a)
+    a = depth - 1
+    b = d_in + d_out + (depth if count_biases else 0)
+    c = d_out if count_biases else 0
+    target = params - c
+    root = target / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * target)) / (2 * a)
     candidates = {max(1, math.floor(root)), max(1, math.ceil(root))}
-    return min(candidates, key=lambda k: (abs(weight_count(d_in, k, depth, d_out) - params), k))
+    return min(
+        candidates,
+        key=lambda k: (abs(budget_count(d_in, k, depth, d_out, count_biases) - params), k),
+    )
 
 
+def _resolve_width(
+    family: str,
+    d_in: int,
+    d_out: int,
+    depth: object,
+    width: object,
+    params: object,
+    count_biases: bool,
+) -> tuple[int, int]:
+    depth = positive_int(family, "depth (hidden layers)", depth, minimum=0)
+    one_of_width_params(family, width, params)
+    if depth == 0:
+        if width is not None:
+            raise BatchboundError(f"{family}: depth=0 has no hidden layer, so no width")
+        if params is not None:
+            positive_int(family, "params", params)
+        return 0, 0
+    if params is not None:
+        return depth, solve_width(positive_int(family, "params", params), d_in, depth, d_out,
+                                  count_biases)
+    if width is None:
+        raise BatchboundError(f"{family}: give width=K or params=P (depth={depth} needs a width)")
+    return depth, positive_int(family, "width", width)
+
+
+def _stack(d_in: int, width: int, depth: int, d_out: int, act: str, bias: bool) -> list[nn.Module]:
+    dims = [d_in, *[width] * depth, d_out]
+    layers: list[nn.Module] = [nn.Flatten()]
+    for i in range(depth + 1):
+        layers.append(nn.Linear(dims[i], dims[i + 1], bias=bias))
+        if i < depth and act != "linear":
+            layers.append(activation("fc", act))
+    return layers
+
+
+@register_family("fc")
 def fully_connected(
     input_shape: Sequence[int],
     num_outputs: int,
@@ -56,28 +109,34 @@ def fully_connected(
     params: int | None = None,
     act: str = "relu",
     bias: bool = True,
-) -> nn.Sequential:
-    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
-        raise BatchboundError(f"fc: depth (hidden layers) must be an integer >= 0, got {depth!r}")
-    if act not in ACTIVATIONS:
-        raise BatchboundError(f"fc: unknown act {act!r}; choose from {', '.join(ACTIVATIONS)}")
+    count_biases: bool = False,
+) -> nn.Module:
+    """``depth`` hidden layers of ``width`` units (or the width that meets ``params``)."""
+    bias = flag("fc", "bias", bias)
+    count_biases = flag("fc", "count_biases", count_biases)
+    activation("fc", act)  # validate before solving
     d_in = math.prod(input_shape)
-    if depth > 0:
-        if (width is None) == (params is None):
-            raise BatchboundError("fc: give exactly one of width=K or params=P")
-        if params is not None:
-            if params < 1:
-                raise BatchboundError(f"fc: params must be >= 1, got {params}")
-            width = solve_width(int(params), d_in, depth, num_outputs)
-        if width is None or width < 1:
-            raise BatchboundError(f"fc: width must be >= 1, got {width!r}")
-    dims = [d_in, *[int(width or 0)] * depth, num_outputs]
-    layers: list[nn.Module] = [nn.Flatten()]
-    for i in range(depth + 1):
-        layers.append(nn.Linear(dims[i], dims[i + 1], bias=bias))
-        if i < depth:
-            layers.append(Arctan() if act == "arctan" else ACTIVATIONS[act]())  # type: ignore[misc]
-    return nn.Sequential(*layers)
+    depth, width = _resolve_width(
+        "fc", d_in, num_outputs, depth, width, params, count_biases and bias
+    )
+    resolved = Spec("fc", {"depth": depth, "width": width, "act": act, "bias": bias})
+    if depth == 0:
+        resolved = Spec("fc", {"depth": 0, "act": act, "bias": bias})
+    model = nn.Sequential(*_stack(d_in, width, depth, num_outputs, act, bias))
+    return tag(model, ModelShape("fc", depth, width, str(resolved)))
 
 
-register_family("fc")(fully_connected)
+@register_family("linear")
+def deep_linear(
+    input_shape: Sequence[int],
+    num_outputs: int,
+    depth: int = 2,
+    width: int | None = None,
+    params: int | None = None,
+) -> nn.Module:
+    """Seed 000's deep linear network: ``depth`` hidden linear layers, no biases."""
+    d_in = math.prod(input_shape)
+    depth, width = _resolve_width("linear", d_in, num_outputs, depth, width, params, False)
+    resolved = Spec("linear", {"depth": depth, "width": width} if depth else {"depth": 0})
+    model = nn.Sequential(*_stack(d_in, width, depth, num_outputs, "linear", bias=False))
+    return tag(model, ModelShape("linear", depth, width, str(resolved)))

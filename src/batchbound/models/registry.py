@@ -67,7 +67,7 @@ def build_model(
 
 
 def count_parameters(model: nn.Module, include_biases: bool = True) -> int:
-    """Trainable parameters; with ``include_biases=False`` parameters named ``*bias`` are left out."""
+    """Trainable parameters; ``include_biases=False`` leaves out parameters named ``*bias``."""
     return sum(
         p.numel()
         for name, p in model.named_parameters()

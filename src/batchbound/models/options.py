@@ -1,0 +1,91 @@
+"""Checks for the values a model spec carries, so every family rejects bad input the same way.
+
+Spec values arrive from ``batchbound.spec.parse_spec`` as ints, floats, booleans, words and
+lists; these helpers turn them into the types a builder needs or raise BatchboundError with
+the family and option named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchbound.errors import BatchboundError
+
+
+def positive_int(family: str, key: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise BatchboundError(f"{family}: {key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def positive_float(family: str, key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise BatchboundError(f"{family}: {key} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def flag(family: str, key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise BatchboundError(f"{family}: {key} must be true or false, got {value!r}")
+    return value
+
+
+def choice(family: str, key: str, value: Any, choices: Sequence[str]) -> str:
+    if value not in choices:
+        raise BatchboundError(
+            f"{family}: unknown {key} {value!r}; choose from {', '.join(choices)}"
+        )
+    return str(value)
+
+
+def int_list(family: str, key: str, value: Any, minimum: int = 1) -> list[int]:
+    """A list of integers >= minimum (a bare integer is a list of one)."""
+    items = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(items, (list, tuple)):
+        raise BatchboundError(f"{family}: {key} must be a list such as [2,2,2,2], got {value!r}")
+    return [positive_int(family, f"each entry of {key}", item, minimum) for item in items]
+
+
+def one_of_width_params(family: str, width: Any, params: Any) -> None:
+    """Width and a parameter budget are two ways to say the same thing: exactly one may be given."""
+    if width is not None and params is not None:
+        raise BatchboundError(
+            f"{family}: give width or params, not both (params=P solves the width)"
+        )
+
+
+def closest_integer(
+    count: Callable[[int], int], budget: int, lo: int = 1, hi: int = 1 << 24
+) -> int:
+    """The integer x in [lo, hi] whose ``count(x)`` is closest to ``budget`` (ties: smaller x).
+
+    ``count`` must be non-decreasing in x (true of a parameter count as a width grows), so an
+    exponential then binary search finds the first x with count(x) >= budget; the answer is it
+    or its predecessor.
+    """
+    if count(lo) >= budget:
+        return lo
+    upper = lo + 1
+    while count(upper) < budget:
+        if upper >= hi:
+            return hi
+        upper = min(hi, 2 * upper)
+    lower = upper // 2 if upper // 2 >= lo else lo  # count(lower) < budget
+    while upper - lower > 1:
+        mid = (lower + upper) // 2
+        if count(mid) >= budget:
+            upper = mid
+        else:
+            lower = mid
+    return min((lower, upper), key=lambda x: (abs(count(x) - budget), x))
+
+
+def meta_parameter_count(build: Callable[[], nn.Module]) -> int:
+    """Parameters of the module ``build()`` makes, built on the meta device (no memory, no RNG)."""
+    with torch.device("meta"):
+        module = build()
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)

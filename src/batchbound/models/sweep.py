@@ -1,0 +1,184 @@
+"""Shape tables at a fixed parameter budget: the width/depth grids seed 000's sweeps train.
+
+``family_sweep`` returns one ``ShapeRow`` per depth, each with a concrete spec (no budget
+left to solve), the count the budget is compared with, and the relative error:
+
+- ``fc`` / ``linear``: depth = hidden layers L, width K from seed 000's solver
+  d_in·K + (L−1)·K² + K·d_out = p (biases too with ``count_biases``).
+- ``lenet`` / ``resnet``: the convolutional trunk stays as ``options`` fix it and the fully
+  connected head varies (seed 000's Fig. 3e/3f): depth = hidden head layers L, width = their
+  common width K, the integer whose *total* parameter count is closest to p.
+- ``cnn1d``: depth = convolutions, width = channels solved for the total count.
+
+``block_sweep`` is the other ResNet sweep (seed 000's Fig. 3g/3h): the head stays fixed, the
+blocks per chunk change, and the filter count is solved for the budget.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from batchbound.errors import BatchboundError
+from batchbound.models.fc import budget_count, solve_width
+from batchbound.models.options import (
+    closest_integer,
+    int_list,
+    meta_parameter_count,
+    positive_int,
+)
+from batchbound.models.registry import build_model, count_parameters, get_family
+from batchbound.spec import Spec
+
+SWEEP_FAMILIES = ("fc", "linear", "lenet", "resnet", "cnn1d")
+
+
+@dataclass(frozen=True)
+class ShapeRow:
+    """One network of a sweep. ``params`` is the count the budget is compared with (weights
+    only for fc/linear unless biases are counted; everything otherwise); ``total_params``
+    counts every trainable parameter of the built model."""
+
+    depth: int
+    width: int | float | None
+    params: int
+    total_params: int
+    budget: int
+    spec: str
+
+    @property
+    def relative_error(self) -> float:
+        return (self.params - self.budget) / self.budget
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "relative_error": self.relative_error}
+
+
+def _total(spec: Spec, input_shape: Sequence[int], num_outputs: int) -> int:
+    return meta_parameter_count(lambda: build_model(spec, input_shape, num_outputs))
+
+
+def family_sweep(
+    family: str,
+    params: int,
+    depths: Iterable[int],
+    input_shape: Sequence[int],
+    num_outputs: int,
+    *,
+    options: dict[str, Any] | None = None,
+    count_biases: bool = False,
+) -> list[ShapeRow]:
+    """One row per depth: the width that meets ``params`` and the concrete spec."""
+    if family not in SWEEP_FAMILIES:
+        get_family(family)  # an unknown name gets the registry's error with the full list
+        raise BatchboundError(
+            f"no depth sweep for family {family!r}; sweeps exist for {', '.join(SWEEP_FAMILIES)}"
+        )
+    budget = positive_int(family, "params", params)
+    depth_list = int_list(family, "depths", list(depths), minimum=0)
+    options = dict(options or {})
+    fixed = {"params", "head"} if family in ("lenet", "resnet") else {
+        "depth", "width", "params", "count_biases"}
+    clash = sorted(fixed & set(options))
+    if clash:
+        raise BatchboundError(
+            f"{family} sweep: {', '.join(clash)} are set by the sweep, not by options"
+        )
+    rows = []
+    for depth in depth_list:
+        if family in ("fc", "linear"):
+            rows.append(_fc_row(family, budget, depth, input_shape, num_outputs, options,
+                                count_biases))
+        elif family == "cnn1d":
+            model = build_model(Spec("cnn1d", {**options, "depth": depth, "params": budget}),
+                                input_shape, num_outputs)
+            shape = model.batchbound_shape
+            total = count_parameters(model)
+            rows.append(ShapeRow(depth, shape.width, total, total, budget, shape.resolved))
+        else:
+            rows.append(_head_row(family, budget, depth, input_shape, num_outputs, options))
+    return rows
+
+
+def _fc_row(
+    family: str,
+    budget: int,
+    depth: int,
+    input_shape: Sequence[int],
+    num_outputs: int,
+    options: dict[str, Any],
+    count_biases: bool,
+) -> ShapeRow:
+    d_in = math.prod(input_shape)
+    with_biases = count_biases and family == "fc" and options.get("bias", True) is True
+    width = solve_width(budget, d_in, depth, num_outputs, with_biases) if depth else 0
+    spec = Spec(family, {"depth": depth, **({"width": width} if depth else {}), **options})
+    model = build_model(spec, input_shape, num_outputs)  # validates the options too
+    counted = budget_count(d_in, width, depth, num_outputs, with_biases)
+    return ShapeRow(depth, width or None, counted, count_parameters(model), budget,
+                    model.batchbound_shape.resolved)
+
+
+def _head_row(
+    family: str,
+    budget: int,
+    depth: int,
+    input_shape: Sequence[int],
+    num_outputs: int,
+    options: dict[str, Any],
+) -> ShapeRow:
+    def spec(width: int) -> Spec:
+        return Spec(family, {**options, "head": [width] * depth})
+
+    width = closest_integer(lambda k: _total(spec(k), input_shape, num_outputs), budget) \
+        if depth else 0
+    model = build_model(spec(width), input_shape, num_outputs)
+    total = count_parameters(model)
+    return ShapeRow(depth, width or None, total, total, budget, model.batchbound_shape.resolved)
+
+
+def block_sweep(
+    params: int,
+    block_configs: Iterable[Sequence[int]],
+    input_shape: Sequence[int],
+    num_outputs: int,
+    *,
+    options: dict[str, Any] | None = None,
+) -> list[ShapeRow]:
+    """ResNets with the given blocks per chunk, each with the filter count that meets
+    ``params``; depth is the main-path weight layers (18 for [2,2,2,2])."""
+    budget = positive_int("resnet", "params", params)
+    options = dict(options or {})
+    clash = sorted({"blocks", "width", "params"} & set(options))
+    if clash:
+        raise BatchboundError(f"resnet block sweep: {', '.join(clash)} are set by the sweep")
+    rows = []
+    for blocks in block_configs:
+        model = build_model(Spec("resnet", {**options, "blocks": list(blocks), "params": budget}),
+                            input_shape, num_outputs)
+        shape = model.batchbound_shape
+        total = count_parameters(model)
+        rows.append(ShapeRow(shape.depth, shape.width, total, total, budget, shape.resolved))
+    return rows
+
+
+def parse_depths(text: str) -> list[int]:
+    """``"1-10"``, ``"1,2,4,8"`` or ``"0-3,6"`` → a list of depths."""
+    depths: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                first, last = (int(x) for x in part.split("-"))
+                if last < first:
+                    raise ValueError
+                depths.extend(range(first, last + 1))
+            else:
+                depths.append(int(part))
+        except ValueError:
+            raise BatchboundError(
+                f"bad depths {text!r}: give a range like 1-10 or a list like 1,2,4,8"
+            ) from None
+    return depths
