@@ -49,12 +49,16 @@ def find_files(dirs: Sequence[Path], names: Sequence[str], compressed: Sequence[
     return None
 
 
-def missing_message(label: str, dirs: Sequence[Path], names: Sequence[str], note: str) -> str:
-    looked = ", ".join(str(d) for d in dirs)
-    return (
-        f"{label}: files not found; looked in {looked}. The directory should contain "
-        f"{', '.join(names)}{note}. Point --data-dir or $BATCHBOUND_DATA at it (or at its parent, "
-        f"with the files in a subdirectory named after the data set)."
+def missing_message(dirs: Sequence[Path], names: Sequence[str], note: str) -> str:
+    """What ``data list`` shows: which files, where they were looked for."""
+    return (f"needs {', '.join(names)}{note}; not found in "
+            f"{', '.join(str(d) for d in dirs)}")
+
+
+def missing_error(label: str, reason: str) -> BatchboundError:
+    return BatchboundError(
+        f"data set {label!r} {reason}. Put the files in DIR/{label}/ or DIR itself and pass "
+        "--data-dir DIR (or set $BATCHBOUND_DATA=DIR)."
     )
 
 
@@ -98,7 +102,7 @@ def _idx_dataset(
 ) -> Dataset:  # fmt: skip
     found = find_files(dirs, files, (".gz",))
     if found is None:
-        raise BatchboundError(missing_message(name, dirs, files, note))
+        raise missing_error(name, missing_message(dirs, files, note))
     x_tr, y_tr, x_te, y_te = (read_idx(p) for p in found)
     for images, labels, path in ((x_tr, y_tr, found[0]), (x_te, y_te, found[2])):
         if images.ndim != 3 or len(images) != len(labels):
@@ -132,7 +136,7 @@ def _register_idx(
     def check(data_dir: Path) -> str | None:
         dirs = candidate_dirs(data_dir, name, extra)
         if find_files(dirs, files, (".gz",)) is None:
-            return missing_message(name, dirs, files, note)
+            return missing_message(dirs, files, note)
         return None
 
     def load(data_dir: Path) -> Dataset:
@@ -183,7 +187,7 @@ def _cifar_check(name: str) -> MissingCheck:
         folder, train, test, _, _ = CIFAR[name]
         dirs = _cifar_dirs(data_dir, name)
         if find_files(dirs, train + test, ()) is None:
-            return missing_message(name, dirs, train + test, f" (the {folder} folder of the "
+            return missing_message(dirs, train + test, f" (the {folder} folder of the "
                                    "python version)")
         return None
 
@@ -195,7 +199,7 @@ def _load_cifar(data_dir: Path, name: str, label_key: bytes) -> Dataset:
     dirs = _cifar_dirs(data_dir, name)
     found = find_files(dirs, train_names + test_names, ())
     if found is None:
-        raise BatchboundError(_cifar_check(name)(data_dir) or "")
+        raise missing_error(name, _cifar_check(name)(data_dir) or "")
     parts = [read_cifar_batch(p, label_key) for p in found]
     n_tr = len(train_names)
     x_tr = np.concatenate([p[0] for p in parts[:n_tr]]).astype(np.float32) / 255.0
@@ -324,7 +328,7 @@ GISETTE_FILES = ("gisette_scale", "gisette_scale.t")
 def _gisette_check(data_dir: Path) -> str | None:
     dirs = candidate_dirs(data_dir, "gisette")
     if find_files(dirs, GISETTE_FILES, (".bz2", ".gz")) is None:
-        return missing_message("gisette", dirs, GISETTE_FILES,
+        return missing_message(dirs, GISETTE_FILES,
                                " (LIBSVM text from the LIBSVM data page; raw, .bz2 or .gz)")
     return None
 
@@ -340,7 +344,7 @@ def load_gisette(data_dir: Path) -> Dataset:
     dirs = candidate_dirs(data_dir, "gisette")
     found = find_files(dirs, GISETTE_FILES, (".bz2", ".gz"))
     if found is None:
-        raise BatchboundError(_gisette_check(data_dir) or "")
+        raise missing_error("gisette", _gisette_check(data_dir) or "")
     x, y = read_svmlight(found[0], n_features=5000)
     x_te, y_te = read_svmlight(found[1], n_features=5000)
     return _from_arrays("gisette", x, y, x_te, y_te, CLASSIFICATION, 0.0, 0,
