@@ -62,8 +62,9 @@ def test_deterministic_given_seed_and_seeds_differ() -> None:
 def test_replacement_is_uniform() -> None:
     n, draws = 20, 200_000
     sampler = BatchSampler(n, seed=0, replacement=True)
-    counts = torch.bincount(torch.cat([sampler.next_indices(1000) for _ in range(draws // 1000)]),
-                            minlength=n).double()
+    counts = torch.bincount(
+        torch.cat([sampler.next_indices(1000) for _ in range(draws // 1000)]), minlength=n
+    ).double()
     expected = draws / n
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 50.0  # chi-square with 19 dof: P(> 50) ~ 1e-4

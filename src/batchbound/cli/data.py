@@ -24,14 +24,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     listing = actions.add_parser("list", help="every data set, with sizes and availability")
     show = actions.add_parser("show", help="one data set: facts, options and availability")
-    show.add_argument("spec", help="data set name or spec, e.g. mnist1d or "
-                      "'synthetic-linear(n=500,d=20)'")
-    show.add_argument("--load", action="store_true",
-                      help="load the set and report the actual tensors (spec options apply)")
+    show.add_argument(
+        "spec", help="data set name or spec, e.g. mnist1d or 'synthetic-linear(n=500,d=20)'"
+    )
+    show.add_argument(
+        "--load",
+        action="store_true",
+        help="load the set and report the actual tensors (spec options apply)",
+    )
     for sub in (listing, show):
-        sub.add_argument("--data-dir", default=None,
-                         help="directory holding your data files; default $BATCHBOUND_DATA, "
-                         "else ~/.cache/batchbound/data")
+        sub.add_argument(
+            "--data-dir",
+            default=None,
+            help="directory holding your data files; default $BATCHBOUND_DATA, "
+            "else ~/.cache/batchbound/data",
+        )
         sub.add_argument("--json", action="store_true", help="print JSON on stdout")
     listing.set_defaults(func=run_list)
     show.set_defaults(func=run_show)
@@ -56,8 +63,11 @@ def _status(row: dict[str, Any]) -> str:
 def run_list(args: argparse.Namespace) -> int:
     rows = [get_entry(name).describe(args.data_dir) for name in dataset_names()]
     if args.json:
-        print(json.dumps({"data_dir": str(resolve_data_dir(args.data_dir)), "datasets": rows},
-                         indent=2))
+        print(
+            json.dumps(
+                {"data_dir": str(resolve_data_dir(args.data_dir)), "datasets": rows}, indent=2
+            )
+        )
         return 0
     header = ["name", "train", "test", "shape", "classes", "task", "status", "source"]
     table = [[r["name"], _cell(r["n_train"]), _cell(r["n_test"]), _shape(r["input_shape"]),
@@ -66,8 +76,11 @@ def run_list(args: argparse.Namespace) -> int:
               r["source"]] for r in rows]  # fmt: skip
     widths = [max(len(line[i]) for line in [header, *table]) for i in range(len(header) - 1)]
     for line in [header, *table]:
-        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=False))
-              + "  " + line[-1])
+        print(
+            "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=False))
+            + "  "
+            + line[-1]
+        )
     print(f"\ndata dir: {resolve_data_dir(args.data_dir)}   (? = depends on your file)")
     for r in rows:
         if not r["available"]:

@@ -136,7 +136,11 @@ def load_mnist1d(data_dir: Path, num_samples: int = 5000, seed: int = 42) -> Dat
     source="generated: Gaussian inputs, labels from a random deep linear teacher (seed 000)",
     embedded=True,
     description="regression; options n, d, outputs, depth, width, noise, n_test, seed",
-    task=REGRESSION, n_train=2000, n_test=500, input_shape=(50,), classes=None,
+    task=REGRESSION,
+    n_train=2000,
+    n_test=500,
+    input_shape=(50,),
+    classes=None,
 )
 def load_synthetic_linear(
     data_dir: Path,
@@ -159,8 +163,9 @@ def load_synthetic_linear(
             raise BatchboundError(f"synthetic-linear: {key} must be >= 1, got {value}")
     n_test = n // 4 if n_test is None else n_test
     if n_test < 0 or noise < 0:
-        raise BatchboundError(f"synthetic-linear: n_test and noise must be >= 0, got "
-                              f"n_test={n_test}, noise={noise}")
+        raise BatchboundError(
+            f"synthetic-linear: n_test and noise must be >= 0, got n_test={n_test}, noise={noise}"
+        )
     gen = torch.Generator().manual_seed(seed)
     dims = [d] + [width] * (depth - 1) + [outputs]
     teacher = [torch.randn(dims[i + 1], dims[i], generator=gen) for i in range(depth)]
@@ -180,8 +185,15 @@ def load_synthetic_linear(
         y_test=y[n:],
         num_classes=None,
         source="generated (seed 000 deep linear teacher)",
-        meta={"n": n, "d": d, "outputs": outputs, "depth": depth, "width": width,
-              "noise": noise, "seed": seed},
+        meta={
+            "n": n,
+            "d": d,
+            "outputs": outputs,
+            "depth": depth,
+            "width": width,
+            "noise": noise,
+            "seed": seed,
+        },
     )
 
 
@@ -222,8 +234,10 @@ def load_synthetic_logistic(
     if math.isinf(scale):
         y = (margin > 0).long()
     else:
-        y = (torch.rand(n + n_test, generator=gen, dtype=torch.float64)
-             < torch.sigmoid(scale * margin)).long()
+        y = (
+            torch.rand(n + n_test, generator=gen, dtype=torch.float64)
+            < torch.sigmoid(scale * margin)
+        ).long()
     x = x.float()
     return Dataset(
         name="synthetic-logistic",

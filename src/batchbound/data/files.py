@@ -31,9 +31,9 @@ def candidate_dirs(data_dir: Path, name: str, extra: Sequence[Path] = ()) -> lis
     return [data_dir / name, data_dir, *extra]
 
 
-def find_files(dirs: Sequence[Path], names: Sequence[str], compressed: Sequence[str]) -> (
-    list[Path] | None
-):
+def find_files(
+    dirs: Sequence[Path], names: Sequence[str], compressed: Sequence[str]
+) -> list[Path] | None:
     """The first directory holding every name (each raw or with one of the ``compressed``
     suffixes); ``None`` when no directory has them all."""
     for directory in dirs:
@@ -51,8 +51,7 @@ def find_files(dirs: Sequence[Path], names: Sequence[str], compressed: Sequence[
 
 def missing_message(dirs: Sequence[Path], names: Sequence[str], note: str) -> str:
     """What ``data list`` shows: which files, where they were looked for."""
-    return (f"needs {', '.join(names)}{note}; not found in "
-            f"{', '.join(str(d) for d in dirs)}")
+    return f"needs {', '.join(names)}{note}; not found in {', '.join(str(d) for d in dirs)}"
 
 
 def missing_error(label: str, reason: str) -> BatchboundError:
@@ -62,9 +61,9 @@ def missing_error(label: str, reason: str) -> BatchboundError:
     )
 
 
-def standardise(x: np.ndarray, train: np.ndarray, axes: tuple[int, ...]) -> tuple[
-    torch.Tensor, list[float], list[float]
-]:
+def standardise(
+    x: np.ndarray, train: np.ndarray, axes: tuple[int, ...]
+) -> tuple[torch.Tensor, list[float], list[float]]:
     """(x − mean)/std with statistics of ``train`` over ``axes`` (images already in [0, 1])."""
     mean = train.mean(axis=axes, keepdims=True, dtype=np.float64)
     std = train.std(axis=axes, keepdims=True, dtype=np.float64)
@@ -156,10 +155,18 @@ _register_idx(
     IDX_FILES, extra=(DEBIAN_FASHION_MNIST,),
     note=_GZ_NOTE + "; on Debian/Ubuntu: sudo apt-get install dataset-fashion-mnist",
 )  # fmt: skip
-_register_idx("mnist", "MNIST (LeCun et al.), IDX files", 10, 60_000, 10_000, IDX_FILES,
-              note=_GZ_NOTE)
-_register_idx("kmnist", "Kuzushiji-MNIST (Clanuwat et al. 2018), IDX files", 10, 60_000,
-              10_000, IDX_FILES, note=_GZ_NOTE)
+_register_idx(
+    "mnist", "MNIST (LeCun et al.), IDX files", 10, 60_000, 10_000, IDX_FILES, note=_GZ_NOTE
+)
+_register_idx(
+    "kmnist",
+    "Kuzushiji-MNIST (Clanuwat et al. 2018), IDX files",
+    10,
+    60_000,
+    10_000,
+    IDX_FILES,
+    note=_GZ_NOTE,
+)
 for _split, (_classes, _n_train, _n_test) in EMNIST_SPLITS.items():
     _register_idx(
         f"emnist-{_split}", f"EMNIST {_split} (Cohen et al. 2017), IDX files from gzip.zip",
@@ -187,8 +194,9 @@ def _cifar_check(name: str) -> MissingCheck:
         folder, train, test, _, _ = CIFAR[name]
         dirs = _cifar_dirs(data_dir, name)
         if find_files(dirs, train + test, ()) is None:
-            return missing_message(dirs, train + test, f" (the {folder} folder of the "
-                                   "python version)")
+            return missing_message(
+                dirs, train + test, f" (the {folder} folder of the python version)"
+            )
         return None
 
     return check
@@ -206,8 +214,10 @@ def _load_cifar(data_dir: Path, name: str, label_key: bytes) -> Dataset:
     x_te = np.concatenate([p[0] for p in parts[n_tr:]]).astype(np.float32) / 255.0
     x_train, mean, std = standardise(x_tr, x_tr, (0, 2, 3))
     x_test, _, _ = standardise(x_te, x_tr, (0, 2, 3))
-    labels = [torch.from_numpy(np.concatenate([p[1] for p in group]))
-              for group in (parts[:n_tr], parts[n_tr:])]
+    labels = [
+        torch.from_numpy(np.concatenate([p[1] for p in group]))
+        for group in (parts[:n_tr], parts[n_tr:])
+    ]
     return Dataset(
         name=name,
         task=CLASSIFICATION,
@@ -217,8 +227,12 @@ def _load_cifar(data_dir: Path, name: str, label_key: bytes) -> Dataset:
         y_test=labels[1],
         num_classes=classes if label_key != b"coarse_labels" else 20,
         source=f"{name} python batches in {found[0].parent}",
-        meta={"files": [str(p) for p in found], "mean": mean, "std": std,
-              "labels": label_key.decode()},
+        meta={
+            "files": [str(p) for p in found],
+            "mean": mean,
+            "std": std,
+            "labels": label_key.decode(),
+        },
     )
 
 
@@ -256,13 +270,14 @@ def resolve_user_file(data_dir: Path, path: object, label: str, option: str) -> 
     for candidate in (given, data_dir / given):
         if candidate.is_file():
             return candidate
-    raise BatchboundError(f"{label}: file {path!r} not found (looked at {given} and "
-                          f"{data_dir / given})")
+    raise BatchboundError(
+        f"{label}: file {path!r} not found (looked at {given} and {data_dir / given})"
+    )
 
 
-def _labels(y_train: np.ndarray, y_test: np.ndarray, task: str, label: str) -> tuple[
-    str, torch.Tensor, torch.Tensor, int | None, list | None
-]:
+def _labels(
+    y_train: np.ndarray, y_test: np.ndarray, task: str, label: str
+) -> tuple[str, torch.Tensor, torch.Tensor, int | None, list | None]:
     """Classification when every label is integral (mapped to 0..K-1 in sorted order),
     else regression with targets of shape (n, outputs)."""
     both = np.concatenate([y_train.reshape(len(y_train), -1), y_test.reshape(len(y_test), -1)])
@@ -273,15 +288,17 @@ def _labels(y_train: np.ndarray, y_test: np.ndarray, task: str, label: str) -> t
         if not integral:
             raise BatchboundError(f"{label}: task=classification needs integer labels")
         values = np.unique(both)
-        tr, te = (torch.from_numpy(np.searchsorted(values, y.reshape(-1)).astype(np.int64))
-                  for y in (y_train, y_test))
+        tr, te = (
+            torch.from_numpy(np.searchsorted(values, y.reshape(-1)).astype(np.int64))
+            for y in (y_train, y_test)
+        )
         return task, tr, te, len(values), values.tolist()
     if task == REGRESSION:
-        tr, te = (torch.from_numpy(y.reshape(len(y), -1).astype(np.float32))
-                  for y in (y_train, y_test))
+        tr, te = (
+            torch.from_numpy(y.reshape(len(y), -1).astype(np.float32)) for y in (y_train, y_test)
+        )
         return task, tr, te, None, None
-    raise BatchboundError(f"{label}: task must be auto, classification or regression, "
-                          f"got {task!r}")
+    raise BatchboundError(f"{label}: task must be auto, classification or regression, got {task!r}")
 
 
 def _from_arrays(
@@ -318,8 +335,18 @@ def load_libsvm(
     if test is not None:
         test_path = resolve_user_file(data_dir, test, "libsvm", "test")
         x_te, y_te = read_svmlight(test_path, n_features=x.shape[1])
-    return _from_arrays("libsvm", x, y, x_te, y_te, task, test_fraction, split_seed,
-                        f"LIBSVM file {train_path}", {"path": str(train_path)})
+    return _from_arrays(
+        "libsvm",
+        x,
+        y,
+        x_te,
+        y_te,
+        task,
+        test_fraction,
+        split_seed,
+        f"LIBSVM file {train_path}",
+        {"path": str(train_path)},
+    )
 
 
 GISETTE_FILES = ("gisette_scale", "gisette_scale.t")
@@ -328,8 +355,9 @@ GISETTE_FILES = ("gisette_scale", "gisette_scale.t")
 def _gisette_check(data_dir: Path) -> str | None:
     dirs = candidate_dirs(data_dir, "gisette")
     if find_files(dirs, GISETTE_FILES, (".bz2", ".gz")) is None:
-        return missing_message(dirs, GISETTE_FILES,
-                               " (LIBSVM text from the LIBSVM data page; raw, .bz2 or .gz)")
+        return missing_message(
+            dirs, GISETTE_FILES, " (LIBSVM text from the LIBSVM data page; raw, .bz2 or .gz)"
+        )
     return None
 
 
@@ -347,9 +375,18 @@ def load_gisette(data_dir: Path) -> Dataset:
         raise missing_error("gisette", _gisette_check(data_dir) or "")
     x, y = read_svmlight(found[0], n_features=5000)
     x_te, y_te = read_svmlight(found[1], n_features=5000)
-    return _from_arrays("gisette", x, y, x_te, y_te, CLASSIFICATION, 0.0, 0,
-                        f"Gisette LIBSVM files in {found[0].parent}",
-                        {"files": [str(p) for p in found]})
+    return _from_arrays(
+        "gisette",
+        x,
+        y,
+        x_te,
+        y_te,
+        CLASSIFICATION,
+        0.0,
+        0,
+        f"Gisette LIBSVM files in {found[0].parent}",
+        {"files": [str(p) for p in found]},
+    )
 
 
 @register_dataset(
@@ -366,14 +403,26 @@ def load_npz(
         arrays = {key: archive[key] for key in archive.files}
     for key in ("x", "y"):
         if key not in arrays:
-            raise BatchboundError(f"npz: {file} has no array {key!r} (has {sorted(arrays)}); "
-                                  "expected x, y and optionally x_test, y_test")
+            raise BatchboundError(
+                f"npz: {file} has no array {key!r} (has {sorted(arrays)}); "
+                "expected x, y and optionally x_test, y_test"
+            )
     if ("x_test" in arrays) != ("y_test" in arrays):
         raise BatchboundError(f"npz: {file} must have both x_test and y_test, or neither")
     for xs, ys in (("x", "y"), ("x_test", "y_test")):
         if xs in arrays and len(arrays[xs]) != len(arrays[ys]):
-            raise BatchboundError(f"npz: {xs} has {len(arrays[xs])} rows but {ys} has "
-                                  f"{len(arrays[ys])}")
-    return _from_arrays("npz", arrays["x"], arrays["y"], arrays.get("x_test"),
-                        arrays.get("y_test"), task, test_fraction, split_seed,
-                        f"npz file {file}", {"path": str(file)})
+            raise BatchboundError(
+                f"npz: {xs} has {len(arrays[xs])} rows but {ys} has {len(arrays[ys])}"
+            )
+    return _from_arrays(
+        "npz",
+        arrays["x"],
+        arrays["y"],
+        arrays.get("x_test"),
+        arrays.get("y_test"),
+        task,
+        test_fraction,
+        split_seed,
+        f"npz file {file}",
+        {"path": str(file)},
+    )

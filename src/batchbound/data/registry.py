@@ -100,9 +100,7 @@ def dataset_names() -> list[str]:
 
 def get_entry(name: str) -> DatasetEntry:
     if name not in _REGISTRY:
-        raise BatchboundError(
-            f"unknown data set {name!r}; available: {', '.join(dataset_names())}"
-        )
+        raise BatchboundError(f"unknown data set {name!r}; available: {', '.join(dataset_names())}")
     return _REGISTRY[name]
 
 
@@ -131,5 +129,9 @@ def load_dataset(spec: str, data_dir: str | Path | None = None) -> Dataset:
 def options_of(entry: DatasetEntry) -> list[str]:
     """The option names a data set's spec accepts, in the loader's order."""
     params = list(inspect.signature(entry.loader).parameters.values())[1:]  # skip data_dir
-    return [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY
-            or p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    return [
+        p.name
+        for p in params
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+        or p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    ]

@@ -16,9 +16,9 @@ def split_indices(n: int, test_fraction: float, seed: int) -> tuple[np.ndarray, 
     return order[n_test:], order[:n_test]
 
 
-def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[
-    np.ndarray, np.ndarray
-]:
+def stratified_split(
+    labels: np.ndarray, test_fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Like ``split_indices`` but within each class, so class proportions match exactly
     where the class sizes allow. Both index arrays come back sorted."""
     if not 0.0 <= test_fraction < 1.0:

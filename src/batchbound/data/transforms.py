@@ -38,8 +38,9 @@ def _record(dataset: Dataset, name: str, **options: object) -> tuple[str, ...]:
 
 def _take(dataset: Dataset, index: np.ndarray, record: tuple[str, ...]) -> Dataset:
     idx = torch.from_numpy(np.asarray(index, dtype=np.int64))
-    return replace(dataset, x_train=dataset.x_train[idx], y_train=dataset.y_train[idx],
-                   transforms=record)
+    return replace(
+        dataset, x_train=dataset.x_train[idx], y_train=dataset.y_train[idx], transforms=record
+    )
 
 
 def replicate(dataset: Dataset, seed: int, r: int = 2) -> Dataset:
@@ -58,8 +59,11 @@ def replicate_full(dataset: Dataset, seed: int, r: int = 2) -> Dataset:
 
 
 def subset(dataset: Dataset, seed: int, fraction: float = 0.5) -> Dataset:
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
-            or not 0 < fraction <= 1:
+    if (
+        isinstance(fraction, bool)
+        or not isinstance(fraction, (int, float))
+        or not 0 < fraction <= 1
+    ):
         raise BatchboundError(f"subset: fraction must be in (0, 1], got {fraction!r}")
     n = dataset.n_train
     size = max(1, round(fraction * n))
@@ -70,19 +74,29 @@ def subset(dataset: Dataset, seed: int, fraction: float = 0.5) -> Dataset:
 def neighbour_pair(dataset: Dataset, seed: int) -> tuple[Dataset, Dataset]:
     """The two neighbouring data sets; see the module docstring for which example changes."""
     if dataset.n_test < 2:
-        raise BatchboundError("neighbour_pair: needs at least 2 test examples to draw the "
-                              f"replacement from, {dataset.name} has {dataset.n_test}")
+        raise BatchboundError(
+            "neighbour_pair: needs at least 2 test examples to draw the "
+            f"replacement from, {dataset.name} has {dataset.n_test}"
+        )
     rng = np.random.default_rng(seed)
     i = int(rng.integers(dataset.n_train))
     j = int(rng.integers(dataset.n_test))
     keep_test = torch.from_numpy(np.delete(np.arange(dataset.n_test), j))
-    base = replace(dataset, x_test=dataset.x_test[keep_test], y_test=dataset.y_test[keep_test],
-                   meta={**dataset.meta, "neighbour": {"train_index": i, "test_index": j}})
+    base = replace(
+        dataset,
+        x_test=dataset.x_test[keep_test],
+        y_test=dataset.y_test[keep_test],
+        meta={**dataset.meta, "neighbour": {"train_index": i, "test_index": j}},
+    )
     x_other, y_other = dataset.x_train.clone(), dataset.y_train.clone()
     x_other[i], y_other[i] = dataset.x_test[j], dataset.y_test[j]
     first = replace(base, transforms=_record(dataset, "neighbour_pair", side=0, seed=seed))
-    second = replace(base, x_train=x_other, y_train=y_other,
-                     transforms=_record(dataset, "neighbour_pair", side=1, seed=seed))
+    second = replace(
+        base,
+        x_train=x_other,
+        y_train=y_other,
+        transforms=_record(dataset, "neighbour_pair", side=1, seed=seed),
+    )
     return first, second
 
 
@@ -99,8 +113,12 @@ TRANSFORMS: dict[str, Callable[..., Dataset]] = {
     "neighbour_pair": _neighbour_side,
 }
 
-_OPTIONS = {"replicate": ["r"], "replicate_full": ["r"], "subset": ["fraction"],
-            "neighbour_pair": ["side"]}
+_OPTIONS = {
+    "replicate": ["r"],
+    "replicate_full": ["r"],
+    "subset": ["fraction"],
+    "neighbour_pair": ["side"],
+}
 
 
 def transform_names() -> list[str]:
@@ -118,9 +136,11 @@ def apply_transform(dataset: Dataset, spec: str, seed: int) -> Dataset:
     seed = options.pop("seed", seed)
     unknown = sorted(set(options) - set(_OPTIONS[parsed.name]))
     if unknown:
-        raise BatchboundError(f"transform {parsed.name!r} has no option "
-                              f"{', '.join(map(repr, unknown))}; options: "
-                              f"{', '.join(_OPTIONS[parsed.name])}, seed")
+        raise BatchboundError(
+            f"transform {parsed.name!r} has no option "
+            f"{', '.join(map(repr, unknown))}; options: "
+            f"{', '.join(_OPTIONS[parsed.name])}, seed"
+        )
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise BatchboundError(f"transform {parsed.name!r}: seed must be an integer, got {seed!r}")
     return TRANSFORMS[parsed.name](dataset, seed, **options)
