@@ -1,0 +1,199 @@
+"""Mechanism diversity: closed forms vs Monte Carlo, Theorem 7, the samplers, and the exact
+measurement on a model against a float64 per-example loop."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from batchbound.diversity.mechanisms import (
+    Mechanism,
+    apply_mechanism,
+    diversity_under,
+    dropconnect_diversity,
+    dropconnect_mask,
+    mechanism_diversity,
+    monte_carlo_diversity,
+    parse_mechanism,
+    quantize,
+    quantize_group,
+)
+from batchbound.errors import BatchboundError
+
+MECHANISMS = ["dropconnect(p=0.3)", "dropconnect(p=0.8)", "sgld(sigma=0.2)", "quantize",
+              "quantize(per_tensor=true)", "none"]
+
+
+def loop_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss) -> torch.Tensor:
+    """(n, d) per-example gradients, one backward per example, float64: the reference."""
+    model = model.double()
+    rows = []
+    for i in range(x.shape[0]):
+        model.zero_grad()
+        loss(model(x[i : i + 1].double()), y[i : i + 1]).sum().backward()
+        rows.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    return torch.stack(rows)
+
+
+def closed_form(mechanism: str, g: torch.Tensor, slices=None) -> float:
+    """Δ^DIM from the closed form, with S, T, R computed directly from the matrix."""
+    mech = parse_mechanism(mechanism)
+    n, d = g.shape
+    S, T = float(g.square().sum()), float(g.sum(0).square().sum())
+    parts = [g[:, s] for s in slices] if (mech.per_tensor and slices) else [g]
+    R = float(sum((p.norm(dim=1) * p.abs().sum(1)).sum() for p in parts))
+    return diversity_under(mech, S=S, T=T, n=n, d=d, R=R)
+
+
+def correlated_gradients(n: int, d: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randn(d, generator=gen, dtype=torch.float64)
+    return shared + 0.7 * torch.randn(n, d, generator=gen, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_closed_form_matches_monte_carlo(mechanism: str) -> None:
+    # Tolerance: 5 delta-method standard errors of the ratio of the two sample means
+    # (a false failure has probability < 1e-6 per case), plus 1e-12 for the exact "none".
+    g = correlated_gradients(6, 5, seed=1)
+    slices = [slice(0, 2), slice(2, 5)]
+    est = monte_carlo_diversity(mechanism, g, samples=20000, block=2000,
+                                generator=torch.Generator().manual_seed(2),
+                                parameter_slices=slices)
+    exact = closed_form(mechanism, g, slices)
+    assert abs(est.diversity - exact) <= 5 * est.diversity_se + 1e-12
+    # and the estimate is sharp enough for the check to mean something
+    assert est.diversity_se < 0.02 * exact or mechanism == "none"
+
+
+def test_monte_carlo_can_tell_mechanisms_apart() -> None:
+    g = correlated_gradients(6, 5, seed=3)
+    est = monte_carlo_diversity("dropconnect(p=0.5)", g, samples=20000, block=2000,
+                                generator=torch.Generator().manual_seed(4))
+    wrong = dropconnect_diversity(float(g.square().sum()), float(g.sum(0).square().sum()), 0.2)
+    assert abs(est.diversity - wrong) > 5 * est.diversity_se
+
+
+def test_rescaled_dropconnect_has_the_same_diversity() -> None:
+    g = correlated_gradients(5, 4, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    nums, dens = [], []
+    for _ in range(10):
+        drawn = apply_mechanism("dropconnect(p=0.6)", g.expand(2000, *g.shape), gen,
+                                batch_dims=2, rescale=True)
+        nums.append(drawn.square().sum(dim=(1, 2)))
+        dens.append(drawn.sum(1).square().sum(1))
+    ratio = float(torch.cat(nums).mean() / torch.cat(dens).mean())
+    assert ratio == pytest.approx(closed_form("dropconnect(p=0.6)", g), rel=0.03)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 8), d=st.integers(1, 6), seed=st.integers(0, 10_000),
+       spread=st.floats(0.0, 3.0), p=st.floats(0.0, 0.99), sigma=st.floats(0.0, 2.0))
+def test_theorem_7_mechanisms_raise_diversity_when_bound_below_n(n, d, seed, spread, p, sigma):
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(d, generator=gen, dtype=torch.float64) + spread * torch.randn(
+        n, d, generator=gen, dtype=torch.float64)
+    S, T = float(g.square().sum()), float(g.sum(0).square().sum())
+    base = S / T
+    R = float((g.norm(dim=1) * g.abs().sum(1)).sum())
+    for spec in (Mechanism("dropconnect", p=p), Mechanism("sgld", sigma=sigma),
+                 Mechanism("quantize")):
+        value = diversity_under(spec, S=S, T=T, n=n, d=d, R=R)
+        if n * base <= n:  # Theorem 7's hypothesis: B ≤ n, i.e. T ≥ S
+            assert value >= base * (1 - 1e-12)
+        else:  # beyond it the mechanisms pull Δ towards ≤ the old value: the bound is sharp
+            assert value <= base * (1 + 1e-12)
+
+
+def test_quantize_is_unbiased_with_the_stated_second_moment() -> None:
+    v = torch.tensor([3.0, -1.0, 0.0, 0.5], dtype=torch.float64)
+    draws = quantize(v.expand(200_000, 4), torch.Generator().manual_seed(0), batch_dims=1)
+    norm = float(v.norm())
+    assert set(draws.abs().unique().tolist()) <= {0.0, norm}
+    assert torch.all(draws[:, 2] == 0) and torch.all(draws[:, 1] <= 0)
+    assert torch.allclose(draws.mean(0), v, atol=5 * norm / math.sqrt(200_000))
+    second = float(draws.square().sum(1).mean())
+    assert second == pytest.approx(norm * float(v.abs().sum()), rel=0.01)
+    assert torch.equal(quantize(torch.zeros(3)), torch.zeros(3))
+
+
+def test_quantize_group_uses_one_norm_over_all_tensors() -> None:
+    a, b = torch.tensor([[3.0, 0.0]]), torch.tensor([4.0])
+    qa, qb = quantize_group([a, b], torch.Generator().manual_seed(0))
+    assert qa.shape == a.shape and qb.shape == b.shape
+    assert set(torch.cat([qa.reshape(-1), qb]).abs().tolist()) <= {0.0, 5.0}
+
+
+def test_dropconnect_mask_keep_rate_and_rescale() -> None:
+    mask = dropconnect_mask((100_000,), 0.25, generator=torch.Generator().manual_seed(0))
+    assert set(mask.unique().tolist()) == {0.0, 1.0}
+    assert float(mask.mean()) == pytest.approx(0.75, abs=0.01)
+    scaled = dropconnect_mask((10,), 0.5, rescale=True, generator=torch.Generator().manual_seed(0))
+    assert set(scaled.unique().tolist()) <= {0.0, 2.0}
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("dropout(p=0.5)", "unknown mechanism"),
+    ("dropconnect(p=1.0)", "[0, 1)"),
+    ("dropconnect(p=-0.1)", "[0, 1)"),
+    ("dropconnect", "needs a drop probability"),
+    ("sgld(sigma=-1)", "sigma"),
+    ("sgld(p=0.1)", "no option"),
+    ("quantize(per_tensor=3)", "true or false"),
+    ("dropconnect(p=(", "malformed"),
+])
+def test_bad_mechanism_specs_are_named(spec: str, message: str) -> None:
+    with pytest.raises(BatchboundError, match=message.replace("[", r"\[").replace(")", r"\)")
+                       .replace("(", r"\(")):
+        parse_mechanism(spec)
+
+
+def test_spec_round_trip_and_alias() -> None:
+    assert str(parse_mechanism("quantization")) == "quantize"
+    for spec in ("dropconnect(p=0.5)", "sgld(sigma=0.01)", "quantize(per_tensor=true)", "none"):
+        assert str(parse_mechanism(spec)) == spec
+
+
+def small_problem():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    x = torch.randn(23, 4)
+    y = torch.randint(0, 2, (23,))
+    return model, x, y
+
+
+@pytest.mark.parametrize("mechanism", ["dropconnect(p=0.4)", "sgld(sigma=0.05)", "quantize",
+                                       "quantize(per_tensor=true)"])
+def test_mechanism_diversity_on_a_model_matches_the_reference(mechanism: str) -> None:
+    model, x, y = small_problem()
+    report = mechanism_diversity(model, (x, y), "cross_entropy", mechanism, chunk_size=5,
+                                 dtype=torch.float64)
+    g = loop_gradients(model, x, y, nn.functional.cross_entropy)
+    offsets = torch.tensor([0] + [p.numel() for p in model.parameters()]).cumsum(0).tolist()
+    slices = [slice(a, b) for a, b in itertools.pairwise(offsets)]
+    assert report.n == 23 and report.d == g.shape[1]
+    assert pytest.approx(float(g.square().sum()), rel=1e-9) == report.S
+    assert pytest.approx(float(g.sum(0).square().sum()), rel=1e-9) == report.T
+    assert report.diversity == pytest.approx(closed_form(mechanism, g, slices), rel=1e-9)
+    assert report.batch_bound == pytest.approx(23 * report.diversity)
+    assert report.to_dict()["mechanism"] == str(parse_mechanism(mechanism))
+
+
+def test_end_to_end_monte_carlo_and_theorem_7_on_a_model() -> None:
+    model, x, y = small_problem()
+    g = loop_gradients(model, x, y, nn.functional.cross_entropy)
+    for mechanism in ("dropconnect(p=0.5)", "quantize"):
+        report = mechanism_diversity(model, (x, y), "cross_entropy", mechanism,
+                                     dtype=torch.float64)
+        est = monte_carlo_diversity(mechanism, g, samples=4000, block=1000,
+                                    generator=torch.Generator().manual_seed(1))
+        assert abs(est.diversity - report.diversity) <= 5 * est.diversity_se
+        if report.base_batch_bound <= report.n:
+            assert report.diversity >= report.base_diversity
