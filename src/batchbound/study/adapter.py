@@ -1,0 +1,101 @@
+"""The one place the study knows the trainer's contract (``batchbound.train``).
+
+``train_fields`` turns a cell of the study grid into ``TrainConfig`` fields, ``config_key``
+hashes them the way the trainer does, and ``execute`` runs one config in a worker process and
+returns ``RunResult.to_dict()``. A different trainer (or a fake one in tests) plugs in by
+naming a callable ``module:function`` with the signature of ``execute``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from batchbound.config import config_hash
+
+if TYPE_CHECKING:
+    from batchbound.study.spec import DataSpec, StudySpec
+
+DEFAULT_TRAINER = "batchbound.study.adapter:execute"
+
+
+def train_fields(spec: StudySpec, data: DataSpec, model: str, batch_size: int, lr: float,
+                 seed: int, mechanism: str, epochs: float, with_targets: bool) -> dict[str, Any]:
+    """TrainConfig fields for one run. Tuning runs (no targets) skip Δ measurements."""
+    train = spec.train
+    return {
+        "dataset": data.dataset,
+        "transform": data.transform,
+        "model": model,
+        "batch_size": int(batch_size),
+        "lr": float(lr),
+        "strategy": spec.lr.strategy,
+        "momentum": float(train.momentum),
+        "weight_decay": float(train.weight_decay),
+        "convention": train.convention,
+        "sampling": train.sampling,
+        "seed": int(seed),
+        "workers": int(train.workers),
+        "targets": [{"metric": m, "threshold": float(t)} for m, t in train.targets]
+        if with_targets else [],
+        "max_epochs": float(epochs),
+        "eval_every_epochs": float(train.eval_every_epochs),
+        "diversity_every_epochs": train.diversity_every_epochs if with_targets else None,
+        "mechanism": mechanism,
+    }
+
+
+def _train_config_class() -> Any:
+    try:
+        from batchbound.train.config import TrainConfig
+    except ImportError:  # the trainer package is optional for planning and analysis
+        return None
+    return TrainConfig
+
+
+def config_key(fields: dict[str, Any]) -> str:
+    """The run's key in the store: the trainer's own config hash when it is installed."""
+    cls = _train_config_class()
+    if cls is None:
+        return config_hash(fields)
+    return cls.from_dict(dict(fields)).config_hash()
+
+
+def validate_fields(fields: dict[str, Any]) -> None:
+    """Raise BatchboundError if the trainer would reject these fields."""
+    cls = _train_config_class()
+    if cls is not None:
+        cls.from_dict(dict(fields))
+
+
+def load_data(data: DataSpec) -> Any:
+    from batchbound.data import load_dataset
+
+    dataset = load_dataset(data.dataset)
+    if data.transform:
+        from batchbound import data as data_module
+
+        apply = getattr(data_module, "apply_transform", None)
+        if apply is None:
+            from batchbound.errors import BatchboundError
+
+            raise BatchboundError("this install's batchbound.data has no apply_transform; "
+                                  f"cannot apply {data.transform!r}")
+        dataset = apply(dataset, data.transform)
+    return dataset
+
+
+def execute(fields: dict[str, Any], checkpoint_dir: Path, resume: bool) -> dict[str, Any]:
+    """Run one config with batchbound.train and return ``RunResult.to_dict()``."""
+    from batchbound.train import TrainConfig, train
+
+    config = TrainConfig.from_dict(dict(fields))
+    result = train(config, checkpoint_dir=checkpoint_dir, resume=resume, progress=False)
+    return result.to_dict()
+
+
+def resolve_trainer(name: str) -> Callable[[dict[str, Any], Path, bool], dict[str, Any]]:
+    module, _, attr = name.partition(":")
+    return getattr(importlib.import_module(module), attr)

@@ -1,0 +1,232 @@
+"""From a study spec to the concrete runs it implies.
+
+A study runs in two phases:
+
+1. **tune**: for each (data set, model, batch size, mechanism), one run per step size on the
+   grid (``tune_seeds`` seeds each). Under seed 000's rule these last ``tune_epochs``
+   epochs; under ``fewest_steps`` they are full runs to the targets.
+2. **final**: the chosen step size at every seed. A final run whose config equals a tuning
+   run (``fewest_steps``, first seed) is the same run: same config hash, stored once.
+
+With ``tune_at = "base_batch"`` (seed 003's strategies) the step size is tuned only at the
+smallest batch size and the strategy (blr/lsr/srsr) carries it to the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchbound.errors import BatchboundError
+from batchbound.spec import Spec, parse_spec
+from batchbound.study.adapter import config_key, train_fields
+from batchbound.study.spec import DataSpec, StudySpec
+
+TUNE, FINAL = "tune", "final"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A concrete model spec plus what the analyses group by."""
+
+    spec: str
+    depth: int | None = None
+    width: int | None = None
+    params: int | None = None
+
+    @property
+    def label(self) -> str:
+        if self.depth is not None and self.width is not None:
+            return f"L={self.depth} K={self.width}"
+        return self.spec
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    n_train: int
+    d_in: int
+    d_out: int
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    key: str
+    role: str
+    data: str
+    model: ModelShape
+    batch_size: int
+    lr: float
+    seed: int
+    mechanism: str
+    epochs: float
+    n_train: int
+    fields: Mapping[str, Any] = field(compare=False, repr=False)
+
+    def group(self) -> tuple[str, str, int, str]:
+        """What a tuning rule chooses a step size for."""
+        return (self.data, self.model.spec, self.batch_size, self.mechanism)
+
+    def labels(self) -> dict[str, Any]:
+        return {
+            "data": self.data,
+            "model": self.model.spec,
+            "model_label": self.model.label,
+            "depth": self.model.depth,
+            "width": self.model.width,
+            "params": self.model.params,
+            "batch_size": self.batch_size,
+            "lr": self.lr,
+            "seed": self.seed,
+            "mechanism": self.mechanism,
+            "n_train": self.n_train,
+        }
+
+
+def data_info(data: DataSpec) -> DataInfo:
+    """Load a data set once to learn n, input and output widths (planning needs them)."""
+    from batchbound.study.adapter import load_data
+
+    ds = load_data(data)
+    d_in = 1
+    for size in ds.input_shape:
+        d_in *= int(size)
+    return DataInfo(ds.n_train, d_in, ds.num_outputs)
+
+
+def model_shapes(spec: StudySpec, info: DataInfo) -> list[ModelShape]:
+    """The explicit specs, or the family sweep solved for width at each depth."""
+    models = spec.models
+    if models.specs:
+        return [_describe(parse_spec(text), info) for text in models.specs]
+    from batchbound.models import solve_width, weight_count
+
+    if models.family not in ("fc", "linear"):
+        raise BatchboundError(
+            f"study spec [models] family: sweeps at fixed params support fc and linear, got "
+            f"{models.family!r}; list other shapes under specs = [...]"
+        )
+    shapes = []
+    for depth in models.depths:
+        width = solve_width(int(models.params), info.d_in, depth, info.d_out)
+        text = str(Spec(models.family, {"depth": depth, "width": width, **models.options}))
+        shapes.append(ModelShape(text, depth, width, weight_count(info.d_in, width, depth,
+                                                                  info.d_out)))
+    return shapes
+
+
+def _describe(parsed: Spec, info: DataInfo) -> ModelShape:
+    depth, width = parsed.kwargs.get("depth"), parsed.kwargs.get("width")
+    params = parsed.kwargs.get("params")
+    if parsed.name in ("fc", "linear") and isinstance(depth, int) and depth >= 1:
+        from batchbound.models import solve_width, weight_count
+
+        if width is None and params is not None:
+            width = solve_width(int(params), info.d_in, depth, info.d_out)
+        if width is not None:
+            params = weight_count(info.d_in, int(width), depth, info.d_out)
+    return ModelShape(str(parsed), depth, width, params)
+
+
+def _check_batches(spec: StudySpec, data: DataSpec, info: DataInfo) -> None:
+    too_big = [b for b in spec.batch_sizes if b > info.n_train]
+    if too_big:
+        raise BatchboundError(
+            f"study spec [batches] sizes: {too_big} exceed the {info.n_train} training examples "
+            f"of {data.label}"
+        )
+    workers = spec.train.workers
+    if any(b < workers for b in spec.batch_sizes):
+        raise BatchboundError(f"study spec [train] workers: {workers} workers need every batch "
+                              f"size >= {workers}")
+
+
+def _run(spec: StudySpec, role: str, data: DataSpec, info: DataInfo, shape: ModelShape,
+         batch: int, lr: float, seed: int, mechanism: str, epochs: float,
+         with_targets: bool) -> PlannedRun:
+    fields = train_fields(spec, data, shape.spec, batch, lr, seed, mechanism, epochs,
+                          with_targets)
+    return PlannedRun(config_key(fields), role, data.label, shape, batch, float(lr), seed,
+                      mechanism, epochs, info.n_train, fields)
+
+
+@dataclass(frozen=True)
+class Plan:
+    spec: StudySpec
+    shapes: dict[str, list[ModelShape]]
+    infos: dict[str, DataInfo]
+
+    def cells(self) -> Iterable[tuple[DataSpec, ModelShape, int, str]]:
+        for data in self.spec.data:
+            for shape in self.shapes[data.label]:
+                for batch in self.spec.batch_sizes:
+                    for mechanism in self.spec.train.mechanisms:
+                        yield data, shape, batch, mechanism
+
+    def tuning_runs(self) -> list[PlannedRun]:
+        lr = self.spec.lr
+        if lr.tuning == "none":
+            return []
+        full = lr.tuning == "fewest_steps"
+        epochs = self.spec.train.max_epochs if full else lr.tune_epochs
+        seeds = self.spec.train.seeds[: lr.tune_seeds]
+        base = self.spec.batch_sizes[0]
+        runs = []
+        for data, shape, batch, mechanism in self.cells():
+            if lr.tune_at == "base_batch" and batch != base:
+                continue
+            for eta in lr.grid:
+                for seed in seeds:
+                    runs.append(_run(self.spec, TUNE, data, self.infos[data.label], shape,
+                                     batch, eta, seed, mechanism, epochs, with_targets=full))
+        return runs
+
+    def final_runs(self, chosen: Mapping[tuple[str, str, int, str], float],
+                   only_cell: tuple[str, str, int, str] | None = None) -> list[PlannedRun]:
+        """Final runs given the chosen step size per tuning cell (data, model, batch,
+        mechanism); with ``only_cell``, just the finals that cell's η decides."""
+        runs = []
+        base = self.spec.batch_sizes[0]
+        for data, shape, batch, mechanism in self.cells():
+            lookup_batch = base if self.spec.lr.tune_at == "base_batch" else batch
+            cell = (data.label, shape.spec, lookup_batch, mechanism)
+            if only_cell is not None and cell != only_cell:
+                continue
+            if self.spec.lr.tuning == "none":
+                eta = self.spec.lr.grid[0]
+            elif cell in chosen:
+                eta = chosen[cell]
+            else:
+                raise BatchboundError(f"no tuned step size for {cell}")
+            for seed in self.spec.train.seeds:
+                runs.append(_run(self.spec, FINAL, data, self.infos[data.label], shape, batch,
+                                 eta, seed, mechanism, self.spec.train.max_epochs,
+                                 with_targets=True))
+        return runs
+
+    def final_count(self) -> int:
+        return sum(1 for _ in self.cells()) * len(self.spec.train.seeds)
+
+
+def make_plan(spec: StudySpec) -> Plan:
+    infos, shapes = {}, {}
+    for data in spec.data:
+        info = data_info(data)
+        _check_batches(spec, data, info)
+        infos[data.label] = info
+        shapes[data.label] = model_shapes(spec, info)
+    return Plan(spec, shapes, infos)
+
+
+# A rough CPU cost model: forward+backward ≈ 6 flops per weight per example, at an effective
+# rate typical of small dense layers on one core, plus a fixed cost per optimiser step.
+FLOPS_PER_SECOND = 2e9
+SECONDS_PER_STEP = 3e-4
+
+
+def estimate_seconds(run: PlannedRun) -> float:
+    """Upper-bound seconds for one run (final runs usually stop early at their target)."""
+    examples = run.epochs * run.n_train
+    weights = run.model.params or 10_000
+    steps = examples / run.batch_size
+    return examples * 6 * weights / FLOPS_PER_SECOND + steps * SECONDS_PER_STEP

@@ -1,0 +1,320 @@
+"""The study spec: one TOML file naming everything a batch-size sweep varies.
+
+A study is a grid: data sets × model shapes × batch sizes × seeds, with a learning-rate
+strategy and a grid of step sizes tuned per (data set, model, batch size) by a named rule.
+Every section is a frozen dataclass that validates itself; a bad key raises BatchboundError
+naming the key (``[batches] sizes: ...``) before any run starts. See ``docs/study.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from batchbound.config import load_toml, to_plain
+from batchbound.errors import BatchboundError
+from batchbound.spec import parse_spec
+
+TUNING_RULES = {
+    "lowest_loss_2_epochs": "seed 000: train every η for tune_epochs (2) epochs, keep the lowest "
+    "training loss",
+    "fewest_steps": "Shallue et al.: keep the η that reaches the first target in the fewest "
+    "iterations (ties and misses broken by the lowest final training loss)",
+    "none": "no tuning: the grid must hold exactly one η",
+}
+STRATEGIES = ("blr", "lsr", "srsr")
+# each_batch: tune η per batch size (seed 000). base_batch: tune η0 at the smallest batch size
+# only and let the strategy scale it (seed 003's BLR/LSR/SRSR comparison).
+TUNE_AT = ("each_batch", "base_batch")
+CONVENTIONS = ("mean", "sum")
+SAMPLINGS = ("epoch", "replacement")
+TARGET_METRICS = ("train_acc", "test_acc", "train_loss", "test_loss")
+
+
+def _fail(section: str, key: str, problem: str) -> BatchboundError:
+    return BatchboundError(f"study spec [{section}] {key}: {problem}")
+
+
+def _check_keys(section: str, table: dict[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise BatchboundError(
+            f"study spec [{section}]: unknown key(s) {', '.join(unknown)}; "
+            f"valid keys: {', '.join(sorted(allowed))}"
+        )
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """One data set: a registry spec string plus an optional transform spec."""
+
+    dataset: str
+    transform: str | None = None
+
+    def __post_init__(self) -> None:
+        parse_spec(self.dataset)
+        if self.transform is not None:
+            parse_spec(self.transform)
+
+    @property
+    def label(self) -> str:
+        return self.dataset if self.transform is None else f"{self.dataset} | {self.transform}"
+
+
+@dataclass(frozen=True)
+class ModelsSpec:
+    """Explicit model specs, or a family sweep at a fixed parameter count over depths."""
+
+    specs: tuple[str, ...] = ()
+    family: str | None = None
+    params: int | None = None
+    depths: tuple[int, ...] = ()
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        sweep = self.family is not None
+        if bool(self.specs) == sweep:
+            raise _fail("models", "specs/family", "give either specs = [...] or a family sweep "
+                        "(family, params, depths), not both and not neither")
+        for text in self.specs:
+            parse_spec(text)
+        if sweep:
+            if self.params is None or self.params < 1:
+                raise _fail("models", "params", f"a family sweep needs params >= 1, got "
+                            f"{self.params!r}")
+            if not self.depths or any(not isinstance(d, int) or d < 1 for d in self.depths):
+                raise _fail("models", "depths", f"need a list of integers >= 1, got "
+                            f"{list(self.depths)!r}")
+            if len(set(self.depths)) != len(self.depths):
+                raise _fail("models", "depths", "repeated depth")
+
+
+@dataclass(frozen=True)
+class LRSpec:
+    """The learning-rate strategy, the step-size grid and the rule that picks from it."""
+
+    strategy: str = "blr"
+    grid: tuple[float, ...] = (0.1,)
+    tuning: str = "lowest_loss_2_epochs"
+    tune_epochs: float = 2.0
+    tune_seeds: int = 1
+    tune_at: str = "each_batch"
+
+    def __post_init__(self) -> None:
+        if self.tune_at not in TUNE_AT:
+            raise _fail("lr", "tune_at", f"choose from {', '.join(TUNE_AT)}")
+        name = parse_spec(self.strategy).name
+        if name not in STRATEGIES:
+            raise _fail("lr", "strategy", f"unknown strategy {name!r}; choose from "
+                        f"{', '.join(STRATEGIES)} (e.g. 'lsr(base_batch=32,warmup_epochs=2)')")
+        if not self.grid or any(not (isinstance(x, (int, float)) and x > 0) for x in self.grid):
+            raise _fail("lr", "grid", f"need a non-empty list of step sizes > 0, got "
+                        f"{list(self.grid)!r}")
+        if len(set(self.grid)) != len(self.grid):
+            raise _fail("lr", "grid", "repeated step size")
+        if self.tuning not in TUNING_RULES:
+            raise _fail("lr", "tuning", f"unknown rule {self.tuning!r}; choose from "
+                        f"{', '.join(TUNING_RULES)}")
+        if self.tuning == "none" and len(self.grid) != 1:
+            raise _fail("lr", "grid", "tuning = 'none' needs exactly one step size")
+        if not self.tune_epochs > 0:
+            raise _fail("lr", "tune_epochs", f"must be > 0, got {self.tune_epochs!r}")
+        if self.tune_seeds < 1:
+            raise _fail("lr", "tune_seeds", f"must be >= 1, got {self.tune_seeds!r}")
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """What every run shares: targets, budget, optimiser, cadences and execution."""
+
+    targets: tuple[tuple[str, float], ...] = (("train_acc", 0.95),)
+    max_epochs: float = 20.0
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    convention: str = "mean"
+    sampling: str = "epoch"
+    eval_every_epochs: float = 0.25
+    diversity_every_epochs: float | None = 1.0
+    mechanisms: tuple[str, ...] = ("none",)
+    workers: int = 1
+    repeats: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.targets:
+            raise _fail("train", "targets", "need at least one target, e.g. {train_acc = 0.95}")
+        for metric, threshold in self.targets:
+            if metric not in TARGET_METRICS:
+                raise _fail("train", "targets", f"unknown metric {metric!r}; choose from "
+                            f"{', '.join(TARGET_METRICS)}")
+            if not math.isfinite(threshold):
+                raise _fail("train", "targets", f"threshold for {metric} must be finite")
+        positive = {"max_epochs": self.max_epochs, "eval_every_epochs": self.eval_every_epochs}
+        for key, value in positive.items():
+            if not value > 0:
+                raise _fail("train", key, f"must be > 0, got {value!r}")
+        if self.diversity_every_epochs is not None and not self.diversity_every_epochs > 0:
+            raise _fail("train", "diversity_every_epochs", "must be > 0 (or omitted for none)")
+        if self.convention not in CONVENTIONS:
+            raise _fail("train", "convention", f"choose from {', '.join(CONVENTIONS)}")
+        if self.sampling not in SAMPLINGS:
+            raise _fail("train", "sampling", f"choose from {', '.join(SAMPLINGS)}")
+        if self.workers < 1:
+            raise _fail("train", "workers", f"must be >= 1, got {self.workers!r}")
+        if self.repeats < 1:
+            raise _fail("train", "repeats", f"must be >= 1, got {self.repeats!r}")
+        if not self.mechanisms:
+            raise _fail("train", "mechanisms", "need at least one, e.g. ['none']")
+        for text in self.mechanisms:
+            parse_spec(text)
+
+    @property
+    def seeds(self) -> tuple[int, ...]:
+        return tuple(range(self.seed, self.seed + self.repeats))
+
+
+@dataclass(frozen=True)
+class StudySpec:
+    name: str
+    data: tuple[DataSpec, ...]
+    models: ModelsSpec
+    batch_sizes: tuple[int, ...]
+    lr: LRSpec = LRSpec()
+    train: TrainSpec = TrainSpec()
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
+            raise _fail("study", "name", f"need letters, digits, '-', '_' or '.', got "
+                        f"{self.name!r}")
+        if not self.data:
+            raise _fail("data", "datasets", "need at least one data set")
+        sizes = self.batch_sizes
+        if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1
+                            for b in sizes):
+            raise _fail("batches", "sizes", f"need integers >= 1, got {list(sizes)!r}")
+        labels = [d.label for d in self.data]
+        if len(set(labels)) != len(labels):
+            raise _fail("data", "datasets", "the same data set is listed twice")
+        if len(set(sizes)) != len(sizes):
+            raise _fail("batches", "sizes", "repeated batch size")
+        if list(sizes) != sorted(sizes):
+            raise _fail("batches", "sizes", "list them in increasing order")
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_plain(self)
+
+
+def _batch_sizes(table: dict[str, Any]) -> tuple[int, ...]:
+    _check_keys("batches", table, {"sizes", "min", "max"})
+    if "sizes" in table:
+        if "min" in table or "max" in table:
+            raise _fail("batches", "sizes", "give sizes = [...] or min/max powers of two, not both")
+        return tuple(table["sizes"])
+    if "min" not in table or "max" not in table:
+        raise _fail("batches", "sizes", "give sizes = [...] or min = 2^a and max = 2^b")
+    low, high = table["min"], table["max"]
+    for key, value in (("min", low), ("max", high)):
+        if not isinstance(value, int) or value < 1 or value & (value - 1):
+            raise _fail("batches", key, f"must be a power of two, got {value!r}")
+    if low > high:
+        raise _fail("batches", "min", f"min {low} is above max {high}")
+    return tuple(2**k for k in range(low.bit_length() - 1, high.bit_length()))
+
+
+def _targets(value: Any) -> tuple[tuple[str, float], ...]:
+    if not isinstance(value, dict):
+        raise _fail("train", "targets", "write a table, e.g. targets = {train_acc = 0.95}")
+    return tuple((str(k), float(v)) for k, v in value.items())
+
+
+def _data(entry: Any) -> DataSpec:
+    if isinstance(entry, str):
+        return DataSpec(entry)
+    if isinstance(entry, dict):
+        _check_keys("data", entry, {"dataset", "transform"})
+        if "dataset" not in entry:
+            raise _fail("data", "datasets", f"entry {entry!r} has no dataset = '...'")
+        return DataSpec(entry["dataset"], entry.get("transform"))
+    raise _fail("data", "datasets", f"each entry is a spec string or a table, got {entry!r}")
+
+
+def study_from_dict(raw: dict[str, Any]) -> StudySpec:
+    """Build and validate a StudySpec from the parsed TOML tables."""
+    _check_keys("top level", raw, {"study", "data", "models", "batches", "lr", "train"})
+    for section in ("study", "data", "models", "batches"):
+        if section not in raw:
+            raise BatchboundError(f"study spec: missing section [{section}]")
+    study = dict(raw["study"])
+    _check_keys("study", study, {"name", "description"})
+    data = dict(raw["data"])
+    _check_keys("data", data, {"datasets"})
+    datasets = data.get("datasets")
+    if not isinstance(datasets, list) or not datasets:
+        raise _fail("data", "datasets", "need a list of data set specs, e.g. ['digits'] or "
+                    "[{dataset = 'digits', transform = 'replicate(k=2)'}]")
+    models = dict(raw["models"])
+    _check_keys("models", models, {"specs", "family", "params", "depths", "options"})
+    lr = dict(raw.get("lr", {}))
+    _check_keys("lr", lr, {"strategy", "grid", "tuning", "tune_epochs", "tune_seeds", "tune_at"})
+    train = dict(raw.get("train", {}))
+    _check_keys("train", train, {f for f in TrainSpec.__dataclass_fields__})
+    if "targets" in train:
+        train["targets"] = _targets(train["targets"])
+    for key in ("mechanisms",):
+        if key in train:
+            train[key] = tuple(train[key])
+    try:
+        return StudySpec(
+            name=study.get("name", ""),
+            description=study.get("description", ""),
+            data=tuple(_data(d) for d in datasets),
+            models=ModelsSpec(
+                specs=tuple(models.get("specs", ())),
+                family=models.get("family"),
+                params=models.get("params"),
+                depths=tuple(models.get("depths", ())),
+                options=dict(models.get("options", {})),
+            ),
+            batch_sizes=_batch_sizes(dict(raw["batches"])),
+            lr=LRSpec(**{k: tuple(v) if k == "grid" else v for k, v in lr.items()}),
+            train=TrainSpec(**train),
+        )
+    except TypeError as exc:  # a wrong value type reaching a dataclass
+        raise BatchboundError(f"study spec: {exc}") from None
+
+
+def load_study(path: str | Path) -> StudySpec:
+    """Read a study TOML file, or a packaged preset by name (see ``preset_names()``)."""
+    path = resolve_study_path(path)
+    try:
+        raw = load_toml(path)
+    except OSError as exc:
+        raise BatchboundError(f"cannot read study spec {path}: {exc}") from None
+    except ValueError as exc:
+        raise BatchboundError(f"study spec {path} is not valid TOML: {exc}") from None
+    return study_from_dict(raw)
+
+
+def _presets_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "presets"
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in _presets_dir().glob("*.toml"))
+
+
+def resolve_study_path(path: str | Path) -> Path:
+    """A file path, or the name of a packaged preset (``width-depth-digits``)."""
+    candidate = Path(path)
+    if candidate.exists():
+        return candidate
+    preset = _presets_dir() / f"{path}.toml"
+    if preset.exists():
+        return preset
+    raise BatchboundError(
+        f"no study file {str(path)!r} and no preset of that name; presets: "
+        f"{', '.join(preset_names()) or 'none'}"
+    )

@@ -1,0 +1,274 @@
+"""The results store: one SQLite file in WAL mode, runs keyed by their config hash.
+
+Only the study's main process writes. A run's record moves pending → running → a final
+status (complete, diverged, stopped, failed); its targets, curves, Δ measurements and timings
+are written in the same transaction as its final status, so a kill at any moment leaves either
+the whole result or none of it. A run belongs to studies through ``study_runs`` (with its role,
+tune or final, and the grid labels the analyses group by); the same config in two studies is
+trained and stored once. The schema is documented in docs/store.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from batchbound.errors import BatchboundError
+
+SCHEMA_VERSION = 1
+FINISHED = ("complete", "diverged", "stopped")  # a rerun skips these; failed runs are retried
+STATUSES = ("pending", "running", *FINISHED, "failed")
+LABELS = ("data", "model", "model_label", "depth", "width", "params", "batch_size", "lr",
+          "seed", "mechanism", "n_train")
+# Curve metrics that are gradient-diversity measurements go to their own table.
+DIVERSITY_PREFIXES = ("diversity", "batch_bound", "online_")
+
+SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS studies (
+    name TEXT PRIMARY KEY, spec_json TEXT NOT NULL, created REAL NOT NULL, updated REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    key TEXT PRIMARY KEY, config_json TEXT NOT NULL,
+    status TEXT NOT NULL CHECK (status IN ({", ".join(repr(s) for s in STATUSES)})),
+    attempts INTEGER NOT NULL DEFAULT 0, started REAL, finished REAL, wall_seconds REAL,
+    final_json TEXT, error TEXT);
+CREATE TABLE IF NOT EXISTS study_runs (
+    study TEXT NOT NULL REFERENCES studies(name), key TEXT NOT NULL REFERENCES runs(key),
+    role TEXT NOT NULL, data TEXT, model TEXT, model_label TEXT, depth INTEGER, width INTEGER,
+    params INTEGER, batch_size INTEGER, lr REAL, seed INTEGER, mechanism TEXT, n_train INTEGER,
+    PRIMARY KEY (study, key, role));
+CREATE TABLE IF NOT EXISTS targets (
+    key TEXT NOT NULL REFERENCES runs(key), name TEXT NOT NULL, metric TEXT, threshold REAL,
+    reached INTEGER NOT NULL, iteration INTEGER, epoch REAL, seconds REAL,
+    PRIMARY KEY (key, name));
+CREATE TABLE IF NOT EXISTS curves (
+    key TEXT NOT NULL REFERENCES runs(key), iteration INTEGER NOT NULL, epoch REAL,
+    seconds REAL, metric TEXT NOT NULL, value REAL);
+CREATE INDEX IF NOT EXISTS curves_key ON curves (key, metric);
+CREATE TABLE IF NOT EXISTS diversity (
+    key TEXT NOT NULL REFERENCES runs(key), iteration INTEGER NOT NULL, epoch REAL,
+    seconds REAL, metric TEXT NOT NULL, value REAL);
+CREATE INDEX IF NOT EXISTS diversity_key ON diversity (key, metric);
+CREATE TABLE IF NOT EXISTS timings (
+    key TEXT NOT NULL REFERENCES runs(key), name TEXT NOT NULL, seconds REAL,
+    PRIMARY KEY (key, name));
+"""
+TABLES = ("studies", "runs", "study_runs", "targets", "curves", "diversity", "timings")
+
+
+def _number(value: Any) -> float | None:
+    """NaN becomes NULL; ±inf (also spelled "inf" in JSON) stays a float."""
+    if value is None:
+        return None
+    value = float(value)
+    return None if math.isnan(value) else value
+
+
+def curve_rows(curves: Any) -> list[tuple[Any, ...]]:
+    """Rows (iteration, epoch, seconds, metric, value) from RunResult.to_dict()'s curves,
+    which is {"columns": [...], "rows": [[...]]}, or from a plain list of rows or dicts."""
+    if isinstance(curves, Mapping):
+        columns = list(curves.get("columns", ("iteration", "epoch", "seconds", "metric",
+                                              "value")))
+        order = [columns.index(c) for c in ("iteration", "epoch", "seconds", "metric", "value")]
+        return [tuple(row[i] for i in order) for row in curves.get("rows", [])]
+    return [
+        (r["iteration"], r.get("epoch"), r.get("seconds"), r["metric"], r.get("value"))
+        if isinstance(r, Mapping) else tuple(r)
+        for r in curves
+    ]
+
+
+class Store:
+    """A study results database. Use as a context manager or call ``close()``."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(self.path, isolation_level=None, timeout=60)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.execute("PRAGMA foreign_keys=ON")
+        self.db.executescript(SCHEMA)  # idempotent: every statement is IF NOT EXISTS
+        with self.transaction():
+            row = self.db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+            if row is None:
+                self.db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+            elif int(row[0]) != SCHEMA_VERSION:
+                raise BatchboundError(f"store {self.path} has schema {row[0]}; this batchbound "
+                                      f"reads schema {SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        self.db.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def transaction(self) -> _Transaction:
+        return _Transaction(self.db)
+
+    # ---- writing --------------------------------------------------------------------------
+    def register_study(self, name: str, spec: Mapping[str, Any]) -> None:
+        now = time.time()
+        with self.transaction():
+            self.db.execute(
+                "INSERT INTO studies VALUES (?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET "
+                "spec_json=excluded.spec_json, updated=excluded.updated",
+                (name, json.dumps(spec, sort_keys=True), now, now),
+            )
+
+    def register_runs(self, study: str, runs: Iterable[tuple[str, str, Mapping[str, Any],
+                                                               Mapping[str, Any]]]) -> None:
+        """Add (key, role, config, labels) rows; runs already known keep their status."""
+        with self.transaction():
+            for key, role, config, labels in runs:
+                self.db.execute(
+                    "INSERT OR IGNORE INTO runs (key, config_json, status) VALUES (?, ?, "
+                    "'pending')", (key, json.dumps(config, sort_keys=True)))
+                self.db.execute(
+                    f"INSERT OR IGNORE INTO study_runs (study, key, role, {', '.join(LABELS)}) "
+                    f"VALUES (?, ?, ?, {', '.join('?' * len(LABELS))})",
+                    (study, key, role, *(labels.get(k) for k in LABELS)))
+
+    def mark_running(self, key: str) -> None:
+        with self.transaction():
+            self.db.execute("UPDATE runs SET status='running', attempts=attempts+1, started=? "
+                            "WHERE key=?", (time.time(), key))
+
+    def mark_failed(self, key: str, error: str) -> None:
+        with self.transaction():
+            self.db.execute("UPDATE runs SET status='failed', error=?, finished=? WHERE key=?",
+                            (error[-4000:], time.time(), key))
+
+    def record_result(self, key: str, result: Mapping[str, Any], wall_seconds: float) -> None:
+        """Write a finished run's whole result atomically (replacing any partial record)."""
+        status = result.get("status", "complete")
+        if status not in FINISHED and status != "failed":
+            raise BatchboundError(f"run {key}: unexpected status {status!r}")
+        curves, diversity = [], []
+        for iteration, epoch, seconds, metric, value in curve_rows(result.get("curves", [])):
+            item = (key, int(iteration), _number(epoch), _number(seconds), str(metric),
+                    _number(value))
+            (diversity if item[4].startswith(DIVERSITY_PREFIXES) else curves).append(item)
+        targets = [
+            (key, t["name"], t.get("metric"), _number(t.get("threshold")), int(bool(t["reached"])),
+             t.get("iteration"), _number(t.get("epoch")), _number(t.get("seconds")))
+            for t in result.get("targets", [])
+        ]
+        timings = [(key, name, _number(sec)) for name, sec in _flat(result.get("timings", {}))]
+        with self.transaction():
+            for table in ("targets", "curves", "diversity", "timings"):
+                self.db.execute(f"DELETE FROM {table} WHERE key=?", (key,))
+            self.db.executemany("INSERT INTO targets VALUES (?,?,?,?,?,?,?,?)", targets)
+            self.db.executemany("INSERT INTO curves VALUES (?,?,?,?,?,?)", curves)
+            self.db.executemany("INSERT INTO diversity VALUES (?,?,?,?,?,?)", diversity)
+            self.db.executemany("INSERT INTO timings VALUES (?,?,?)", timings)
+            self.db.execute(
+                "UPDATE runs SET status=?, finished=?, wall_seconds=?, final_json=?, error=? "
+                "WHERE key=?",
+                (status, time.time(), wall_seconds,
+                 json.dumps(result.get("final", {}), default=str, allow_nan=True),
+                 result.get("message") or result.get("error"), key))
+
+    # ---- reading --------------------------------------------------------------------------
+    def status(self, key: str) -> str | None:
+        row = self.db.execute("SELECT status FROM runs WHERE key=?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    def statuses(self, keys: Iterable[str]) -> dict[str, str]:
+        out = {}
+        for key in keys:
+            status = self.status(key)
+            if status is not None:
+                out[key] = status
+        return out
+
+    def studies(self) -> list[str]:
+        return [r[0] for r in self.db.execute("SELECT name FROM studies ORDER BY name")]
+
+    def study_spec(self, name: str) -> dict[str, Any]:
+        row = self.db.execute("SELECT spec_json FROM studies WHERE name=?", (name,)).fetchone()
+        if row is None:
+            raise BatchboundError(f"no study {name!r} in {self.path}; studies: "
+                                  f"{', '.join(self.studies()) or 'none'}")
+        return json.loads(row[0])
+
+    def frames(self, study: str) -> dict[str, pd.DataFrame]:
+        """The study's tables as DataFrames: runs (labels + status), targets, curves, ..."""
+        self.study_spec(study)
+        runs = pd.read_sql_query(
+            "SELECT s.*, r.status, r.attempts, r.wall_seconds, r.final_json, r.config_json "
+            "FROM study_runs s JOIN runs r USING (key) WHERE s.study=? ORDER BY s.rowid",
+            self.db, params=(study,))
+        frames = {"runs": runs}
+        for table in ("targets", "curves", "diversity", "timings"):
+            frames[table] = pd.read_sql_query(
+                f"SELECT t.* FROM {table} t WHERE t.key IN (SELECT key FROM study_runs "
+                f"WHERE study=?) ORDER BY t.rowid", self.db, params=(study,))
+        return frames
+
+    def table(self, name: str) -> pd.DataFrame:
+        if name not in (*TABLES, "meta"):
+            raise BatchboundError(f"no table {name!r}; tables: {', '.join(TABLES)}")
+        return pd.read_sql_query(f"SELECT * FROM {name}", self.db)
+
+
+def _flat(timings: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """Flatten nested timing dicts to (dotted name, seconds) for numeric leaves."""
+    out: list[tuple[str, float]] = []
+    if isinstance(timings, Mapping):
+        for name, value in timings.items():
+            out += _flat(value, f"{prefix}{name}.")
+    elif isinstance(timings, (int, float)) and not isinstance(timings, bool):
+        out.append((prefix.rstrip("."), float(timings)))
+    return out
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on error."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        self.db.execute("ROLLBACK" if exc_type else "COMMIT")
+
+
+def export(store: Store, directory: str | Path, fmt: str = "csv",
+           study: str | None = None) -> list[Path]:
+    """Write every table (or one study's tables) as CSV or Parquet files; return the paths."""
+    if fmt not in ("csv", "parquet"):
+        raise BatchboundError(f"unknown export format {fmt!r}; choose from csv, parquet")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if study is None:
+        frames = {name: store.table(name) for name in TABLES}
+    else:
+        frames = store.frames(study)
+        frames["studies"] = store.table("studies").query("name == @study")
+    paths = []
+    for name, frame in frames.items():
+        path = directory / f"{name}.{fmt}"
+        if fmt == "csv":
+            frame.to_csv(path, index=False)
+        else:
+            try:
+                frame.to_parquet(path, index=False)
+            except ImportError as exc:
+                raise BatchboundError("parquet export needs pyarrow: pip install "
+                                      "'batchbound[parquet]'") from exc
+        paths.append(path)
+    return paths
