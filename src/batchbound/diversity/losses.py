@@ -1,0 +1,132 @@
+"""Per-example losses: a loss here maps (outputs, targets) to one value per example, shape (n,).
+
+The engines sum these values themselves (the reduction is always an explicit sum), so a loss
+never averages over the batch. Gradient diversity Δ = S/T is invariant to a constant factor on
+the loss (both S and T scale by its square), so conventions such as ½ or a mean over outputs
+do not change Δ or B; they only change S, T and M2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from batchbound.errors import BatchboundError
+
+PerExampleLoss = Callable[[Tensor, Tensor], Tensor]
+
+LOSS_NAMES = ("cross_entropy", "mse")
+_DEFAULT_FOR_TASK = {"classification": "cross_entropy", "regression": "mse"}
+
+
+def cross_entropy(outputs: Tensor, targets: Tensor) -> Tensor:
+    """f_i = −log softmax(outputs_i)[y_i]: ``nn.CrossEntropyLoss()`` on a batch of one.
+
+    ``outputs`` is (n, C) logits. ``targets`` is (n,) integer class indices, or (n, C) class
+    probabilities of the outputs' floating dtype.
+    """
+    if outputs.dim() != 2:
+        raise BatchboundError(
+            f"cross_entropy needs outputs of shape (n, classes), got {tuple(outputs.shape)}"
+        )
+    n, classes = outputs.shape
+    if targets.dtype.is_floating_point:
+        if tuple(targets.shape) != (n, classes):
+            raise BatchboundError(
+                f"cross_entropy with probability targets needs labels of shape ({n}, {classes}), "
+                f"got {tuple(targets.shape)}"
+            )
+        return F.cross_entropy(outputs, targets.to(outputs.dtype), reduction="none")
+    if tuple(targets.shape) != (n,):
+        raise BatchboundError(
+            f"cross_entropy needs integer class labels of shape ({n},), got "
+            f"{tuple(targets.shape)}; regression targets need loss='mse'"
+        )
+    try:
+        return F.cross_entropy(outputs, targets.long(), reduction="none")
+    except (IndexError, RuntimeError) as exc:  # out-of-range labels; no data-dependent check
+        raise BatchboundError(  # here, so that the loss also runs under torch.func.vmap
+            f"cross_entropy: labels must be class indices in [0, {classes}): {exc}"
+        ) from None
+
+
+def mse(outputs: Tensor, targets: Tensor) -> Tensor:
+    """f_i = mean_j (outputs_ij − targets_ij)²: ``nn.MSELoss()`` on a batch of one.
+
+    ``targets`` has the outputs' shape; (n,) targets are accepted for (n, 1) outputs.
+    """
+    n = outputs.shape[0]
+    if targets.shape != outputs.shape:
+        if targets.dim() == 1 and tuple(outputs.shape) == (n, 1) and targets.shape[0] == n:
+            targets = targets.unsqueeze(1)
+        else:
+            raise BatchboundError(
+                f"mse needs targets shaped like the outputs {tuple(outputs.shape)}, got "
+                f"{tuple(targets.shape)}; class labels need loss='cross_entropy'"
+            )
+    if not targets.dtype.is_floating_point:
+        targets = targets.to(outputs.dtype)
+    diff = (outputs - targets.to(outputs.dtype)).reshape(n, -1)
+    return diff.square().mean(dim=1)
+
+
+_BY_NAME: dict[str, PerExampleLoss] = {"cross_entropy": cross_entropy, "mse": mse}
+
+
+def resolve_loss(loss: str | PerExampleLoss | None, task: str | None = None) -> PerExampleLoss:
+    """A per-example loss from a name, a callable, or (``loss=None``) the task's default:
+    cross-entropy for ``"classification"``, MSE for ``"regression"``.
+
+    The result checks that it returns one finite-shaped value per example.
+    """
+    if loss is None:
+        if task is None:
+            raise BatchboundError(
+                "no loss given and no task to choose one from; pass loss='cross_entropy', "
+                "loss='mse' or a callable returning one loss per example"
+            )
+        if task not in _DEFAULT_FOR_TASK:
+            raise BatchboundError(
+                f"unknown task {task!r}; choose from {', '.join(_DEFAULT_FOR_TASK)}"
+            )
+        loss = _DEFAULT_FOR_TASK[task]
+    if isinstance(loss, str):
+        if loss not in _BY_NAME:
+            raise BatchboundError(f"unknown loss {loss!r}; choose from {', '.join(LOSS_NAMES)}")
+        return _BY_NAME[loss]
+    if not callable(loss):
+        raise BatchboundError(f"loss must be a name or a callable, got {type(loss).__name__}")
+    return _checked(loss)
+
+
+def _checked(fn: PerExampleLoss) -> PerExampleLoss:
+    def per_example(outputs: Tensor, targets: Tensor) -> Tensor:
+        values = fn(outputs, targets)
+        if not isinstance(values, Tensor) or tuple(values.shape) != (outputs.shape[0],):
+            shape = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
+            raise BatchboundError(
+                f"the loss must return one value per example, shape ({outputs.shape[0]},), "
+                f"got {shape}; use reduction='none'"
+            )
+        return values
+
+    per_example.__name__ = getattr(fn, "__name__", "custom")
+    return per_example
+
+
+def loss_name(loss: PerExampleLoss) -> str:
+    return getattr(loss, "__name__", "custom")
+
+
+def check_finite(losses: Tensor, offset: int = 0) -> None:
+    """Raise naming the first example (global index ``offset + i``) whose loss is not finite."""
+    finite = torch.isfinite(losses.detach())
+    if not bool(finite.all()):
+        index = int((~finite).nonzero()[0, 0])
+        raise BatchboundError(
+            f"the loss of example {offset + index} is not finite ({float(losses[index])}); "
+            "check the inputs and the model's outputs"
+        )

@@ -1,0 +1,197 @@
+"""``measure``: exact S, T, Δ and B of a model over a whole data set, streamed in chunks.
+
+Memory is bounded by the chunk size (plus one float64 copy of the gradient sum), not by n.
+The model is measured in eval mode (see ``rules/norm.py`` for why BatchNorm requires it) and
+every module's mode is restored afterwards; ``.grad`` fields are never touched.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+from torch.utils.data import Dataset as TorchDataset
+
+from batchbound.data.dataset import Dataset
+from batchbound.diversity.distributed import all_reduce_sum, world_size
+from batchbound.diversity.losses import PerExampleLoss, loss_name, resolve_loss
+from batchbound.diversity.report import DiversityReport
+from batchbound.diversity.stats import ENGINES, per_example_stats, trainable_parameters
+from batchbound.errors import BatchboundError
+
+Data = Dataset | TorchDataset | DataLoader | tuple[Tensor, Tensor]
+
+
+def _split(x: Tensor, y: Tensor, chunk_size: int) -> Iterator[tuple[Tensor, Tensor]]:
+    for start in range(0, x.shape[0], chunk_size):
+        yield x[start : start + chunk_size], y[start : start + chunk_size]
+
+
+def _from_loader(batches: Iterable[Any], chunk_size: int) -> Iterator[tuple[Tensor, Tensor]]:
+    for batch in batches:
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise BatchboundError(
+                "each batch of the data must be an (inputs, targets) pair, got "
+                f"{type(batch).__name__}"
+            )
+        yield from _split(batch[0], batch[1], chunk_size)
+
+
+def data_chunks(
+    data: Data, chunk_size: int
+) -> tuple[Iterator[tuple[Tensor, Tensor]], int | None, str | None]:
+    """(iterator of (x, y) chunks of at most ``chunk_size`` examples, n if known in advance,
+    task if known). Empty data raise BatchboundError before any work."""
+    if isinstance(data, Dataset):
+        if data.n_train == 0:
+            raise BatchboundError(f"data set {data.name!r} has no training examples")
+        return _split(data.x_train, data.y_train, chunk_size), data.n_train, data.task
+    if (
+        isinstance(data, (tuple, list))
+        and len(data) == 2
+        and all(isinstance(t, Tensor) for t in data)
+    ):
+        x, y = data
+        if x.dim() == 0 or y.dim() == 0 or x.shape[0] != y.shape[0]:
+            raise BatchboundError(
+                f"inputs {tuple(x.shape)} and targets {tuple(y.shape)} must share their first "
+                "(example) dimension"
+            )
+        if x.shape[0] == 0:
+            raise BatchboundError("the data are empty: 0 examples")
+        return _split(x, y, chunk_size), int(x.shape[0]), None
+    if isinstance(data, DataLoader):
+        n = len(data.dataset) if hasattr(data.dataset, "__len__") else None  # type: ignore[arg-type]
+        if n == 0:
+            raise BatchboundError("the DataLoader's data set is empty: 0 examples")
+        return _from_loader(data, chunk_size), n, None
+    if isinstance(data, TorchDataset) and hasattr(data, "__len__"):
+        if len(data) == 0:  # type: ignore[arg-type]
+            raise BatchboundError("the data set is empty: 0 examples")
+        loader = DataLoader(data, batch_size=chunk_size, shuffle=False)
+        return _from_loader(loader, chunk_size), len(data), None  # type: ignore[arg-type]
+    raise BatchboundError(
+        "data must be a batchbound Dataset, a torch Dataset, a DataLoader or an (x, y) pair of "
+        f"tensors; got {type(data).__name__}"
+    )
+
+
+_chunks = data_chunks  # the name helper B2's first draft imports
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    return next(iter(trainable_parameters(model).values())).dtype
+
+
+@contextmanager
+def measuring(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[nn.Module]:
+    """The model to measure: a ``dtype`` copy when that differs from the model's (the user's
+    model is never converted), switched to eval mode; every module's mode is restored after."""
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise BatchboundError(f"dtype must be a floating torch dtype, got {dtype!r}")
+    work = model
+    if dtype is not None and dtype != _model_dtype(model):
+        work = copy.deepcopy(model).to(dtype)
+    modes = [(module, module.training) for module in work.modules()]
+    work.eval()
+    try:
+        yield work
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def measure(
+    model: nn.Module,
+    data: Data,
+    loss: str | PerExampleLoss | None = None,
+    *,
+    chunk_size: int = 256,
+    engine: str = "auto",
+    dtype: torch.dtype | None = None,
+    progress: bool = False,
+) -> DiversityReport:
+    """Exact gradient diversity of ``model`` over all of ``data``.
+
+    ``data``: a batchbound Dataset (its train split), a torch Dataset of (x, y) pairs, a
+    DataLoader yielding (x, y) batches, or an (x, y) pair of tensors. ``loss``: a name
+    (``"cross_entropy"``, ``"mse"``), a callable returning one loss per example, or None for
+    the data set's task default. ``engine``: ``"auto"``, ``"hooks"``, ``"vmap"`` or ``"loop"``
+    (see ``per_example_stats``). ``dtype=torch.float64`` measures a float64 copy of the model;
+    the user's model is never converted. Computation runs where the model's parameters are.
+
+    Under torch.distributed each rank passes its own shard; every rank gets the global report.
+    """
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise BatchboundError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    if engine not in ENGINES:
+        raise BatchboundError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
+    trainable_parameters(model)  # raises for a model with nothing to measure
+    chunks, n_known, task = data_chunks(data, chunk_size)
+    loss_fn = resolve_loss(loss, task)
+
+    start = time.perf_counter()
+    with measuring(model, dtype) as work:
+        totals = _accumulate(work, chunks, n_known, loss_fn, engine, progress)
+    dtype = _model_dtype(work)
+    names = list(trainable_parameters(work))
+    count, loss_sum, per_param, grad_sum = totals
+    reduced = all_reduce_sum([count, loss_sum, *per_param, *grad_sum])
+    n = round(float(reduced[0]))
+    if n == 0:
+        raise BatchboundError("the data are empty: 0 examples")
+    per_param_S = dict(zip(names, map(float, reduced[2 : 2 + len(names)]), strict=True))
+    T = float(sum(g.square().sum() for g in reduced[2 + len(names) :]))
+    return DiversityReport(
+        n=n,
+        S=float(sum(per_param_S.values())),
+        T=T,
+        per_parameter_S=per_param_S,
+        loss=float(reduced[1]) / n,
+        seconds=time.perf_counter() - start,
+        engine=engine,
+        dtype=str(dtype).removeprefix("torch."),
+        world_size=world_size(),
+        extra={"loss_name": loss_name(loss_fn)},
+    )
+
+
+def _accumulate(
+    work: nn.Module,
+    chunks: Iterator[tuple[Tensor, Tensor]],
+    n_known: int | None,
+    loss_fn: PerExampleLoss,
+    engine: str,
+    progress: bool,
+) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor]]:
+    """Sums over this rank's chunks, in float64 on the model's device: (n, Σ loss, per-parameter
+    S, per-parameter Σg)."""
+    from tqdm.auto import tqdm
+
+    params = trainable_parameters(work)
+    first = next(iter(params.values()))
+    device, dtype, acc = first.device, first.dtype, torch.float64
+    per_param = [torch.zeros((), dtype=acc, device=device) for _ in params]
+    grad_sum = [torch.zeros(p.shape, dtype=acc, device=device) for p in params.values()]
+    loss_sum = torch.zeros((), dtype=acc, device=device)
+    seen = 0
+    with tqdm(total=n_known, unit="ex", file=sys.stderr, disable=not progress, leave=False) as bar:
+        for x, y in chunks:
+            x = x.to(device=device, dtype=dtype if x.dtype.is_floating_point else None)
+            y = y.to(device=device, dtype=dtype if y.dtype.is_floating_point else None)
+            stats = per_example_stats(work, x, y, loss_fn, engine=engine, offset=seen)
+            for i, name in enumerate(params):
+                per_param[i] += stats.sq_norms[name].sum(dtype=acc)
+                grad_sum[i] += stats.grad_sum[name].to(acc)
+            loss_sum += stats.losses.sum(dtype=acc)
+            seen += stats.n
+            bar.update(stats.n)
+    count = torch.tensor(float(seen), dtype=acc, device=device)
+    return count, loss_sum, per_param, grad_sum

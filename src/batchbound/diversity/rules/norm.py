@@ -1,0 +1,70 @@
+"""Affine parameters of LayerNorm, GroupNorm and BatchNorm (eval mode).
+
+All three compute y = x̂·weight + bias with a normalised x̂, so the per-example gradients are
+weight: Σ (b·x̂) and bias: Σ b, summed over the positions that share a parameter entry.
+x̂ is recomputed from the saved input (cheap, and nothing private of torch is needed).
+
+BatchNorm is supported in eval mode only. In train mode x̂ uses the batch's mean and
+variance, so each example's output depends on every other example: f_i is then not a
+function of example i alone, per-example gradients do not exist, and S = Σ‖g_i‖² is not
+defined. Gradient diversity is therefore defined, and measured, with BatchNorm in eval mode
+(running statistics); ``measure`` switches the model to eval and back.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from batchbound.diversity.rules.registry import register_rule, trainable
+from batchbound.errors import BatchboundError
+
+
+def _affine_sq_norms(layer: nn.Module, x_hat: Tensor, b: Tensor, param_dims: int) -> dict:
+    """Sum b·x̂ and b over all but the batch dimension and the trailing ``param_dims``."""
+    n = b.shape[0]
+    norms: dict[str, Tensor] = {}
+    shape = (n, -1, *b.shape[b.dim() - param_dims :])
+    if trainable(layer, "weight"):
+        g = (b * x_hat).reshape(shape).sum(dim=1)
+        norms["weight"] = g.reshape(n, -1).square().sum(dim=1)
+    if trainable(layer, "bias"):
+        norms["bias"] = b.reshape(shape).sum(dim=1).reshape(n, -1).square().sum(dim=1)
+    return norms
+
+
+@register_rule(nn.LayerNorm)
+def layer_norm_rule(layer: nn.Module, x: Tensor, b: Tensor) -> dict[str, Tensor]:
+    dims = tuple(range(x.dim() - len(layer.normalized_shape), x.dim()))
+    var, mean = torch.var_mean(x, dim=dims, unbiased=False, keepdim=True)
+    x_hat = (x - mean) * torch.rsqrt(var + layer.eps)
+    return _affine_sq_norms(layer, x_hat, b, len(layer.normalized_shape))
+
+
+def _channels_last(t: Tensor) -> Tensor:
+    """(n, C, *spatial) -> (n, *spatial, C), so the parameter axis is the trailing one."""
+    return t.movedim(1, -1)
+
+
+@register_rule(nn.GroupNorm)
+def group_norm_rule(layer: nn.Module, x: Tensor, b: Tensor) -> dict[str, Tensor]:
+    n = x.shape[0]
+    grouped = x.reshape(n, layer.num_groups, -1)
+    var, mean = torch.var_mean(grouped, dim=2, unbiased=False, keepdim=True)
+    x_hat = ((grouped - mean) * torch.rsqrt(var + layer.eps)).reshape(x.shape)
+    return _affine_sq_norms(layer, _channels_last(x_hat), _channels_last(b), 1)
+
+
+@register_rule(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+def batch_norm_rule(layer: nn.Module, x: Tensor, b: Tensor) -> dict[str, Tensor]:
+    if layer.training or layer.running_mean is None:
+        raise BatchboundError(
+            f"{type(layer).__name__} normalises with batch statistics (train mode or "
+            "track_running_stats=False), so examples are not independent and per-example "
+            "gradients do not exist; measure with the model in eval mode"
+        )
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    mean = layer.running_mean.reshape(shape)
+    var = layer.running_var.reshape(shape)
+    x_hat = (x - mean) * torch.rsqrt(var + layer.eps)
+    return _affine_sq_norms(layer, _channels_last(x_hat), _channels_last(b), 1)

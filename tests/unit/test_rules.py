@@ -1,0 +1,200 @@
+"""Every layer rule against the per-example loop, in float64 (relative error <= 1e-9)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from batchbound.diversity import per_example_stats
+from batchbound.diversity.hooks import plan_hooks
+from batchbound.diversity.rules import RULES, conv
+
+RTOL = 1e-9
+
+
+def feature_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A non-linear per-example loss for any output shape: Σ_j tanh(out_j)·y_j."""
+    return (torch.tanh(out).reshape(out.shape[0], -1) * y).sum(dim=1)
+
+
+def check_against_loop(model: nn.Module, x: torch.Tensor) -> None:
+    model = model.double()
+    x = x.double() if x.dtype.is_floating_point else x
+    with torch.no_grad():
+        width = model(x).reshape(x.shape[0], -1).shape[1]
+    y = torch.randn(x.shape[0], width, dtype=torch.float64)
+    assert not plan_hooks(model).uncovered, "the model must be covered by rules"
+    fast = per_example_stats(model, x, y, feature_loss, engine="hooks")
+    slow = per_example_stats(model, x, y, feature_loss, engine="loop")
+    assert fast.sq_norms.keys() == slow.sq_norms.keys()
+    for name in slow.sq_norms:
+        torch.testing.assert_close(fast.sq_norms[name], slow.sq_norms[name], rtol=RTOL, atol=0)
+        torch.testing.assert_close(fast.grad_sum[name], slow.grad_sum[name], rtol=RTOL, atol=1e-12)
+    torch.testing.assert_close(fast.losses, slow.losses, rtol=RTOL, atol=1e-12)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    n=st.integers(1, 4),
+    d_in=st.integers(1, 6),
+    d_out=st.integers(1, 6),
+    lead=st.lists(st.integers(1, 4), max_size=2),
+    bias=st.booleans(),
+)
+def test_linear(n: int, d_in: int, d_out: int, lead: list[int], bias: bool) -> None:
+    torch.manual_seed(0)
+    check_against_loop(nn.Linear(d_in, d_out, bias=bias), torch.randn(n, *lead, d_in))
+
+
+@pytest.mark.parametrize("shape", [(3, 7, 2, 9), (3, 1, 40), (2, 30, 3)])
+def test_linear_sequence_both_branches(shape: tuple[int, ...]) -> None:
+    """(T, d_in, d_out) chosen so that Gram form or materialising is the cheaper branch."""
+    n, steps, d_in, d_out = shape[0], shape[1], shape[-2], shape[-1]
+    torch.manual_seed(1)
+    check_against_loop(nn.Linear(d_in, d_out), torch.randn(n, steps, d_in))
+
+
+conv_cases = st.fixed_dictionaries(
+    {
+        "dims": st.sampled_from([1, 2]),
+        "n": st.integers(1, 3),
+        "groups": st.sampled_from([1, 2, 3]),
+        "c_in_per_group": st.integers(1, 2),
+        "c_out_per_group": st.integers(1, 2),
+        "kernel": st.integers(1, 3),
+        "stride": st.integers(1, 2),
+        "dilation": st.integers(1, 2),
+        "padding": st.sampled_from([0, 1, 2, "same", "valid"]),
+        "padding_mode": st.sampled_from(["zeros", "reflect", "circular", "replicate"]),
+        "bias": st.booleans(),
+        "size": st.integers(5, 8),
+        "strategy": st.sampled_from(["gram", "unfold"]),
+    }
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=conv_cases)
+def test_conv(case: dict) -> None:
+    if case["padding"] == "same":
+        case["stride"] = 1  # torch allows padding='same' only with stride 1
+    layer_type = nn.Conv1d if case["dims"] == 1 else nn.Conv2d
+    g = case["groups"]
+    torch.manual_seed(2)
+    layer = layer_type(
+        g * case["c_in_per_group"],
+        g * case["c_out_per_group"],
+        case["kernel"],
+        stride=case["stride"],
+        padding=case["padding"],
+        dilation=case["dilation"],
+        groups=g,
+        bias=case["bias"],
+        padding_mode=case["padding_mode"],
+    )
+    spatial = (case["size"],) * case["dims"]
+    x = torch.randn(case["n"], g * case["c_in_per_group"], *spatial)
+    with conv.force_strategy(case["strategy"]):
+        check_against_loop(layer, x)
+
+
+def test_conv_strategy_follows_flop_estimate() -> None:
+    # Few positions, many channels: Gram form; many positions: materialising.
+    assert conv.choose_strategy(8, 64 * 9, 64, 1, 4) == "gram"
+    assert conv.choose_strategy(8, 1 * 25, 6, 1, 784) == "unfold"
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    n=st.integers(1, 4),
+    steps=st.integers(1, 6),
+    vocab=st.integers(2, 6),
+    padding_idx=st.sampled_from([None, 0]),
+)
+def test_embedding(n: int, steps: int, vocab: int, padding_idx: int | None) -> None:
+    torch.manual_seed(3)
+    layer = nn.Embedding(vocab, 3, padding_idx=padding_idx)
+    idx = torch.randint(0, vocab, (n, steps))  # small vocabularies force repeated indices
+    check_against_loop(layer, idx)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("shape,normalized", [((3, 5), (5,)), ((3, 4, 2, 3), (2, 3))])
+def test_layer_norm(shape: tuple[int, ...], normalized: tuple[int, ...], affine: bool) -> None:
+    torch.manual_seed(4)
+    layer = nn.LayerNorm(normalized, elementwise_affine=affine)
+    model = nn.Sequential(nn.Linear(shape[-1], shape[-1]), layer) if not affine else layer
+    if affine:
+        with torch.no_grad():
+            layer.weight.normal_()
+            layer.bias.normal_()
+    check_against_loop(model, torch.randn(*shape))
+
+
+@pytest.mark.parametrize("shape", [(3, 6), (3, 6, 5), (2, 6, 3, 4)])
+@pytest.mark.parametrize("groups", [1, 2, 3, 6])
+def test_group_norm(shape: tuple[int, ...], groups: int) -> None:
+    if len(shape) == 2 and groups == 6:
+        pytest.skip("torch rejects groups of one value")
+    torch.manual_seed(5)
+    layer = nn.GroupNorm(groups, 6)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
+    check_against_loop(layer, torch.randn(*shape))
+
+
+@pytest.mark.parametrize(
+    "layer_type,shape",
+    [
+        (nn.BatchNorm1d, (3, 4)),
+        (nn.BatchNorm1d, (3, 4, 5)),
+        (nn.BatchNorm2d, (3, 4, 3, 3)),
+        (nn.BatchNorm3d, (2, 4, 2, 2, 2)),
+    ],
+)
+def test_batch_norm_eval(layer_type: type[nn.Module], shape: tuple[int, ...]) -> None:
+    torch.manual_seed(6)
+    layer = layer_type(4)
+    layer.train()
+    with torch.no_grad():
+        for _ in range(3):  # non-trivial running statistics
+            layer(torch.randn(8, *shape[1:]) * 2 + 1)
+        layer.weight.normal_()
+        layer.bias.normal_()
+    layer.eval()
+    check_against_loop(layer, torch.randn(*shape))
+
+
+def test_small_cnn_and_mlp_end_to_end() -> None:
+    torch.manual_seed(7)
+    cnn = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(4, 4, 3, stride=2, groups=2),
+        nn.GroupNorm(2, 4),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(16, 5),
+        nn.LayerNorm(5),
+    ).eval()
+    check_against_loop(cnn, torch.randn(4, 2, 6, 6))
+
+
+def test_registry_lists_every_family() -> None:
+    expected = {
+        nn.Linear,
+        nn.Conv1d,
+        nn.Conv2d,
+        nn.Embedding,
+        nn.LayerNorm,
+        nn.GroupNorm,
+        nn.BatchNorm1d,
+        nn.BatchNorm2d,
+        nn.BatchNorm3d,
+    }
+    assert expected <= set(RULES)
