@@ -22,7 +22,8 @@ DEFAULT_TRAINER = "batchbound.study.adapter:execute"
 
 
 def train_fields(spec: StudySpec, data: DataSpec, model: str, batch_size: int, lr: float,
-                 seed: int, mechanism: str, epochs: float, with_targets: bool) -> dict[str, Any]:
+                 strategy: str, seed: int, mechanism: str, epochs: float,
+                 with_targets: bool) -> dict[str, Any]:
     """TrainConfig fields for one run. Tuning runs (no targets) skip Δ measurements."""
     train = spec.train
     return {
@@ -31,7 +32,7 @@ def train_fields(spec: StudySpec, data: DataSpec, model: str, batch_size: int, l
         "model": model,
         "batch_size": int(batch_size),
         "lr": float(lr),
-        "strategy": spec.lr.strategy,
+        "strategy": strategy,
         "momentum": float(train.momentum),
         "weight_decay": float(train.weight_decay),
         "convention": train.convention,

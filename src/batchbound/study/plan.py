@@ -24,6 +24,7 @@ from batchbound.study.adapter import config_key, train_fields
 from batchbound.study.spec import DataSpec, StudySpec
 
 TUNE, FINAL = "tune", "final"
+Cell = tuple[str, str, int, str, str]  # data, model spec, batch size, mechanism, strategy
 
 
 @dataclass(frozen=True)
@@ -59,13 +60,14 @@ class PlannedRun:
     lr: float
     seed: int
     mechanism: str
+    strategy: str
     epochs: float
     n_train: int
     fields: Mapping[str, Any] = field(compare=False, repr=False)
 
-    def group(self) -> tuple[str, str, int, str]:
+    def group(self) -> Cell:
         """What a tuning rule chooses a step size for."""
-        return (self.data, self.model.spec, self.batch_size, self.mechanism)
+        return (self.data, self.model.spec, self.batch_size, self.mechanism, self.strategy)
 
     def labels(self) -> dict[str, Any]:
         return {
@@ -79,6 +81,7 @@ class PlannedRun:
             "lr": self.lr,
             "seed": self.seed,
             "mechanism": self.mechanism,
+            "strategy": self.strategy,
             "n_train": self.n_train,
         }
 
@@ -141,13 +144,13 @@ def _check_batches(spec: StudySpec, data: DataSpec, info: DataInfo) -> None:
                               f"size >= {workers}")
 
 
-def _run(spec: StudySpec, role: str, data: DataSpec, info: DataInfo, shape: ModelShape,
-         batch: int, lr: float, seed: int, mechanism: str, epochs: float,
-         with_targets: bool) -> PlannedRun:
-    fields = train_fields(spec, data, shape.spec, batch, lr, seed, mechanism, epochs,
+def _run(spec: StudySpec, role: str, cell: tuple[DataSpec, ModelShape, int, str, str],
+         info: DataInfo, lr: float, seed: int, epochs: float, with_targets: bool) -> PlannedRun:
+    data, shape, batch, mechanism, strategy = cell
+    fields = train_fields(spec, data, shape.spec, batch, lr, strategy, seed, mechanism, epochs,
                           with_targets)
     return PlannedRun(config_key(fields), role, data.label, shape, batch, float(lr), seed,
-                      mechanism, epochs, info.n_train, fields)
+                      mechanism, strategy, epochs, info.n_train, fields)
 
 
 @dataclass(frozen=True)
@@ -156,12 +159,13 @@ class Plan:
     shapes: dict[str, list[ModelShape]]
     infos: dict[str, DataInfo]
 
-    def cells(self) -> Iterable[tuple[DataSpec, ModelShape, int, str]]:
+    def cells(self) -> Iterable[tuple[DataSpec, ModelShape, int, str, str]]:
         for data in self.spec.data:
             for shape in self.shapes[data.label]:
-                for batch in self.spec.batch_sizes:
-                    for mechanism in self.spec.train.mechanisms:
-                        yield data, shape, batch, mechanism
+                for strategy in self.spec.lr.strategies:
+                    for batch in self.spec.batch_sizes:
+                        for mechanism in self.spec.train.mechanisms:
+                            yield data, shape, batch, mechanism, strategy
 
     def tuning_runs(self) -> list[PlannedRun]:
         lr = self.spec.lr
@@ -172,24 +176,25 @@ class Plan:
         seeds = self.spec.train.seeds[: lr.tune_seeds]
         base = self.spec.batch_sizes[0]
         runs = []
-        for data, shape, batch, mechanism in self.cells():
-            if lr.tune_at == "base_batch" and batch != base:
+        for cell in self.cells():
+            if lr.tune_at == "base_batch" and cell[2] != base:
                 continue
             for eta in lr.grid:
                 for seed in seeds:
-                    runs.append(_run(self.spec, TUNE, data, self.infos[data.label], shape,
-                                     batch, eta, seed, mechanism, epochs, with_targets=full))
+                    runs.append(_run(self.spec, TUNE, cell, self.infos[cell[0].label], eta,
+                                     seed, epochs, with_targets=full))
         return runs
 
-    def final_runs(self, chosen: Mapping[tuple[str, str, int, str], float],
-                   only_cell: tuple[str, str, int, str] | None = None) -> list[PlannedRun]:
+    def final_runs(self, chosen: Mapping[Cell, float],
+                   only_cell: Cell | None = None) -> list[PlannedRun]:
         """Final runs given the chosen step size per tuning cell (data, model, batch,
         mechanism); with ``only_cell``, just the finals that cell's η decides."""
         runs = []
         base = self.spec.batch_sizes[0]
-        for data, shape, batch, mechanism in self.cells():
+        for grid_cell in self.cells():
+            data, shape, batch, mechanism, strategy = grid_cell
             lookup_batch = base if self.spec.lr.tune_at == "base_batch" else batch
-            cell = (data.label, shape.spec, lookup_batch, mechanism)
+            cell = (data.label, shape.spec, lookup_batch, mechanism, strategy)
             if only_cell is not None and cell != only_cell:
                 continue
             if self.spec.lr.tuning == "none":
@@ -199,9 +204,8 @@ class Plan:
             else:
                 raise BatchboundError(f"no tuned step size for {cell}")
             for seed in self.spec.train.seeds:
-                runs.append(_run(self.spec, FINAL, data, self.infos[data.label], shape, batch,
-                                 eta, seed, mechanism, self.spec.train.max_epochs,
-                                 with_targets=True))
+                runs.append(_run(self.spec, FINAL, grid_cell, self.infos[data.label], eta,
+                                 seed, self.spec.train.max_epochs, with_targets=True))
         return runs
 
     def final_count(self) -> int:

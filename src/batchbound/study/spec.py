@@ -95,7 +95,7 @@ class ModelsSpec:
 class LRSpec:
     """The learning-rate strategy, the step-size grid and the rule that picks from it."""
 
-    strategy: str = "blr"
+    strategies: tuple[str, ...] = ("blr",)
     grid: tuple[float, ...] = (0.1,)
     tuning: str = "lowest_loss_2_epochs"
     tune_epochs: float = 2.0
@@ -105,10 +105,13 @@ class LRSpec:
     def __post_init__(self) -> None:
         if self.tune_at not in TUNE_AT:
             raise _fail("lr", "tune_at", f"choose from {', '.join(TUNE_AT)}")
-        name = parse_spec(self.strategy).name
-        if name not in STRATEGIES:
-            raise _fail("lr", "strategy", f"unknown strategy {name!r}; choose from "
-                        f"{', '.join(STRATEGIES)} (e.g. 'lsr(base_batch=32,warmup_epochs=2)')")
+        if not self.strategies or len(set(self.strategies)) != len(self.strategies):
+            raise _fail("lr", "strategy", "need one strategy or a list of distinct ones")
+        for text in self.strategies:
+            name = parse_spec(text).name
+            if name not in STRATEGIES:
+                raise _fail("lr", "strategy", f"unknown strategy {name!r}; choose from "
+                            f"{', '.join(STRATEGIES)} (e.g. 'lsr(base_batch=32,warmup_epochs=2)')")
         if not self.grid or any(not (isinstance(x, (int, float)) and x > 0) for x in self.grid):
             raise _fail("lr", "grid", f"need a non-empty list of step sizes > 0, got "
                         f"{list(self.grid)!r}")
@@ -230,6 +233,16 @@ def _targets(value: Any) -> tuple[tuple[str, float], ...]:
     return tuple((str(k), float(v)) for k, v in value.items())
 
 
+def _lr(table: dict[str, Any]) -> LRSpec:
+    """``strategy`` is one spec string or a list (a grid dimension, for comparisons)."""
+    table = dict(table)
+    strategy = table.pop("strategy", "blr")
+    strategies = (strategy,) if isinstance(strategy, str) else tuple(strategy)
+    if "grid" in table:
+        table["grid"] = tuple(table["grid"])
+    return LRSpec(strategies=strategies, **table)
+
+
 def _data(entry: Any) -> DataSpec:
     if isinstance(entry, str):
         return DataSpec(entry)
@@ -279,7 +292,7 @@ def study_from_dict(raw: dict[str, Any]) -> StudySpec:
                 options=dict(models.get("options", {})),
             ),
             batch_sizes=_batch_sizes(dict(raw["batches"])),
-            lr=LRSpec(**{k: tuple(v) if k == "grid" else v for k, v in lr.items()}),
+            lr=_lr(lr),
             train=TrainSpec(**train),
         )
     except TypeError as exc:  # a wrong value type reaching a dataclass

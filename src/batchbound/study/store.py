@@ -26,7 +26,7 @@ SCHEMA_VERSION = 1
 FINISHED = ("complete", "diverged", "stopped")  # a rerun skips these; failed runs are retried
 STATUSES = ("pending", "running", *FINISHED, "failed")
 LABELS = ("data", "model", "model_label", "depth", "width", "params", "batch_size", "lr",
-          "seed", "mechanism", "n_train")
+          "seed", "mechanism", "strategy", "n_train")
 # Curve metrics that are gradient-diversity measurements go to their own table.
 DIVERSITY_PREFIXES = ("diversity", "batch_bound", "online_")
 
@@ -42,7 +42,8 @@ CREATE TABLE IF NOT EXISTS runs (
 CREATE TABLE IF NOT EXISTS study_runs (
     study TEXT NOT NULL REFERENCES studies(name), key TEXT NOT NULL REFERENCES runs(key),
     role TEXT NOT NULL, data TEXT, model TEXT, model_label TEXT, depth INTEGER, width INTEGER,
-    params INTEGER, batch_size INTEGER, lr REAL, seed INTEGER, mechanism TEXT, n_train INTEGER,
+    params INTEGER, batch_size INTEGER, lr REAL, seed INTEGER, mechanism TEXT, strategy TEXT,
+    n_train INTEGER,
     PRIMARY KEY (study, key, role));
 CREATE TABLE IF NOT EXISTS targets (
     key TEXT NOT NULL REFERENCES runs(key), name TEXT NOT NULL, metric TEXT, threshold REAL,
