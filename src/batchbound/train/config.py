@@ -95,7 +95,7 @@ class TrainConfig:
     # diversity
     diversity_every_epochs: float | None = None  # exact Δ over the train set (seed 000: 10)
     online_diversity: str = "off"  # off | norms | two_batch
-    mechanism: str | None = None  # dropconnect(p=..) | sgld(sigma=..) | quantize
+    mechanism: str = "none"  # none | dropconnect(p=..) | sgld(sigma=..) | quantization
     mechanism_granularity: str = "worker"  # example (exact, costly) | worker
     batch_policy: str = "fixed"  # fixed | adaptive(delta=..,min=..,max=..,every=..)
     # bookkeeping
@@ -160,8 +160,8 @@ class TrainConfig:
     def parsed_strategy(self) -> Strategy:
         return parse_strategy(self.strategy)
 
-    def parsed_mechanism(self) -> Mechanism | None:
-        return None if self.mechanism is None else parse_mechanism(self.mechanism)
+    def parsed_mechanism(self) -> Mechanism:
+        return parse_mechanism(self.mechanism)
 
     def parsed_batch_policy(self) -> BatchPolicy:
         return parse_batch_policy(self.batch_policy)
@@ -203,7 +203,8 @@ class TrainConfig:
         unknown = sorted(set(data) - names)
         if unknown:
             raise BatchboundError(
-                f"unknown train config field(s) {', '.join(unknown)}; fields: {', '.join(sorted(names))}"
+                f"unknown train config field(s) {', '.join(unknown)}; "
+                f"fields: {', '.join(sorted(names))}"
             )
         return cls(**data)
 

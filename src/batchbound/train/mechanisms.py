@@ -1,64 +1,99 @@
-"""Diversity-inducing mechanisms of seed 001 applied in training: DropConnect(p), SGLD(σ) and
-stochastic quantization, at one of two granularities.
+"""Diversity-inducing mechanisms of seed 001 applied in training: ``dropconnect(p=..)``,
+``sgld(sigma=..)`` and ``quantization``, at one of two granularities. The samplers and the
+spec are batchbound.diversity.mechanisms'; this module decides *where* they act.
 
-Every mechanism acts on a *gradient sum* Σ_{i∈unit} g_i (the seeds' units) and is unbiased,
-so the expected update equals the plain one:
+Every mechanism acts on a gradient sum Σ_{i∈unit} g_i and is unbiased, so the expected
+update equals the plain one:
 
-- ``dropconnect(p=..)``: D·g / (1 − p), D a diagonal Bernoulli(1 − p) keep-mask. Seed 001
-  writes D·g without the 1/(1 − p); we rescale so the step size keeps its meaning.
-- ``sgld(sigma=..)``: g + ξ, ξ ~ N(0, σ²I), one ξ per unit.
-- ``quantize``: Q(g), [Q(v)]_l = ‖v‖₂·sign(v_l)·η_l with P(η_l = 1) = |v_l|/‖v‖₂.
+- DropConnect: D·g/(1 − p), D a diagonal Bernoulli(1 − p) keep-mask. Seed 001 writes D·g
+  without the 1/(1 − p); we rescale so the step size keeps its meaning.
+- SGLD: g + ξ, ξ ~ N(0, σ²I), one ξ per unit.
+- Quantization: Q(g), [Q(v)]_l = ‖v‖₂·sign(v_l)·η_l with P(η_l = 1) = |v_l|/‖v‖₂, over the
+  whole flattened model gradient (``quantization(per_tensor=true)``: per parameter tensor).
 
 Granularity:
 
-- ``example`` (exact, seed 001's definition): the unit is one example, so every example's
-  gradient is masked / noised / quantized on its own. DropConnect and quantization need the
-  per-example gradients (one (B, *shape) tensor per parameter), which costs memory B×|w| and
-  a vmap'd backward: several times a plain step. SGLD needs none: the sum of B independent
-  N(0, σ²) draws is one N(0, Bσ²) draw.
+- ``example`` (exact, seed 001's definition): the unit is one example. DropConnect and
+  quantization need the per-example gradients (``per_example_gradients``, torch.func vmap):
+  memory B_local × |w| and several times the cost of a plain backward. SGLD needs none: the
+  sum of B independent N(0, σ²I) draws is one N(0, Bσ²I) draw.
 - ``worker`` (the practical form): the unit is one worker's local gradient (each rank's
-  slice of the global batch; on one process, the whole batch). Applied to the flat gradient
+  slice of the global batch; on one process, the whole batch), applied to the flat gradient
   buffer just before the all-reduce.
+
+Gradients here are already multiplied by the convention's ``scale`` (1/B for ``mean``, 1
+for ``sum``). DropConnect and Q are positively homogeneous, Q(c·v) ~ c·Q(v) for c > 0, so
+applying them after the scale is the same; SGLD's noise is multiplied by ``scale``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-from batchbound.errors import BatchboundError
-from batchbound.spec import parse_spec
+import torch
+from torch import Tensor, nn
 
-MECHANISMS = ("dropconnect", "sgld", "quantize")
+from batchbound.diversity import per_example_gradients
+from batchbound.diversity.losses import PerExampleLoss
+from batchbound.diversity.mechanisms import (
+    Mechanism,
+    apply_mechanism,
+    parse_mechanism,
+    quantize_group,
+    sgld_noise,
+)
+
 GRANULARITIES = ("example", "worker")
 
-
-@dataclass(frozen=True)
-class Mechanism:
-    name: str
-    p: float = 0.0
-    sigma: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.name not in MECHANISMS:
-            raise BatchboundError(
-                f"unknown mechanism {self.name!r}; choose from dropconnect(p=..), sgld(sigma=..), "
-                "quantize"
-            )
-        if self.name == "dropconnect" and not 0 <= self.p < 1:
-            raise BatchboundError(f"dropconnect p must be in [0, 1), got {self.p}")
-        if self.name == "sgld" and not (self.sigma >= 0 and math.isfinite(self.sigma)):
-            raise BatchboundError(f"sgld sigma must be >= 0, got {self.sigma}")
+__all__ = ["GRANULARITIES", "Mechanism", "apply_to_worker", "example_gradients", "parse_mechanism"]
 
 
-def parse_mechanism(text: str) -> Mechanism:
-    spec = parse_spec(text)
-    options = {"dropconnect": {"p"}, "sgld": {"sigma"}, "quantize": set()}
-    if spec.name not in options:
-        Mechanism(spec.name)  # raises with the list of choices
-    unknown = sorted(set(spec.kwargs) - options[spec.name])
-    missing = sorted(options[spec.name] - set(spec.kwargs))
-    if unknown or missing:
-        needs = ", ".join(f"{k}=.." for k in sorted(options[spec.name])) or "no options"
-        raise BatchboundError(f"mechanism {text!r}: {spec.name} takes {needs}")
-    return Mechanism(spec.name, **{k: float(v) for k, v in spec.kwargs.items()})
+def apply_to_worker(
+    mechanism: Mechanism,
+    grads: list[Tensor],
+    scale: float,
+    generator: torch.Generator,
+) -> None:
+    """Replace this worker's (already scaled) gradient tensors in place by M(gradient)."""
+    if mechanism.name == "none":
+        return
+    if mechanism.name == "sgld":
+        for g in grads:
+            g.add_(sgld_noise(g, mechanism.sigma * scale, generator=generator))
+    elif mechanism.name == "quantization" and not mechanism.per_tensor:
+        for g, q in zip(grads, quantize_group(grads, generator), strict=True):
+            g.copy_(q)
+    else:
+        named = {str(i): g for i, g in enumerate(grads)}
+        drawn = apply_mechanism(mechanism, named, generator, batch_dims=0, rescale=True)
+        for i, g in enumerate(grads):
+            g.copy_(drawn[str(i)])
+
+
+def example_gradients(
+    mechanism: Mechanism,
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    loss_fn: PerExampleLoss,
+    scale: float,
+    generator: torch.Generator,
+) -> tuple[Tensor, list[Tensor]]:
+    """Σ_i M(g_i)·scale over this worker's examples, each example's mechanism drawn on its
+    own. Returns (per-example losses, gradients in ``model.parameters()`` order)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if mechanism.name in ("sgld", "none"):
+        outputs = model(x)
+        losses = loss_fn(outputs, y)
+        grads = torch.autograd.grad(losses.sum() * scale, params)
+        if mechanism.name == "sgld":  # Σ of n independent N(0, σ²) = N(0, nσ²)
+            sigma = mechanism.sigma * math.sqrt(x.shape[0]) * scale
+            for g in grads:
+                g.add_(sgld_noise(g, sigma, generator=generator))
+        return losses.detach(), list(grads)
+    with torch.no_grad():
+        losses = loss_fn(model(x), y)
+    per_example = per_example_gradients(model, x, y, loss_fn)
+    drawn = apply_mechanism(mechanism, per_example, generator, batch_dims=1, rescale=True)
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    return losses, [drawn[name].sum(dim=0) * scale for name in names]

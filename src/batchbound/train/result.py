@@ -100,7 +100,9 @@ class RunResult:
             config_hash=data["config_hash"],
             status=data["status"],
             targets=[TargetResult(**t) for t in data.get("targets", [])],
-            curves=[(int(i), float(e), float(s), str(m), _from_json_float(v)) for i, e, s, m, v in rows],
+            curves=[
+                (int(i), float(e), float(s), str(m), _from_json_float(v)) for i, e, s, m, v in rows
+            ],
             timings=dict(data.get("timings", {})),
             final={k: _from_json_float(v) for k, v in data.get("final", {}).items()},
             message=data.get("message", ""),

@@ -93,7 +93,9 @@ def parse_strategy(text: str) -> Strategy:
         )
     kwargs = dict(spec.kwargs)
     if spec.name in ("lsr", "srsr") and "base_batch" not in kwargs:
-        raise BatchboundError(f"strategy {spec.name} needs base_batch=m0, e.g. {spec.name}(base_batch=32)")
+        raise BatchboundError(
+            f"strategy {spec.name} needs base_batch=m0, e.g. {spec.name}(base_batch=32)"
+        )
     if "milestones" in kwargs:
         milestones = kwargs["milestones"]
         kwargs["milestones"] = tuple(

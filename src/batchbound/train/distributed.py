@@ -1,0 +1,117 @@
+"""Process groups, the split of the global batch across workers, and the gradient all-reduce.
+
+**Splitting B across P workers.** Every rank draws the same global batch of B indices from
+an identically seeded sampler, then takes a contiguous slice: rank r gets ⌊B/P⌋ examples,
+plus one more when r < B mod P. B < P is an error (a worker with no example).
+
+**Combining gradients.** Each rank backpropagates the *sum* of its per-example losses scaled
+by 1/B (convention ``mean``) or 1 (``sum``), copies its gradients into one flat buffer and
+``torch.distributed.all_reduce``\\ s it with SUM: the collective DDP itself uses. Summing
+(instead of DDP's average over ranks) is what makes unequal slices exact: the result is
+(1/B)·Σ_{i∈batch} g_i whatever the split, i.e. single-process training up to the order of
+floating-point additions. We do not wrap the model in DDP because (a) DDP divides by the
+world size, which is wrong for unequal slices, (b) one explicit all-reduce is timed exactly,
+without guessing which bucket overlapped with backward, and (c) worker-granularity
+mechanisms and the step's stop/loss flags ride on the same buffer. The price is no overlap of
+communication with backward, which for the models here (≤ a few M parameters) is small.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from batchbound.errors import BatchboundError
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None  # None when not distributed
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """``auto`` -> ``cuda:<local_rank>`` when CUDA is available, else ``cpu``."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise BatchboundError("device 'cuda' requested but CUDA is not available")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device(name)
+
+
+def env_world_size() -> int:
+    """WORLD_SIZE from torchrun's environment (1 when not launched by torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def setup(device: str) -> DistContext:
+    """Join (or create) the process group when running under several ranks.
+
+    Uses an already initialised group; else, under torchrun (WORLD_SIZE > 1 in the
+    environment), initialises one from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT.
+    """
+    if not dist.is_initialized() and env_world_size() > 1:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        target = resolve_device(device, local_rank)
+        dist.init_process_group(backend="nccl" if target.type == "cuda" else "gloo")
+    if not dist.is_initialized():
+        return DistContext(device=resolve_device(device))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(dist.get_rank())))
+    target = resolve_device(device, local_rank)
+    if target.type == "cuda":
+        torch.cuda.set_device(target)
+    return DistContext(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=target,
+        backend=dist.get_backend(),
+    )
+
+
+def shard_sizes(batch_size: int, world_size: int) -> list[int]:
+    """⌊B/P⌋ each, plus one for the first B mod P ranks."""
+    if batch_size < world_size:
+        raise BatchboundError(
+            f"global batch {batch_size} is smaller than the {world_size} workers: every worker "
+            "needs at least one example"
+        )
+    base, extra = divmod(batch_size, world_size)
+    return [base + (1 if r < extra else 0) for r in range(world_size)]
+
+
+def shard(indices: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's contiguous slice of the global batch ``indices``."""
+    sizes = shard_sizes(len(indices), world_size)
+    start = sum(sizes[:rank])
+    return indices[start : start + sizes[rank]]
+
+
+def all_reduce_sum(buffer: torch.Tensor) -> None:
+    """In-place SUM across ranks (no-op on one process)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+
+
+def free_port() -> int:
+    """A free TCP port on loopback (bind to port 0 and let the OS choose)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

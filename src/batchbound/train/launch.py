@@ -1,0 +1,103 @@
+"""``--workers P`` on one machine: spawn P processes that form a process group on loopback.
+
+The parent loads and validates the data first (bad input fails before any process starts),
+hands it to the workers through torch.multiprocessing's shared memory, picks a free port,
+and waits. Rank 0 writes the RunResult to a temporary file the parent reads back. SIGINT or
+SIGTERM to the parent is forwarded to the workers as SIGTERM, so they checkpoint and stop
+together. Each worker gets ⌊cores/P⌋ intra-op threads so P workers do not oversubscribe.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from batchbound.data import Dataset, apply_transform, load_dataset
+from batchbound.train.config import TrainConfig
+from batchbound.train.distributed import free_port, resolve_device
+from batchbound.train.result import RunResult
+
+
+def launch_local(
+    config: TrainConfig,
+    *,
+    dataset: Dataset | None = None,
+    checkpoint_path: str | Path | None = None,
+    resume: bool = False,
+    progress: bool = False,
+) -> RunResult:
+    data = dataset if dataset is not None else load_dataset(config.dataset, config.data_dir)
+    checked = apply_transform(data, config.transform, config.seed) if config.transform else data
+    config.validate_against(checked)
+    resolve_device(config.device)  # a missing CUDA fails here, not in P workers
+    port = free_port()
+    threads = max(1, (os.cpu_count() or 1) // config.workers)
+    with tempfile.TemporaryDirectory(prefix="batchbound-") as tmp:
+        out = Path(tmp) / "result.json"
+        options = {"checkpoint_path": checkpoint_path, "resume": resume, "progress": progress}
+        context = mp.start_processes(
+            _worker,
+            args=(config.to_dict(), data, port, threads, str(out), options),
+            nprocs=config.workers,
+            join=False,
+            start_method="spawn",
+        )
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+        def forward(signum: int, frame: Any) -> None:
+            for process in context.processes:
+                if process.is_alive() and process.pid is not None:
+                    os.kill(process.pid, signal.SIGTERM)
+
+        try:
+            for sig in previous:
+                signal.signal(sig, forward)
+            while not context.join():
+                pass
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return RunResult.from_json(out.read_text())
+
+
+def _worker(
+    rank: int,
+    config_dict: dict[str, Any],
+    data: Dataset,
+    port: int,
+    threads: int,
+    out: str,
+    options: dict[str, Any],
+) -> None:
+    from batchbound.train.loop import train
+
+    config = TrainConfig.from_dict(config_dict)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(config.workers),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(threads)
+    device = resolve_device(config.device, rank)
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo",
+        rank=rank,
+        world_size=config.workers,
+    )
+    try:
+        result = train(config, dataset=data, **options)
+        if rank == 0:
+            tmp = Path(out + ".tmp")
+            tmp.write_text(result.to_json())
+            os.replace(tmp, out)
+    finally:
+        dist.destroy_process_group()

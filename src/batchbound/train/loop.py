@@ -1,0 +1,512 @@
+"""The training loop: synchronous data-parallel mini-batch SGD, one short named step at a time.
+
+    evaluate (iteration 0)
+    while no limit reached:
+        train_step        data → compute → communication (all-reduce) → step
+        divergence check  non-finite or > divergence_factor × initial loss: status diverged
+        evaluate          every eval_every_* ; record targets reached
+        measure_diversity every diversity_every_epochs (exact Δ across ranks)
+        adapt_batch_size  every k iterations with batch_policy adaptive(...)
+        checkpoint        every checkpoint_every iterations, and on SIGTERM/SIGINT
+
+The global batch B is drawn identically on every rank (same sampler seed); rank r takes its
+slice (see distributed.py). Each rank backpropagates Σ_{i∈slice} f_i · scale, scale = 1/B
+(``mean``) or 1 (``sum``), and the flat gradient buffer is all-reduced with SUM, so P
+processes compute exactly what one would, up to the order of float additions.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchbound.data import BatchSampler, Dataset, apply_transform, load_dataset
+from batchbound.diversity import measure, per_example_stats
+from batchbound.diversity.losses import resolve_loss
+from batchbound.errors import BatchboundError
+from batchbound.models import build_model
+from batchbound.train.checkpoint import StopFlag, load_checkpoint, save_checkpoint
+from batchbound.train.config import TrainConfig
+from batchbound.train.distributed import DistContext, all_reduce_sum, env_world_size, setup, shard
+from batchbound.train.evaluate import evaluate
+from batchbound.train.mechanisms import apply_to_worker, example_gradients
+from batchbound.train.monitor import OnlineMonitor
+from batchbound.train.progress import Progress
+from batchbound.train.result import RunResult, TargetResult
+from batchbound.train.timing import PhaseTimer
+
+_EPS = 1e-9  # epoch comparisons: samples_seen / n is exact, but sums of fractions are not
+
+
+def train(
+    config: TrainConfig,
+    *,
+    dataset: Dataset | None = None,
+    checkpoint_path: str | Path | None = None,
+    resume: bool = False,
+    progress: bool = False,
+) -> RunResult:
+    """Train per ``config``; return the RunResult (on every rank; rank 0 is the one to keep).
+
+    ``dataset``: an already loaded Dataset instead of ``config.dataset`` (the transform is
+    still applied). ``checkpoint_path``: where checkpoints go (periodic with
+    ``config.checkpoint_every``, and on SIGTERM/SIGINT). ``resume``: continue from it.
+    With ``config.workers > 1`` and no process group, P local processes are spawned (gloo on
+    CPU, NCCL on CUDA); under torchrun the environment's group is joined.
+    """
+    if resume and checkpoint_path is None:
+        raise BatchboundError("resume needs a checkpoint path")
+    if config.workers > 1 and env_world_size() == 1 and not torch.distributed.is_initialized():
+        from batchbound.train.launch import launch_local
+
+        return launch_local(
+            config,
+            dataset=dataset,
+            checkpoint_path=checkpoint_path,
+            resume=resume,
+            progress=progress,
+        )
+    ctx = setup(config.device)
+    if ctx.world_size != config.workers:
+        raise BatchboundError(
+            f"config says workers={config.workers} but the process group has "
+            f"{ctx.world_size} ranks; set --workers to the torchrun world size"
+        )
+    trainer = Trainer(
+        config, ctx, dataset=dataset, checkpoint_path=checkpoint_path, progress=progress
+    )
+    return trainer.run(resume=resume)
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: TrainConfig,
+        ctx: DistContext,
+        *,
+        dataset: Dataset | None = None,
+        checkpoint_path: str | Path | None = None,
+        progress: bool = False,
+    ) -> None:
+        self.config, self.ctx = config, ctx
+        data = dataset if dataset is not None else load_dataset(config.dataset, config.data_dir)
+        if config.transform:
+            data = apply_transform(data, config.transform, config.seed)
+        config.validate_against(data)
+        dtype = getattr(torch, config.dtype)
+        self.data = data.to(ctx.device, dtype)
+        self.n = data.n_train
+        self.classification = data.task == "classification"
+        self.loss_fn = resolve_loss(config.loss, data.task)
+        self.strategy = config.parsed_strategy()
+        self.mechanism = config.parsed_mechanism()
+        self.policy = config.parsed_batch_policy()
+
+        torch.manual_seed(config.seed)
+        self.model = build_model(config.model, data.input_shape, data.num_outputs, seed=config.seed)
+        self.model.to(device=ctx.device, dtype=dtype).train()
+        self.names = [name for name, p in self.model.named_parameters() if p.requires_grad]
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.numels = [p.numel() for p in self.params]
+        self.optimizer = torch.optim.SGD(
+            self.params,
+            lr=config.lr,
+            momentum=config.momentum,
+            weight_decay=config.weight_decay,
+        )
+        self.sampler = BatchSampler(
+            self.n, config.seed, replacement=config.sampling == "replacement"
+        )
+        # mechanism draws differ per rank (independent workers) and are checkpointed
+        self.generator = torch.Generator(device=ctx.device)
+        self.generator.manual_seed(config.seed * 1_000_003 + 7919 * (ctx.rank + 1))
+        self.monitor = OnlineMonitor(config.online_diversity, self.n, ctx)
+
+        subset = config.eval_subset
+        if subset is not None and subset < self.n:
+            pick = torch.randperm(self.n, generator=torch.Generator().manual_seed(config.seed))
+            pick = pick[:subset].to(ctx.device)
+            self.eval_train = (self.data.x_train[pick], self.data.y_train[pick])
+        else:
+            self.eval_train = (self.data.x_train, self.data.y_train)
+
+        self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
+        self.timer = PhaseTimer(ctx.device)
+        self.progress = Progress(
+            progress and ctx.is_main,
+            config.max_epochs if config.max_epochs else config.max_iterations,
+            "epoch" if config.max_epochs else "it",
+        )
+        # run state (all of it goes into checkpoints)
+        self.iteration = 0
+        self.train_seconds = 0.0
+        self.batch_size = config.batch_size
+        self.lr = math.nan
+        self.initial_loss: float | None = None
+        self.last_batch_loss = math.nan
+        self.next_eval_epoch = config.eval_every_epochs or math.inf
+        self.next_diversity_epoch = config.diversity_every_epochs or math.inf
+        self.last_eval_iteration = -1
+        self.metrics: dict[str, float] = {}
+        self.curves: list[tuple[int, float, float, str, float]] = []
+        self.targets = [TargetResult(t.name, t.metric, t.threshold) for t in config.targets]
+        self.status, self.message = "complete", ""
+
+    # ---------------------------------------------------------------- the loop
+    def run(self, resume: bool = False) -> RunResult:
+        stop = StopFlag().install()
+        try:
+            if resume:
+                self.load_checkpoint()
+            else:
+                self.evaluate_step()
+                self.record("batch_size", self.batch_size)
+            while not self.limit_reached():
+                flags = self.train_step(stop.requested, self.time_exceeded())
+                if self.diverged():
+                    break
+                if flags["stop"]:
+                    self.status = "stopped"
+                    self.message = f"stopped by {stop.signal_name or 'a signal on another rank'}"
+                    self.checkpoint_step()
+                    break
+                if flags["time"]:
+                    self.message = f"max_seconds={self.config.max_seconds} reached"
+                    break
+                if self.eval_due():
+                    self.evaluate_step()
+                    if self.all_targets_reached():
+                        self.message = "all targets reached"
+                        break
+                if self.diversity_due():
+                    self.measure_diversity()
+                if self.adapt_due():
+                    self.adapt_batch_size()
+                if self.checkpoint_due():
+                    self.checkpoint_step()
+            if self.status == "complete" and self.last_eval_iteration != self.iteration:
+                self.evaluate_step()
+        except BatchboundError:
+            raise
+        except Exception as exc:  # a crash mid-run is a recorded result, not a lost one
+            self.status, self.message = "failed", f"{type(exc).__name__}: {exc}"
+            if self.ctx.distributed:
+                raise
+        finally:
+            stop.close()
+            self.progress.close()
+        return self.result()
+
+    # ---------------------------------------------------------------- steps
+    def train_step(self, stop_requested: bool, time_exceeded: bool) -> dict[str, bool]:
+        timer, ctx = self.timer, self.ctx
+        started = time.perf_counter()
+        timer.start()
+        batch = self.batch_size
+        lr = self.strategy.lr(self.config.lr, batch, self.sampler.epoch)
+        if lr != self.lr:
+            self.lr = lr
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.record("lr", lr)
+        local = shard(self.sampler.next_indices(batch), ctx.rank, ctx.world_size).to(ctx.device)
+        x, y = self.data.x_train[local], self.data.y_train[local]
+        timer.lap("data")
+
+        scale = 1.0 / batch if self.config.convention == "mean" else 1.0
+        grads, loss_sum, monitor_extras = self.compute_gradients(x, y, scale)
+        if self.config.mechanism_granularity == "worker":
+            apply_to_worker(self.mechanism, grads, scale, self.generator)
+        timer.lap("compute")
+
+        extras = [loss_sum, float(stop_requested), float(time_exceeded), *monitor_extras]
+        extras_sum, sent = self.all_reduce(grads, extras)
+        timer.lap("communication")
+
+        self.optimizer.step()
+        timer.lap("step")
+        timer.end_iteration(batch, sent)
+
+        self.iteration += 1
+        self.train_seconds += time.perf_counter() - started
+        self.last_batch_loss = extras_sum[0] / batch
+        self.record("batch_loss", self.last_batch_loss)
+        if self.monitor.active:
+            t0 = time.perf_counter()
+            for metric, value in self.monitor.update(grads, scale, extras_sum[3:], batch).items():
+                self.record(metric, value)
+            timer.totals["monitor"] += time.perf_counter() - t0
+        self.progress.update(
+            self.sampler.epoch,
+            self.iteration,
+            self.last_batch_loss,
+            self.metrics.get("train_acc"),
+            timer.samples / max(self.train_seconds, 1e-12),
+            batch,
+        )
+        return {"stop": extras_sum[1] > 0, "time": extras_sum[2] > 0}
+
+    def compute_gradients(
+        self, x: torch.Tensor, y: torch.Tensor, scale: float
+    ) -> tuple[list[torch.Tensor], float, list[float]]:
+        """This rank's gradients (already scaled), its loss sum, and what the monitor needs."""
+        if self.config.mechanism_granularity == "example" and self.mechanism.name != "none":
+            losses, grads = example_gradients(
+                self.mechanism, self.model, x, y, self.loss_fn, scale, self.generator
+            )
+            for p, g in zip(self.params, grads, strict=True):
+                p.grad = g
+            return grads, float(losses.sum()), []
+        if self.monitor.needs_norms:  # one backward gives gradients and per-example norms
+            stats = per_example_stats(self.model, x, y, self.loss_fn)
+            grads = [stats.grad_sum[name].mul_(scale) for name in self.names]
+            for p, g in zip(self.params, grads, strict=True):
+                p.grad = g
+            return grads, float(stats.losses.sum()), [float(stats.total_sq_norms.sum())]
+        self.optimizer.zero_grad(set_to_none=True)
+        losses = self.loss_fn(self.model(x), y)
+        (losses.sum() * scale).backward()
+        return [p.grad for p in self.params], float(losses.detach().sum()), []
+
+    def all_reduce(self, grads: list[torch.Tensor], extras: list[float]) -> tuple[list[float], int]:
+        """SUM gradients and the extras across ranks in one flat buffer; returns the summed
+        extras and the payload bytes this rank sent (0 on one process)."""
+        if not self.ctx.distributed:
+            return extras, 0
+        flat = torch.cat([g.reshape(-1) for g in grads] + [grads[0].new_tensor(extras)])
+        all_reduce_sum(flat)
+        for g, chunk in zip(grads, flat[: -len(extras)].split(self.numels), strict=True):
+            g.copy_(chunk.view_as(g))
+        return flat[-len(extras) :].tolist(), flat.numel() * flat.element_size()
+
+    def evaluate_step(self) -> None:
+        started = time.perf_counter()
+        cfg, data = self.config, self.data
+        train = evaluate(
+            self.model,
+            *self.eval_train,
+            self.loss_fn,
+            self.ctx,
+            cfg.eval_batch_size,
+            self.classification,
+        )
+        metrics = {f"train_{k}": v for k, v in train.items()}
+        if data.n_test > 0:
+            test = evaluate(
+                self.model,
+                data.x_test,
+                data.y_test,
+                self.loss_fn,
+                self.ctx,
+                cfg.eval_batch_size,
+                self.classification,
+            )
+            metrics.update({f"test_{k}": v for k, v in test.items()})
+        self.metrics = metrics
+        for name, value in metrics.items():
+            self.record(name, value)
+        if self.initial_loss is None:
+            self.initial_loss = metrics["train_loss"]
+        for target, goal in zip(self.targets, cfg.targets, strict=True):
+            if not target.reached and goal.reached(metrics.get(goal.metric, math.nan)):
+                target.reached = True
+                target.iteration = self.iteration
+                target.epoch = self.sampler.epoch
+                target.seconds = self.train_seconds
+        self.last_eval_iteration = self.iteration
+        if cfg.eval_every_iterations is None:
+            while self.next_eval_epoch <= self.sampler.epoch + _EPS:
+                self.next_eval_epoch += cfg.eval_every_epochs  # type: ignore[operator]
+        self.timer.totals.setdefault("eval", 0.0)
+        self.timer.totals["eval"] += time.perf_counter() - started
+
+    def measure_diversity(self) -> float:
+        """Exact Δ over the whole train set (each rank measures its share; all-reduced)."""
+        started = time.perf_counter()
+        x = self.data.x_train[self.ctx.rank :: self.ctx.world_size]
+        y = self.data.y_train[self.ctx.rank :: self.ctx.world_size]
+        report = measure(self.model, (x, y), self.loss_fn, chunk_size=256)
+        self.record("diversity", report.diversity)
+        self.record("batch_bound", report.batch_bound)
+        every = self.config.diversity_every_epochs
+        while every and self.next_diversity_epoch <= self.sampler.epoch + _EPS:
+            self.next_diversity_epoch += every
+        self.timer.totals.setdefault("diversity", 0.0)
+        self.timer.totals["diversity"] += time.perf_counter() - started
+        return float(report.diversity)
+
+    def adapt_batch_size(self) -> None:
+        """B = clip(⌊δ·n·Δ̂⌋ + 1, min, max), Δ̂ from the online monitor or an exact measure."""
+        if self.policy.source == "online":
+            diversity = self.monitor.diversity_estimate()
+        else:
+            diversity = self.measure_diversity()
+        new = max(min(self.policy.batch_size(self.n, diversity), self.n), self.ctx.world_size)
+        if new != self.batch_size:
+            self.batch_size = new
+            self.record("batch_size", new)
+
+    def diverged(self) -> bool:
+        loss, factor = self.last_batch_loss, self.config.divergence_factor
+        if not math.isfinite(loss):
+            self.status, self.message = "diverged", f"non-finite loss at iteration {self.iteration}"
+        elif factor is not None and self.initial_loss and loss > factor * self.initial_loss:
+            self.status = "diverged"
+            self.message = (
+                f"loss {loss:.4g} > {factor:g} × initial {self.initial_loss:.4g} at iteration "
+                f"{self.iteration}"
+            )
+        return self.status == "diverged"
+
+    # ---------------------------------------------------------------- cadences and limits
+    def limit_reached(self) -> bool:
+        cfg = self.config
+        if cfg.max_iterations is not None and self.iteration >= cfg.max_iterations:
+            self.message = self.message or f"max_iterations={cfg.max_iterations} reached"
+            return True
+        if cfg.max_epochs is not None and self.sampler.epoch >= cfg.max_epochs - _EPS:
+            self.message = self.message or f"max_epochs={cfg.max_epochs:g} reached"
+            return True
+        return False
+
+    def time_exceeded(self) -> bool:
+        limit = self.config.max_seconds
+        return limit is not None and self.train_seconds >= limit
+
+    def eval_due(self) -> bool:
+        every = self.config.eval_every_iterations
+        if every is not None:
+            return self.iteration % every == 0
+        return self.sampler.epoch + _EPS >= self.next_eval_epoch
+
+    def diversity_due(self) -> bool:
+        return self.sampler.epoch + _EPS >= self.next_diversity_epoch
+
+    def adapt_due(self) -> bool:
+        return self.policy.adaptive and self.iteration % self.policy.every == 0
+
+    def checkpoint_due(self) -> bool:
+        every = self.config.checkpoint_every
+        return (
+            self.checkpoint_path is not None and every is not None and self.iteration % every == 0
+        )
+
+    def all_targets_reached(self) -> bool:
+        return (
+            bool(self.targets)
+            and self.config.stop_at_targets
+            and all(t.reached for t in self.targets)
+        )
+
+    # ---------------------------------------------------------------- records
+    def record(self, metric: str, value: float) -> None:
+        self.curves.append(
+            (self.iteration, self.sampler.epoch, self.train_seconds, metric, float(value))
+        )
+
+    def result(self) -> RunResult:
+        final = {
+            **self.metrics,
+            "batch_loss": self.last_batch_loss,
+            "iterations": self.iteration,
+            "epochs": self.sampler.epoch,
+            "seconds": self.train_seconds,
+            "batch_size": self.batch_size,
+            "lr": self.lr,
+        }
+        timings = self.timer.summary(self.ctx.world_size)
+        timings["train_seconds"] = self.train_seconds
+        for extra in ("eval", "diversity", "checkpoint"):
+            timings[f"{extra}_seconds"] = self.timer.totals.get(extra, 0.0)
+        return RunResult(
+            config=self.config,
+            config_hash=self.config.config_hash(),
+            status=self.status,
+            targets=[TargetResult(**t.to_dict()) for t in self.targets],
+            curves=list(self.curves),
+            timings=timings,
+            final=final,
+            message=self.message,
+            environment={
+                "world_size": self.ctx.world_size,
+                "backend": self.ctx.backend,
+                "device": str(self.ctx.device),
+                "torch": torch.__version__,
+                "n_train": self.n,
+            },
+        )
+
+    # ---------------------------------------------------------------- checkpoints
+    _STATE = (
+        "iteration",
+        "train_seconds",
+        "batch_size",
+        "lr",
+        "initial_loss",
+        "last_batch_loss",
+        "next_eval_epoch",
+        "next_diversity_epoch",
+        "last_eval_iteration",
+        "metrics",
+        "curves",
+        "status",
+        "message",
+    )
+
+    def checkpoint_step(self) -> None:
+        if self.checkpoint_path is None:
+            return
+        started = time.perf_counter()
+        generators = [self.generator.get_state()]
+        if self.ctx.distributed:
+            gathered: list[Any] = [None] * self.ctx.world_size
+            torch.distributed.all_gather_object(gathered, generators[0].cpu())
+            generators = gathered
+        if self.ctx.is_main:
+            save_checkpoint(
+                self.checkpoint_path,
+                {
+                    "config_hash": self.config.config_hash(),
+                    "model": self.model.state_dict(),
+                    "optimizer": self.optimizer.state_dict(),
+                    "sampler": self.sampler.state_dict(),
+                    "generators": generators,
+                    "monitor": self.monitor.state_dict(),
+                    "timer": self.timer.state_dict(),
+                    "targets": [t.to_dict() for t in self.targets],
+                    "state": {name: getattr(self, name) for name in self._STATE},
+                },
+            )
+        self.timer.totals.setdefault("checkpoint", 0.0)
+        self.timer.totals["checkpoint"] += time.perf_counter() - started
+
+    def load_checkpoint(self) -> None:
+        from batchbound.train.checkpoint import set_rng_state
+
+        assert self.checkpoint_path is not None
+        saved = load_checkpoint(self.checkpoint_path)
+        if saved["config_hash"] != self.config.config_hash():
+            raise BatchboundError(
+                f"checkpoint {self.checkpoint_path} is for config {saved['config_hash']}, "
+                f"not {self.config.config_hash()}; resume with the same configuration"
+            )
+        if len(saved["generators"]) != self.ctx.world_size:
+            raise BatchboundError(
+                f"checkpoint was written by {len(saved['generators'])} workers, "
+                f"this run has {self.ctx.world_size}"
+            )
+        self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.sampler.load_state_dict(saved["sampler"])
+        self.generator.set_state(saved["generators"][self.ctx.rank])
+        self.monitor.load_state_dict(saved["monitor"])
+        self.timer.load_state_dict(saved["timer"])
+        self.targets = [TargetResult(**t) for t in saved["targets"]]
+        for name, value in saved["state"].items():
+            setattr(self, name, value)
+        self.status, self.message = "complete", ""
+        set_rng_state(saved["rng"])
