@@ -3,9 +3,9 @@
 (seed included) to ``Dataset.transforms``, so applying a recorded spec reproduces the data.
 
 - ``replicate(r)`` (seed 001, Sec. 6): keep a random 1/r fraction of the training set and
-  repeat it r times, so n stays the same and the gradient diversity drops. With m = ⌈n/r⌉
-  kept examples, the r copies are concatenated and cut to n, so when r does not divide n the
-  last r·m − n kept examples appear r − 1 times instead of r.
+  repeat it r times, so n stays the same and the gradient diversity drops. Exactly so when r
+  divides n; otherwise m = ⌈n/r⌉ examples are kept, their copies are concatenated and cut to
+  n, and each kept example appears ⌊n/m⌋ or ⌈n/m⌉ (≤ r) times.
 - ``replicate_full(r)``: every training example r times, n → r·n. The control for
   ``replicate``: S = Σ‖g_i‖² grows r-fold and ‖Σg_i‖² r²-fold, so Δ drops to Δ/r while the
   bound n·Δ is unchanged.
