@@ -14,7 +14,7 @@ from batchbound import __version__
 from batchbound.errors import BatchboundError
 
 # Subcommand modules, in the order `batchbound --help` lists them.
-COMMANDS = ["measure", "data", "models"]
+COMMANDS = ["measure", "data", "models", "train"]
 
 
 def build_parser() -> argparse.ArgumentParser:
