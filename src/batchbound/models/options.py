@@ -63,25 +63,34 @@ def closest_integer(
 ) -> int:
     """The integer x in [lo, hi] whose ``count(x)`` is closest to ``budget`` (ties: smaller x).
 
-    ``count`` must be non-decreasing in x (true of a parameter count as a width grows), so an
-    exponential then binary search finds the first x with count(x) >= budget; the answer is it
-    or its predecessor.
+    ``count`` must be non-decreasing in x (true of a parameter count as a width grows), so
+    the answer is the first x with count(x) >= budget or the first x with the count just below
+    it; both are found by an exponential then binary search, O(log hi) calls of ``count``.
     """
-    if count(lo) >= budget:
-        return lo
-    upper = lo + 1
-    while count(upper) < budget:
-        if upper >= hi:
-            return hi
-        upper = min(hi, 2 * upper)
-    lower = upper // 2 if upper // 2 >= lo else lo  # count(lower) < budget
-    while upper - lower > 1:
-        mid = (lower + upper) // 2
-        if count(mid) >= budget:
-            upper = mid
-        else:
-            lower = mid
-    return min((lower, upper), key=lambda x: (abs(count(x) - budget), x))
+
+    def first_at_least(value: int) -> int | None:
+        """The smallest x in [lo, hi] with count(x) >= value, or None."""
+        if count(lo) >= value:
+            return lo
+        below, step = lo, 1  # invariant: count(below) < value
+        while True:
+            upper = min(hi, below + step)
+            if count(upper) >= value:
+                break
+            if upper == hi:
+                return None
+            below, step = upper, 2 * step
+        while upper - below > 1:
+            mid = (below + upper) // 2
+            below, upper = (below, mid) if count(mid) >= value else (mid, upper)
+        return upper
+
+    above = first_at_least(budget)
+    candidates = [] if above is None else [above]
+    if above != lo:
+        under = hi if above is None else above - 1
+        candidates.append(first_at_least(count(under)) or lo)
+    return min(candidates, key=lambda x: (abs(count(x) - budget), x))
 
 
 def meta_parameter_count(build: Callable[[], nn.Module]) -> int:
