@@ -234,3 +234,12 @@ def test_npz_with_and_without_test_split(tmp_path: Path) -> None:
 def test_missing_files_name_what_is_needed(tmp_path: Path, spec: str, match: str) -> None:
     with pytest.raises(BatchboundError, match=match):
         load_dataset(spec, tmp_path)
+
+
+def test_partial_directory_names_the_missing_file(tmp_path: Path) -> None:
+    rng = np.random.default_rng(6)
+    xtr, ytr = fake_images(rng, 3)
+    write_idx_set(tmp_path / "kmnist", IDX_NAMES[:2], [xtr, ytr], gz=True)
+    pattern = r"kmnist lacks t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte"
+    with pytest.raises(BatchboundError, match=pattern):
+        load_dataset("kmnist", tmp_path)

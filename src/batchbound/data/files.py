@@ -31,27 +31,35 @@ def candidate_dirs(data_dir: Path, name: str, extra: Sequence[Path] = ()) -> lis
     return [data_dir / name, data_dir, *extra]
 
 
+def _locate(directory: Path, name: str, compressed: Sequence[str]) -> Path | None:
+    options = [directory / name] + [directory / f"{name}{s}" for s in compressed]
+    return next((p for p in options if p.is_file()), None)
+
+
 def find_files(
     dirs: Sequence[Path], names: Sequence[str], compressed: Sequence[str]
 ) -> list[Path] | None:
     """The first directory holding every name (each raw or with one of the ``compressed``
     suffixes); ``None`` when no directory has them all."""
     for directory in dirs:
-        found = []
-        for name in names:
-            options = [directory / name] + [directory / f"{name}{s}" for s in compressed]
-            hit = next((p for p in options if p.is_file()), None)
-            if hit is None:
-                break
-            found.append(hit)
-        else:
+        found = [p for p in (_locate(directory, n, compressed) for n in names) if p is not None]
+        if len(found) == len(names):
             return found
     return None
 
 
-def missing_message(dirs: Sequence[Path], names: Sequence[str], note: str) -> str:
-    """What ``data list`` shows: which files, where they were looked for."""
-    return f"needs {', '.join(names)}{note}; not found in {', '.join(str(d) for d in dirs)}"
+def missing_message(
+    dirs: Sequence[Path], names: Sequence[str], compressed: Sequence[str], note: str
+) -> str:
+    """What ``data list`` shows: which files, where they were looked for, and which ones a
+    directory holding only some of them lacks."""
+    message = f"needs {', '.join(names)}{note}; not found in {', '.join(str(d) for d in dirs)}"
+    for directory in dirs:
+        if directory.is_dir():
+            lacking = [n for n in names if _locate(directory, n, compressed) is None]
+            if len(lacking) < len(names):
+                message += f"; {directory} lacks {', '.join(lacking)}"
+    return message
 
 
 def missing_error(label: str, reason: str) -> BatchboundError:
@@ -101,7 +109,7 @@ def _idx_dataset(
 ) -> Dataset:  # fmt: skip
     found = find_files(dirs, files, (".gz",))
     if found is None:
-        raise missing_error(name, missing_message(dirs, files, note))
+        raise missing_error(name, missing_message(dirs, files, (".gz",), note))
     x_tr, y_tr, x_te, y_te = (read_idx(p) for p in found)
     for images, labels, path in ((x_tr, y_tr, found[0]), (x_te, y_te, found[2])):
         if images.ndim != 3 or len(images) != len(labels):
@@ -135,7 +143,7 @@ def _register_idx(
     def check(data_dir: Path) -> str | None:
         dirs = candidate_dirs(data_dir, name, extra)
         if find_files(dirs, files, (".gz",)) is None:
-            return missing_message(dirs, files, note)
+            return missing_message(dirs, files, (".gz",), note)
         return None
 
     def load(data_dir: Path) -> Dataset:
@@ -195,7 +203,7 @@ def _cifar_check(name: str) -> MissingCheck:
         dirs = _cifar_dirs(data_dir, name)
         if find_files(dirs, train + test, ()) is None:
             return missing_message(
-                dirs, train + test, f" (the {folder} folder of the python version)"
+                dirs, train + test, (), f" (the {folder} folder of the python version)"
             )
         return None
 
@@ -356,7 +364,10 @@ def _gisette_check(data_dir: Path) -> str | None:
     dirs = candidate_dirs(data_dir, "gisette")
     if find_files(dirs, GISETTE_FILES, (".bz2", ".gz")) is None:
         return missing_message(
-            dirs, GISETTE_FILES, " (LIBSVM text from the LIBSVM data page; raw, .bz2 or .gz)"
+            dirs,
+            GISETTE_FILES,
+            (".bz2", ".gz"),
+            " (LIBSVM text from the LIBSVM data page; raw, .bz2 or .gz)",
         )
     return None
 
