@@ -1,0 +1,257 @@
+"""Online estimates of gradient diversity during training, from what each step already has.
+
+The full-data quantities are n, M2 = S/n (the mean squared per-example gradient norm) and
+‖G‖² = T/n² (the squared norm of the mean gradient); then n·Δ = M2/‖G‖² = 1 + B_simple, with
+B_simple = tr(Σ)/‖G‖² McCandlish et al.'s (2018) simple noise scale and tr(Σ) = M2 − ‖G‖².
+
+**Why not S_B/T_B of the batch.** For a batch of b examples, S_B = Σ_{i∈B}‖g_i‖² and
+T_B = ‖Σ_{i∈B} g_i‖². With examples drawn uniformly *with* replacement,
+E[S_B] = b·M2 and E[T_B] = b²‖G‖² + b·tr(Σ) = b(b−1)‖G‖² + b·M2, so T_B carries a noise term
+and b·S_B/T_B is a biased estimate of n·Δ (it is ≤ b, whatever n·Δ is). Unbiased estimates
+of the two population quantities are
+
+    M2 ≈ S_B / b,        C ≈ (T_B − S_B) / (b(b − 1))    (the mean of ⟨g_i, g_j⟩ over pairs i ≠ j).
+
+Under replacement sampling E[C] = ‖G‖². Under sampling *without* replacement (a shuffled
+epoch: each batch holds distinct examples) E[C] = (T − S)/(n(n − 1)), and the exact
+‖G‖² = T/n² = (1 − 1/n)·C + M2/n; ``sampling=`` picks the conversion (with n unknown both
+reduce to ‖G‖² ≈ C).
+
+**Without per-example norms** (per-worker or per-micro-batch gradients): the mean gradient
+G_b of b examples has E‖G_b‖² = C + (M2 − C)/b in both sampling schemes, so two batch sizes
+b_small < b_big give McCandlish et al.'s (Appendix A.1) unbiased pair
+
+    C ≈ (b_big‖G_big‖² − b_small‖G_small‖²) / (b_big − b_small),
+    M2 − C ≈ (‖G_small‖² − ‖G_big‖²) / (1/b_small − 1/b_big).
+
+Typically the small batches are the workers' (or micro-batches') local gradients and the big
+one their average, which every data-parallel step computes anyway.
+
+**The ratio's bias.** Each step's estimates are unbiased, but their ratio is not, and a
+single step's C can even be negative. As McCandlish et al. do, the numerator M2 and the
+denominator C are smoothed *separately* by an exponential moving average (or, with
+``decay=None``, a running mean over all steps), and the ratio is taken of the smoothed values:
+a ratio of averages, whose bias shrinks as the averaging window grows. While the smoothed
+‖G‖² is ≤ 0 the noise dominates and the batch bound reads +inf.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from batchbound.diversity.losses import resolve_loss
+from batchbound.diversity.stats import PerExampleStats, per_example_stats, trainable_parameters
+from batchbound.errors import BatchboundError
+
+SAMPLINGS = ("without_replacement", "with_replacement")
+GradientLike = Tensor | Mapping[str, Tensor] | Sequence[Tensor]
+
+
+class OnlineDiversity:
+    """Smoothed estimates of M2, ‖G‖², the noise scale, n·Δ and Δ from training steps.
+
+    ``n`` is the training-set size (needed for ``diversity`` and for the exact finite-n
+    correction; without it the population is treated as infinite). ``decay`` is the EMA
+    factor per update (0.95 ≈ the last 20 steps), or None for a plain running mean. The EMA
+    is bias-corrected as in Adam, so the first updates are not pulled towards zero.
+    """
+
+    def __init__(
+        self, n: int | None = None, *, decay: float | None = 0.95,
+        sampling: str = "without_replacement",
+    ) -> None:
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise BatchboundError(f"n must be a positive integer or None, got {n!r}")
+        if decay is not None and not 0.0 <= decay < 1.0:
+            raise BatchboundError(f"decay must be in [0, 1) or None (running mean), got {decay}")
+        if sampling not in SAMPLINGS:
+            raise BatchboundError(
+                f"unknown sampling {sampling!r}; choose from {', '.join(SAMPLINGS)}"
+            )
+        self.n, self.decay, self.sampling = n, decay, sampling
+        self.steps = 0
+        self._m2 = self._cross = self._weight = 0.0
+
+    # ------------------------------------------------------------------ updates
+
+    def update(self, m2: float, cross: float) -> None:
+        """Fold in one step's unbiased estimates of M2 and C (see the module docstring)."""
+        m2, cross = float(m2), float(cross)
+        if not (math.isfinite(m2) and math.isfinite(cross)):
+            raise BatchboundError(f"non-finite diversity estimates: M2={m2}, C={cross}")
+        self.steps += 1
+        keep = 1.0 - 1.0 / self.steps if self.decay is None else self.decay
+        self._m2 = keep * self._m2 + (1.0 - keep) * m2
+        self._cross = keep * self._cross + (1.0 - keep) * cross
+        self._weight = keep * self._weight + (1.0 - keep)
+
+    def update_from_norms(self, S_B: float, T_B: float, batch_size: int) -> None:
+        """From a batch's Σ‖g_i‖² and ‖Σg_i‖² (per-example losses, summed)."""
+        if batch_size < 2:
+            raise BatchboundError(f"per-example estimates need a batch of ≥ 2, got {batch_size}")
+        b = batch_size
+        self.update(S_B / b, (T_B - S_B) / (b * (b - 1)))
+
+    def update_from_stats(self, stats: PerExampleStats) -> None:
+        """From ``per_example_stats`` of the current mini-batch."""
+        self.update_from_norms(stats.S, stats.T, stats.n)
+
+    def update_two_batch(
+        self, small_sq_norm: float, small_size: float, big_sq_norm: float, big_size: float
+    ) -> None:
+        """From ‖G_small‖² and ‖G_big‖², the squared norms of *mean* gradients over
+        ``small_size`` < ``big_size`` examples (McCandlish et al., Appendix A.1)."""
+        if not 0 < small_size < big_size:
+            raise BatchboundError(
+                f"the two-batch estimator needs 0 < small_size < big_size, got {small_size} "
+                f"and {big_size}"
+            )
+        cross = (big_size * big_sq_norm - small_size * small_sq_norm) / (big_size - small_size)
+        spread = (small_sq_norm - big_sq_norm) / (1.0 / small_size - 1.0 / big_size)
+        self.update(cross + spread, cross)
+
+    def update_from_gradients(
+        self,
+        small_grads: Sequence[GradientLike],
+        small_size: int | Sequence[int],
+        big_grad: GradientLike | None = None,
+        big_size: int | None = None,
+    ) -> None:
+        """From per-worker / per-micro-batch *mean* gradients over disjoint example sets.
+
+        ``small_grads[k]`` is one gradient (a tensor, a list of tensors, or a name → tensor
+        dict) averaged over ``small_size[k]`` examples. ``big_grad`` defaults to their
+        size-weighted average (what an all-reduce of the workers' gradients gives), over the
+        sum of the sizes. The small side uses the mean of ‖G_k‖² over k, whose expectation is
+        C + (M2 − C)·mean_k(1/b_k).
+        """
+        sizes = (
+            [small_size] * len(small_grads) if isinstance(small_size, int) else list(small_size)
+        )
+        if len(small_grads) == 0 or len(sizes) != len(small_grads):
+            raise BatchboundError(
+                f"need one size per small gradient, got {len(small_grads)} gradients and "
+                f"{len(sizes)} sizes"
+            )
+        flats = [_flat(g) for g in small_grads]
+        if big_grad is None:
+            total = sum(sizes)
+            big = sum(b * f for b, f in zip(sizes, flats, strict=True)) / total
+            big_size = total
+        else:
+            if big_size is None:
+                raise BatchboundError("big_size is needed with big_grad")
+            big = _flat(big_grad)
+        small_sq = sum(float(f.double().square().sum()) for f in flats) / len(flats)
+        harmonic = len(sizes) / sum(1.0 / b for b in sizes)
+        self.update_two_batch(small_sq, harmonic, float(big.double().square().sum()), big_size)
+
+    # ---------------------------------------------------------------- estimates
+
+    @property
+    def m2(self) -> float:
+        """Smoothed M2 = S/n, the mean squared per-example gradient norm."""
+        return self._m2 / self._weight if self.steps else math.nan
+
+    @property
+    def cross(self) -> float:
+        """Smoothed mean inner product ⟨g_i, g_j⟩ over pairs of distinct draws."""
+        return self._cross / self._weight if self.steps else math.nan
+
+    @property
+    def gradient_sq_norm(self) -> float:
+        """Smoothed ‖G‖² = T/n², the squared norm of the full-data mean gradient."""
+        if self.n is not None and self.sampling == "without_replacement":
+            return (1.0 - 1.0 / self.n) * self.cross + self.m2 / self.n
+        return self.cross
+
+    @property
+    def trace_cov(self) -> float:
+        """tr(Σ) = M2 − ‖G‖², the per-example gradient variance."""
+        return self.m2 - self.gradient_sq_norm
+
+    @property
+    def batch_bound(self) -> float:
+        """n·Δ = M2/‖G‖² = 1 + noise_scale; +inf while the smoothed ‖G‖² is ≤ 0."""
+        g2 = self.gradient_sq_norm
+        if math.isnan(g2):
+            return math.nan
+        return self.m2 / g2 if g2 > 0 else math.inf
+
+    @property
+    def noise_scale(self) -> float:
+        """B_simple = tr(Σ)/‖G‖² (McCandlish et al.)."""
+        return self.batch_bound - 1.0
+
+    @property
+    def diversity(self) -> float:
+        """Δ = batch_bound / n; NaN when n was not given."""
+        return self.batch_bound / self.n if self.n is not None else math.nan
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps, "n": self.n, "m2": self.m2, "cross": self.cross,
+            "gradient_sq_norm": self.gradient_sq_norm, "trace_cov": self.trace_cov,
+            "noise_scale": self.noise_scale, "batch_bound": self.batch_bound,
+            "diversity": self.diversity,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n, "decay": self.decay, "sampling": self.sampling, "steps": self.steps,
+                "m2": self._m2, "cross": self._cross, "weight": self._weight}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        fresh = OnlineDiversity(state["n"], decay=state["decay"], sampling=state["sampling"])
+        self.n, self.decay, self.sampling = fresh.n, fresh.decay, fresh.sampling
+        self.steps = int(state["steps"])
+        self._m2, self._cross, self._weight = state["m2"], state["cross"], state["weight"]
+
+
+def monitored_step(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    loss: str | Callable[[Tensor, Tensor], Tensor],
+    monitor: OnlineDiversity,
+    *,
+    reduction: str = "mean",
+    engine: str = "auto",
+) -> Tensor:
+    """Forward and backward of a per-example ``loss`` on (x, y), as a training step does, and
+    a ``monitor`` update from the same backward pass.
+
+    Accumulates into each trainable parameter's ``.grad`` exactly what
+    ``loss(model(x), y).mean().backward()`` (``reduction="mean"``) or ``.sum().backward()``
+    would, and returns that reduced loss (detached). Replace the forward/backward lines of an
+    existing step with it; the optimizer step and ``zero_grad`` stay the user's. The model runs
+    in its current mode; BatchNorm in train mode has no per-example gradients and is refused.
+    Under DDP pass the inner module and all-reduce ``.grad`` as usual: each rank's update is
+    an unbiased estimate from its local batch.
+    """
+    if reduction not in ("mean", "sum"):
+        raise BatchboundError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    stats = per_example_stats(model, x, y, resolve_loss(loss), engine=engine)
+    scale = 1.0 / stats.n if reduction == "mean" else 1.0
+    for name, param in trainable_parameters(model).items():
+        grad = (stats.grad_sum[name] * scale).to(param.dtype).reshape(param.shape)
+        if param.grad is None:
+            param.grad = grad.clone()
+        else:
+            param.grad.add_(grad)
+    monitor.update_from_stats(stats)
+    total = stats.losses.sum()
+    return (total / stats.n if reduction == "mean" else total).detach()
+
+
+def _flat(grad: GradientLike) -> Tensor:
+    if isinstance(grad, Tensor):
+        return grad.detach().reshape(-1)
+    values = list(grad.values()) if isinstance(grad, Mapping) else list(grad)
+    if not values:
+        raise BatchboundError("an empty gradient was given")
+    return torch.cat([v.detach().reshape(-1) for v in values])

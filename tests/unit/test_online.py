@@ -1,0 +1,183 @@
+"""Online diversity estimators: unbiasedness in Monte Carlo, convergence to the exact Δ, the
+smoothing, and monitored_step's gradients."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from batchbound.diversity import measure
+from batchbound.diversity.online import OnlineDiversity, monitored_step
+from batchbound.errors import BatchboundError
+
+N, D = 60, 5
+
+
+def population(seed: int = 0) -> torch.Tensor:
+    """(N, D) per-example gradients with n·Δ ≈ 20: a small shared mean under unit noise."""
+    gen = torch.Generator().manual_seed(seed)
+    mean = 0.5 * torch.randn(D, generator=gen, dtype=torch.float64)
+    return mean + torch.randn(N, D, generator=gen, dtype=torch.float64)
+
+
+def batches(k: int, b: int, replacement: bool, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if replacement:
+        return torch.randint(0, N, (k, b), generator=gen)
+    return torch.rand(k, N, generator=gen).argsort(dim=1)[:, :b]
+
+
+def within(values: torch.Tensor, truth: float, sigmas: float = 5.0) -> bool:
+    """The sample mean is within ``sigmas`` standard errors of ``truth``."""
+    se = float(values.std()) / math.sqrt(values.numel())
+    return abs(float(values.mean()) - truth) <= sigmas * se
+
+
+@pytest.mark.parametrize("replacement", [False, True])
+def test_per_example_estimates_are_unbiased_and_converge(replacement: bool) -> None:
+    g = population()
+    S, T = float(g.square().sum()), float(g.sum(0).square().sum())
+    k, b = 20000, 8
+    idx = batches(k, b, replacement, seed=1)
+    picked = g[idx]  # (k, b, D)
+    s_b, t_b = picked.square().sum(dim=(1, 2)), picked.sum(1).square().sum(1)
+    monitor = OnlineDiversity(N, decay=None,
+                              sampling="with_replacement" if replacement else "without_replacement")
+    for s, t in zip(s_b.tolist(), t_b.tolist(), strict=True):
+        monitor.update_from_norms(s, t, b)
+    m2_steps, cross_steps = s_b / b, (t_b - s_b) / (b * (b - 1))
+    assert monitor.m2 == pytest.approx(float(m2_steps.mean()), rel=1e-9)
+    assert within(m2_steps, S / N)
+    # E[C] is ‖G‖² = T/n² with replacement, (T − S)/(n(n − 1)) without
+    cross_truth = T / N**2 if replacement else (T - S) / (N * (N - 1))
+    assert within(cross_steps, cross_truth)
+    assert monitor.gradient_sq_norm == pytest.approx(T / N**2, rel=0.05)
+    assert monitor.batch_bound == pytest.approx(N * S / T, rel=0.05)
+    assert monitor.diversity == pytest.approx(S / T, rel=0.05)
+    assert monitor.noise_scale == pytest.approx(N * S / T - 1, rel=0.06)
+    # the naive per-batch ratio b·S_B/T_B is badly biased (it never exceeds ~b here)
+    naive = b * s_b / t_b
+    assert not within(naive, N * S / T, sigmas=20)
+
+
+def test_two_batch_estimator_is_unbiased_with_unequal_workers() -> None:
+    g = population(2)
+    S, T = float(g.square().sum()), float(g.sum(0).square().sum())
+    sizes = [4, 8, 12]
+    idx = batches(4000, sum(sizes), replacement=False, seed=3)
+    running = OnlineDiversity(N, decay=None)
+    m2_steps, cross_steps = [], []
+    for row in idx:
+        parts = row.split(sizes)
+        small = [g[p].mean(0) for p in parts]
+        single = OnlineDiversity(N, decay=0.0)  # one step's estimates
+        single.update_from_gradients(small, sizes)
+        running.update_from_gradients(small, sizes)
+        m2_steps.append(single.m2)
+        cross_steps.append(single.cross)
+    m2_t = torch.tensor(m2_steps, dtype=torch.float64)
+    cross_t = torch.tensor(cross_steps, dtype=torch.float64)
+    assert within(m2_t, S / N)
+    assert within(cross_t, (T - S) / (N * (N - 1)))
+    assert running.m2 == pytest.approx(float(m2_t.mean()), rel=1e-9)
+    assert running.batch_bound == pytest.approx(N * S / T, rel=0.15)
+
+
+def test_gradient_forms_agree() -> None:
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, -1.0])
+    one, two, three = OnlineDiversity(), OnlineDiversity(), OnlineDiversity()
+    one.update_from_gradients([a, b], 4)
+    two.update_from_gradients([{"w": a[:1], "v": a[1:]}, [b[:1], b[1:]]], [4, 4],
+                              big_grad=(a + b) / 2, big_size=8)
+    three.update_two_batch(float((a.square().sum() + b.square().sum()) / 2), 4,
+                           float(((a + b) / 2).square().sum()), 8)
+    assert one.m2 == pytest.approx(two.m2) and one.cross == pytest.approx(two.cross)
+    assert one.m2 == pytest.approx(three.m2) and one.cross == pytest.approx(three.cross)
+
+
+def test_ema_is_bias_corrected_and_smooths_numerator_and_denominator_separately() -> None:
+    monitor = OnlineDiversity(decay=0.5)
+    monitor.update(4.0, 1.0)
+    assert (monitor.m2, monitor.cross) == (4.0, 1.0)
+    monitor.update(10.0, 4.0)
+    assert monitor.m2 == pytest.approx((4 + 2 * 10) / 3)
+    assert monitor.cross == pytest.approx((1 + 2 * 4) / 3)
+    # ratio of the smoothed values, not the smoothed ratios (4 and 2.5)
+    assert monitor.batch_bound == pytest.approx(24 / 9)
+    restored = OnlineDiversity()
+    restored.load_state_dict(monitor.state_dict())
+    assert restored.to_dict() == monitor.to_dict()
+
+
+def test_noise_dominated_and_empty_readings() -> None:
+    monitor = OnlineDiversity(10)
+    assert math.isnan(monitor.batch_bound)
+    monitor.update(1.0, -0.5)
+    assert monitor.batch_bound == math.inf
+    no_n = OnlineDiversity()
+    no_n.update(2.0, 1.0)
+    assert no_n.batch_bound == 2.0 and math.isnan(no_n.diversity)
+
+
+def fixed_problem():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x = torch.randn(96, 6, dtype=torch.float64)
+    y = (x[:, 0] > 1.0).long()  # mostly class 0: a resolvable mean gradient, n·Δ ≈ 3
+    return model, x, y
+
+
+def test_monitored_step_leaves_ordinary_gradients() -> None:
+    model, x, y = fixed_problem()
+    reference = copy.deepcopy(model)
+    for reduction in ("mean", "sum"):
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        monitor = OnlineDiversity(96)
+        value = monitored_step(model, x[:16], y[:16], "cross_entropy", monitor,
+                               reduction=reduction)
+        full = nn.functional.cross_entropy(reference(x[:16]), y[:16], reduction=reduction)
+        full.backward()
+        assert float(value) == pytest.approx(float(full.detach()), rel=1e-12)
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-14)
+        assert monitor.steps == 1
+    # accumulates like backward does
+    monitored_step(model, x[16:32], y[16:32], "cross_entropy", OnlineDiversity(),
+                   reduction="sum")
+    nn.functional.cross_entropy(reference(x[16:32]), y[16:32], reduction="sum").backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-14)
+
+
+def test_monitored_steps_converge_to_the_exact_measurement() -> None:
+    model, x, y = fixed_problem()
+    exact = measure(model, (x, y), "cross_entropy")
+    monitor = OnlineDiversity(96, decay=None)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(100):
+        idx = torch.randperm(96, generator=gen)[:32]
+        monitored_step(model, x[idx], y[idx], "cross_entropy", monitor)
+        model.zero_grad()
+    # Over seeds 0-7 the relative error after 100 batches of 32 was ≤ 1.5 %; 5 % leaves margin.
+    assert monitor.m2 == pytest.approx(exact.m2, rel=0.05)
+    assert monitor.batch_bound == pytest.approx(exact.batch_bound, rel=0.05)
+    assert monitor.diversity == pytest.approx(exact.diversity, rel=0.05)
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: OnlineDiversity(0), "positive integer"),
+    (lambda: OnlineDiversity(decay=1.0), "decay"),
+    (lambda: OnlineDiversity(sampling="bootstrap"), "unknown sampling"),
+    (lambda: OnlineDiversity().update_from_norms(1.0, 1.0, 1), "batch of ≥ 2"),
+    (lambda: OnlineDiversity().update_two_batch(1.0, 8, 1.0, 8), "small_size < big_size"),
+    (lambda: OnlineDiversity().update_from_gradients([torch.ones(2)], [1, 2]), "one size"),
+    (lambda: OnlineDiversity().update(math.nan, 1.0), "non-finite"),
+])
+def test_bad_input_is_named(make, message: str) -> None:
+    with pytest.raises(BatchboundError, match=message):
+        make()
