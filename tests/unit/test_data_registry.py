@@ -109,6 +109,11 @@ def test_unknown_names_and_options_are_errors() -> None:
         load_dataset("mnst")
     with pytest.raises(BatchboundError, match=r"no option 'colour'; options: n, d"):
         load_dataset("synthetic-linear(colour=3)")
+    with pytest.raises(BatchboundError, match=r"option n must be int, got 2.5"):
+        load_dataset("synthetic-linear(n=2.5)")
+    with pytest.raises(BatchboundError, match=r"option image must be bool, got 'yes'"):
+        load_dataset("digits(image=yes)")
+    assert load_dataset("synthetic-linear(n=10,noise=1)").n_train == 10  # int where float goes
 
 
 def test_data_dir_resolution(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

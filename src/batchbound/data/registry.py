@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,7 +124,29 @@ def load_dataset(spec: str, data_dir: str | Path | None = None) -> Dataset:
             f"data set {parsed.name!r} has no option {', '.join(map(repr, unknown))}; "
             f"options: {', '.join(accepted) or '(none)'}"
         )
+    hints = typing.get_type_hints(entry.loader)
+    for key, value in parsed.kwargs.items():
+        allowed = _scalar_types(hints.get(key))
+        if allowed and not _fits(value, allowed):
+            names = " or ".join(t.__name__ for t in allowed)
+            raise BatchboundError(
+                f"data set {parsed.name!r}: option {key} must be {names}, got {value!r}"
+            )
     return entry.loader(resolve_data_dir(data_dir), **parsed.kwargs)
+
+
+def _scalar_types(hint: object) -> tuple[type, ...]:
+    """The plain types a loader's annotation allows (``int | None`` -> (int,))."""
+    members = typing.get_args(hint) if typing.get_args(hint) else (hint,)
+    return tuple(t for t in members if t in (int, float, bool, str))
+
+
+def _fits(value: object, allowed: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):
+        return bool in allowed
+    if isinstance(value, int) and float in allowed:
+        return True
+    return isinstance(value, tuple(t for t in allowed if t is not bool))
 
 
 def options_of(entry: DatasetEntry) -> list[str]:
