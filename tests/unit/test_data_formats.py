@@ -243,3 +243,12 @@ def test_partial_directory_names_the_missing_file(tmp_path: Path) -> None:
     pattern = r"kmnist lacks t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte"
     with pytest.raises(BatchboundError, match=pattern):
         load_dataset("kmnist", tmp_path)
+
+
+def test_labels_outside_the_class_range_are_rejected(tmp_path: Path) -> None:
+    rng = np.random.default_rng(7)
+    (xtr, ytr), (xte, yte) = fake_images(rng, 4), fake_images(rng, 2)
+    ytr[0] = 46  # an EMNIST-balanced label in an MNIST directory
+    write_idx_set(tmp_path / "mnist", IDX_NAMES, [xtr, ytr, xte, yte], gz=False)
+    with pytest.raises(BatchboundError, match=r"labels run from \d+ to 46; mnist has 10 classes"):
+        load_dataset("mnist", tmp_path)

@@ -75,7 +75,8 @@ def standardise(
     """(x − mean)/std with statistics of ``train`` over ``axes`` (images already in [0, 1])."""
     mean = train.mean(axis=axes, keepdims=True, dtype=np.float64)
     std = train.std(axis=axes, keepdims=True, dtype=np.float64)
-    out = torch.from_numpy(((x - mean) / std).astype(np.float32))
+    # statistics in float64, arithmetic in float32: EMNIST byclass is 547 M pixels
+    out = torch.from_numpy((x - mean.astype(np.float32)) / std.astype(np.float32))
     return out, mean.ravel().tolist(), std.ravel().tolist()
 
 
@@ -116,6 +117,15 @@ def _idx_dataset(
             raise BatchboundError(
                 f"{path}: expected (n, H, W) images matching {len(labels)} labels, "
                 f"got shape {images.shape}"
+            )
+    for labels, path in ((y_tr, found[1]), (y_te, found[3])):
+        if labels.size == 0:
+            raise BatchboundError(f"{path}: no labels")
+        low, high = int(labels.min()) - label_offset, int(labels.max()) - label_offset
+        if low < 0 or high >= classes:
+            raise BatchboundError(
+                f"{path}: labels run from {low + label_offset} to {high + label_offset}; "
+                f"{name} has {classes} classes. Is this the right data set's file?"
             )
     if transpose:  # EMNIST stores each image transposed relative to MNIST
         x_tr, x_te = x_tr.transpose(0, 2, 1), x_te.transpose(0, 2, 1)
