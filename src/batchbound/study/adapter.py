@@ -45,7 +45,19 @@ def train_fields(spec: StudySpec, data: DataSpec, model: str, batch_size: int, l
         "eval_every_epochs": float(train.eval_every_epochs),
         "diversity_every_epochs": train.diversity_every_epochs if with_targets else None,
         "mechanism": mechanism,
+        "checkpoint_every": None if train.checkpoint_every_epochs is None else max(
+            1, round(train.checkpoint_every_epochs * data_n(data) / batch_size)),
     }
+
+
+def data_n(data: DataSpec) -> int:
+    """Training-set size (cached: planning asks once per run)."""
+    if data.label not in _N_CACHE:
+        _N_CACHE[data.label] = int(load_data(data).n_train)
+    return _N_CACHE[data.label]
+
+
+_N_CACHE: dict[str, int] = {}
 
 
 def _train_config_class() -> Any:
@@ -88,12 +100,21 @@ def load_data(data: DataSpec) -> Any:
     return dataset
 
 
+_DATA_CACHE: dict[str, Any] = {}  # per worker process: a study reuses a few data sets
+
+
 def execute(fields: dict[str, Any], checkpoint_dir: Path, resume: bool) -> dict[str, Any]:
     """Run one config with batchbound.train and return ``RunResult.to_dict()``."""
+    from batchbound.data import load_dataset
     from batchbound.train import TrainConfig, train
 
     config = TrainConfig.from_dict(dict(fields))
-    result = train(config, checkpoint_dir=checkpoint_dir, resume=resume, progress=False)
+    if config.dataset not in _DATA_CACHE:
+        _DATA_CACHE[config.dataset] = load_dataset(config.dataset, config.data_dir)
+    path = Path(checkpoint_dir) / "checkpoint.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result = train(config, dataset=_DATA_CACHE[config.dataset], checkpoint_path=path,
+                   resume=resume and path.exists(), progress=False)
     return result.to_dict()
 
 

@@ -134,6 +134,7 @@ class TrainSpec:
 
     targets: tuple[tuple[str, float], ...] = (("train_acc", 0.95),)
     max_epochs: float = 20.0
+    epochs_budget: float | None = None  # E for "largest B within E epochs"; None: max_epochs/2
     momentum: float = 0.0
     weight_decay: float = 0.0
     convention: str = "mean"
@@ -142,6 +143,7 @@ class TrainSpec:
     diversity_every_epochs: float | None = 1.0
     mechanisms: tuple[str, ...] = ("none",)
     workers: int = 1
+    checkpoint_every_epochs: float | None = 1.0
     repeats: int = 2
     seed: int = 0
 
@@ -158,8 +160,13 @@ class TrainSpec:
         for key, value in positive.items():
             if not value > 0:
                 raise _fail("train", key, f"must be > 0, got {value!r}")
+        if self.epochs_budget is not None and not 0 < self.epochs_budget <= self.max_epochs:
+            raise _fail("train", "epochs_budget", f"must be in (0, max_epochs], got "
+                        f"{self.epochs_budget!r}")
         if self.diversity_every_epochs is not None and not self.diversity_every_epochs > 0:
             raise _fail("train", "diversity_every_epochs", "must be > 0 (or omitted for none)")
+        if self.checkpoint_every_epochs is not None and not self.checkpoint_every_epochs > 0:
+            raise _fail("train", "checkpoint_every_epochs", "must be > 0 (or omitted)")
         if self.convention not in CONVENTIONS:
             raise _fail("train", "convention", f"choose from {', '.join(CONVENTIONS)}")
         if self.sampling not in SAMPLINGS:
@@ -172,6 +179,10 @@ class TrainSpec:
             raise _fail("train", "mechanisms", "need at least one, e.g. ['none']")
         for text in self.mechanisms:
             parse_spec(text)
+
+    @property
+    def budget(self) -> float:
+        return self.epochs_budget if self.epochs_budget is not None else self.max_epochs / 2
 
     @property
     def seeds(self) -> tuple[int, ...]:

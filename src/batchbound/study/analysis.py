@@ -1,0 +1,356 @@
+"""Analyses: small pure functions over the store's DataFrames (``Store.frames(study)``).
+
+Inputs are the long tables: ``runs`` (one row per run in the study, with its grid labels,
+``role`` and ``status``), ``targets`` (key, name, reached, iteration, epoch), ``curves`` and
+``diversity`` (key, iteration, epoch, metric, value). Models are grouped by ``model_label``
+(plus ``strategy``, ``data`` and ``mechanism`` when a study varies them).
+
+Censoring. A run that never reaches its target (it hit max_epochs, diverged or stagnated) is
+kept, with its epochs and iterations set to +∞. Statistics over seeds use the median, which
+is exact under this right-censoring while fewer than half the seeds are censored and +∞
+otherwise; the mean of the reached runs is reported beside it with the censored count.
+
+Definitions (thresholds are arguments with these defaults):
+
+- **Threshold B\\*** (seed 000): with e(B) the median epochs to target, B\\* is the largest
+  batch size B such that every grid batch b ≤ B reaches the target with
+  e(b) ≤ growth · min_{b' ≤ b} e(b'); growth = 1.5, i.e. past B\\* epochs-to-target have grown
+  by more than half over the best smaller batch. NaN when even the smallest batch misses.
+- **Largest B within E epochs** (seed 000, Fig. 5): the largest grid B with e(B) ≤ E.
+- **Speedup** (seed 003): s(m; m0) = k(m0)/k(m) from median iterations k, m0 the smallest
+  batch that reaches the target; ideal m/m0; efficiency s/(m/m0).
+- **Regimes**: the local scaling exponent between neighbouring grid points,
+  α = log(k(m_prev)/k(m)) / log(m/m_prev), is 1 for perfect scaling and 0 for none. A step is
+  *linear* when α ≥ 0.8, *stagnant* when α < 0.1 (or k(m) = ∞), else *diminishing*.
+  ``linear_until`` is the largest m up to which every step is linear; ``stagnation_from`` is
+  the smallest m from which every following step is stagnant.
+- **Critical batch size** (McCandlish et al.): fit S(B) = S_min(1 + B_crit/B), equivalent to
+  (S/S_min − 1)(E/E_min − 1) = 1 with E = S·B and B_crit = E_min/S_min, by least squares on
+  relative error over every reached run; uncertainty by bootstrap over runs within each B.
+- **Loss threshold** (seed 003): the lower quartile of all training-loss values recorded by
+  the runs at the largest batch size; k(m) is then the first iteration with loss ≤ it.
+- **Δ per model**: averaged over training (every measurement of every run at the reference
+  batch size, averaged per run, then over seeds) and at matched training loss ℓ\\* (Δ at the
+  first measurement where the run's training loss ≤ ℓ\\*, with ℓ\\* the loss every model
+  reached). Never one snapshot: near a stationary point ‖Σg‖ → 0 and n·Δ blows up.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+from scipy.optimize import minimize_scalar
+
+MODEL_KEYS = ("data", "strategy", "mechanism", "model_label")
+SHAPE_COLUMNS = ("depth", "width", "params")
+
+
+def model_keys(runs: pd.DataFrame) -> list[str]:
+    """The label columns that tell models apart in this table (those that vary, plus the
+    model label)."""
+    keys = [k for k in MODEL_KEYS if k in runs and (k == "model_label" or runs[k].nunique() > 1)]
+    return keys or ["model_label"]
+
+
+def finals(runs: pd.DataFrame) -> pd.DataFrame:
+    return runs[runs["role"] == "final"] if "role" in runs else runs
+
+
+def per_run_to_target(runs: pd.DataFrame, targets: pd.DataFrame,
+                      target: str | None = None) -> pd.DataFrame:
+    """One row per final run: its labels, ``reached``, ``epochs`` and ``iterations`` to
+    ``target`` (the first target when None), +∞ when not reached."""
+    final = finals(runs)
+    if target is None:
+        names = targets[targets["key"].isin(final["key"])]["name"]
+        target = names.iloc[0] if len(names) else None
+    chosen = targets[targets["name"] == target][["key", "reached", "epoch", "iteration"]]
+    out = final.merge(chosen, on="key", how="left")
+    reached = out["reached"].fillna(0).astype(bool)
+    out["reached"] = reached
+    out["epochs"] = np.where(reached, out["epoch"], np.inf).astype(float)
+    out["iterations"] = np.where(reached, out["iteration"], np.inf).astype(float)
+    out["target"] = target
+    return out.drop(columns=["epoch", "iteration"])
+
+
+def summarize_to_target(per_run: pd.DataFrame, value: str = "epochs") -> pd.DataFrame:
+    """Per (model, B): median over seeds (censoring-aware), mean/std/min/max of reached runs,
+    number of runs and number censored."""
+    keys = [*model_keys(per_run), *[c for c in SHAPE_COLUMNS if c in per_run], "batch_size"]
+    rows = []
+    for group, frame in per_run.groupby(keys, sort=True, dropna=False):
+        values = frame[value].to_numpy(dtype=float)
+        finite = values[np.isfinite(values)]
+        rows.append({
+            **dict(zip(keys, group, strict=True)),
+            "runs": len(values),
+            "censored": int(len(values) - len(finite)),
+            "median": float(np.median(values)),
+            "mean_reached": float(finite.mean()) if len(finite) else math.nan,
+            "std_reached": float(finite.std(ddof=1)) if len(finite) > 1 else math.nan,
+            "min": float(values.min()),
+            "max": float(values.max()),
+        })
+    return pd.DataFrame(rows)
+
+
+def _by_model(summary: pd.DataFrame) -> tuple[list[tuple[tuple, pd.DataFrame]], list[str]]:
+    keys = [*model_keys(summary), *[c for c in SHAPE_COLUMNS if c in summary]]
+    return [(g if isinstance(g, tuple) else (g,), f.sort_values("batch_size"))
+            for g, f in summary.groupby(keys, sort=True, dropna=False)], keys
+
+
+def threshold_batch(summary: pd.DataFrame, growth: float = 1.5) -> pd.DataFrame:
+    """Seed 000's B* per model from an epochs summary (see the module docstring)."""
+    groups, keys = _by_model(summary)
+    rows = []
+    for group, frame in groups:
+        best, b_star = math.inf, math.nan
+        for batch, epochs in zip(frame["batch_size"], frame["median"], strict=True):
+            if not math.isfinite(epochs):
+                break
+            best = min(best, epochs)
+            if epochs > growth * best:
+                break
+            b_star = batch
+        rows.append({**dict(zip(keys, group, strict=True)), "threshold_batch": b_star})
+    return pd.DataFrame(rows)
+
+
+def largest_batch_within(summary: pd.DataFrame, epochs: float) -> pd.DataFrame:
+    """Largest grid B whose median epochs to target is ≤ ``epochs`` (NaN if none)."""
+    groups, keys = _by_model(summary)
+    rows = []
+    for group, frame in groups:
+        ok = frame[frame["median"] <= epochs]["batch_size"]
+        rows.append({**dict(zip(keys, group, strict=True)), "epochs_budget": epochs,
+                     "largest_batch": float(ok.max()) if len(ok) else math.nan})
+    return pd.DataFrame(rows)
+
+
+def speedup(summary: pd.DataFrame, linear: float = 0.8, stagnant: float = 0.1) -> pd.DataFrame:
+    """s(m; m0) per model from an iterations summary, with the ideal, efficiency, local
+    exponent α and the regime of the step into each m."""
+    groups, keys = _by_model(summary)
+    rows = []
+    for group, frame in groups:
+        reached = frame[np.isfinite(frame["median"])]
+        if reached.empty:
+            continue
+        m0 = int(reached["batch_size"].iloc[0])
+        k0 = float(reached["median"].iloc[0])
+        prev = None
+        for batch, k in zip(frame["batch_size"], frame["median"], strict=True):
+            if batch < m0:
+                continue
+            alpha, regime = math.nan, ""
+            if prev is not None:
+                if math.isfinite(k) and math.isfinite(prev[1]):
+                    alpha = math.log(prev[1] / k) / math.log(batch / prev[0])
+                else:
+                    alpha = -math.inf
+                regime = ("linear" if alpha >= linear else
+                          "stagnant" if alpha < stagnant else "diminishing")
+            s = k0 / k if math.isfinite(k) else 0.0
+            rows.append({**dict(zip(keys, group, strict=True)), "batch_size": int(batch),
+                         "iterations": k, "speedup": s, "ideal": batch / m0,
+                         "efficiency": s / (batch / m0), "alpha": alpha, "regime": regime})
+            prev = (batch, k)
+    return pd.DataFrame(rows)
+
+
+def regime_boundaries(speedups: pd.DataFrame) -> pd.DataFrame:
+    """Per model: ``linear_until`` and ``stagnation_from`` (NaN when the grid shows none)."""
+    keys = [k for k in speedups.columns if k in (*MODEL_KEYS, *SHAPE_COLUMNS)]
+    rows = []
+    for group, frame in speedups.groupby(keys, sort=True, dropna=False):
+        frame = frame.sort_values("batch_size")
+        batches, regimes = frame["batch_size"].tolist(), frame["regime"].tolist()
+        linear_until = batches[0]
+        for batch, regime in zip(batches[1:], regimes[1:], strict=True):
+            if regime != "linear":
+                break
+            linear_until = batch
+        stagnation_from = math.nan
+        for i in range(len(batches) - 1, 0, -1):
+            if regimes[i] != "stagnant":
+                break
+            stagnation_from = batches[i - 1]
+        group = group if isinstance(group, tuple) else (group,)
+        rows.append({**dict(zip(keys, group, strict=True)), "linear_until": linear_until,
+                     "stagnation_from": stagnation_from})
+    return pd.DataFrame(rows)
+
+
+def _fit_steps(batch: np.ndarray, steps: np.ndarray, group: np.ndarray) -> tuple[float, dict]:
+    """Least squares on relative error of S = S_min,g (1 + B_c/B) with one B_c shared by
+    all groups g; for fixed B_c each S_min,g has a closed form. Returns (B_c, S_min per g)."""
+    names, codes = np.unique(group, return_inverse=True)
+    onehot = np.eye(len(names))[codes]  # (points, groups)
+    low, high = math.log(batch.min() / 1e3), math.log(batch.max() * 1e3)
+
+    def fit(log_bc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Residual sums and S_min per group for each candidate log B_c (vectorised)."""
+        w = (1 + np.exp(log_bc)[:, None] / batch[None, :]) / steps[None, :]  # (grid, points)
+        a = (w @ onehot) / ((w**2) @ onehot)  # (grid, groups)
+        residual = ((a @ onehot.T) * w - 1) ** 2
+        return residual.sum(axis=1), a
+
+    grid = np.linspace(low, high, 121)
+    start = grid[int(np.argmin(fit(grid)[0]))]
+    step = grid[1] - grid[0]
+    best = minimize_scalar(lambda v: float(fit(np.array([v]))[0][0]),
+                           bounds=(max(low, start - step), min(high, start + step)),
+                           method="bounded", options={"xatol": 1e-4})
+    a = fit(np.array([best.x]))[1][0]
+    return math.exp(best.x), {name: float(a[i]) for i, name in enumerate(names)}
+
+
+def critical_batch(per_run: pd.DataFrame, value: str = "iterations", by: Sequence[str] | None
+                   = None, bootstrap: int = 200, seed: int = 0) -> pd.DataFrame:
+    """Fit (S/S_min − 1)(E/E_min − 1) = 1 to the reached runs, per model (``by`` = model
+    keys) or jointly (``by=[]``: one B_crit for the study, one S_min per model).
+
+    Columns: b_crit, s_min (NaN for joint fits), e_min, points, low/high (16th/84th bootstrap
+    percentiles, resampling runs within each batch size), at_bound (the fit hit the search
+    range: B_crit is below B_min/1000 or above 1000·B_max, i.e. not identified)."""
+    keys = model_keys(per_run) if by is None else list(by)
+    reached = per_run[np.isfinite(per_run[value])]
+    rng = np.random.default_rng(seed)
+    rows = []
+    grouped = [((), reached)] if not keys else reached.groupby(keys, sort=True, dropna=False)
+    for group, frame in grouped:
+        if frame["batch_size"].nunique() < 3:
+            continue
+        model_of = frame[model_keys(per_run)].astype(str).agg("|".join, axis=1).to_numpy()
+        batch = frame["batch_size"].to_numpy(float)
+        steps = frame[value].to_numpy(float)
+        bc, mins = _fit_steps(batch, steps, model_of)
+        draws = []
+        cells = [np.flatnonzero((batch == b) & (model_of == m))
+                 for b, m in {(b, m) for b, m in zip(batch, model_of, strict=True)}]
+        for _ in range(bootstrap):
+            idx = np.concatenate([rng.choice(c, size=len(c)) for c in cells])
+            draws.append(_fit_steps(batch[idx], steps[idx], model_of[idx])[0])
+        s_min = next(iter(mins.values())) if len(mins) == 1 else math.nan
+        group = group if isinstance(group, tuple) else (group,)
+        edge = (batch.min() / 999, batch.max() * 999)
+        rows.append({**dict(zip(keys, group, strict=True)), "b_crit": bc, "s_min": s_min,
+                     "e_min": s_min * bc, "points": len(batch),
+                     "low": float(np.percentile(draws, 16)),
+                     "high": float(np.percentile(draws, 84)),
+                     "at_bound": bool(bc <= edge[0] or bc >= edge[1])})
+    return pd.DataFrame(rows)
+
+
+def loss_threshold(runs: pd.DataFrame, curves: pd.DataFrame, metric: str = "train_loss",
+                   quantile: float = 0.25) -> pd.DataFrame:
+    """Seed 003's threshold per model: the lower quartile of the ``metric`` values recorded
+    by the final runs at that model's largest batch size."""
+    final = finals(runs)
+    keys = model_keys(final)
+    rows = []
+    for group, frame in final.groupby(keys, sort=True, dropna=False):
+        largest = frame[frame["batch_size"] == frame["batch_size"].max()]["key"]
+        values = curves[(curves["key"].isin(largest)) & (curves["metric"] == metric)]["value"]
+        values = values[np.isfinite(values.astype(float))]
+        group = group if isinstance(group, tuple) else (group,)
+        rows.append({**dict(zip(keys, group, strict=True)),
+                     "threshold": float(np.quantile(values, quantile)) if len(values)
+                     else math.nan})
+    return pd.DataFrame(rows)
+
+
+def per_run_to_loss(runs: pd.DataFrame, curves: pd.DataFrame, thresholds: pd.DataFrame,
+                    metric: str = "train_loss") -> pd.DataFrame:
+    """Like per_run_to_target, with k(m) the first iteration where ``metric`` ≤ the model's
+    threshold (from loss_threshold)."""
+    final = finals(runs).merge(thresholds, on=model_keys(finals(runs)), how="left")
+    rows = curves[curves["metric"] == metric]
+    first = {}
+    for key, frame in rows.groupby("key"):
+        frame = frame.sort_values("iteration")
+        first[key] = frame[["iteration", "epoch", "value"]].to_numpy(float)
+    iterations, epochs = [], []
+    for key, threshold in zip(final["key"], final["threshold"], strict=True):
+        data = first.get(key)
+        hit = None if data is None else np.flatnonzero(data[:, 2] <= threshold)
+        if hit is None or not len(hit):
+            iterations.append(math.inf)
+            epochs.append(math.inf)
+        else:
+            iterations.append(data[hit[0], 0])
+            epochs.append(data[hit[0], 1])
+    return final.assign(iterations=iterations, epochs=epochs, reached=np.isfinite(iterations))
+
+
+def loss_surface(runs: pd.DataFrame, curves: pd.DataFrame, metric: str = "train_loss"
+                 ) -> pd.DataFrame:
+    """Median (over seeds) ``metric`` per (model, B, iteration): seed 003's Figure 1 data."""
+    final = finals(runs)
+    keys = model_keys(final)
+    rows = curves[curves["metric"] == metric].merge(final[["key", *keys, "batch_size"]],
+                                                    on="key")
+    return (rows.groupby([*keys, "batch_size", "iteration"], sort=True)["value"]
+            .median().reset_index())
+
+
+def diversity_along_training(runs: pd.DataFrame, diversity: pd.DataFrame) -> pd.DataFrame:
+    """Δ and n·Δ at every measurement of every final run, with the run's labels."""
+    final = finals(runs)
+    wide = diversity[diversity["metric"].isin(["diversity", "batch_bound"])].pivot_table(
+        index=["key", "iteration", "epoch"], columns="metric", values="value").reset_index()
+    return wide.merge(final, on="key")
+
+
+def diversity_summary(runs: pd.DataFrame, diversity: pd.DataFrame, curves: pd.DataFrame,
+                      batch_size: int | None = None, metric: str = "train_loss"
+                      ) -> pd.DataFrame:
+    """Per model: Δ averaged over training and at matched training loss ℓ*, at the reference
+    batch size (the smallest by default), with n·Δ for both.
+
+    Columns: delta_mean, delta_std (over runs), bound_mean (n·delta_mean), measurements,
+    matched_loss (ℓ*), delta_matched, bound_matched."""
+    along = diversity_along_training(runs, diversity)
+    if along.empty:
+        return pd.DataFrame()
+    reference = batch_size or int(along["batch_size"].min())
+    along = along[along["batch_size"] == reference]
+    keys = [*model_keys(along), *[c for c in SHAPE_COLUMNS if c in along]]
+    losses = curves[(curves["metric"] == metric) & curves["key"].isin(along["key"])]
+    # the loss each measurement was taken at: the latest evaluation at or before it
+    at = pd.merge_asof(along.sort_values("iteration"),
+                       losses[["key", "iteration", "value"]].rename(columns={"value": "loss"})
+                       .sort_values("iteration"), on="iteration", by="key", direction="backward")
+    per_model_best = at.groupby(keys, dropna=False)["loss"].min()
+    matched = float(per_model_best.max()) if len(per_model_best) else math.nan
+    rows = []
+    for group, frame in at.groupby(keys, sort=True, dropna=False):
+        per_run = frame.groupby("key")["diversity"].mean()
+        hits = frame[frame["loss"] <= matched].sort_values("iteration").groupby("key").first()
+        n = float(frame["n_train"].iloc[0])
+        delta_matched = float(hits["diversity"].mean()) if len(hits) else math.nan
+        group = group if isinstance(group, tuple) else (group,)
+        rows.append({**dict(zip(keys, group, strict=True)), "batch_size": reference,
+                     "delta_mean": float(per_run.mean()),
+                     "delta_std": float(per_run.std(ddof=1)) if len(per_run) > 1 else math.nan,
+                     "bound_mean": n * float(per_run.mean()), "measurements": len(frame),
+                     "matched_loss": matched, "delta_matched": delta_matched,
+                     "bound_matched": n * delta_matched})
+    return pd.DataFrame(rows)
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Rank correlation over the pairs where both are finite (NaN with fewer than 3)."""
+    a, b = np.asarray(x, float), np.asarray(y, float)
+    ok = np.isfinite(a) & np.isfinite(b)
+    if ok.sum() < 3:
+        return math.nan
+    ra, rb = pd.Series(a[ok]).rank().to_numpy(), pd.Series(b[ok]).rank().to_numpy()
+    if ra.std() == 0 or rb.std() == 0:
+        return math.nan
+    return float(np.corrcoef(ra, rb)[0, 1])
