@@ -141,7 +141,9 @@ def claims(a: StudyAnalysis) -> list[Claim]:
             "000", "For every network there is a threshold B* beyond which epochs to target "
             "grow (here: by more than 1.5× the best smaller batch, or the target is missed).",
             SUPPORTED if has.all() else NOT_SUPPORTED,
-            f"B* per model: {', '.join(f'{m}: {_fmt(b)}' for m, b in zip(shapes['model_label'], b_star, strict=True))}; "
+            "B* per model: " + ", ".join(
+                f"{m}: {_fmt(b)}" for m, b in zip(shapes["model_label"], b_star, strict=True))
+            + f"; "
             f"largest batch tried {_fmt(float(max_b))}; {int(has.sum())}/{len(b_star)} "
             "shapes have B* below it"))
     out.append(_correlation_claim(
