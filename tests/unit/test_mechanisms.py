@@ -18,6 +18,7 @@ from batchbound.diversity.mechanisms import (
     diversity_under,
     dropconnect_diversity,
     dropconnect_mask,
+    mechanism_diversities,
     mechanism_diversity,
     monte_carlo_diversity,
     parse_mechanism,
@@ -197,3 +198,16 @@ def test_end_to_end_monte_carlo_and_theorem_7_on_a_model() -> None:
         assert abs(est.diversity - report.diversity) <= 5 * est.diversity_se
         if report.base_batch_bound <= report.n:
             assert report.diversity >= report.base_diversity
+
+
+def test_several_mechanisms_in_one_pass_equal_single_calls() -> None:
+    model, x, y = small_problem()
+    specs = ["quantize", "quantize(per_tensor=true)", "sgld(sigma=0.1)", "none"]
+    together = mechanism_diversities(model, (x, y), "cross_entropy", specs, dtype=torch.float64)
+    for spec, report in zip(specs, together, strict=True):
+        alone = mechanism_diversity(model, (x, y), "cross_entropy", spec, dtype=torch.float64)
+        assert report.mechanism == alone.mechanism
+        assert report.diversity == pytest.approx(alone.diversity, rel=1e-12)
+    assert together[-1].diversity == pytest.approx(together[-1].base_diversity)
+    with pytest.raises(BatchboundError, match="no mechanism"):
+        mechanism_diversities(model, (x, y), "cross_entropy", [])

@@ -32,9 +32,9 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -338,14 +338,13 @@ class MechanismReport:
     base_batch_bound: float
     seconds: float
     engine: str
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "mechanism": self.mechanism, "n": self.n, "d": self.d, "S": self.S, "T": self.T,
             "R": self.R, "diversity": self.diversity, "batch_bound": self.batch_bound,
             "base_diversity": self.base_diversity, "base_batch_bound": self.base_batch_bound,
-            "seconds": self.seconds, "engine": self.engine, **self.extra,
+            "seconds": self.seconds, "engine": self.engine,
         }
 
 
@@ -361,59 +360,81 @@ def mechanism_diversity(
 ) -> MechanismReport:
     """Exact Δ^DIM over the whole data set from the closed forms.
 
+    ``data``, ``loss``, ``chunk_size``, ``engine`` and ``dtype`` are as for ``measure``.
     DropConnect and SGLD need only S and T, which come from ``measure`` (the fast per-example
     norm engines). Quantization needs per-example L1 norms, so it materialises per-example
-    gradients chunk by chunk (memory: chunk_size × parameters).
+    gradients chunk by chunk (memory: chunk_size × parameters; ``engine`` does not apply).
     """
-    mech = parse_mechanism(mechanism)
+    return mechanism_diversities(model, data, loss, [mechanism], chunk_size=chunk_size,
+                                 engine=engine, dtype=dtype)[0]
+
+
+def mechanism_diversities(
+    model: nn.Module,
+    data: Any,
+    loss: Any = None,
+    mechanisms: Sequence[str | Mechanism] = ("dropconnect(p=0.5)",),
+    *,
+    chunk_size: int = 256,
+    engine: str = "auto",
+    dtype: torch.dtype | None = None,
+) -> list[MechanismReport]:
+    """Several mechanisms from one pass over the data (one report each, in order)."""
+    mechs = [parse_mechanism(m) for m in mechanisms]
+    if not mechs:
+        raise BatchboundError("no mechanism given; choose from " + ", ".join(MECHANISM_NAMES))
     start = time.perf_counter()
     d = sum(p.numel() for p in trainable_parameters(model).values())
-    extra: dict[str, Any] = {}
-    if mech.name == "quantize":
-        n, S, T, R = _quantization_sums(model, data, loss, chunk_size, dtype, mech.per_tensor)
+    R: dict[bool, float] = {}
+    if any(m.name == "quantize" for m in mechs):
+        n, S, T, R[False], R[True] = _quantization_sums(model, data, loss, chunk_size, dtype)
         used = "materialise"
     else:
         report = measure(model, data, loss, chunk_size=chunk_size, engine=engine, dtype=dtype)
-        n, S, T, R, used = report.n, report.S, report.T, None, report.engine
-    diversity = diversity_under(mech, S=S, T=T, n=n, d=d, R=R)
+        n, S, T, used = report.n, report.S, report.T, report.engine
+    seconds = time.perf_counter() - start
     base = _ratio(S, T)
-    return MechanismReport(
-        mechanism=str(mech), n=n, d=d, S=S, T=T, R=R, diversity=diversity,
-        batch_bound=n * diversity, base_diversity=base, base_batch_bound=n * base,
-        seconds=time.perf_counter() - start, engine=used, extra=extra,
-    )
+    reports = []
+    for mech in mechs:
+        r = R[mech.per_tensor] if mech.name == "quantize" else None
+        diversity = diversity_under(mech, S=S, T=T, n=n, d=d, R=r)
+        reports.append(MechanismReport(
+            mechanism=str(mech), n=n, d=d, S=S, T=T, R=r, diversity=diversity,
+            batch_bound=n * diversity, base_diversity=base, base_batch_bound=n * base,
+            seconds=seconds, engine=used,
+        ))
+    return reports
 
 
 def _quantization_sums(
-    model: nn.Module, data: Any, loss: Any, chunk_size: int, dtype: torch.dtype | None,
-    per_tensor: bool,
-) -> tuple[int, float, float, float]:
-    """n, S, T and R = Σ_i ‖g_i‖₂‖g_i‖₁ (or Σ_i Σ_p ‖g_ip‖₂‖g_ip‖₁ per tensor) in one pass of
+    model: nn.Module, data: Any, loss: Any, chunk_size: int, dtype: torch.dtype | None
+) -> tuple[int, float, float, float, float]:
+    """n, S, T, R = Σ_i ‖g_i‖₂‖g_i‖₁ and R per tensor = Σ_i Σ_p ‖g_ip‖₂‖g_ip‖₁ in one pass of
     materialised per-example gradients, chunk by chunk, summed across ranks."""
     acc = torch.float64
     with measuring(model, dtype) as work:
         chunks, loss_fn = chunks_for(work, data, loss, chunk_size)
         params = trainable_parameters(work)
         device = next(iter(params.values())).device
-        sums = torch.zeros(3, dtype=acc, device=device)  # n, S, R
+        sums = torch.zeros(4, dtype=acc, device=device)  # n, S, R, R per tensor
         total = {k: torch.zeros(p.shape, dtype=acc, device=device) for k, p in params.items()}
         for x, y in chunks:
             grads = per_example_gradients(work, x, y, loss_fn)
             flat = {k: g.reshape(g.shape[0], -1).to(acc) for k, g in grads.items()}
             sq = {k: g.square().sum(1) for k, g in flat.items()}
             l1 = {k: g.abs().sum(1) for k, g in flat.items()}
-            if per_tensor:
-                r = sum((sq[k].sqrt() * l1[k]).sum() for k in flat)
-            else:
-                r = (sum(sq.values()).sqrt() * sum(l1.values())).sum()
-            sums += torch.stack([sums.new_tensor(x.shape[0]), sum(sq.values()).sum(), r])
+            sq_all = torch.stack(list(sq.values())).sum(0)
+            l1_all = torch.stack(list(l1.values())).sum(0)
+            r_tensor = torch.stack([(sq[k].sqrt() * l1[k]).sum() for k in flat]).sum()
+            sums += torch.stack([sums.new_tensor(x.shape[0]), sq_all.sum(),
+                                 (sq_all.sqrt() * l1_all).sum(), r_tensor])
             for k, g in flat.items():
                 total[k] += g.sum(0).reshape(total[k].shape)
     names = list(total)
     reduced = all_reduce_sum([sums, *total.values()])
     sums, total = reduced[0], dict(zip(names, reduced[1:], strict=True))
     T = float(sum(t.square().sum() for t in total.values()))
-    return int(sums[0]), float(sums[1]), T, float(sums[2])
+    return int(sums[0]), float(sums[1]), T, float(sums[2]), float(sums[3])
 
 
 # ------------------------------------------------- engine access (chunks, gradients)
