@@ -169,25 +169,17 @@ class Trainer:
                 flags = self.train_step(stop.requested, self.time_exceeded())
                 if self.diverged():
                     break
+                if flags["time"]:
+                    self.message = f"max_seconds={self.config.max_seconds:g} reached"
+                    break
+                if self.after_step():
+                    self.message = "all targets reached"
+                    break
                 if flags["stop"]:
                     self.status = "stopped"
                     self.message = f"stopped by {stop.signal_name or 'a signal on another rank'}"
                     self.checkpoint_step()
                     break
-                if flags["time"]:
-                    self.message = f"max_seconds={self.config.max_seconds} reached"
-                    break
-                if self.eval_due():
-                    self.evaluate_step()
-                    if self.all_targets_reached():
-                        self.message = "all targets reached"
-                        break
-                if self.diversity_due():
-                    self.measure_diversity()
-                if self.adapt_due():
-                    self.adapt_batch_size()
-                if self.checkpoint_due():
-                    self.checkpoint_step()
             if self.status == "complete" and self.last_eval_iteration != self.iteration:
                 self.evaluate_step()
         except BatchboundError:
@@ -200,6 +192,20 @@ class Trainer:
             stop.close()
             self.progress.close()
         return self.result()
+
+    def after_step(self) -> bool:
+        """The cadenced steps after an iteration; True once every target is reached."""
+        if self.eval_due():
+            self.evaluate_step()
+            if self.all_targets_reached():
+                return True
+        if self.diversity_due():
+            self.measure_diversity()
+        if self.adapt_due():
+            self.adapt_batch_size()
+        if self.checkpoint_due():
+            self.checkpoint_step()
+        return False
 
     # ---------------------------------------------------------------- steps
     def train_step(self, stop_requested: bool, time_exceeded: bool) -> dict[str, bool]:
