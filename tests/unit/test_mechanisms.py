@@ -27,7 +27,7 @@ from batchbound.diversity.mechanisms import (
 )
 from batchbound.errors import BatchboundError
 
-MECHANISMS = ["dropconnect(p=0.3)", "dropconnect(p=0.8)", "sgld(sigma=0.2)", "quantize",
+MECHANISMS = ["dropconnect(p=0.3)", "dropconnect(p=0.8)", "sgld(sigma=0.2)", "quantization",
               "quantize(per_tensor=true)", "none"]
 
 
@@ -105,7 +105,7 @@ def test_theorem_7_mechanisms_raise_diversity_when_bound_below_n(n, d, seed, spr
     base = S / T
     R = float((g.norm(dim=1) * g.abs().sum(1)).sum())
     for spec in (Mechanism("dropconnect", p=p), Mechanism("sgld", sigma=sigma),
-                 Mechanism("quantize")):
+                 Mechanism("quantization")):
         value = diversity_under(spec, S=S, T=T, n=n, d=d, R=R)
         if n * base <= n:  # Theorem 7's hypothesis: B ≤ n, i.e. T ≥ S
             assert value >= base * (1 - 1e-12)
@@ -157,8 +157,8 @@ def test_bad_mechanism_specs_are_named(spec: str, message: str) -> None:
 
 
 def test_spec_round_trip_and_alias() -> None:
-    assert str(parse_mechanism("quantization")) == "quantize"
-    for spec in ("dropconnect(p=0.5)", "sgld(sigma=0.01)", "quantize(per_tensor=true)", "none"):
+    assert str(parse_mechanism("quantize")) == "quantization"
+    for spec in ("dropconnect(p=0.5)", "sgld(sigma=0.01)", "quantization(per_tensor=true)", "none"):
         assert str(parse_mechanism(spec)) == spec
 
 

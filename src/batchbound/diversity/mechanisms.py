@@ -14,10 +14,10 @@ gives E‖ΣM(g_i)‖² = Σ_i E‖M(g_i)‖² + Σ_{i≠j} ⟨E M(g_i), E M(g_j
   The rescaled mask D/q used in training gives S/q over S/q + (T−S): the same Δ, because
   Δ is a ratio and the scale cancels.
 - ``sgld(sigma)``, M(g) = g + ξ, ξ ~ N(0, σ²I_d): Δ = (S + ndσ²) / (T + ndσ²).
-- ``quantize`` (alias ``quantization``), [Q(v)]_l = ‖v‖₂ sign(v_l) η_l with
+- ``quantization`` (alias ``quantize``), [Q(v)]_l = ‖v‖₂ sign(v_l) η_l with
   P(η_l = 1) = |v_l|/‖v‖₂: Q is unbiased and E‖Q(v)‖² = ‖v‖₂‖v‖₁, so with
   R = Σ_i ‖g_i‖₂‖g_i‖₁, Δ = R / (T − S + R).
-  By default v is the whole flattened gradient; ``quantize(per_tensor=true)`` quantizes
+  By default v is the whole flattened gradient; ``quantization(per_tensor=true)`` quantizes
   each parameter tensor on its own, and R sums ‖g_ip‖₂‖g_ip‖₁ over tensors p.
 
 Theorem 7 (seed 001): each of these is ≥ Δ whenever B = nΔ ≤ n, i.e. T ≥ S.
@@ -48,8 +48,8 @@ from batchbound.diversity.stats import per_example_gradients, trainable_paramete
 from batchbound.errors import BatchboundError
 from batchbound.spec import Spec, parse_spec
 
-MECHANISM_NAMES = ("none", "dropconnect", "sgld", "quantize")
-_ALIASES = {"quantization": "quantize", "quantise": "quantize"}
+MECHANISM_NAMES = ("none", "dropconnect", "sgld", "quantization")
+_ALIASES = {"quantize": "quantization", "quantise": "quantization"}
 
 
 # ----------------------------------------------------------------------------- the spec
@@ -58,7 +58,7 @@ _ALIASES = {"quantization": "quantize", "quantise": "quantize"}
 @dataclass(frozen=True)
 class Mechanism:
     """A parsed mechanism spec: ``none``, ``dropconnect(p=0.5)``, ``sgld(sigma=0.01)``,
-    ``quantize`` or ``quantize(per_tensor=true)`` (``quantization`` is an alias)."""
+    ``quantization`` or ``quantization(per_tensor=true)`` (``quantize`` is an alias)."""
 
     name: str
     p: float = 0.0
@@ -79,7 +79,7 @@ class Mechanism:
         options = {
             "dropconnect": {"p": self.p},
             "sgld": {"sigma": self.sigma},
-            "quantize": {"per_tensor": True} if self.per_tensor else {},
+            "quantization": {"per_tensor": True} if self.per_tensor else {},
         }.get(self.name, {})
         return str(Spec(self.name, options))
 
@@ -87,7 +87,7 @@ class Mechanism:
         return {"name": self.name, "p": self.p, "sigma": self.sigma, "per_tensor": self.per_tensor}
 
 
-_OPTIONS = {"none": (), "dropconnect": ("p",), "sgld": ("sigma",), "quantize": ("per_tensor",)}
+_OPTIONS = {"none": (), "dropconnect": ("p",), "sgld": ("sigma",), "quantization": ("per_tensor",)}
 
 
 def parse_mechanism(spec: str | Mechanism) -> Mechanism:
@@ -117,7 +117,7 @@ def parse_mechanism(spec: str | Mechanism) -> Mechanism:
             raise BatchboundError(f"{name}: {key} must be a number, got {kwargs[key]!r}")
     if "per_tensor" in kwargs and not isinstance(kwargs["per_tensor"], bool):
         raise BatchboundError(
-            f"quantize: per_tensor must be true or false, got {kwargs['per_tensor']!r}"
+            f"quantization: per_tensor must be true or false, got {kwargs['per_tensor']!r}"
         )
     return Mechanism(name, **{k: v if isinstance(v, bool) else float(v) for k, v in kwargs.items()})
 
@@ -287,7 +287,7 @@ def monte_carlo_diversity(
     """Sample the mechanism on an (n, d) matrix of per-example gradients.
 
     ``parameter_slices`` splits the d columns into parameter tensors, which matters only for
-    ``quantize(per_tensor=true)``.
+    ``quantization(per_tensor=true)``.
     """
     mech = parse_mechanism(mechanism)
     if grads.dim() != 2 or grads.shape[0] == 0:
@@ -299,7 +299,7 @@ def monte_carlo_diversity(
     for start in range(0, samples, block):
         count = min(block, samples - start)
         tiled = g.expand(count, *g.shape)  # (count, n, d): count independent draws
-        if mech.name == "quantize" and mech.per_tensor and parameter_slices:
+        if mech.name == "quantization" and mech.per_tensor and parameter_slices:
             pieces = {str(i): tiled[..., s] for i, s in enumerate(parameter_slices)}
             parts = apply_mechanism(mech, pieces, generator, batch_dims=2)
             drawn = torch.cat(list(parts.values()), -1)
@@ -386,7 +386,7 @@ def mechanism_diversities(
     start = time.perf_counter()
     d = sum(p.numel() for p in trainable_parameters(model).values())
     R: dict[bool, float] = {}
-    if any(m.name == "quantize" for m in mechs):
+    if any(m.name == "quantization" for m in mechs):
         n, S, T, R[False], R[True] = _quantization_sums(model, data, loss, chunk_size, dtype)
         used = "materialise"
     else:
@@ -396,7 +396,7 @@ def mechanism_diversities(
     base = _ratio(S, T)
     reports = []
     for mech in mechs:
-        r = R[mech.per_tensor] if mech.name == "quantize" else None
+        r = R[mech.per_tensor] if mech.name == "quantization" else None
         diversity = diversity_under(mech, S=S, T=T, n=n, d=d, R=r)
         reports.append(MechanismReport(
             mechanism=str(mech), n=n, d=d, S=S, T=T, R=r, diversity=diversity,
