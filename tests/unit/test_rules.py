@@ -71,12 +71,12 @@ conv_cases = st.fixed_dictionaries(
         "padding_mode": st.sampled_from(["zeros", "reflect", "circular", "replicate"]),
         "bias": st.booleans(),
         "size": st.integers(5, 8),
-        "strategy": st.sampled_from(["gram", "unfold"]),
+        "strategy": st.sampled_from(["gram", "conv", "shifts"]),
     }
 )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(case=conv_cases)
 def test_conv(case: dict) -> None:
     if case["padding"] == "same":
@@ -103,8 +103,9 @@ def test_conv(case: dict) -> None:
 
 def test_conv_strategy_follows_flop_estimate() -> None:
     # Few positions, many channels: Gram form; many positions: materialising.
-    assert conv.choose_strategy(8, 64 * 9, 64, 1, 4) == "gram"
-    assert conv.choose_strategy(8, 1 * 25, 6, 1, 784) == "unfold"
+    assert conv.choose_strategy(8, 64, 64, 1, 9, 4) == "gram"
+    assert conv.choose_strategy(8, 1, 6, 1, 25, 784) == "conv"
+    assert conv.choose_strategy(8, 16, 16, 1, 9, 1024) == "shifts"
 
 
 @settings(max_examples=10, deadline=None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from batchbound.diversity.rules.registry import register_rule, trainable
+from batchbound.diversity.rules.registry import register_rule, row_sq_norms, trainable
 
 
 def sequence_weight_sq_norms(a: Tensor, b: Tensor) -> Tensor:
@@ -21,7 +21,7 @@ def sequence_weight_sq_norms(a: Tensor, b: Tensor) -> Tensor:
         gram_a = a @ a.transpose(1, 2)
         gram_b = b @ b.transpose(1, 2)
         return (gram_a * gram_b).sum(dim=(1, 2))
-    return (b.transpose(1, 2) @ a).square().sum(dim=(1, 2))
+    return row_sq_norms(b.transpose(1, 2) @ a)
 
 
 @register_rule(nn.Linear)
@@ -29,9 +29,9 @@ def linear_rule(layer: nn.Module, a: Tensor, b: Tensor) -> dict[str, Tensor]:
     n = a.shape[0]
     norms: dict[str, Tensor] = {}
     if a.dim() == 2:
-        b_sq = b.square().sum(dim=1)
+        b_sq = row_sq_norms(b)
         if trainable(layer, "weight"):
-            norms["weight"] = a.square().sum(dim=1) * b_sq
+            norms["weight"] = row_sq_norms(a) * b_sq
         if trainable(layer, "bias"):
             norms["bias"] = b_sq
         return norms
@@ -40,5 +40,5 @@ def linear_rule(layer: nn.Module, a: Tensor, b: Tensor) -> dict[str, Tensor]:
     if trainable(layer, "weight"):
         norms["weight"] = sequence_weight_sq_norms(a, b)
     if trainable(layer, "bias"):
-        norms["bias"] = b.sum(dim=1).square().sum(dim=1)
+        norms["bias"] = row_sq_norms(b.sum(dim=1))
     return norms

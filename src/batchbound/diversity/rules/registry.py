@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 Rule = Callable[[nn.Module, Tensor, Tensor], dict[str, Tensor]]
@@ -49,6 +50,14 @@ def register_rule(
 
 def rule_for(module: nn.Module) -> RuleEntry | None:
     return RULES.get(type(module))
+
+
+def row_sq_norms(t: Tensor) -> Tensor:
+    """Σ of squares over all but the first dimension, shape (n,); one fused reduction
+    (``vector_norm`` is several times faster than ``square().sum()`` on CPU)."""
+    if t.dim() == 1:
+        return t.square()
+    return torch.linalg.vector_norm(t, dim=tuple(range(1, t.dim()))).square()
 
 
 def trainable(module: nn.Module, name: str) -> bool:
