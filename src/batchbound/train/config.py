@@ -150,7 +150,19 @@ class TrainConfig:
         # parse the spec strings now, so a typo fails before any work
         self.parsed_strategy()
         self.parsed_mechanism()
+        if self.online_diversity != "off" and self.parsed_mechanism().name != "none":
+            raise BatchboundError(
+                "online_diversity estimates the plain gradient's diversity and cannot be "
+                "combined with a mechanism; measure a mechanism's Δ with "
+                "diversity_every_epochs or batchbound.diversity.mechanisms"
+            )
+        if self.online_diversity == "two_batch" and self.workers < 2:
+            raise BatchboundError("online_diversity=two_batch needs workers >= 2")
         policy = self.parsed_batch_policy()
+        if policy.adaptive and policy.source == "online" and self.online_diversity == "off":
+            raise BatchboundError(
+                "adaptive(source=online) needs online_diversity=norms or two_batch"
+            )
         if policy.adaptive and policy.min < self.workers:
             raise BatchboundError(
                 f"adaptive batch min={policy.min} is below the number of workers {self.workers}"

@@ -124,7 +124,7 @@ class Trainer:
         # mechanism draws differ per rank (independent workers) and are checkpointed
         self.generator = torch.Generator(device=ctx.device)
         self.generator.manual_seed(config.seed * 1_000_003 + 7919 * (ctx.rank + 1))
-        self.monitor = OnlineMonitor(config.online_diversity, self.n, ctx)
+        self.monitor = OnlineMonitor(config.online_diversity, self.n, ctx, config.sampling)
 
         subset = config.eval_subset
         if subset is not None and subset < self.n:
@@ -225,6 +225,8 @@ class Trainer:
 
         scale = 1.0 / batch if self.config.convention == "mean" else 1.0
         grads, loss_sum, monitor_extras = self.compute_gradients(x, y, scale)
+        if self.monitor.mode == "two_batch":
+            monitor_extras = self.monitor.local_extras(grads, scale, len(local))
         if self.config.mechanism_granularity == "worker":
             apply_to_worker(self.mechanism, grads, scale, self.generator)
         timer.lap("compute")
@@ -269,7 +271,10 @@ class Trainer:
             return grads, float(losses.sum()), []
         if self.monitor.needs_norms:  # one backward gives gradients and per-example norms
             stats = per_example_stats(self.model, x, y, self.loss_fn)
-            grads = [stats.grad_sum[name].mul_(scale) for name in self.names]
+            grads = [
+                (stats.grad_sum[name] * scale).to(p.dtype).reshape(p.shape)
+                for name, p in zip(self.names, self.params, strict=True)
+            ]
             for p, g in zip(self.params, grads, strict=True):
                 p.grad = g
             return grads, float(stats.losses.sum()), [float(stats.total_sq_norms.sum())]

@@ -1,15 +1,19 @@
-"""Online diversity monitoring inside the training loop (batchbound.diversity.online does the
-estimating; this module feeds it what the step already computed).
+"""Online diversity monitoring inside the training loop. batchbound.diversity.online's
+OnlineDiversity does the estimating; this module feeds it what the step already computed
+and all-reduces the few numbers it needs with the gradient (no extra collective).
 
 Modes (``TrainConfig.online_diversity``):
 
-- ``off``: nothing (no cost).
-- ``norms``: the step's backward also yields per-example squared norms (per_example_stats,
-  one backward with per-layer hooks), so every iteration gives S_B = Σ_{i∈B}‖g_i‖² and
-  T_B = ‖Σ_{i∈B} g_i‖², all-reduced with the gradient. Its cost is measured by the
-  benchmark (benchmarks/train.py) and shown in timings["monitor_seconds"].
-- ``two_batch``: McCandlish et al.'s two-batch-size estimator from each worker's local
-  gradient (|G_local|²) and the global one; needs no per-example work, but P ≥ 2.
+- ``off``: nothing, no cost.
+- ``norms``: the step's backward runs through per_example_stats (per-layer hooks), which
+  gives the gradient *and* each example's squared norm in one pass. Per iteration,
+  S_B = Σ_{i∈B}‖g_i‖² (summed over ranks) and T_B = ‖Σ_{i∈B} g_i‖² (from the all-reduced
+  gradient) update the estimator. Cost: the hooks' extra work in every backward; measured
+  by benchmarks/train.py.
+- ``two_batch``: McCandlish et al.'s two-batch-size estimator from each worker's local mean
+  gradient (small batches) and the global mean (the big one). No per-example work, P ≥ 2.
+
+Each iteration records ``online_diversity`` (Δ̂) and ``online_batch_bound`` (n·Δ̂).
 """
 
 from __future__ import annotations
@@ -18,52 +22,72 @@ from typing import Any
 
 import torch
 
+from batchbound.diversity.online import OnlineDiversity
 from batchbound.errors import BatchboundError
-from batchbound.train.distributed import DistContext
+from batchbound.train.distributed import DistContext, shard_sizes
 
 
 class OnlineMonitor:
-    def __init__(self, mode: str, n: int, ctx: DistContext) -> None:
+    def __init__(self, mode: str, n: int, ctx: DistContext, sampling: str = "epoch") -> None:
         self.mode, self.n, self.ctx = mode, n, ctx
-        self.estimator: Any = None
-        if mode == "off":
-            return
         if mode == "two_batch" and ctx.world_size < 2:
-            raise BatchboundError("online_diversity=two_batch needs at least 2 workers")
-        try:
-            from batchbound.diversity.online import OnlineDiversity
-        except ImportError:  # pragma: no cover - until batchbound.diversity.online lands
             raise BatchboundError(
-                "online diversity monitoring needs batchbound.diversity.online, "
-                "which this installation lacks"
-            ) from None
-        self.estimator = OnlineDiversity(n=n)
+                "online_diversity=two_batch compares per-worker and global gradients: it needs "
+                "at least 2 workers (use norms on one process)"
+            )
+        scheme = "without_replacement" if sampling == "epoch" else "with_replacement"
+        self.estimator = OnlineDiversity(n=n, sampling=scheme) if mode != "off" else None
 
     @property
     def active(self) -> bool:
-        return self.mode != "off"
+        return self.estimator is not None
 
     @property
     def needs_norms(self) -> bool:
         return self.mode == "norms"
 
-    def local_extras(self, grads: list[torch.Tensor], scale: float) -> list[float]:
-        return []
+    def local_extras(
+        self, grads: list[torch.Tensor], scale: float, local_batch: int
+    ) -> list[float]:
+        """two_batch: ‖G_k‖² of this worker's mean gradient (summed over ranks by the caller)."""
+        if self.mode != "two_batch":
+            return []
+        factor = 1.0 / (scale * local_batch)  # grads hold scale·Σg_i over local_batch examples
+        return [float(sum(g.double().square().sum() for g in grads)) * factor**2]
 
     def update(
         self, grads: list[torch.Tensor], scale: float, extras: list[float], batch: int
     ) -> dict[str, float]:
-        raise NotImplementedError
+        """Fold in one step, given the all-reduced gradient (scale·Σg_i over the global batch)
+        and the summed extras; returns the metrics to record."""
+        assert self.estimator is not None
+        total_sq = float(sum(g.double().square().sum() for g in grads)) / scale**2  # T_B
+        if self.mode == "norms":
+            if batch >= 2:
+                self.estimator.update_from_norms(extras[0], total_sq, batch)
+        else:
+            sizes = shard_sizes(batch, self.ctx.world_size)
+            small_sq = extras[0] / self.ctx.world_size
+            harmonic = len(sizes) / sum(1.0 / b for b in sizes)
+            if harmonic < batch:
+                self.estimator.update_two_batch(small_sq, harmonic, total_sq / batch**2, batch)
+        if not self.estimator.steps:
+            return {}
+        return {
+            "online_diversity": self.estimator.diversity,
+            "online_batch_bound": self.estimator.batch_bound,
+        }
 
     def diversity_estimate(self) -> float:
         if self.estimator is None:
             raise BatchboundError(
                 "adaptive(source=online) needs online_diversity=norms or two_batch"
             )
-        raise NotImplementedError
+        return self.estimator.diversity
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return {} if self.estimator is None else self.estimator.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        if self.estimator is not None and state:
+            self.estimator.load_state_dict(state)
