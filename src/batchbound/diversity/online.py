@@ -50,6 +50,7 @@ from batchbound.errors import BatchboundError
 
 SAMPLINGS = ("without_replacement", "with_replacement")
 GradientLike = Tensor | Mapping[str, Tensor] | Sequence[Tensor]
+_SUMS = ("w", "w2", "m", "c", "mm", "cc", "mc")
 
 
 class OnlineDiversity:
@@ -75,7 +76,9 @@ class OnlineDiversity:
             )
         self.n, self.decay, self.sampling = n, decay, sampling
         self.steps = 0
-        self._m2 = self._cross = self._weight = 0.0
+        # Weighted sums over steps (EMA or equal weights): Σw, Σw², and Σw·x for
+        # x in M2, C, M2², C², M2·C; the second moments give the standard error.
+        self._sums = dict.fromkeys(_SUMS, 0.0)
 
     # ------------------------------------------------------------------ updates
 
@@ -86,9 +89,11 @@ class OnlineDiversity:
             raise BatchboundError(f"non-finite diversity estimates: M2={m2}, C={cross}")
         self.steps += 1
         keep = 1.0 - 1.0 / self.steps if self.decay is None else self.decay
-        self._m2 = keep * self._m2 + (1.0 - keep) * m2
-        self._cross = keep * self._cross + (1.0 - keep) * cross
-        self._weight = keep * self._weight + (1.0 - keep)
+        new = {"w": 1.0, "m": m2, "c": cross, "mm": m2 * m2, "cc": cross * cross,
+               "mc": m2 * cross}
+        for key, value in new.items():
+            self._sums[key] = keep * self._sums[key] + (1.0 - keep) * value
+        self._sums["w2"] = keep**2 * self._sums["w2"] + (1.0 - keep) ** 2
 
     def update_from_norms(self, S_B: float, T_B: float, batch_size: int) -> None:
         """From a batch's Σ‖g_i‖² and ‖Σg_i‖² (per-example losses, summed)."""
@@ -156,12 +161,12 @@ class OnlineDiversity:
     @property
     def m2(self) -> float:
         """Smoothed M2 = S/n, the mean squared per-example gradient norm."""
-        return self._m2 / self._weight if self.steps else math.nan
+        return self._mean("m")
 
     @property
     def cross(self) -> float:
         """Smoothed mean inner product ⟨g_i, g_j⟩ over pairs of distinct draws."""
-        return self._cross / self._weight if self.steps else math.nan
+        return self._mean("c")
 
     @property
     def gradient_sq_norm(self) -> float:
@@ -193,23 +198,52 @@ class OnlineDiversity:
         """Δ = batch_bound / n; NaN when n was not given."""
         return self.batch_bound / self.n if self.n is not None else math.nan
 
+    @property
+    def batch_bound_se(self) -> float:
+        """Standard error of ``batch_bound`` from the spread of the per-step estimates (delta
+        method, steps treated as independent, effective count (Σw)²/Σw² for the EMA).
+
+        It measures sampling noise at a fixed w only; during training Δ(w) itself moves (and
+        can jump when the full gradient is small), which this does not capture."""
+        if self.steps < 2:
+            return math.nan
+        shrink = self._sums["w2"] / self._sums["w"] ** 2  # 1 / effective number of steps
+        m, c = self.m2, self.cross
+        var_m = max(self._mean("mm") - m * m, 0.0) * shrink
+        var_c = max(self._mean("cc") - c * c, 0.0) * shrink
+        cov = (self._mean("mc") - m * c) * shrink
+        a, b = (1.0, 0.0)
+        if self.n is not None and self.sampling == "without_replacement":
+            a, b = 1.0 - 1.0 / self.n, 1.0 / self.n
+        g = self.gradient_sq_norm  # = a·C + b·M2
+        if g <= 0:
+            return math.inf
+        var_g = a * a * var_c + b * b * var_m + 2 * a * b * cov
+        cov_mg = a * cov + b * var_m
+        ratio = m / g
+        var = ratio**2 * (var_m / m**2 + var_g / g**2 - 2 * cov_mg / (m * g))
+        return math.sqrt(max(var, 0.0))
+
+    def _mean(self, key: str) -> float:
+        return self._sums[key] / self._sums["w"] if self.steps else math.nan
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "steps": self.steps, "n": self.n, "m2": self.m2, "cross": self.cross,
             "gradient_sq_norm": self.gradient_sq_norm, "trace_cov": self.trace_cov,
             "noise_scale": self.noise_scale, "batch_bound": self.batch_bound,
-            "diversity": self.diversity,
+            "batch_bound_se": self.batch_bound_se, "diversity": self.diversity,
         }
 
     def state_dict(self) -> dict[str, Any]:
         return {"n": self.n, "decay": self.decay, "sampling": self.sampling, "steps": self.steps,
-                "m2": self._m2, "cross": self._cross, "weight": self._weight}
+                "sums": dict(self._sums)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         fresh = OnlineDiversity(state["n"], decay=state["decay"], sampling=state["sampling"])
         self.n, self.decay, self.sampling = fresh.n, fresh.decay, fresh.sampling
         self.steps = int(state["steps"])
-        self._m2, self._cross, self._weight = state["m2"], state["cross"], state["weight"]
+        self._sums = {key: float(state["sums"][key]) for key in _SUMS}
 
 
 def monitored_step(
