@@ -33,6 +33,15 @@ denominator C are smoothed *separately* by an exponential moving average (or, wi
 ``decay=None``, a running mean over all steps), and the ratio is taken of the smoothed values:
 a ratio of averages, whose bias shrinks as the averaging window grows. While the smoothed
 ‖G‖² is ≤ 0 the noise dominates and the batch bound reads +inf.
+
+**How long a window.** One step's C is noisy when n·Δ ≫ b (the batch sees the mean gradient
+through noise of size tr(Σ)/b), so ``batch_bound_se`` reports the standard error from the
+spread of the per-step estimates; widen the window (``decay`` closer to 1, ≈ 1/(1 − decay)
+steps) until it is small. On digits with fc(depth=2, params=4000) at initialisation
+(n·Δ = 65), batches of 64 gave estimates within 10 % after 20 steps and 3 % after 200. During
+training the exact Δ(w) itself can jump between consecutive iterates when the full gradient
+is small; the smoothed value is then the ratio of the window's averages over recent iterates
+(what McCandlish et al.'s B_simple is in practice), not Δ at the current w.
 """
 
 from __future__ import annotations
