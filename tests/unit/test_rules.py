@@ -76,7 +76,7 @@ conv_cases = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(case=conv_cases)
 def test_conv(case: dict) -> None:
     if case["padding"] == "same":

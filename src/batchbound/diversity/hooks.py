@@ -67,7 +67,8 @@ def plan_hooks(model: nn.Module) -> HookPlan:
                 plan.covered_params[full] = prefix
             elif full not in listed:  # no rule, or tied to several modules
                 listed.add(full)
-                label = f"{prefix or '<root>'} ({type(module).__name__})"
+                why = ", tied to another module" if len(owners[id(p)]) > 1 else ""
+                label = f"{prefix or '<root>'} ({type(module).__name__}{why})"
                 plan.uncovered.setdefault(label, []).append(full)
     return plan
 
@@ -135,7 +136,7 @@ def hooks_stats(
     plan = plan_hooks(model)
     if plan.uncovered and strict:
         raise BatchboundError(
-            "engine='hooks' has no layer rule for these modules' parameters: "
+            "engine='hooks' has no layer rule for these modules' parameters (or they are tied): "
             f"{_describe(plan.uncovered)}; use engine='auto' (vmap fallback for them) or 'vmap'"
         )
     with NormHooks(plan.covered) as hooks:

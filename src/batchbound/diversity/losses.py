@@ -123,7 +123,8 @@ def loss_name(loss: PerExampleLoss) -> str:
 
 def check_finite(losses: Tensor, offset: int = 0) -> None:
     """Raise naming the first example (global index ``offset + i``) whose loss is not finite."""
-    finite = torch.isfinite(losses.detach())
+    losses = losses.detach()
+    finite = torch.isfinite(losses)
     if not bool(finite.all()):
         index = int((~finite).nonzero()[0, 0])
         raise BatchboundError(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from batchbound.diversity.rules.registry import register_rule, trainable
+from batchbound.diversity.rules.registry import register_rule, row_sq_norms, trainable
 from batchbound.errors import BatchboundError
 
 
@@ -41,18 +41,35 @@ def layer_norm_rule(layer: nn.Module, x: Tensor, b: Tensor) -> dict[str, Tensor]
     return _affine_sq_norms(layer, x_hat, b, len(layer.normalized_shape))
 
 
-def _channels_last(t: Tensor) -> Tensor:
-    """(n, C, *spatial) -> (n, *spatial, C), so the parameter axis is the trailing one."""
-    return t.movedim(1, -1)
+def _channel_sums(layer: nn.Module, x: Tensor, b: Tensor, mean: Tensor, inv_std: Tensor) -> dict:
+    """Norms for per-channel affine parameters from Σ_p b and Σ_p b·x over positions p:
+    Σ_p b·x̂ = inv_std·(Σ_p b·x − mean·Σ_p b), so x̂ is never materialised.
+    ``mean`` and ``inv_std`` broadcast against (n, C)."""
+    n, channels = b.shape[0], b.shape[1]
+    b = b.reshape(n, channels, -1)
+    sum_b = b.sum(dim=2)
+    norms: dict[str, Tensor] = {}
+    if trainable(layer, "weight"):
+        sum_bx = (b * x.reshape(n, channels, -1)).sum(dim=2)
+        norms["weight"] = row_sq_norms(inv_std * (sum_bx - mean * sum_b))
+    if trainable(layer, "bias"):
+        norms["bias"] = row_sq_norms(sum_b)
+    return norms
 
 
 @register_rule(nn.GroupNorm)
 def group_norm_rule(layer: nn.Module, x: Tensor, b: Tensor) -> dict[str, Tensor]:
-    n = x.shape[0]
-    grouped = x.reshape(n, layer.num_groups, -1)
-    var, mean = torch.var_mean(grouped, dim=2, unbiased=False, keepdim=True)
-    x_hat = ((grouped - mean) * torch.rsqrt(var + layer.eps)).reshape(x.shape)
-    return _affine_sq_norms(layer, _channels_last(x_hat), _channels_last(b), 1)
+    n, channels, groups = x.shape[0], x.shape[1], layer.num_groups
+    var, mean = torch.var_mean(x.reshape(n, groups, -1), dim=2, unbiased=False)
+    inv_std = torch.rsqrt(var + layer.eps)
+    per_channel = channels // groups  # (n, G) -> (n, C): channel c belongs to group c // (C/G)
+    return _channel_sums(
+        layer,
+        x,
+        b,
+        mean.repeat_interleave(per_channel, dim=1),
+        inv_std.repeat_interleave(per_channel, dim=1),
+    )
 
 
 @register_rule(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -63,8 +80,5 @@ def batch_norm_rule(layer: nn.Module, x: Tensor, b: Tensor) -> dict[str, Tensor]
             "track_running_stats=False), so examples are not independent and per-example "
             "gradients do not exist; measure with the model in eval mode"
         )
-    shape = (1, -1) + (1,) * (x.dim() - 2)
-    mean = layer.running_mean.reshape(shape)
-    var = layer.running_var.reshape(shape)
-    x_hat = (x - mean) * torch.rsqrt(var + layer.eps)
-    return _affine_sq_norms(layer, _channels_last(x_hat), _channels_last(b), 1)
+    inv_std = torch.rsqrt(layer.running_var + layer.eps)
+    return _channel_sums(layer, x, b, layer.running_mean, inv_std)
