@@ -24,6 +24,7 @@ from batchbound.diversity.mechanisms import (
     parse_mechanism,
     quantize,
     quantize_group,
+    sgld_diversity,
 )
 from batchbound.errors import BatchboundError
 
@@ -154,6 +155,16 @@ def test_bad_mechanism_specs_are_named(spec: str, message: str) -> None:
     with pytest.raises(BatchboundError, match=message.replace("[", r"\[").replace(")", r"\)")
                        .replace("(", r"\(")):
         parse_mechanism(spec)
+
+
+def test_pure_functions_validate_their_parameters() -> None:
+    with pytest.raises(BatchboundError, match=r"\[0, 1\)"):
+        dropconnect_diversity(1.0, 2.0, 1.5)
+    with pytest.raises(BatchboundError, match="sigma"):
+        sgld_diversity(1.0, 2.0, 3, 4, -0.1)
+    with pytest.raises(BatchboundError, match="needs R"):
+        diversity_under("quantization", S=1.0, T=2.0, n=3, d=4)
+    assert math.isnan(dropconnect_diversity(0.0, 0.0, 0.5))  # all-zero gradients: undefined
 
 
 def test_spec_round_trip_and_alias() -> None:

@@ -129,11 +129,13 @@ def dropconnect_diversity(S: float, T: float, p: float) -> float:
     """Δ under DropConnect with drop probability p: S / (S + (1−p)(T−S)).
 
     The same for the unscaled mask D g (seed 001) and the rescaled D g/(1−p) of training."""
+    Mechanism("dropconnect", p=p)  # validates p
     return _ratio(S, S + (1.0 - p) * (T - S))
 
 
 def sgld_diversity(S: float, T: float, n: int, d: int, sigma: float) -> float:
     """Δ under SGLD with isotropic N(0, σ²I_d) noise per example: (S + ndσ²) / (T + ndσ²)."""
+    Mechanism("sgld", sigma=sigma)  # validates sigma
     noise = n * d * sigma**2
     return _ratio(S + noise, T + noise)
 
