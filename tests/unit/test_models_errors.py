@@ -15,13 +15,14 @@ BAD_SPECS = [
     ("fc(depth=-1,width=3)", (64,), "depth (hidden layers) must be an integer >= 0"),
     ("fc(depth=2.5,width=3)", (64,), "depth (hidden layers) must be an integer >= 0"),
     ("fc(depth=2,width=0)", (64,), "width must be an integer >= 1"),
-    ("fc(depth=2,params=0)", (64,), "params must be an integer >= 1"),
-    ("fc(depth=2,params=1500.5)", (64,), "params must be an integer >= 1"),
+    ("fc(depth=2,params=0)", (64,), "params (the parameter budget) must be a whole number"),
+    ("fc(depth=2,params=1500.5)", (64,), "must be a whole number >= 1, got 1500.5"),
     ("fc(depth=2,width=4,act=gelu)", (64,), "unknown act 'gelu'; choose from relu, tanh"),
     ("fc(depth=2,width=4,bias=1)", (64,), "bias must be true or false"),
     ("fc(depth=0,width=4)", (64,), "depth=0 has no hidden layer"),
     ("linear(depth=2,width=4,bias=true)", (64,), "no option 'bias'"),
     ("fc(depth=2,width=4", (64,), "malformed spec"),
+    ("fc(depth=2,width=4,input_shape=3)", (64,), "no option 'input_shape'"),
     ("lenet", (64,), "lenet needs image input of shape (C, H, W), got (64,)"),
     ("lenet(image=[1,8,9])", (64,), "must be [C,H,W] with C·H·W equal to the input size 64"),
     ("lenet", (1, 8, 8), "too small for two 5×5 convolutions"),
@@ -56,7 +57,12 @@ def test_bad_sweeps_raise_a_named_error():
         family_sweep("mlp", 1000, [1], (64,), 10)
     with pytest.raises(BatchboundError, match="width are set by the sweep"):
         family_sweep("fc", 1000, [1], (64,), 10, options={"width": 3})
-    with pytest.raises(BatchboundError, match="params must be an integer >= 1"):
+    with pytest.raises(BatchboundError, match="must be a whole number >= 1"):
         family_sweep("fc", 0, [1], (64,), 10)
     with pytest.raises(BatchboundError, match="unknown act 'gelu'"):
         family_sweep("fc", 1000, [1], (64,), 10, options={"act": "gelu"})
+
+
+def test_a_budget_written_as_a_float_is_accepted_when_whole():
+    model = build_model("resnet(blocks=[1],params=2.5e4)", (3, 8, 8), 10)
+    assert model.batchbound_shape.resolved.startswith("resnet(blocks=[1],width=")

@@ -21,6 +21,7 @@ from batchbound.models.options import (
     closest_integer,
     meta_parameter_count,
     one_of_width_params,
+    parameter_budget,
     positive_int,
 )
 from batchbound.models.registry import register_family
@@ -73,7 +74,7 @@ def cnn1d(
         return _build(channels, length, flat, num_outputs, w, depth)
 
     if params is not None:
-        budget = positive_int("cnn1d", "params", params)
+        budget = parameter_budget("cnn1d", params)
         width = closest_integer(lambda w: meta_parameter_count(lambda: build(w)), budget)
     width = 25 if width is None else positive_int("cnn1d", "width", width)
     resolved = str(Spec("cnn1d", {"width": width, "depth": depth}))

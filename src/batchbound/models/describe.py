@@ -65,8 +65,10 @@ class ModelDescription:
 
 
 def model_shape(model: nn.Module) -> ModelShape | None:
-    """The shape record a family attached to ``model``, if it was built by one."""
-    return getattr(model, "batchbound_shape", None)
+    """The shape record a family attached to ``model`` (or to the model a DDP/compile wrapper
+    holds as ``.module``), if a family built it."""
+    inner = getattr(model, "module", None)
+    return getattr(model, "batchbound_shape", None) or getattr(inner, "batchbound_shape", None)
 
 
 def describe_model(

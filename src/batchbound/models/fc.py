@@ -20,7 +20,7 @@ from torch import nn
 
 from batchbound.errors import BatchboundError
 from batchbound.models.layers import ModelShape, activation, tag
-from batchbound.models.options import flag, one_of_width_params, positive_int
+from batchbound.models.options import flag, one_of_width_params, parameter_budget, positive_int
 from batchbound.models.registry import register_family
 from batchbound.spec import Spec
 
@@ -80,10 +80,10 @@ def _resolve_width(
         if width is not None:
             raise BatchboundError(f"{family}: depth=0 has no hidden layer, so no width")
         if params is not None:
-            positive_int(family, "params", params)
+            parameter_budget(family, params)
         return 0, 0
     if params is not None:
-        return depth, solve_width(positive_int(family, "params", params), d_in, depth, d_out,
+        return depth, solve_width(parameter_budget(family, params), d_in, depth, d_out,
                                   count_biases)
     if width is None:
         raise BatchboundError(f"{family}: give width=K or params=P (depth={depth} needs a width)")

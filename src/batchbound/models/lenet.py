@@ -35,6 +35,7 @@ from batchbound.models.options import (
     closest_integer,
     meta_parameter_count,
     one_of_width_params,
+    parameter_budget,
     positive_float,
     positive_int,
 )
@@ -107,7 +108,7 @@ def lenet(
         return _build(shape, folded, num_outputs, m, hidden, act, padding)
 
     if params is not None:
-        budget = positive_int("lenet", "params", params)
+        budget = parameter_budget("lenet", params)
         c2 = closest_integer(lambda n: meta_parameter_count(lambda: build(n / 50)), budget)
         width_mult = c2 / BASE_CHANNELS[1]
     m = 1.0 if width_mult is None else positive_float("lenet", "width_mult", width_mult)

@@ -22,6 +22,17 @@ def positive_int(family: str, key: str, value: Any, minimum: int = 1) -> int:
     return value
 
 
+def parameter_budget(family: str, value: Any) -> int:
+    """A parameter budget: a whole number >= 1; ``2.5e6`` (parsed as a float) is accepted."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise BatchboundError(
+            f"{family}: params (the parameter budget) must be a whole number >= 1, got {value!r}"
+        )
+    return value
+
+
 def positive_float(family: str, key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise BatchboundError(f"{family}: {key} must be a number > 0, got {value!r}")

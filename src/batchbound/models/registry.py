@@ -51,10 +51,10 @@ def build_model(
     """Build a model from its spec. With ``seed``, initialisation is reproducible."""
     parsed = parse_spec(spec) if isinstance(spec, str) else spec
     builder = get_family(parsed.name)
-    accepted = inspect.signature(builder).parameters
-    unknown = [key for key in parsed.kwargs if key not in accepted]
+    options = [p for p in inspect.signature(builder).parameters
+               if p not in ("input_shape", "num_outputs")]
+    unknown = [key for key in parsed.kwargs if key not in options]
     if unknown:
-        options = [p for p in accepted if p not in ("input_shape", "num_outputs")]
         raise BatchboundError(
             f"model {parsed.name!r} has no option {', '.join(map(repr, unknown))}; "
             f"options: {', '.join(options)}"

@@ -37,6 +37,7 @@ from batchbound.models.options import (
     int_list,
     meta_parameter_count,
     one_of_width_params,
+    parameter_budget,
     positive_int,
 )
 from batchbound.models.registry import register_family
@@ -123,7 +124,7 @@ def resnet(
         return _build(shape, folded, num_outputs, blocks, w, hidden, norm)
 
     if params is not None:
-        budget = positive_int("resnet", "params", params)
+        budget = parameter_budget("resnet", params)
         width = closest_integer(lambda w: meta_parameter_count(lambda: build(w)), budget)
     width = 64 if width is None else positive_int("resnet", "width", width)
     options: dict[str, Any] = {"blocks": blocks, "width": width, "head": hidden, "norm": norm}

@@ -27,7 +27,7 @@ from batchbound.models.options import (
     closest_integer,
     int_list,
     meta_parameter_count,
-    positive_int,
+    parameter_budget,
 )
 from batchbound.models.registry import build_model, count_parameters, get_family
 from batchbound.spec import Spec
@@ -76,7 +76,7 @@ def family_sweep(
         raise BatchboundError(
             f"no depth sweep for family {family!r}; sweeps exist for {', '.join(SWEEP_FAMILIES)}"
         )
-    budget = positive_int(family, "params", params)
+    budget = parameter_budget(family, params)
     depth_list = int_list(family, "depths", list(depths), minimum=0)
     options = dict(options or {})
     fixed = {"params", "head"} if family in ("lenet", "resnet") else {
@@ -149,7 +149,7 @@ def block_sweep(
 ) -> list[ShapeRow]:
     """ResNets with the given blocks per chunk, each with the filter count that meets
     ``params``; depth is the main-path weight layers (18 for [2,2,2,2])."""
-    budget = positive_int("resnet", "params", params)
+    budget = parameter_budget("resnet", params)
     options = dict(options or {})
     clash = sorted({"blocks", "width", "params"} & set(options))
     if clash:
