@@ -12,10 +12,12 @@ otherwise; the mean of the reached runs is reported beside it with the censored 
 
 Definitions (thresholds are arguments with these defaults):
 
-- **Threshold B\\*** (seed 000): with e(B) the median epochs to target, B\\* is the largest
-  batch size B such that every grid batch b ≤ B reaches the target with
-  e(b) ≤ growth · min_{b' ≤ b} e(b'); growth = 1.5, i.e. past B\\* epochs-to-target have grown
-  by more than half over the best smaller batch. NaN when even the smallest batch misses.
+- **Threshold B\\*** (seed 000): with e(B) the median epochs to target and b0 the smallest
+  grid batch that reaches the target, B\\* is the largest B ≥ b0 such that every grid batch
+  b in [b0, B] reaches it with e(b) ≤ growth · min_{b0 ≤ b' ≤ b} e(b'); growth = 1.5, i.e.
+  past B\\* epochs-to-target have grown by more than half over the best smaller batch (or the
+  target is missed). Misses below b0 (instability at small B) are skipped. NaN when no batch
+  reaches the target.
 - **Largest B within E epochs** (seed 000, Fig. 5): the largest grid B with e(B) ≤ E.
 - **Speedup** (seed 003): s(m; m0) = k(m0)/k(m) from median iterations k, m0 the smallest
   batch that reaches the target; ideal m/m0; efficiency s/(m/m0).
@@ -112,7 +114,9 @@ def threshold_batch(summary: pd.DataFrame, growth: float = 1.5) -> pd.DataFrame:
         best, b_star = math.inf, math.nan
         for batch, epochs in zip(frame["batch_size"], frame["median"], strict=True):
             if not math.isfinite(epochs):
-                break
+                if math.isfinite(best):
+                    break
+                continue  # misses below the first batch that reaches: small-B instability
             best = min(best, epochs)
             if epochs > growth * best:
                 break

@@ -1,0 +1,112 @@
+"""``batchbound study plan|run|export``: batch-size studies from a TOML spec."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from batchbound.errors import BatchboundError
+
+DEFAULT_ROOT = Path("runs")
+
+
+def default_store(study: str) -> Path:
+    return DEFAULT_ROOT / study / "study.sqlite"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "study", help="plan, run and export batch-size studies",
+        description="Batch-size studies: a TOML spec names data sets, model shapes (or a family "
+        "sweep at fixed parameter count), batch sizes, the learning-rate strategy, grid and "
+        "tuning rule, targets, epochs and seeds. FILE is a path or a packaged preset name "
+        "(width-depth-digits, strategies-digits). See docs/study.md.")
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    plan = sub.add_parser("plan", help="print the runs a spec implies, with a cost estimate")
+    plan.add_argument("file", help="study TOML file or preset name")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON on stdout")
+    plan.set_defaults(func=cmd_plan)
+
+    run = sub.add_parser("run", help="run (or resume) a study into its SQLite store",
+                         description="Runs every planned run not yet finished in the store, "
+                         "with a pool of local processes. Safe to rerun and to kill: finished "
+                         "runs are skipped, interrupted runs resume from their checkpoints.")
+    run.add_argument("file", help="study TOML file or preset name")
+    run.add_argument("--store", type=Path, help="SQLite store; default runs/<study>/study.sqlite")
+    run.add_argument("--jobs", type=int, default=None,
+                     help="parallel runs (default: one per core; 0: inline in this process)")
+    run.add_argument("--trainer", default=None,
+                     help="module:function executing one run (default batchbound.train); "
+                     "batchbound.study.simulate:execute is a fast closed-form stand-in")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.set_defaults(func=cmd_run)
+
+    export = sub.add_parser("export", help="write a store's tables as CSV or Parquet")
+    export.add_argument("store", type=Path, help="SQLite store (runs/<study>/study.sqlite)")
+    export.add_argument("--format", choices=("csv", "parquet"), default="csv")
+    export.add_argument("--study", default=None, help="only this study's rows")
+    export.add_argument("--out", type=Path, default=None,
+                        help="output directory; default <store dir>/export")
+    export.set_defaults(func=cmd_export)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from batchbound.study.plan import estimate_seconds, make_plan
+    from batchbound.study.spec import load_study
+
+    spec = load_study(args.file)
+    plan = make_plan(spec)
+    tuning = plan.tuning_runs()
+    # finals need tuned step sizes; plan them at the first grid value for the estimate
+    first = {r.group(): r.lr for r in tuning}
+    finals = plan.final_runs({c: spec.lr.grid[0] for c in first}) if tuning \
+        else plan.final_runs({})
+    rows = [{**r.labels(), "role": r.role, "epochs": r.epochs, "key": r.key,
+             "estimate_s": round(estimate_seconds(r), 2)} for r in [*tuning, *finals]]
+    total = sum(r["estimate_s"] for r in rows)
+    if args.json:
+        print(json.dumps({"study": spec.name, "runs": rows, "estimate_seconds": total}))
+        return 0
+    print(f"study {spec.name}: {len(tuning)} tuning runs + {len(finals)} final runs "
+          f"(tuning rule {spec.lr.tuning}; final η chosen after tuning)")
+    header = f"{'role':6} {'data':12} {'model':34} {'B':>5} {'η':>8} {'seed':>4} {'epochs':>6}"
+    print(header)
+    for r in rows:
+        eta = f"{r['lr']:g}" if r["role"] == "tune" or not tuning else "tuned"
+        print(f"{r['role']:6} {r['data'][:12]:12} {r['model'][:34]:34} {r['batch_size']:>5} "
+              f"{eta:>8} {r['seed']:>4} {r['epochs']:>6g}")
+    print(f"estimated cost: at most {total / 60:.1f} CPU-minutes (final runs stop at their "
+          "targets, so usually far less)")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from batchbound.study.adapter import DEFAULT_TRAINER
+    from batchbound.study.runner import run_study
+    from batchbound.study.spec import load_study
+
+    if args.jobs is not None and args.jobs < 0:
+        raise BatchboundError(f"--jobs must be >= 0, got {args.jobs}")
+    spec = load_study(args.file)
+    store = args.store or default_store(spec.name)
+    outcome = run_study(spec, store, args.jobs, trainer=args.trainer or DEFAULT_TRAINER,
+                        progress=not args.no_progress)
+    print(f"study {spec.name}: {outcome.executed} runs executed, {outcome.skipped} already "
+          f"done, {outcome.failed} failed; store {store}", file=sys.stderr)
+    return 1 if outcome.failed else 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from batchbound.study.store import Store, export
+
+    if not args.store.exists():
+        raise BatchboundError(f"no store at {args.store}")
+    out = args.out or args.store.parent / "export"
+    with Store(args.store) as store:
+        paths = export(store, out, args.format, args.study)
+    for path in paths:
+        print(path)
+    return 0

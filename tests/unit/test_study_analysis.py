@@ -1,0 +1,192 @@
+"""Analyses against small tables whose answers are computed by hand."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from batchbound.study import analysis as A
+
+INF = math.inf
+
+
+def make_runs(epochs: dict, iterations_per_epoch: float = 10.0):
+    """runs and targets tables from {(model, depth, width): {B: [epochs per seed]}}."""
+    runs, targets = [], []
+    for (label, depth, width), by_batch in epochs.items():
+        for batch, values in by_batch.items():
+            for seed, value in enumerate(values):
+                key = f"{label}-{batch}-{seed}"
+                runs.append({"key": key, "role": "final", "model_label": label, "depth": depth,
+                             "width": width, "params": 100, "batch_size": batch, "seed": seed,
+                             "status": "complete", "n_train": 100, "data": "d",
+                             "strategy": "blr", "mechanism": "none"})
+                reached = math.isfinite(value)
+                targets.append({"key": key, "name": "train_acc>=0.9", "reached": int(reached),
+                                "epoch": value if reached else None,
+                                "iteration": value * iterations_per_epoch if reached else None})
+    runs.append({**runs[0], "key": "tune-run", "role": "tune"})  # never counted
+    targets.append({"key": "tune-run", "name": "train_acc>=0.9", "reached": 1, "epoch": 0.1,
+                    "iteration": 1})
+    return pd.DataFrame(runs), pd.DataFrame(targets)
+
+
+EPOCHS = {
+    ("A", 1, 10): {16: [2, 2, 3], 32: [2, 3, 3], 64: [3, 4, INF], 128: [INF, INF, 5]},
+    ("B", 2, 5): {16: [INF, INF, INF], 32: [4, 4, 4], 64: [5, 5, 5], 128: [7, 8, 9]},
+}
+
+
+@pytest.fixture
+def summary():
+    runs, targets = make_runs(EPOCHS)
+    per_run = A.per_run_to_target(runs, targets)
+    assert len(per_run) == 24  # the tuning run is left out
+    return A.summarize_to_target(per_run, "epochs")
+
+
+def test_epochs_to_target_censored_not_dropped(summary):
+    row = summary[(summary["model_label"] == "A") & (summary["batch_size"] == 64)].iloc[0]
+    assert (row["runs"], row["censored"], row["median"], row["mean_reached"]) == (3, 1, 4, 3.5)
+    assert row["std_reached"] == pytest.approx(math.sqrt(0.5))
+    assert math.isinf(row["max"])
+    row = summary[(summary["model_label"] == "A") & (summary["batch_size"] == 128)].iloc[0]
+    assert math.isinf(row["median"]) and row["censored"] == 2 and row["mean_reached"] == 5
+
+
+def test_threshold_batch(summary):
+    b_star = A.threshold_batch(summary).set_index("model_label")["threshold_batch"]
+    # A: 2, 3 (≤1.5·2), 4 (>1.5·2) → 32.  B: miss at 16 skipped; 4, 5 (≤6), 8 (>6) → 64
+    assert b_star.to_dict() == {"A": 32, "B": 64}
+    assert A.threshold_batch(summary, growth=2.5).set_index("model_label").loc[
+        "B", "threshold_batch"] == 128
+
+
+def test_largest_batch_within(summary):
+    within = A.largest_batch_within(summary, 3.5).set_index("model_label")["largest_batch"]
+    assert within["A"] == 32 and math.isnan(within["B"])
+    within = A.largest_batch_within(summary, 8).set_index("model_label")["largest_batch"]
+    assert within["A"] == 64 and within["B"] == 128
+
+
+def test_speedup_and_regimes():
+    ks = {16: 1000, 32: 500, 64: 300, 128: 280, 256: INF}
+    summary = pd.DataFrame([{"model_label": "M", "batch_size": b, "median": k} for b, k in
+                            ks.items()])
+    s = A.speedup(summary).set_index("batch_size")
+    assert s.loc[64, "speedup"] == pytest.approx(1000 / 300)
+    assert s.loc[64, "ideal"] == 4 and s.loc[64, "efficiency"] == pytest.approx(1000 / 1200)
+    assert s.loc[32, "alpha"] == pytest.approx(1.0)
+    assert s.loc[64, "alpha"] == pytest.approx(math.log(5 / 3) / math.log(2))
+    assert s["regime"].tolist() == ["", "linear", "diminishing", "stagnant", "stagnant"]
+    bounds = A.regime_boundaries(A.speedup(summary)).iloc[0]
+    assert bounds["linear_until"] == 32 and bounds["stagnation_from"] == 64
+
+
+def test_speedup_starts_at_first_reached_batch():
+    summary = pd.DataFrame([{"model_label": "M", "batch_size": b, "median": k}
+                            for b, k in {16: INF, 32: 400, 64: 200}.items()])
+    s = A.speedup(summary)
+    assert s["batch_size"].tolist() == [32, 64] and s["speedup"].tolist() == [1.0, 2.0]
+
+
+def steps_table(s_mins: dict, b_crit: float, seeds: int = 2):
+    rows = []
+    for label, s_min in s_mins.items():
+        for batch in [16, 32, 64, 128, 256, 512, 1024]:
+            for seed in range(seeds):
+                rows.append({"model_label": label, "batch_size": batch, "seed": seed,
+                             "iterations": s_min * (1 + b_crit / batch)})
+    return pd.DataFrame(rows)
+
+
+def test_critical_batch_recovers_the_tradeoff():
+    table = steps_table({"M": 100.0}, 64.0)
+    fit = A.critical_batch(table, bootstrap=20).iloc[0]
+    assert fit["b_crit"] == pytest.approx(64, rel=1e-3)
+    assert fit["s_min"] == pytest.approx(100, rel=1e-3)
+    assert fit["e_min"] == pytest.approx(6400, rel=1e-3)
+    assert fit["low"] == pytest.approx(64, rel=1e-3) == fit["high"]  # exact data: no spread
+    assert not fit["at_bound"]
+    # the points satisfy (S/S_min − 1)(E/E_min − 1) = 1 with E = S·B
+    s, b = table["iterations"], table["batch_size"]
+    product = (s / fit["s_min"] - 1) * (s * b / fit["e_min"] - 1)
+    assert np.allclose(product, 1, rtol=1e-2)
+
+
+def test_critical_batch_joint_and_noisy():
+    table = steps_table({"M": 100.0, "N": 300.0}, 200.0)
+    joint = A.critical_batch(table, by=[], bootstrap=10).iloc[0]
+    assert joint["b_crit"] == pytest.approx(200, rel=1e-3) and joint["points"] == 28
+    rng = np.random.default_rng(1)
+    noisy = table.assign(iterations=table["iterations"] * rng.lognormal(0, 0.05, len(table)))
+    fit = A.critical_batch(noisy, bootstrap=50).set_index("model_label")
+    assert fit.loc["M", "b_crit"] == pytest.approx(200, rel=0.25)
+    assert fit.loc["M", "low"] < fit.loc["M", "high"]
+    censored = table.assign(iterations=np.where(table["batch_size"] > 64, INF,
+                                                table["iterations"]))
+    assert A.critical_batch(censored, bootstrap=5).iloc[0]["points"] == 6  # 3 B × 2 seeds
+
+
+def curve_tables():
+    runs = pd.DataFrame([
+        {"key": "a16", "role": "final", "model_label": "A", "depth": 1, "width": 10,
+         "batch_size": 16, "n_train": 100},
+        {"key": "a16b", "role": "final", "model_label": "A", "depth": 1, "width": 10,
+         "batch_size": 16, "n_train": 100},
+        {"key": "a64", "role": "final", "model_label": "A", "depth": 1, "width": 10,
+         "batch_size": 64, "n_train": 100},
+        {"key": "a64b", "role": "final", "model_label": "A", "depth": 1, "width": 10,
+         "batch_size": 64, "n_train": 100},
+        {"key": "b16", "role": "final", "model_label": "B", "depth": 2, "width": 5,
+         "batch_size": 16, "n_train": 100},
+    ])
+    loss = [("a16", [0, 10, 20], [2.0, 1.0, 0.5]), ("a16b", [0, 10], [2.0, 0.8]),
+            ("a64", [0, 10, 20, 30], [4, 3, 2, 1]), ("a64b", [0, 10], [5, 1]),
+            ("b16", [0, 10], [2.0, 1.5])]
+    curves = pd.DataFrame([{"key": k, "iteration": i, "epoch": i / 10, "metric": "train_loss",
+                            "value": v} for k, its, vs in loss for i, v in zip(its, vs,
+                                                                                strict=True)])
+    deltas = [("a16", [0, 10, 20], [0.1, 0.2, 0.3]), ("a16b", [0, 10], [0.2, 0.4]),
+              ("a64", [0], [9.0]), ("b16", [0, 10], [1.0, 5.0])]
+    diversity = pd.DataFrame([{"key": k, "iteration": i, "epoch": i / 10, "metric": m,
+                               "value": v * (100 if m == "batch_bound" else 1)}
+                              for k, its, vs in deltas for i, v in zip(its, vs, strict=True)
+                              for m in ("diversity", "batch_bound")])
+    return runs, curves, diversity
+
+
+def test_loss_threshold_rule():
+    runs, curves, _ = curve_tables()
+    thresholds = A.loss_threshold(runs, curves).set_index("model_label")["threshold"]
+    # A's largest batch (64) recorded [4, 3, 2, 1, 5, 1]: lower quartile 1.25
+    assert thresholds["A"] == pytest.approx(1.25)
+    assert thresholds["B"] == pytest.approx(np.quantile([2.0, 1.5], 0.25))
+    hits = A.per_run_to_loss(runs, curves, A.loss_threshold(runs, curves)).set_index("key")
+    assert hits.loc["a64", "iterations"] == 30 and hits.loc["a64b", "iterations"] == 10
+    assert hits.loc["a16", "iterations"] == 10 and hits.loc["a16b", "iterations"] == 10  # 1.0, 0.8
+    assert hits.loc["a64", "epochs"] == 3.0 and bool(hits["reached"].all())
+
+
+def test_diversity_over_training_and_at_matched_loss():
+    runs, curves, diversity = curve_tables()
+    summary = A.diversity_summary(runs, diversity, curves).set_index("model_label")
+    assert summary.loc["A", "batch_size"] == 16  # the smallest batch is the reference
+    assert summary.loc["A", "delta_mean"] == pytest.approx(0.25)  # runs average 0.2 and 0.3
+    assert summary.loc["A", "bound_mean"] == pytest.approx(25)
+    assert summary.loc["B", "delta_mean"] == pytest.approx(3.0)
+    # ℓ* = max(min loss of A = 0.5, min loss of B = 1.5) = 1.5
+    assert summary.loc["A", "matched_loss"] == 1.5
+    assert summary.loc["A", "delta_matched"] == pytest.approx(0.3)  # (0.2 + 0.4) / 2
+    assert summary.loc["B", "delta_matched"] == pytest.approx(5.0)
+    along = A.diversity_along_training(runs, diversity)
+    assert len(along) == 8 and set(along.columns) >= {"diversity", "batch_bound", "epoch"}
+
+
+def test_spearman():
+    assert A.spearman([1, 2, 3, 4], [10, 20, 25, 40]) == pytest.approx(1)
+    assert A.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1)
+    assert math.isnan(A.spearman([1, 2, INF], [1, 2, 3]))

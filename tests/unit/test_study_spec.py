@@ -1,0 +1,112 @@
+"""The study spec validates with errors naming the key; the planner expands grids exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchbound.errors import BatchboundError
+from batchbound.study.plan import FINAL, TUNE, make_plan
+from batchbound.study.spec import load_study, preset_names, study_from_dict
+
+
+def raw(**changes):
+    spec = {
+        "study": {"name": "t"},
+        "data": {"datasets": ["digits"]},
+        "models": {"family": "fc", "params": 4000, "depths": [1, 2, 4]},
+        "batches": {"sizes": [16, 64, 256]},
+        "lr": {"grid": [0.1, 0.3], "tuning": "lowest_loss_2_epochs"},
+        "train": {"targets": {"train_acc": 0.9}, "max_epochs": 5, "repeats": 2},
+    }
+    for key, value in changes.items():
+        section, _, field = key.partition("__")
+        if value is None:
+            spec[section].pop(field)
+        else:
+            spec[section][field] = value
+    return spec
+
+
+def test_presets_load():
+    assert {"width-depth-digits", "strategies-digits"} <= set(preset_names())
+    for name in preset_names():
+        spec = load_study(name)
+        assert spec.name == name
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"batches__sizes": [64, 16]}, "[batches] sizes"),
+        ({"batches__sizes": [0, 16]}, "[batches] sizes"),
+        ({"lr__grid": [0.1, -1]}, "[lr] grid"),
+        ({"lr__tuning": "magic"}, "[lr] tuning"),
+        ({"lr__strategy": "cosine"}, "[lr] strategy"),
+        ({"lr__tuning": "none"}, "[lr] grid"),
+        ({"train__targets": {"train_f1": 0.9}}, "[train] targets"),
+        ({"train__repeats": 0}, "[train] repeats"),
+        ({"train__colour": "red"}, "[train]: unknown key(s) colour"),
+        ({"models__depths": [0, 2]}, "[models] depths"),
+        ({"models__specs": ["fc(depth=1,width=8)"]}, "[models] specs/family"),
+        ({"study__name": "a b"}, "[study] name"),
+    ],
+)
+def test_bad_specs_name_the_key(change, needle):
+    with pytest.raises(BatchboundError, match=pytest.importorskip("re").escape(needle)):
+        study_from_dict(raw(**change))
+
+
+def test_batch_range_expands_powers_of_two():
+    spec = study_from_dict(raw(batches__sizes=None, batches__min=32, batches__max=512))
+    assert spec.batch_sizes == (32, 64, 128, 256, 512)
+    with pytest.raises(BatchboundError, match="power of two"):
+        study_from_dict(raw(batches__sizes=None, batches__min=30, batches__max=512))
+
+
+def test_batch_larger_than_data_is_rejected_at_planning():
+    with pytest.raises(BatchboundError, match="exceed"):
+        make_plan(study_from_dict(raw(batches__sizes=[16, 4096])))
+
+
+def test_planner_expands_the_grid():
+    spec = study_from_dict(raw())
+    plan = make_plan(spec)
+    tune = plan.tuning_runs()
+    # 3 shapes × 3 batch sizes × 2 step sizes × 1 tuning seed
+    assert len(tune) == 18 and all(r.role == TUNE and r.epochs == 2 for r in tune)
+    assert {(r.model.depth, r.batch_size, r.lr) for r in tune} == {
+        (d, b, lr) for d in (1, 2, 4) for b in (16, 64, 256) for lr in (0.1, 0.3)}
+    assert all(r.fields["targets"] == [] for r in tune)  # seed 000: 2 epochs, lowest loss
+    # family sweep: widths solved for ~4000 weights on 64 inputs and 10 classes
+    widths = {r.model.depth: r.model.width for r in tune}
+    assert widths[1] == 54 and all(abs(r.model.params - 4000) < 200 for r in tune)
+    chosen = {r.group(): 0.3 for r in tune}
+    finals = plan.final_runs(chosen)
+    assert len(finals) == 18 == plan.final_count()  # 3 shapes × 3 B × 2 seeds
+    assert all(r.role == FINAL and r.lr == 0.3 and r.epochs == 5 for r in finals)
+    assert {r.seed for r in finals} == {0, 1}
+    assert len({r.key for r in [*tune, *finals]}) == 36  # every config distinct
+
+
+def test_fewest_steps_reuses_tuning_runs_as_finals():
+    spec = study_from_dict(raw(lr__tuning="fewest_steps"))
+    plan = make_plan(spec)
+    tune = plan.tuning_runs()
+    assert all(r.epochs == 5 and r.fields["targets"] for r in tune)
+    finals = plan.final_runs({r.group(): 0.1 for r in tune})
+    shared = {r.key for r in tune} & {r.key for r in finals}
+    assert len(shared) == 9  # the seed-0 final at the chosen η is the tuning run itself
+
+
+def test_base_batch_tuning_and_strategies_grid():
+    spec = study_from_dict(raw(lr__strategy=["blr", "lsr(base_batch=16,warmup_epochs=1)",
+                                             "srsr(base_batch=16)"], lr__tune_at="base_batch"))
+    plan = make_plan(spec)
+    tune = plan.tuning_runs()
+    assert {r.batch_size for r in tune} == {16}
+    assert len(tune) == 3 * 3 * 2  # shapes × strategies × η
+    chosen = {r.group(): r.lr for r in tune if r.lr == 0.1}
+    finals = plan.final_runs(chosen)
+    assert len(finals) == 3 * 3 * 3 * 2
+    assert {r.fields["strategy"] for r in finals} == set(spec.lr.strategies)
+    assert all(r.lr == 0.1 for r in finals)

@@ -1,0 +1,105 @@
+"""The store round-trips what it is given, atomically, and exports it."""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+
+import pandas as pd
+import pytest
+
+from batchbound.errors import BatchboundError
+from batchbound.study.store import Store, export
+
+RESULT = {
+    "status": "complete",
+    "targets": [{"name": "train_acc>=0.9", "metric": "train_acc", "threshold": 0.9,
+                 "reached": True, "iteration": 40, "epoch": 1.25, "seconds": 0.5},
+                {"name": "test_acc>=0.99", "metric": "test_acc", "threshold": 0.99,
+                 "reached": False, "iteration": None, "epoch": None, "seconds": None}],
+    "curves": {"columns": ["iteration", "epoch", "seconds", "metric", "value"],
+               "rows": [[0, 0.0, 0.0, "train_loss", 2.3], [32, 1.0, 0.4, "train_loss", 0.7],
+                        [32, 1.0, 0.4, "train_acc", 0.8], [32, 1.0, 0.4, "diversity", 0.01],
+                        [32, 1.0, 0.4, "batch_bound", 14.4], [33, 1.03, 0.41, "batch_loss", "inf"],
+                        [34, 1.06, 0.42, "batch_loss", "nan"]]},
+    "timings": {"train_seconds": 1.5, "compute": {"forward": 0.5, "backward": 0.7}},
+    "final": {"train_loss": 0.6},
+    "message": "",
+}
+LABELS = {"data": "digits", "model": "fc(depth=1,width=8)", "model_label": "L=1 K=8",
+          "depth": 1, "width": 8, "params": 592, "batch_size": 32, "lr": 0.1, "seed": 0,
+          "mechanism": "none", "strategy": "blr", "n_train": 1000}
+
+
+@pytest.fixture
+def store(tmp_path):
+    with Store(tmp_path / "s.sqlite") as s:
+        s.register_study("demo", {"name": "demo"})
+        s.register_runs("demo", [("k1", "final", {"lr": 0.1}, LABELS)])
+        yield s
+
+
+def test_round_trip(store):
+    assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert store.status("k1") == "pending"
+    store.mark_running("k1")
+    assert store.status("k1") == "running"
+    store.record_result("k1", RESULT, wall_seconds=2.0)
+    frames = store.frames("demo")
+    run = frames["runs"].iloc[0]
+    assert run["status"] == "complete" and run["attempts"] == 1 and run["role"] == "final"
+    assert {k: run[k] for k in ("depth", "width", "batch_size", "seed")} == \
+        {"depth": 1, "width": 8, "batch_size": 32, "seed": 0}
+    targets = frames["targets"].set_index("name")
+    assert targets.loc["train_acc>=0.9", "iteration"] == 40
+    assert targets.loc["train_acc>=0.9", "reached"] == 1
+    assert targets.loc["test_acc>=0.99", "reached"] == 0
+    curves = frames["curves"]
+    assert len(curves) == 5 and set(curves["metric"]) == {"train_loss", "train_acc",
+                                                          "batch_loss"}
+    assert math.isinf(curves[curves["iteration"] == 33]["value"].iloc[0])
+    assert curves[curves["iteration"] == 34]["value"].isna().all()  # NaN stored as NULL
+    diversity = frames["diversity"].set_index("metric")["value"]
+    assert diversity["diversity"] == 0.01 and diversity["batch_bound"] == 14.4
+    timings = frames["timings"].set_index("name")["seconds"]
+    assert timings.to_dict() == {"train_seconds": 1.5, "compute.forward": 0.5,
+                                 "compute.backward": 0.7}
+
+
+def test_rerecording_replaces_not_duplicates(store):
+    store.record_result("k1", RESULT, 1.0)
+    store.record_result("k1", RESULT, 1.0)
+    assert len(store.frames("demo")["curves"]) == 5
+    store.register_runs("demo", [("k1", "final", {"lr": 0.1}, LABELS)])
+    assert store.status("k1") == "complete"  # registering again keeps the status
+    assert len(store.frames("demo")["runs"]) == 1
+
+
+def test_failed_write_rolls_back_whole_result(store):
+    store.record_result("k1", RESULT, 1.0)
+    bad = dict(RESULT, status="diverged", targets=[dict(RESULT["targets"][0], name=None)])
+    with pytest.raises(sqlite3.IntegrityError):  # fails inside the transaction
+        store.record_result("k1", bad, 1.0)
+    assert store.status("k1") == "complete"  # the earlier record is intact
+    assert len(store.frames("demo")["curves"]) == 5
+    store.mark_failed("k1", "boom")
+    assert store.status("k1") == "failed"
+
+
+def test_unknown_study_and_bad_status(store):
+    with pytest.raises(BatchboundError, match="no study 'nope'"):
+        store.frames("nope")
+    with pytest.raises(BatchboundError, match="unexpected status"):
+        store.record_result("k1", dict(RESULT, status="weird"), 1.0)
+
+
+def test_export_csv_and_parquet(store, tmp_path):
+    store.record_result("k1", RESULT, 1.0)
+    paths = export(store, tmp_path / "csv", "csv", "demo")
+    curves = pd.read_csv(tmp_path / "csv" / "curves.csv")
+    assert len(curves) == 5 and {p.name for p in paths} >= {"runs.csv", "targets.csv"}
+    pytest.importorskip("pyarrow")
+    export(store, tmp_path / "pq", "parquet")
+    assert len(pd.read_parquet(tmp_path / "pq" / "curves.parquet")) == 5
+    with pytest.raises(BatchboundError, match="csv, parquet"):
+        export(store, tmp_path, "xlsx")
