@@ -69,6 +69,12 @@ class OnlineDiversity:
     correction; without it the population is treated as infinite). ``decay`` is the EMA
     factor per update (0.95 ≈ the last 20 steps), or None for a plain running mean. The EMA
     is bias-corrected as in Adam, so the first updates are not pulled towards zero.
+
+    Data parallel, with every rank's monitor in agreement: feed global quantities, which one
+    scalar all-reduce gives next to the gradient all-reduce the step does anyway.
+    Per-example: ``update_from_norms(Σ_ranks S_local, ‖Σ_ranks grad_sum‖², Σ_ranks b_local)``.
+    Two-batch: ``update_two_batch(mean_ranks ‖G_local‖², b_local, ‖G_global‖², b_global)``,
+    with ‖G_local‖² taken before the all-reduce.
     """
 
     def __init__(
@@ -273,8 +279,9 @@ def monitored_step(
     would, and returns that reduced loss (detached). Replace the forward/backward lines of an
     existing step with it; the optimizer step and ``zero_grad`` stay the user's. The model runs
     in its current mode; BatchNorm in train mode has no per-example gradients and is refused.
-    Under DDP pass the inner module and all-reduce ``.grad`` as usual: each rank's update is
-    an unbiased estimate from its local batch.
+    Under DDP pass the inner module and all-reduce ``.grad`` as usual. Each rank's monitor
+    then holds an unbiased estimate from its local batch; ranks that must agree (an adaptive
+    batch size) should feed global numbers instead, see ``OnlineDiversity``.
     """
     if reduction not in ("mean", "sum"):
         raise BatchboundError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
