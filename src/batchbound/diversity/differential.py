@@ -71,7 +71,8 @@ def differential_diversity(
     ``model_b`` is a second model of the same architecture, or a state dict for
     ``model_a``'s architecture (loaded into a copy; ``model_a`` is never changed). ``data``,
     ``loss``, ``chunk_size`` and ``dtype`` are as for ``measure``. Both models are evaluated
-    in eval mode; their modes are restored afterwards.
+    in eval mode; their modes are restored afterwards. When w and w' are close, the two
+    gradients nearly cancel: measure with ``dtype=torch.float64``.
     """
     if isinstance(model_b, Mapping):
         state = model_b
