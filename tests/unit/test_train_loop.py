@@ -192,3 +192,24 @@ def test_dataset_loads_once_and_matches() -> None:
     b = Trainer(TrainConfig(**{**SMALL, "max_iterations": 3}), DistContext(), dataset=digits)
     b.run()
     assert torch.equal(params(a), params(b))
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"online_diversity": "norms"},
+        {"mechanism": "dropconnect(p=0.2)", "mechanism_granularity": "example"},
+    ],
+)
+def test_divergence_under_per_example_engines(changes: dict) -> None:
+    """The per-example engines refuse non-finite losses; the loop records divergence."""
+    regression = dict(
+        dataset="synthetic-linear(n=200,d=5)",
+        model="fc(depth=1,params=300)",
+        dtype="float32",
+        lr=20.0,
+        max_iterations=300,
+        divergence_factor=None,
+    )
+    result = run(**regression, **changes).result_  # type: ignore[attr-defined]
+    assert result.status == "diverged" and "non-finite" in result.message

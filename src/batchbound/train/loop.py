@@ -182,8 +182,12 @@ class Trainer:
                     break
             if self.status == "complete" and self.last_eval_iteration != self.iteration:
                 self.evaluate_step()
-        except BatchboundError:
-            raise
+        except BatchboundError as exc:
+            # the per-example engines refuse non-finite losses: that is divergence, not bad input
+            if self.initial_loss is None or "not finite" not in str(exc):
+                raise
+            self.status = "diverged"
+            self.message = f"non-finite loss at iteration {self.iteration + 1}: {exc}"
         except Exception as exc:  # a crash mid-run is a recorded result, not a lost one
             self.status, self.message = "failed", f"{type(exc).__name__}: {exc}"
             if self.ctx.distributed:

@@ -18,6 +18,7 @@ Each iteration records ``online_diversity`` (Δ̂) and ``online_batch_bound`` (n
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -62,6 +63,8 @@ class OnlineMonitor:
         and the summed extras; returns the metrics to record."""
         assert self.estimator is not None
         total_sq = float(sum(g.double().square().sum() for g in grads)) / scale**2  # T_B
+        if not all(math.isfinite(v) for v in (total_sq, *extras)):
+            return {}  # a diverging step; the loop's divergence check reports it
         if self.mode == "norms":
             if batch >= 2:
                 self.estimator.update_from_norms(extras[0], total_sq, batch)
