@@ -100,16 +100,38 @@ def conv_weight_sq_norms(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
 def shifts_weight_sq_norms(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
     """Materialised per-example weight gradients one kernel tap at a time, reduced to (n,).
 
-    For tap u, g_i[:, :, u] = B_i X_iuᵀ where X_iu is the strided view of the padded input
-    that tap u multiplies: one batched matrix product (n·g matrices) per tap.
+    For tap u, g_i[:, :, u] = B_i X_iuᵀ where X_iu is the part of the padded input that tap u
+    multiplies: one batched matrix product (n·g matrices) per tap. With stride 1, X_iu is a
+    contiguous slice of the flattened input if B is widened to the input's row length with
+    zero columns (the extra columns then contribute nothing), so no patch is ever copied.
     """
     x = _padded(layer, x)
     n, g = x.shape[0], layer.groups
-    out_size = b.shape[2:]
+    size, out_size = x.shape[2:], b.shape[2:]
+    taps = list(itertools.product(*(range(k) for k in layer.kernel_size)))
+    total = x.new_zeros(n)
+    if all(s == 1 for s in layer.stride):
+        row = [math.prod(size[d + 1 :]) for d in range(len(size))]  # flat stride per dim
+        widen = [
+            amount for d in reversed(range(1, len(size))) for amount in (0, size[d] - out_size[d])
+        ]
+        wide = F.pad(b, widen) if any(widen) else b
+        positions = out_size[0] * row[0]
+        wide = wide.reshape(n * g, layer.out_channels // g, positions)
+        spill = sum(
+            (k - 1) * d * r
+            for k, d, r in zip(layer.kernel_size[1:], layer.dilation[1:], row[1:], strict=True)
+        )
+        flat = x.reshape(n, x.shape[1], -1)
+        flat = (F.pad(flat, (0, spill)) if spill else flat).reshape(n * g, x.shape[1] // g, -1)
+        for tap in taps:
+            start = sum(u * d * r for u, d, r in zip(tap, layer.dilation, row, strict=True))
+            grads = torch.bmm(wide, flat[:, :, start : start + positions].transpose(1, 2))
+            total += torch.linalg.vector_norm(grads.reshape(n, -1), dim=1).square()
+        return total
     positions = math.prod(out_size)
     bg = b.reshape(n * g, layer.out_channels // g, positions)
-    total = x.new_zeros(n)
-    for tap in itertools.product(*(range(k) for k in layer.kernel_size)):
+    for tap in taps:
         window = tuple(
             slice(u * d, u * d + s * (m - 1) + 1, s)
             for u, d, s, m in zip(tap, layer.dilation, layer.stride, out_size, strict=True)
