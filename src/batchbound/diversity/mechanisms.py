@@ -169,6 +169,7 @@ def _ratio(num: float, den: float) -> float:
 
 
 # ------------------------------------------------------------- samplers (vectorised)
+# A ``generator`` must live on the device of the tensors it samples for (torch's rule).
 
 
 def dropconnect_mask(
