@@ -125,6 +125,7 @@ CASES = [
     Case("LeNet-5", lenet5, (1, 28, 28), 256),
     Case("ResNet-8 (BatchNorm, eval)", small_resnet, (3, 32, 32), 64),
 ]
+CASE_KEYS = dict(zip(("mlp", "lenet", "resnet"), CASES, strict=True))
 
 
 # ---------------------------------------------------------------- engines
@@ -306,8 +307,14 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(ENGINES),
         help="comma-separated subset of: " + ", ".join(ENGINES),
     )
+    parser.add_argument(
+        "--cases", default="mlp,lenet,resnet", help="comma-separated subset of: mlp, lenet, resnet"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    keys = [c.strip() for c in args.cases.split(",")]
+    if any(k not in CASE_KEYS for k in keys):
+        parser.error(f"unknown cases {keys}; choose from {list(CASE_KEYS)}")
     engines = [e.strip() for e in args.engines.split(",")]
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
@@ -317,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 3 if args.quick else args.repeats
     slow_batch = 32 if args.quick else args.slow_batch
     rows: list[Row] = []
-    for case in CASES:
+    for case in (CASE_KEYS[k] for k in keys):
         rows += run_case(case, repeats, slow_batch, engines)
         print(f"done: {case.name}", file=sys.stderr)
     if args.json:

@@ -96,9 +96,11 @@ def per_example_stats(
     chunk, from one forward and one backward pass (``engine="hooks"``/``"auto"``).
 
     ``loss`` is a name (``"cross_entropy"``, ``"mse"``) or a callable returning one loss per
-    example (see ``resolve_loss``). The model is used in its current mode, and its ``.grad``
-    fields are left untouched. ``offset`` is the index of the chunk's first example, used to
-    name an example whose loss is not finite.
+    example (see ``resolve_loss``). The model is used in its current mode (BatchNorm must be
+    in eval mode; dropout in train mode gives the gradients under the masks drawn in this
+    pass, except for parameters left to the vmap fallback, which draws its own), and its
+    ``.grad`` fields are left untouched. ``offset`` is the index of the chunk's first example,
+    used to name an example whose loss is not finite.
 
     Engines: ``"hooks"`` (per-layer rules; BatchboundError on a parameter no rule covers),
     ``"auto"`` (hooks, with torch.func vmap for uncovered parameters and a warning naming
@@ -115,11 +117,12 @@ def per_example_stats(
     check_chunk(x, y)
     trainable_parameters(model)
     check_model_mode(model)
-    if engine == "loop":
-        return loop_stats(model, x, y, loss_fn, offset=offset)
-    if engine == "vmap":
-        return vmap_stats(model, x, y, loss_fn, offset=offset)
-    return hooks_stats(model, x, y, loss_fn, strict=engine == "hooks", offset=offset)
+    with torch.enable_grad():  # also when called under torch.no_grad()
+        if engine == "loop":
+            return loop_stats(model, x, y, loss_fn, offset=offset)
+        if engine == "vmap":
+            return vmap_stats(model, x, y, loss_fn, offset=offset)
+        return hooks_stats(model, x, y, loss_fn, strict=engine == "hooks", offset=offset)
 
 
 def per_example_gradients(
@@ -136,7 +139,8 @@ def per_example_gradients(
     check_chunk(x, y)
     params = trainable_parameters(model)
     check_model_mode(model)
-    return vmap_gradients(model, x, y, loss_fn, list(params))
+    with torch.enable_grad():
+        return vmap_gradients(model, x, y, loss_fn, list(params))
 
 
 def per_example_l1_l2(
