@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from batchbound.diversity import measure
-from batchbound.diversity.online import OnlineDiversity, monitored_step
+from batchbound.diversity import measure, per_example_stats
+from batchbound.diversity.online import OnlineDiversity, monitored_step, watch
 from batchbound.errors import BatchboundError
 
 N, D = 60, 5
@@ -203,3 +203,47 @@ def test_standard_error_matches_the_spread_over_replications(decay, steps: int) 
     typical = float(torch.tensor(ses).median())
     # the SD of an SD over 300 replications is ~4 %; the delta method adds some bias
     assert 0.75 < typical / spread < 1.33
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_watch_reads_the_users_own_backward(reduction: str) -> None:
+    model, x, y = fixed_problem()
+    reference = copy.deepcopy(model)
+    x, y = x[:20], y[:20]
+    exact = per_example_stats(reference, x, y, "cross_entropy")
+    for p in model.parameters():  # a gradient left over from earlier is not counted
+        p.grad = torch.ones_like(p)
+    monitor = OnlineDiversity(96, decay=0.0)
+    with watch(model, monitor, reduction=reduction):
+        nn.functional.cross_entropy(model(x), y, reduction=reduction).backward()
+    expected = OnlineDiversity(96, decay=0.0)
+    expected.update_from_stats(exact)
+    assert monitor.m2 == pytest.approx(expected.m2, rel=1e-10)
+    assert monitor.cross == pytest.approx(expected.cross, rel=1e-8)
+    scale = 1 / 20 if reduction == "mean" else 1.0
+    for p, name in zip(model.parameters(), exact.grad_sum, strict=True):
+        assert torch.allclose(p.grad, 1 + scale * exact.grad_sum[name], rtol=1e-12)
+
+
+def test_watch_refuses_what_it_cannot_measure() -> None:
+    model, x, _ = fixed_problem()
+    with pytest.raises(BatchboundError, match="no backward pass"), watch(model, OnlineDiversity()):
+        model(x)
+    with pytest.raises(BatchboundError, match="more than once"), watch(model, OnlineDiversity()):
+        (model(x).sum() + model(x).sum()).backward()
+    bn = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4)).double()
+    with pytest.raises(BatchboundError, match="eval"), watch(bn, OnlineDiversity()):
+        pass
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return self.scale * t
+
+    with pytest.raises(BatchboundError, match="layer rule"), watch(
+        nn.Sequential(nn.Linear(2, 2), Scaled()), OnlineDiversity()
+    ):
+        pass
