@@ -1,5 +1,9 @@
 """Online estimates of gradient diversity during training, from what each step already has.
 
+Entry points: ``watch(model, monitor)`` around a user's own forward/backward (layer-rule
+hooks, no change to the step), ``monitored_step(...)`` (runs the step from a per-example
+loss; any model), and ``OnlineDiversity.update_*`` for numbers a trainer already holds.
+
 The full-data quantities are n, M2 = S/n (the mean squared per-example gradient norm) and
 ‖G‖² = T/n² (the squared norm of the mean gradient); then n·Δ = M2/‖G‖² = 1 + B_simple, with
 B_simple = tr(Σ)/‖G‖² McCandlish et al.'s (2018) simple noise scale and tr(Σ) = M2 − ‖G‖².
