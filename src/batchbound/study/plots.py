@@ -56,8 +56,7 @@ def epochs_heatmap(ax: Axes, summary: pd.DataFrame, rows: str = "depth",
     values = table.to_numpy(float)
     finite = values[np.isfinite(values)]
     masked = np.ma.masked_invalid(values)
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("#cccccc")
+    cmap = plt.get_cmap("viridis").with_extremes(bad="#cccccc")
     norm = LogNorm(vmin=max(finite.min(), 1e-2), vmax=max(finite.max(), 1e-2 * 1.01)) \
         if len(finite) else None
     image = ax.imshow(masked, aspect="auto", cmap=cmap, norm=norm, origin="lower")

@@ -167,7 +167,10 @@ def run_study(spec: StudySpec, store_path: str | Path, jobs: int | None = None, 
 
         try:
             if spec.lr.tuning == "none":
-                settle(launch(plan.final_runs({})))
+                finals = plan.final_runs({})
+                store.register_runs(spec.name, [(r.key, FINAL, dict(r.fields), r.labels())
+                                                for r in finals])
+                settle(launch(finals))
             else:
                 settle(launch(tuning))
             for result in executor.completed():
