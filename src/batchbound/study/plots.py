@@ -73,7 +73,9 @@ def epochs_heatmap(ax: Axes, summary: pd.DataFrame, rows: str = "depth",
     ax.set_xlabel("batch size B")
     ax.set_ylabel(label if key == rows else "model")
     ax.set_title("epochs to target (median over seeds)")
-    ax.figure.colorbar(image, ax=ax, label="epochs (log scale)")
+    bar = ax.figure.colorbar(image, ax=ax, label="epochs (log scale)")
+    bar.ax.yaxis.set_major_formatter(PLAIN)
+    bar.ax.yaxis.set_minor_formatter(PLAIN)
 
 
 def epochs_vs_batch(ax: Axes, summary: pd.DataFrame, budget: float | None = None) -> None:
@@ -176,21 +178,26 @@ def delta_vs_shape(ax: Axes, along: pd.DataFrame, summary: pd.DataFrame,
     ax.grid(alpha=0.3)
 
 
-def largest_batch_vs_delta(ax: Axes, table: pd.DataFrame) -> None:
-    """Largest workable B (within the epoch budget) and B* against Δ averaged over training,
-    with the bound n·Δ for reference."""
-    table = table.sort_values("delta_mean")
-    ax.plot(table["delta_mean"], table["largest_batch"], "o-", label="largest B within E epochs")
-    ax.plot(table["delta_mean"], table["threshold_batch"], "s--", label="threshold B*")
-    ax.plot(table["delta_mean"], table["bound_mean"], ":", color="grey", label="n·Δ")
+def largest_batch_vs_delta(ax: Axes, table: pd.DataFrame, budget: float | None = None) -> None:
+    """Largest workable B (within the epoch budget) and B* against Δ, with the bound n·Δ for
+    reference. Δ at matched training loss when every model has it (robust to a model stuck
+    near a stationary point), else Δ averaged over training."""
+    matched = "delta_matched" in table and table["delta_matched"].notna().all()
+    x, bound, how = (("delta_matched", "bound_matched", "at matched training loss") if matched
+                     else ("delta_mean", "bound_mean", "averaged over training"))
+    table = table.sort_values(x)
+    within = f"within {budget:g} epochs" if budget else "within E epochs"
+    ax.plot(table[x], table["largest_batch"], "o-", label=f"largest B {within}")
+    ax.plot(table[x], table["threshold_batch"], "s--", label="threshold B*")
+    ax.plot(table[x], table[bound], ":", color="grey", label="n·Δ")
     for _, row in table.iterrows():
         if math.isfinite(row["largest_batch"]):
-            ax.annotate(row["model_label"], (row["delta_mean"], row["largest_batch"]),
+            ax.annotate(row["model_label"], (row[x], row["largest_batch"]),
                         fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_yscale("log", base=2)
     ax.yaxis.set_major_formatter(PLAIN)
-    ax.set_xlabel("Δ averaged over training (log)")
+    ax.set_xlabel(f"Δ {how} (log)")
     ax.set_ylabel("batch size (log2)")
     ax.set_title("largest workable batch against gradient diversity")
     ax.legend(fontsize=7)

@@ -265,8 +265,10 @@ def figures(a: StudyAnalysis) -> list[tuple[str, str, Callable[[Any], None]]]:
                     "training loss (seed 000, Figure 2a).",
                     lambda fig: P.delta_vs_shape(fig.add_subplot(), a.along, a.diversity, x)))
         out.append(("largest_batch_vs_delta", "Largest workable batch and threshold B* "
-                    "against Δ averaged over training (seed 000, Figure 2c).",
-                    lambda fig: P.largest_batch_vs_delta(fig.add_subplot(), a.shapes)))
+                    "against Δ (at matched training loss when every shape reaches it, else "
+                    "averaged over training) (seed 000, Figure 2c).",
+                    lambda fig: P.largest_batch_vs_delta(fig.add_subplot(), a.shapes,
+                                                         a.budget)))
     return out
 
 
