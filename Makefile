@@ -21,7 +21,7 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 install: $(STAMP)
 
 demo: install
-	$(BIN)/batchbound measure --dataset digits --model "fc(depth=1,params=4000)" --model "fc(depth=2,params=4000)" --model "fc(depth=4,params=4000)" --model "fc(depth=8,params=4000)"
+	$(BIN)/batchbound demo
 
 test: install
 	$(BIN)/ruff check .
