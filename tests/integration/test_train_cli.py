@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -83,3 +85,88 @@ def test_done_when_command_two_workers() -> None:
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
     assert "train_acc>=0.95: reached after" in done.stdout
+
+
+@pytest.mark.slow
+def test_torchrun_matches_single_process() -> None:
+    common = [
+        "--dataset",
+        "digits",
+        "--model",
+        "fc(depth=1,params=800)",
+        "-B",
+        "33",
+        "--max-iterations",
+        "20",
+        "--dtype",
+        "float64",
+        "--no-progress",
+        "--json",
+    ]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "batchbound",
+        "train",
+        *common,
+    ]
+    done = subprocess.run(torchrun, capture_output=True, text=True, timeout=600, check=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1  # rank 0 prints, rank 1 does not
+    two = json.loads(lines[0])
+    single = subprocess.run(
+        [sys.executable, "-m", "batchbound", "train", *common],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    one = json.loads(single.stdout)
+    assert two["final"]["train_loss"] == pytest.approx(one["final"]["train_loss"], rel=1e-10)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_workers_with_a_checkpoint_then_resume(tmp_path) -> None:
+    ckpt = tmp_path / "run.ckpt"
+    command = [
+        sys.executable,
+        "-m",
+        "batchbound",
+        "train",
+        "--dataset",
+        "digits",
+        "--model",
+        "fc(depth=1,params=800)",
+        "-B",
+        "16",
+        "--max-epochs",
+        "40",
+        "--workers",
+        "2",
+        "--checkpoint",
+        str(ckpt),
+        "--checkpoint-every",
+        "50",
+        "--no-progress",
+        "--json",
+    ]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.5)  # the first periodic checkpoint: the workers are training
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    stopped = json.loads(out)
+    assert stopped["status"] == "stopped", err
+    assert 0 < stopped["final"]["iterations"] < 40 * 1438 // 16
+    resumed = subprocess.run(
+        [*command, "--resume"], capture_output=True, text=True, timeout=600, check=True
+    )
+    done = json.loads(resumed.stdout)
+    assert done["status"] == "complete" and done["final"]["epochs"] == pytest.approx(40, abs=0.02)
+    assert done["config_hash"] == stopped["config_hash"]

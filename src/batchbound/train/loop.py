@@ -283,9 +283,9 @@ class Trainer:
                 p.grad = g
             return grads, float(stats.losses.sum()), [float(stats.total_sq_norms.sum())]
         self.optimizer.zero_grad(set_to_none=True)
-        losses = self.loss_fn(self.model(x), y)
-        (losses.sum() * scale).backward()
-        return [p.grad for p in self.params], float(losses.detach().sum()), []
+        total = self.loss_fn(self.model(x), y).sum()
+        (total * scale).backward()
+        return [p.grad for p in self.params], total.item(), []
 
     def all_reduce(self, grads: list[torch.Tensor], extras: list[float]) -> tuple[list[float], int]:
         """SUM gradients and the extras across ranks in one flat buffer; returns the summed
