@@ -57,6 +57,26 @@ def model_keys(runs: pd.DataFrame) -> list[str]:
     return keys or ["model_label"]
 
 
+def display_names(frame: pd.DataFrame, keys: Sequence[str] | None = None) -> pd.Series:
+    """Per row: the model label plus the other varying keys, e.g. ``L=3 K=30 · lsr``."""
+    keys = [k for k in (keys or model_keys(frame)) if k != "model_label"]
+    names = frame["model_label"].astype(str)
+    for key in keys:
+        names = names + " · " + frame[key].astype(str)
+    return names
+
+
+def short_strategies(runs: pd.DataFrame) -> pd.DataFrame:
+    """Strategy specs shortened to their names (``lsr``) when the names alone are distinct."""
+    if "strategy" not in runs:
+        return runs
+    full = runs["strategy"].dropna().unique()
+    short = {s: s.split("(")[0] for s in full}
+    if len(set(short.values())) == len(full):
+        return runs.assign(strategy=runs["strategy"].map(short).fillna(runs["strategy"]))
+    return runs
+
+
 def finals(runs: pd.DataFrame) -> pd.DataFrame:
     return runs[runs["role"] == "final"] if "role" in runs else runs
 

@@ -17,22 +17,17 @@ from matplotlib.ticker import FuncFormatter
 
 PLAIN = FuncFormatter(lambda value, _: f"{value:g}")
 
-from batchbound.study.analysis import model_keys  # noqa: E402
-
-
-def _label(frame: pd.DataFrame, row: pd.Series | None = None) -> str:
-    keys = [k for k in model_keys(frame) if k != "model_label"]
-    source = row if row is not None else frame.iloc[0]
-    extra = ", ".join(str(source[k]) for k in keys)
-    return f"{source['model_label']}" + (f" ({extra})" if extra else "")
+from batchbound.study.analysis import display_names, model_keys  # noqa: E402
 
 
 def _groups(frame: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """(display name, rows sorted by B) per model; names carry every key that varies."""
     keys = [*model_keys(frame), *[c for c in ("depth", "width") if c in frame]]
     sort = [c for c in ("depth", "width") if c in frame] or keys
+    names = display_names(frame)
     out = []
     for _, part in frame.sort_values(sort).groupby(keys, sort=False, dropna=False):
-        out.append((_label(part), part.sort_values("batch_size")))
+        out.append((names[part.index[0]], part.sort_values("batch_size")))
     return out
 
 
@@ -190,9 +185,9 @@ def largest_batch_vs_delta(ax: Axes, table: pd.DataFrame, budget: float | None =
     ax.plot(table[x], table["largest_batch"], "o-", label=f"largest B {within}")
     ax.plot(table[x], table["threshold_batch"], "s--", label="threshold B*")
     ax.plot(table[x], table[bound], ":", color="grey", label="n·Δ")
-    for _, row in table.iterrows():
+    for name, (_, row) in zip(display_names(table), table.iterrows(), strict=True):
         if math.isfinite(row["largest_batch"]):
-            ax.annotate(row["model_label"], (row[x], row["largest_batch"]),
+            ax.annotate(name, (row[x], row["largest_batch"]),
                         fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_yscale("log", base=2)

@@ -52,6 +52,7 @@ class StudyAnalysis:
 
 
 def analyze(frames: dict[str, pd.DataFrame], spec: dict[str, Any]) -> StudyAnalysis:
+    frames = {**frames, "runs": A.short_strategies(frames["runs"])}
     runs = frames["runs"]
     train = spec.get("train", {})
     budget = train.get("epochs_budget") or train.get("max_epochs", 20) / 2
@@ -142,7 +143,7 @@ def claims(a: StudyAnalysis) -> list[Claim]:
             "grow (here: by more than 1.5× the best smaller batch, or the target is missed).",
             SUPPORTED if has.all() else NOT_SUPPORTED,
             "B* per model: " + ", ".join(
-                f"{m}: {_fmt(b)}" for m, b in zip(shapes["model_label"], b_star, strict=True))
+                f"{m}: {_fmt(b)}" for m, b in zip(A.display_names(shapes), b_star, strict=True))
             + f"; "
             f"largest batch tried {_fmt(float(max_b))}; {int(has.sum())}/{len(b_star)} "
             "shapes have B* below it"))
@@ -186,7 +187,7 @@ def claims(a: StudyAnalysis) -> list[Claim]:
             "then stagnates (α ≥ 0.8 linear, α < 0.1 stagnant).",
             SUPPORTED if three.all() else NOT_SUPPORTED,
             "; ".join(f"{m}: linear until {_fmt(float(l))}, stagnant from {_fmt(float(s))}"
-                      for m, l, s in zip(reg["model_label"], reg["linear_until"],
+                      for m, l, s in zip(A.display_names(reg), reg["linear_until"],
                                          reg["stagnation_from"], strict=True))))
     # seed 002 / McCandlish: the bound n·Δ is the right scale for B
     if len(shapes) and shapes["bound_mean"].notna().any() and "b_crit" in shapes:
@@ -200,7 +201,7 @@ def claims(a: StudyAnalysis) -> list[Claim]:
                 f"factor of 4 of the measured bound n·Δ ({bound.replace('bound_', '')}).",
                 SUPPORTED if within else NOT_SUPPORTED,
                 "; ".join(f"{m}: B_crit {_fmt(float(b))} vs n·Δ {_fmt(float(n))}"
-                          for m, b, n in zip(ok["model_label"], ok["b_crit"], ok[bound],
+                          for m, b, n in zip(A.display_names(ok), ok["b_crit"], ok[bound],
                                              strict=True))))
     if "strategy" in a.speedups and a.speedups["strategy"].nunique() > 1:
         best = a.speedups.groupby("strategy")["speedup"].max()
@@ -276,6 +277,8 @@ def render_figures(a: StudyAnalysis, directory: Path) -> list[tuple[str, str, Pa
     import matplotlib.pyplot as plt
 
     directory.mkdir(parents=True, exist_ok=True)
+    for stale in [*directory.glob("*.png"), *directory.glob("*.svg")]:  # from an earlier report
+        stale.unlink()
     out = []
     for stem, caption, draw in figures(a):
         wide = stem == "loss_contour"
