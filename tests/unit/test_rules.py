@@ -105,7 +105,9 @@ def test_conv_strategy_follows_flop_estimate() -> None:
     # Few positions, many channels: Gram form; many positions: materialising.
     assert conv.choose_strategy(8, 64, 64, 1, 9, 4) == "gram"
     assert conv.choose_strategy(8, 1, 6, 1, 25, 784) == "conv"
-    assert conv.choose_strategy(8, 16, 16, 1, 9, 1024) == "shifts"
+    assert conv.choose_strategy(8, 16, 16, 1, 9, 1024) == "conv"
+    assert conv.choose_strategy(8, 64, 64, 1, 9, 64) == "shifts"
+    assert conv.choose_strategy(8, 16, 32, 1, 1, 256) == "shifts"
 
 
 @settings(max_examples=10, deadline=None)

@@ -8,8 +8,9 @@ computed in one of two forms, whichever the flop estimate says is cheaper for th
 - Gram form Σ_ts (a_t·a_s)(b_t·b_s): n·L²·(C_in·k + C_out + g) flops, n·g·L² memory; wins
   when there are few output positions L;
 - materialising B_i A_iᵀ: n·C_out·(C_in/g)·k·L flops, without ever unfolding the n·C_in·k·L
-  patches, either as one grouped convolution (few input channels per group) or as k batched
-  matrix products over strided views of the input, one per kernel tap (many channels).
+  patches, either by torch's weight-gradient kernel with the examples folded into groups, or
+  as k batched matrix products over views of the input, one per kernel tap (1×1 kernels,
+  small maps with many channels).
 
 ``force_strategy`` pins the choice (the tests check every branch against the loop).
 """
@@ -79,22 +80,28 @@ def gram_weight_sq_norms(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
 
 
 def conv_weight_sq_norms(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
-    """Materialised per-example weight gradients by one grouped convolution, reduced to (n,).
+    """Materialised per-example weight gradients by torch's own weight-gradient kernel, (n,).
 
-    g_i[o, c, u] = Σ_p b_i[o, p]·x_i[c, p·stride + u·dilation] is a cross-correlation of the
-    padded input with the output gradient as the kernel (stride and dilation swap roles);
-    each (example, group) pair is one convolution group.
+    Folding the examples into the channels, (n, C, ...) -> (1, n·C, ...), and treating each
+    (example, group) pair as a convolution group turns the batch weight gradient into n·g
+    independent ones: (n·C_out, C_in/g, *kernel) = the per-example gradients.
     """
-    x = _padded(layer, x)
-    n, channels, g = x.shape[0], x.shape[1], layer.groups
-    size = x.shape[2:]
-    inputs = x.reshape(n, g, channels // g, *size).movedim(2, 0).reshape(-1, n * g, *size)
-    kernel = b.reshape(n * layer.out_channels, 1, *b.shape[2:])
-    conv = F.conv1d if x.dim() == 3 else F.conv2d
-    grads = conv(inputs, kernel, stride=layer.dilation, dilation=layer.stride, groups=n * g)
-    grads = grads[(slice(None), slice(None), *(slice(0, k) for k in layer.kernel_size))]
-    grads = grads.reshape(grads.shape[0], n, layer.out_channels, -1)  # (C_in/g, n, C_out, k)
-    return torch.linalg.vector_norm(grads, dim=(0, 2, 3)).square()
+    symmetric_zeros = layer.padding_mode == "zeros" and not isinstance(layer.padding, str)
+    padding = layer.padding if symmetric_zeros else 0  # let the kernel pad: no input copy
+    if not symmetric_zeros:
+        x = _padded(layer, x)
+    n, spatial = x.shape[0], x.dim() - 2
+    weight_grad = torch.nn.grad.conv1d_weight if spatial == 1 else torch.nn.grad.conv2d_weight
+    grads = weight_grad(
+        x.reshape(1, -1, *x.shape[2:]),
+        (n * layer.out_channels, layer.in_channels // layer.groups, *layer.kernel_size),
+        b.reshape(1, -1, *b.shape[2:]),
+        stride=layer.stride,
+        padding=padding,
+        dilation=layer.dilation,
+        groups=n * layer.groups,
+    )
+    return row_sq_norms(grads.reshape(n, -1))
 
 
 def shifts_weight_sq_norms(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
@@ -150,16 +157,18 @@ _METHODS = {
 
 
 def choose_strategy(n: int, c_in: int, c_out: int, groups: int, kernel: int, positions: int) -> str:
-    """Gram form when its flop count is lower than materialising's; otherwise materialise,
-    by grouped conv for fewer than 8 input channels per group, else by kernel taps (measured
-    faster on CPU for ResNet-style 3×3 and 1×1 layers)."""
+    """Gram form when its flop count is lower than materialising's. Otherwise materialise:
+    per kernel tap for 1×1 kernels and for small maps with many channels (few, larger
+    matrix products), else with the grouped weight-gradient kernel (measured on CPU)."""
     if _strategy != "auto":
         return _strategy
     materialise = n * c_out * (c_in // groups) * kernel * positions
     gram = n * positions * positions * (c_in * kernel + c_out + groups)
     if gram < materialise:
         return "gram"
-    return "shifts" if c_in // groups >= 8 else "conv"
+    if kernel == 1 or (positions <= 64 and c_in // groups >= 32):
+        return "shifts"
+    return "conv"
 
 
 @register_rule(nn.Conv1d, nn.Conv2d)
