@@ -59,6 +59,8 @@ def test_bad_sweeps_raise_a_named_error():
         family_sweep("fc", 1000, [1], (64,), 10, options={"width": 3})
     with pytest.raises(BatchboundError, match="must be a whole number >= 1"):
         family_sweep("fc", 0, [1], (64,), 10)
+    with pytest.raises(BatchboundError, match="count_biases applies to fc only"):
+        family_sweep("linear", 1000, [1], (64,), 10, count_biases=True)
     with pytest.raises(BatchboundError, match="unknown act 'gelu'"):
         family_sweep("fc", 1000, [1], (64,), 10, options={"act": "gelu"})
 

@@ -1,7 +1,8 @@
 """What a model spec builds: its layers, output shapes, depth, width and parameter count.
 
-``describe_model`` builds the model, runs one dummy batch through it in eval mode with forward
-hooks on every leaf module to record output shapes, and reads the family's shape record.
+``describe_model`` builds the model on the meta device (shapes without memory, so a spec of
+any size can be described), runs one dummy batch through it in eval mode with forward hooks
+on every leaf module to record output shapes, and reads the family's shape record.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def describe_model(
     spec: str | Spec, input_shape: Sequence[int], num_outputs: int
 ) -> ModelDescription:
     parsed = parse_spec(spec) if isinstance(spec, str) else spec
-    model = build_model(parsed, input_shape, num_outputs, seed=0)
+    with torch.device("meta"):
+        model = build_model(parsed, input_shape, num_outputs)
     shape = model_shape(model)
     assert shape is not None, f"family {parsed.name!r} did not tag its model"
     rows: list[LayerRow] = []
@@ -91,7 +93,7 @@ def describe_model(
     model.eval()
     try:
         with torch.no_grad():
-            model(torch.zeros(2, *input_shape))
+            model(torch.zeros(2, *input_shape, device="meta"))
     finally:
         for handle in handles:
             handle.remove()

@@ -21,6 +21,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+from torch import nn
+
 from batchbound.errors import BatchboundError
 from batchbound.models.fc import budget_count, solve_width
 from batchbound.models.options import (
@@ -60,6 +63,12 @@ def _total(spec: Spec, input_shape: Sequence[int], num_outputs: int) -> int:
     return meta_parameter_count(lambda: build_model(spec, input_shape, num_outputs))
 
 
+def _skeleton(spec: Spec, input_shape: Sequence[int], num_outputs: int) -> nn.Module:
+    """The model a spec builds, on the meta device: shapes and counts without the memory."""
+    with torch.device("meta"):
+        return build_model(spec, input_shape, num_outputs)
+
+
 def family_sweep(
     family: str,
     params: int,
@@ -77,6 +86,11 @@ def family_sweep(
             f"no depth sweep for family {family!r}; sweeps exist for {', '.join(SWEEP_FAMILIES)}"
         )
     budget = parameter_budget(family, params)
+    if count_biases and family != "fc":
+        raise BatchboundError(
+            f"count_biases applies to fc only: {family} budgets "
+            + ("have no biases" if family == "linear" else "count every parameter")
+        )
     depth_list = int_list(family, "depths", list(depths), minimum=0)
     options = dict(options or {})
     fixed = {"params", "head"} if family in ("lenet", "resnet") else {
@@ -92,8 +106,8 @@ def family_sweep(
             rows.append(_fc_row(family, budget, depth, input_shape, num_outputs, options,
                                 count_biases))
         elif family == "cnn1d":
-            model = build_model(Spec("cnn1d", {**options, "depth": depth, "params": budget}),
-                                input_shape, num_outputs)
+            model = _skeleton(Spec("cnn1d", {**options, "depth": depth, "params": budget}),
+                              input_shape, num_outputs)
             shape = model.batchbound_shape
             total = count_parameters(model)
             rows.append(ShapeRow(depth, shape.width, total, total, budget, shape.resolved))
@@ -115,7 +129,7 @@ def _fc_row(
     with_biases = count_biases and family == "fc" and options.get("bias", True) is True
     width = solve_width(budget, d_in, depth, num_outputs, with_biases) if depth else 0
     spec = Spec(family, {"depth": depth, **({"width": width} if depth else {}), **options})
-    model = build_model(spec, input_shape, num_outputs)  # validates the options too
+    model = _skeleton(spec, input_shape, num_outputs)  # validates the options too
     counted = budget_count(d_in, width, depth, num_outputs, with_biases)
     return ShapeRow(depth, width or None, counted, count_parameters(model), budget,
                     model.batchbound_shape.resolved)
@@ -134,7 +148,7 @@ def _head_row(
 
     width = closest_integer(lambda k: _total(spec(k), input_shape, num_outputs), budget) \
         if depth else 0
-    model = build_model(spec(width), input_shape, num_outputs)
+    model = _skeleton(spec(width), input_shape, num_outputs)
     total = count_parameters(model)
     return ShapeRow(depth, width or None, total, total, budget, model.batchbound_shape.resolved)
 
@@ -156,8 +170,8 @@ def block_sweep(
         raise BatchboundError(f"resnet block sweep: {', '.join(clash)} are set by the sweep")
     rows = []
     for blocks in block_configs:
-        model = build_model(Spec("resnet", {**options, "blocks": list(blocks), "params": budget}),
-                            input_shape, num_outputs)
+        model = _skeleton(Spec("resnet", {**options, "blocks": list(blocks), "params": budget}),
+                          input_shape, num_outputs)
         shape = model.batchbound_shape
         total = count_parameters(model)
         rows.append(ShapeRow(shape.depth, shape.width, total, total, budget, shape.resolved))
