@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from batchbound.study.store import Store
 
@@ -107,3 +108,74 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     assert proc.wait(timeout=180) == 0
     assert len(log_entries(clean_log)) == len({k for k, _ in log_entries(clean_log)})
     assert "0 runs executed" in proc.stderr.read().decode()
+
+
+REAL_SPEC = """
+[study]
+name = "killme"
+[data]
+datasets = ["digits"]
+[models]
+family = "fc"
+params = 2000
+depths = [1, 3]
+[batches]
+sizes = [16, 64]
+[lr]
+grid = [0.3]
+tuning = "none"
+[train]
+targets = { train_acc = 0.99 }
+max_epochs = 8
+diversity_every_epochs = 1
+checkpoint_every_epochs = 0.5
+repeats = 1
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_resume_with_the_real_trainer(tmp_path):
+    """The same with batchbound.train: interrupted runs resume from the trainer's own
+    checkpoints, and the recorded results match an uninterrupted study (times aside)."""
+    spec = tmp_path / "spec.toml"
+    spec.write_text(REAL_SPEC)
+    store = tmp_path / "killed.sqlite"
+
+    def start(path):
+        return subprocess.Popen(
+            [sys.executable, "-m", "batchbound", "study", "run", str(spec), "--store",
+             str(path), "--jobs", "0", "--no-progress"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+    proc = start(store)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if list((tmp_path / "killed-checkpoints").glob("*/checkpoint.pt")):
+            with Store(store) as s:
+                done = s.db.execute("SELECT COUNT(*) FROM runs WHERE status='complete'")
+                if done.fetchone()[0] >= 1:
+                    break
+        assert proc.poll() is None, proc.stderr.read().decode()
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    with Store(store) as s:
+        finished = dict(s.db.execute("SELECT key, finished FROM runs WHERE status='complete'"))
+    assert finished
+    assert start(store).wait(timeout=600) == 0
+    with Store(store) as s:
+        after = dict(s.db.execute("SELECT key, finished FROM runs WHERE status='complete'"))
+        attempts = dict(s.db.execute("SELECT key, attempts FROM runs"))
+    assert all(after[k] == t for k, t in finished.items())  # not redone
+    assert all(attempts[k] == 1 for k in finished)
+    clean = tmp_path / "clean.sqlite"
+    assert start(clean).wait(timeout=600) == 0
+    a, b = tables(store), tables(clean)
+    pd.testing.assert_frame_equal(a["runs"], b["runs"])
+    cols = ["key", "name", "reached", "iteration", "epoch"]
+    pd.testing.assert_frame_equal(a["targets"][cols], b["targets"][cols])
+    keep = ["key", "iteration", "metric", "value"]
+    for name in ("curves", "diversity"):
+        x = a[name][keep].sort_values(keep[:3]).reset_index(drop=True)
+        y = b[name][keep].sort_values(keep[:3]).reset_index(drop=True)
+        pd.testing.assert_frame_equal(x, y, check_exact=False, rtol=1e-6)

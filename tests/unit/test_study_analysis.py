@@ -190,3 +190,31 @@ def test_spearman():
     assert A.spearman([1, 2, 3, 4], [10, 20, 25, 40]) == pytest.approx(1)
     assert A.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1)
     assert math.isnan(A.spearman([1, 2, INF], [1, 2, 3]))
+
+
+def test_tuning_rules():
+    from batchbound.study.tuning import choose_step_sizes, final_loss
+
+    summary = pd.DataFrame([
+        # cell a: η=0.1 lowest loss; η=0.3 fewest steps
+        {"cell": "a", "lr": 0.1, "seed": 0, "final_loss": 0.20, "iterations": 300.0},
+        {"cell": "a", "lr": 0.1, "seed": 1, "final_loss": 0.30, "iterations": 320.0},
+        {"cell": "a", "lr": 0.3, "seed": 0, "final_loss": 0.10, "iterations": 100.0},
+        {"cell": "a", "lr": 0.3, "seed": 1, "final_loss": 0.50, "iterations": math.nan},
+        {"cell": "a", "lr": 1.0, "seed": 0, "final_loss": INF, "iterations": math.nan},
+        {"cell": "a", "lr": 1.0, "seed": 1, "final_loss": INF, "iterations": math.nan},
+        # cell b: nobody reaches the target; a tie in loss goes to the smaller η
+        {"cell": "b", "lr": 0.3, "seed": 0, "final_loss": 0.4, "iterations": math.nan},
+        {"cell": "b", "lr": 0.1, "seed": 0, "final_loss": 0.4, "iterations": math.nan},
+    ])
+    # mean losses: 0.1 → 0.25, 0.3 → 0.30, 1.0 → ∞
+    assert choose_step_sizes(summary, "lowest_loss_2_epochs") == {"a": 0.1, "b": 0.1}
+    # median steps: 0.1 → 310, 0.3 → median(100, ∞) = ∞, so 0.1 wins on steps too
+    assert choose_step_sizes(summary, "fewest_steps") == {"a": 0.1, "b": 0.1}
+    one_seed = summary[summary["seed"] == 0]
+    assert choose_step_sizes(one_seed, "fewest_steps")["a"] == 0.3
+    assert choose_step_sizes(one_seed, "lowest_loss_2_epochs")["a"] == 0.3
+    curves = pd.DataFrame({"iteration": [0, 20, 10], "metric": ["train_loss"] * 3,
+                           "value": [2.0, 0.5, 1.0]})
+    assert final_loss(curves, "complete") == 0.5  # the last by iteration, not by row
+    assert final_loss(curves, "diverged") == INF
