@@ -163,9 +163,12 @@ def main() -> None:
     parser.add_argument("--batch-size", "-B", type=int, default=64)
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads of the single-process contenders")
     parser.add_argument("--skip-ddp", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     data = load_dataset(args.dataset)
     result: dict[str, Any] = {
         "dataset": args.dataset,

@@ -223,7 +223,11 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.record("lr", lr)
-        local = shard(self.sampler.next_indices(batch), ctx.rank, ctx.world_size).to(ctx.device)
+        local = self.sampler.next_indices(batch)
+        if ctx.distributed:
+            local = shard(local, ctx.rank, ctx.world_size)
+        if ctx.device.type != "cpu":
+            local = local.to(ctx.device, non_blocking=True)
         x, y = self.data.x_train[local], self.data.y_train[local]
         timer.lap("data")
 
