@@ -222,10 +222,14 @@ def make_plan(spec: StudySpec) -> Plan:
     return Plan(spec, shapes, infos)
 
 
-# A rough CPU cost model: forward+backward ≈ 6 flops per weight per example, at an effective
-# rate typical of small dense layers on one core, plus a fixed cost per optimiser step.
+# A rough CPU cost model, calibrated on the demo (digits, 2 shared cores): forward+backward
+# ≈ 6 flops per weight per example at an effective 2 GFLOP/s, a fixed cost per optimiser step
+# (the trainer's bookkeeping dominates for small nets), per evaluation, and per exact Δ
+# measurement (one per-example-norm pass over the training set).
 FLOPS_PER_SECOND = 2e9
-SECONDS_PER_STEP = 3e-4
+SECONDS_PER_STEP = 2e-3
+SECONDS_PER_EVAL = 1e-2
+SECONDS_PER_DIVERSITY = 0.1
 
 
 def estimate_seconds(run: PlannedRun) -> float:
@@ -233,4 +237,8 @@ def estimate_seconds(run: PlannedRun) -> float:
     examples = run.epochs * run.n_train
     weights = run.model.params or 10_000
     steps = examples / run.batch_size
-    return examples * 6 * weights / FLOPS_PER_SECOND + steps * SECONDS_PER_STEP
+    evals = run.epochs / float(run.fields.get("eval_every_epochs") or 1.0)
+    every = run.fields.get("diversity_every_epochs")
+    measurements = run.epochs / float(every) if every else 0.0
+    return (examples * 6 * weights / FLOPS_PER_SECOND + steps * SECONDS_PER_STEP
+            + evals * SECONDS_PER_EVAL + measurements * SECONDS_PER_DIVERSITY)
