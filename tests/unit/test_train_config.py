@@ -39,7 +39,7 @@ def test_targets_accept_plain_forms() -> None:
         ({"convention": "avg"}, "choose from mean, sum"),
         ({"sampling": "shuffle"}, "unknown sampling"),
         ({"mechanism": "dropout(p=0.1)"}, "unknown mechanism"),
-        ({"mechanism": "dropconnect(p=1.0)"}, "p must be in [0, 1)"),
+        ({"mechanism": "dropconnect(p=1.0)"}, "p in [0, 1)"),
         ({"batch_policy": "adaptive(delta=0.1)"}, "needs every, max, min"),
         ({"targets": [("train_acc", 95)]}, "write 0.95"),
         ({"targets": [("val_acc", 0.9)]}, "unknown target metric"),
@@ -77,3 +77,21 @@ def test_result_json_keeps_non_finite_values() -> None:
     back = RunResult.from_json(result.to_json())
     assert back.curves[1][4] == math.inf and math.isnan(back.final["train_loss"])
     assert back.targets == result.targets and back.config == config
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"online_diversity": "norms", "mechanism": "sgld(sigma=0.1)"}, "cannot be combined"),
+        ({"online_diversity": "two_batch"}, "workers >= 2"),
+        (
+            {"batch_policy": "adaptive(delta=1,min=2,max=9,every=5,source=online)"},
+            "needs online_diversity",
+        ),
+        ({"batch_policy": "adaptive(delta=1,min=1,max=9,every=5)", "workers": 2}, "below"),
+    ],
+)
+def test_monitoring_combinations(changes: dict, words: str) -> None:
+    with pytest.raises(BatchboundError) as info:
+        TrainConfig(**changes)
+    assert words in str(info.value)
