@@ -68,9 +68,10 @@ def data_chunks(
             raise BatchboundError("the data are empty: 0 examples")
         return _split(x, y, chunk_size), int(x.shape[0]), None
     if isinstance(data, DataLoader):
-        n = len(data.dataset) if hasattr(data.dataset, "__len__") else None  # type: ignore[arg-type]
-        if n == 0:
+        if hasattr(data.dataset, "__len__") and len(data.dataset) == 0:  # type: ignore[arg-type]
             raise BatchboundError("the DataLoader's data set is empty: 0 examples")
+        sampler = getattr(data.batch_sampler, "sampler", None) or data.sampler
+        n = len(sampler) if hasattr(sampler, "__len__") else None  # e.g. this rank's shard
         return _from_loader(data, chunk_size), n, None
     if isinstance(data, TorchDataset) and hasattr(data, "__len__"):
         if len(data) == 0:  # type: ignore[arg-type]
