@@ -116,10 +116,11 @@ def test_conv_strategy_follows_flop_estimate() -> None:
     steps=st.integers(1, 6),
     vocab=st.integers(2, 6),
     padding_idx=st.sampled_from([None, 0]),
+    sparse=st.booleans(),
 )
-def test_embedding(n: int, steps: int, vocab: int, padding_idx: int | None) -> None:
+def test_embedding(n: int, steps: int, vocab: int, padding_idx: int | None, sparse: bool) -> None:
     torch.manual_seed(3)
-    layer = nn.Embedding(vocab, 3, padding_idx=padding_idx)
+    layer = nn.Embedding(vocab, 3, padding_idx=padding_idx, sparse=sparse)
     idx = torch.randint(0, vocab, (n, steps))  # small vocabularies force repeated indices
     check_against_loop(layer, idx)
 

@@ -37,6 +37,7 @@ def loop_stats(
         grads = torch.autograd.grad(value.sum(), tensors, allow_unused=True)
         for name, g in zip(names, grads, strict=True):
             if g is not None:
+                g = g.to_dense() if g.is_sparse else g
                 sq_norms[name][i] = g.square().sum()
                 grad_sum[name] += g
         losses.append(value.detach())

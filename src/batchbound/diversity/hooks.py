@@ -143,8 +143,8 @@ def hooks_stats(
         losses = loss_fn(model(x), y)
         check_finite(losses, offset)
         grads = torch.autograd.grad(losses.sum(), list(params.values()), allow_unused=True)
-    grad_sum = {
-        name: torch.zeros_like(p) if g is None else g
+    grad_sum = {  # dense always (an Embedding(sparse=True) gives a sparse gradient)
+        name: torch.zeros_like(p) if g is None else g.to_dense() if g.is_sparse else g
         for (name, p), g in zip(params.items(), grads, strict=True)
     }
     n = x.shape[0]
