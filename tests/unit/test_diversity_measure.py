@@ -236,3 +236,16 @@ def test_zero_gradient_gives_non_finite_diversity_as_none() -> None:
     report = measure(model, (torch.randn(4, 3), torch.zeros(4, 1)), "mse")
     assert report.T == 0 and math.isnan(report.diversity)
     assert json.loads(report.to_json())["diversity"] is None
+
+
+def test_sparse_embedding_under_every_engine() -> None:
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Embedding(5, 3, sparse=True), nn.Flatten(), nn.Linear(6, 2)).double()
+    idx, y = torch.randint(0, 5, (6, 2)), torch.randint(0, 2, (6,))
+    ref = per_example_stats(model, idx, y, "cross_entropy", engine="loop")
+    for engine in ("hooks", "vmap"):
+        got = per_example_stats(model, idx, y, "cross_entropy", engine=engine)
+        for name in ref.sq_norms:
+            torch.testing.assert_close(got.sq_norms[name], ref.sq_norms[name])
+            torch.testing.assert_close(got.grad_sum[name], ref.grad_sum[name])
+    assert model[0].sparse

@@ -10,6 +10,7 @@ hooks engine as the fallback for parameters that no layer rule covers.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -59,6 +60,20 @@ def _per_example_fn(
     return vmap(grad(loss_of_one, has_aux=True), in_dims=(None, 0, 0), randomness="different")
 
 
+@contextmanager
+def _dense_embeddings(model: nn.Module) -> Iterator[None]:
+    """torch.func cannot differentiate into sparse gradients; the dense ones are equal."""
+    sparse = [m for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+    sparse = [m for m in sparse if m.sparse]
+    for module in sparse:
+        module.sparse = False
+    try:
+        yield
+    finally:
+        for module in sparse:
+            module.sparse = True
+
+
 def _sub_chunks(n: int, numel: int) -> Iterator[slice]:
     step = max(1, VMAP_BUDGET // max(1, numel))
     for start in range(0, n, step):
@@ -77,7 +92,8 @@ def vmap_sq_norms(
     grad_sum = {name: torch.zeros_like(p) for name, p in chosen.items()}
     losses = x.new_zeros(n, dtype=next(iter(chosen.values())).dtype)
     for part in _sub_chunks(n, sum(p.numel() for p in chosen.values())):
-        grads, values = per_example(chosen, x[part], y[part])
+        with _dense_embeddings(model):
+            grads, values = per_example(chosen, x[part], y[part])
         losses[part] = values
         for name, g in grads.items():
             sq_norms[name][part] = g.reshape(g.shape[0], -1).square().sum(dim=1)
@@ -99,6 +115,7 @@ def vmap_gradients(
 ) -> dict[str, Tensor]:
     params = dict(model.named_parameters())
     chosen = {name: params[name].detach() for name in names}
-    grads, losses = _per_example_fn(model, loss_fn, names)(chosen, x, y)
+    with _dense_embeddings(model):
+        grads, losses = _per_example_fn(model, loss_fn, names)(chosen, x, y)
     check_finite(losses)
     return grads
