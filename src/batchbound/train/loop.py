@@ -82,6 +82,13 @@ def train(
     return trainer.run(resume=resume)
 
 
+def _scaled(grad: torch.Tensor, scale: float, param: torch.Tensor) -> torch.Tensor:
+    """``scale·grad`` as ``param``'s gradient: in place when the dtype already matches."""
+    if grad.dtype == param.dtype:
+        return grad.mul_(scale).view_as(param)
+    return (grad * scale).to(param.dtype).view_as(param)
+
+
 class Trainer:
     def __init__(
         self,
@@ -280,7 +287,7 @@ class Trainer:
         if self.monitor.needs_norms:  # one backward gives gradients and per-example norms
             stats = per_example_stats(self.model, x, y, self.loss_fn)
             grads = [
-                (stats.grad_sum[name] * scale).to(p.dtype).reshape(p.shape)
+                _scaled(stats.grad_sum[name], scale, p)
                 for name, p in zip(self.names, self.params, strict=True)
             ]
             for p, g in zip(self.params, grads, strict=True):

@@ -54,7 +54,7 @@ class OnlineMonitor:
         if self.mode != "two_batch":
             return []
         factor = 1.0 / (scale * local_batch)  # grads hold scale·Σg_i over local_batch examples
-        return [float(sum(g.double().square().sum() for g in grads)) * factor**2]
+        return [squared_norm(grads) * factor**2]
 
     def update(
         self, grads: list[torch.Tensor], scale: float, extras: list[float], batch: int
@@ -62,7 +62,7 @@ class OnlineMonitor:
         """Fold in one step, given the all-reduced gradient (scale·Σg_i over the global batch)
         and the summed extras; returns the metrics to record."""
         assert self.estimator is not None
-        total_sq = float(sum(g.double().square().sum() for g in grads)) / scale**2  # T_B
+        total_sq = squared_norm(grads) / scale**2  # T_B
         if not all(math.isfinite(v) for v in (total_sq, *extras)):
             return {}  # a diverging step; the loop's divergence check reports it
         if self.mode == "norms":
@@ -94,3 +94,9 @@ class OnlineMonitor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.estimator is not None and state:
             self.estimator.load_state_dict(state)
+
+
+def squared_norm(tensors: list[torch.Tensor]) -> float:
+    """Σ‖t‖² over tensors: fused per-tensor norms, squared and summed in float64 (one sync)."""
+    norms = torch.stack([torch.linalg.vector_norm(t) for t in tensors])
+    return float(norms.double().square().sum())
