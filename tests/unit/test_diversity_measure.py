@@ -145,6 +145,7 @@ def test_fallback_warns_naming_module_and_is_exact() -> None:
     with pytest.warns(UserWarning, match=r"2 \(Scale\): 2\.gain"):
         got = measure(model, (x, y), "cross_entropy", engine="auto", dtype=torch.float64)
     ref = measure(model, (x, y), "cross_entropy", engine="loop", dtype=torch.float64)
+    assert got.to_dict()["fallback_parameters"] == ["2.gain"]
     assert got.per_parameter_S["2.gain"] == pytest.approx(ref.per_parameter_S["2.gain"], rel=1e-9)
     assert got.diversity == pytest.approx(ref.diversity, rel=1e-9)
 

@@ -178,4 +178,4 @@ def hooks_stats(
         if name not in sq_norms:
             sq_norms[name] = hooks.sq_norms.get(name, p.new_zeros(n))
     sq_norms = {name: sq_norms[name] for name in params}
-    return PerExampleStats(losses.detach(), sq_norms, grad_sum)
+    return PerExampleStats(losses.detach(), sq_norms, grad_sum, tuple(fallback))

@@ -143,7 +143,7 @@ def measure(
         totals = _accumulate(work, chunks, n_known, loss_fn, engine, progress)
     dtype = _model_dtype(work)
     names = list(trainable_parameters(work))
-    count, loss_sum, per_param, grad_sum = totals
+    count, loss_sum, per_param, grad_sum, fallback = totals
     reduced = all_reduce_sum([count, loss_sum, *per_param, *grad_sum])
     n = round(float(reduced[0]))
     if n == 0:
@@ -160,7 +160,7 @@ def measure(
         engine=engine,
         dtype=str(dtype).removeprefix("torch."),
         world_size=world_size(),
-        extra={"loss_name": loss_name(loss_fn)},
+        extra={"loss_name": loss_name(loss_fn), "fallback_parameters": fallback},
     )
 
 
@@ -171,9 +171,9 @@ def _accumulate(
     loss_fn: PerExampleLoss,
     engine: str,
     progress: bool,
-) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor]]:
+) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor], list[str]]:
     """Sums over this rank's chunks, in float64 on the model's device: (n, Σ loss, per-parameter
-    S, per-parameter Σg)."""
+    S, per-parameter Σg), and the parameters the vmap fallback handled."""
     from tqdm.auto import tqdm
 
     params = trainable_parameters(work)
@@ -182,7 +182,7 @@ def _accumulate(
     per_param = [torch.zeros((), dtype=acc, device=device) for _ in params]
     grad_sum = [torch.zeros(p.shape, dtype=acc, device=device) for p in params.values()]
     loss_sum = torch.zeros((), dtype=acc, device=device)
-    seen = 0
+    seen, fallback = 0, set()
     with tqdm(total=n_known, unit="ex", file=sys.stderr, disable=not progress, leave=False) as bar:
         for x, y in chunks:
             x = x.to(device=device, dtype=dtype if x.dtype.is_floating_point else None)
@@ -193,6 +193,7 @@ def _accumulate(
                 grad_sum[i] += stats.grad_sum[name].to(acc)
             loss_sum += stats.losses.sum(dtype=acc)
             seen += stats.n
+            fallback.update(stats.fallback)
             bar.update(stats.n)
     count = torch.tensor(float(seen), dtype=acc, device=device)
-    return count, loss_sum, per_param, grad_sum
+    return count, loss_sum, per_param, grad_sum, sorted(fallback)

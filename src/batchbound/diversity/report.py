@@ -19,6 +19,8 @@ class DiversityReport:
     ``per_parameter_S`` splits S by parameter name, showing which layers carry the diversity.
     ``loss`` is the mean per-example loss. ``engine`` is the engine asked for, ``dtype`` the
     precision the gradients were computed in, ``world_size`` the number of ranks summed over.
+    ``extra`` holds ``loss_name`` and ``fallback_parameters`` (those no layer rule covered,
+    computed by torch.func vmap under engine="auto").
     """
 
     n: int

@@ -26,6 +26,7 @@ class PerExampleStats:
     losses: Tensor
     sq_norms: dict[str, Tensor]
     grad_sum: dict[str, Tensor]
+    fallback: tuple[str, ...] = ()  # parameters whose norms the vmap fallback computed
 
     @property
     def n(self) -> int:
