@@ -148,6 +148,16 @@ def test_layer_norm(shape: tuple[int, ...], normalized: tuple[int, ...], affine:
     check_against_loop(model, torch.randn(*shape))
 
 
+@pytest.mark.parametrize("shape,normalized", [((3, 5), (5,)), ((3, 4, 2, 3), (2, 3))])
+@pytest.mark.parametrize("eps", [None, 1e-3])
+def test_rms_norm(shape: tuple[int, ...], normalized: tuple[int, ...], eps: float | None) -> None:
+    torch.manual_seed(4)
+    layer = nn.RMSNorm(normalized, eps=eps)
+    with torch.no_grad():
+        layer.weight.normal_()
+    check_against_loop(layer, torch.randn(*shape))
+
+
 @pytest.mark.parametrize("shape", [(3, 6), (3, 6, 5), (2, 6, 3, 4)])
 @pytest.mark.parametrize("groups", [1, 2, 3, 6])
 def test_group_norm(shape: tuple[int, ...], groups: int) -> None:
@@ -201,6 +211,7 @@ def test_small_cnn_and_mlp_end_to_end() -> None:
 
 def test_registry_lists_every_family() -> None:
     expected = {
+        nn.RMSNorm,
         nn.Linear,
         nn.Conv1d,
         nn.Conv2d,

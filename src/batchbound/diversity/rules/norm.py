@@ -1,4 +1,4 @@
-"""Affine parameters of LayerNorm, GroupNorm and BatchNorm (eval mode).
+"""Affine parameters of LayerNorm, RMSNorm, GroupNorm and BatchNorm (eval mode).
 
 All three compute y = x̂·weight + bias with a normalised x̂, so the per-example gradients are
 weight: Σ (b·x̂) and bias: Σ b, summed over the positions that share a parameter entry.
@@ -38,6 +38,14 @@ def layer_norm_rule(layer: nn.Module, x: Tensor, b: Tensor) -> dict[str, Tensor]
     dims = tuple(range(x.dim() - len(layer.normalized_shape), x.dim()))
     var, mean = torch.var_mean(x, dim=dims, unbiased=False, keepdim=True)
     x_hat = (x - mean) * torch.rsqrt(var + layer.eps)
+    return _affine_sq_norms(layer, x_hat, b, len(layer.normalized_shape))
+
+
+@register_rule(nn.RMSNorm, params=("weight",))
+def rms_norm_rule(layer: nn.Module, x: Tensor, b: Tensor) -> dict[str, Tensor]:
+    dims = tuple(range(x.dim() - len(layer.normalized_shape), x.dim()))
+    eps = torch.finfo(x.dtype).eps if layer.eps is None else layer.eps
+    x_hat = x * torch.rsqrt(x.square().mean(dim=dims, keepdim=True) + eps)
     return _affine_sq_norms(layer, x_hat, b, len(layer.normalized_shape))
 
 
