@@ -21,10 +21,16 @@ def add_data_arguments(parser: argparse.ArgumentParser, default: str | None = "d
     )
 
 
-def add_model_argument(parser: argparse.ArgumentParser, default: str | None = None) -> None:
+def add_model_argument(
+    parser: argparse.ArgumentParser, default: str | None = None, repeatable: bool = False
+) -> None:
+    """``--model SPEC``; with ``repeatable`` it may be given several times (a list)."""
     parser.add_argument(
         "--model",
         default=default,
         required=default is None,
-        help="model spec, e.g. 'fc(depth=3,params=16000,act=relu)'",
+        action="append" if repeatable else "store",
+        metavar="SPEC",
+        help="model spec, e.g. 'fc(depth=3,params=16000,act=relu)' (see `batchbound models "
+        "list`)" + ("; repeat for several models" if repeatable else ""),
     )

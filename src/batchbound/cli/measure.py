@@ -9,12 +9,11 @@ import sys
 from typing import Any
 
 import torch
-from torch import nn
 
-from batchbound.cli.common import add_data_arguments
+from batchbound.cli.common import add_data_arguments, add_model_argument
 from batchbound.data import load_dataset
 from batchbound.diversity import ENGINES, LOSS_NAMES, measure
-from batchbound.models import build_model, count_parameters
+from batchbound.models import build_model, count_parameters, model_shape
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -30,13 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     add_data_arguments(parser)
-    parser.add_argument(
-        "--model",
-        action="append",
-        required=True,
-        metavar="SPEC",
-        help="model spec, e.g. 'fc(depth=3,params=16000,act=relu)'; repeat for several models",
-    )
+    add_model_argument(parser, repeatable=True)
     parser.add_argument(
         "--engine",
         choices=ENGINES,
@@ -65,16 +58,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def model_shape(model: nn.Module) -> tuple[int, int]:
-    """(hidden layers, widest hidden layer) from the weight layers (Linear, Conv, ...)."""
-    widths = [
-        int(module.weight.shape[0])
-        for module in model.modules()
-        if isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.dim() >= 2
-    ]
-    return max(len(widths) - 1, 0), max(widths[:-1], default=0)
-
-
 def measure_one(spec: str, dataset: Any, args: argparse.Namespace) -> dict[str, Any]:
     model = build_model(spec, dataset.input_shape, dataset.num_outputs, seed=args.seed)
     report = measure(
@@ -86,14 +69,14 @@ def measure_one(spec: str, dataset: Any, args: argparse.Namespace) -> dict[str, 
         dtype=DTYPES[args.dtype],
         progress=sys.stderr.isatty(),
     )
-    depth, width = model_shape(model)
+    shape = model_shape(model)
     return {
         "model": spec,
         "dataset": args.dataset,
         "seed": args.seed,
         "params": count_parameters(model),
-        "depth": depth,
-        "width": width,
+        "depth": shape.depth if shape else None,
+        "width": shape.width if shape else None,
         **report.to_dict(),
     }
 

@@ -9,8 +9,22 @@ gradient sum, from one backward pass) and ``per_example_gradients`` (materialise
 torch.func) are the building blocks for mechanisms, online estimators and the trainer.
 """
 
+from batchbound.diversity.differential import DifferentialReport, differential_diversity
 from batchbound.diversity.losses import LOSS_NAMES, cross_entropy, mse, resolve_loss
 from batchbound.diversity.measure import measure
+from batchbound.diversity.mechanisms import (
+    MechanismReport,
+    apply_mechanism,
+    dropconnect_mask,
+    mechanism_diversities,
+    mechanism_diversity,
+    monte_carlo_diversity,
+    parse_mechanism,
+    quantize,
+    quantize_group,
+    sgld_noise,
+)
+from batchbound.diversity.online import OnlineDiversity, monitored_step, watch
 from batchbound.diversity.report import DiversityReport
 from batchbound.diversity.stats import (
     ENGINES,
@@ -23,13 +37,28 @@ from batchbound.diversity.stats import (
 __all__ = [
     "ENGINES",
     "LOSS_NAMES",
+    "DifferentialReport",
     "DiversityReport",
+    "MechanismReport",
+    "OnlineDiversity",
     "PerExampleStats",
+    "apply_mechanism",
     "cross_entropy",
+    "differential_diversity",
+    "dropconnect_mask",
     "measure",
+    "mechanism_diversities",
+    "mechanism_diversity",
+    "monitored_step",
+    "monte_carlo_diversity",
     "mse",
+    "parse_mechanism",
     "per_example_gradients",
     "per_example_l1_l2",
     "per_example_stats",
+    "quantize",
+    "quantize_group",
     "resolve_loss",
+    "sgld_noise",
+    "watch",
 ]

@@ -22,7 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from batchbound.diversity.distributed import all_reduce_sum
-from batchbound.diversity.mechanisms import chunks_for, measuring
+from batchbound.diversity.measure import measuring
+from batchbound.diversity.mechanisms import chunks_for
 from batchbound.diversity.stats import per_example_gradients, trainable_parameters
 from batchbound.errors import BatchboundError
 

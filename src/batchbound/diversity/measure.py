@@ -84,7 +84,6 @@ def data_chunks(
     )
 
 
-_chunks = data_chunks  # the name helper B2's first draft imports
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype:

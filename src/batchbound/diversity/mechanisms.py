@@ -29,11 +29,9 @@ and a Monte Carlo estimator that samples the mechanism to check the closed forms
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +40,7 @@ from torch import Tensor, nn
 
 from batchbound.diversity.distributed import all_reduce_sum
 from batchbound.diversity.losses import resolve_loss
-from batchbound.diversity.measure import _chunks as data_chunks
-from batchbound.diversity.measure import measure
+from batchbound.diversity.measure import data_chunks, measure, measuring
 from batchbound.diversity.stats import per_example_gradients, trainable_parameters
 from batchbound.errors import BatchboundError
 from batchbound.spec import Spec, parse_spec
@@ -443,25 +440,6 @@ def _quantization_sums(
 # ------------------------------------------------- engine access (chunks, gradients)
 # Shared with differential.py: the model prepared as ``measure`` prepares it, and the data
 # streamed through the engine's own chunker.
-
-
-@contextmanager
-def measuring(model: nn.Module, dtype: torch.dtype | None) -> Iterator[nn.Module]:
-    """The model to measure: a ``dtype`` copy if asked (the user's model is never converted),
-    in eval mode (per-example gradients need no batch statistics), modes restored after."""
-    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise BatchboundError(f"dtype must be a floating torch dtype, got {dtype!r}")
-    params = trainable_parameters(model)
-    work = model
-    if dtype is not None and dtype != next(iter(params.values())).dtype:
-        work = copy.deepcopy(model).to(dtype)
-    modes = [(module, module.training) for module in work.modules()]
-    work.eval()
-    try:
-        yield work
-    finally:
-        for module, mode in modes:
-            module.train(mode)
 
 
 def chunks_for(
