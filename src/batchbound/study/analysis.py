@@ -256,7 +256,7 @@ def critical_batch(per_run: pd.DataFrame, value: str = "iterations", by: Sequenc
         bc, mins = _fit_steps(batch, steps, model_of)
         draws = []
         cells = [np.flatnonzero((batch == b) & (model_of == m))
-                 for b, m in {(b, m) for b, m in zip(batch, model_of, strict=True)}]
+                 for b, m in sorted(set(zip(batch, model_of, strict=True)))]
         for _ in range(bootstrap):
             idx = np.concatenate([rng.choice(c, size=len(c)) for c in cells])
             draws.append(_fit_steps(batch[idx], steps[idx], model_of[idx])[0])
