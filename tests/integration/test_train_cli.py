@@ -48,6 +48,18 @@ def test_human_output_and_full_result(tmp_path, capsys) -> None:
     assert full["curves"]["columns"] == ["iteration", "epoch", "seconds", "metric", "value"]
 
 
+def test_config_file_with_flag_overrides(tmp_path, capsys) -> None:
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        'dataset = "digits"\nmodel = "fc(depth=1,params=800)"\nbatch_size = 16\nlr = 0.3\n'
+        'max_iterations = 5\ntargets = [{metric = "train_acc", threshold = 0.99}]\n'
+    )
+    assert main(["train", "--config", str(toml), "--lr", "0.05", "--no-progress", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["final"]["iterations"] == 5 and summary["final"]["lr"] == 0.05
+    assert summary["targets"][0]["name"] == "train_acc>=0.99"
+
+
 @pytest.mark.parametrize(
     "extra, words",
     [
