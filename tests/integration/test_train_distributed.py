@@ -48,3 +48,22 @@ def test_two_workers_match_one(tmp_path) -> None:
     d = sum(p.numel() for p in load_checkpoint(tmp_path / "two.ckpt")["model"].values())
     assert two.timings["bytes_per_iteration"] == (d + 3) * 8  # gradients + 3 flags, float64
     assert two.timings["communication_seconds"] > 0
+
+
+@pytest.mark.slow
+def test_two_workers_with_mechanism_monitor_and_adaptive_batch(tmp_path) -> None:
+    """Everything that talks across ranks at once: a worker mechanism, the two-batch monitor,
+    adaptive B from it, exact Δ, checkpoints; every rank must take the same decisions."""
+    base = CONFIG.replace(workers=2, max_iterations=40, dtype="float32", checkpoint_every=20)
+    quantized = train(base.replace(mechanism="quantization"), checkpoint_path=tmp_path / "q")
+    assert quantized.status == "complete" and quantized.final["iterations"] == 40
+    adaptive = train(
+        base.replace(
+            online_diversity="two_batch",
+            batch_policy="adaptive(delta=0.5,min=8,max=256,every=10,source=online)",
+        ),
+        checkpoint_path=tmp_path / "a",
+    )
+    assert adaptive.status == "complete"
+    assert len(adaptive.curve("online_batch_bound")) > 20
+    assert len(adaptive.curve("batch_size")) >= 1
