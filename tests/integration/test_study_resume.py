@@ -168,6 +168,7 @@ def test_sigkill_resume_with_the_real_trainer(tmp_path):
         attempts = dict(s.db.execute("SELECT key, attempts FROM runs"))
     assert all(after[k] == t for k, t in finished.items())  # not redone
     assert all(attempts[k] == 1 for k in finished)
+    assert any(n == 2 for n in attempts.values())  # the interrupted run went again (resumed)
     clean = tmp_path / "clean.sqlite"
     assert start(clean).wait(timeout=600) == 0
     a, b = tables(store), tables(clean)
