@@ -227,5 +227,9 @@ def print_human(result: RunResult, file: Any = None) -> None:
         else:
             print(f"  {t.name}: not reached", file=out)
     shown = [k for k in ("train_loss", "train_acc", "test_loss", "test_acc") if k in final]
-    print("final: " + ", ".join(f"{k}={final[k]:.4f}" for k in shown), file=out)
+    when = final.get("eval_iteration", final["iterations"])
+    print(
+        f"last evaluation (iteration {when}): " + ", ".join(f"{k}={final[k]:.4f}" for k in shown),
+        file=out,
+    )
     print(f"config hash: {result.config_hash}", file=out)

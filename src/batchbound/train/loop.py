@@ -437,6 +437,7 @@ class Trainer:
     def result(self) -> RunResult:
         final = {
             **self.metrics,
+            "eval_iteration": self.last_eval_iteration,  # when the metrics above were taken
             "batch_loss": self.last_batch_loss,
             "iterations": self.iteration,
             "epochs": self.sampler.epoch,
