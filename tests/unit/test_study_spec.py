@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from batchbound.errors import BatchboundError
@@ -52,7 +54,7 @@ def test_presets_load():
     ],
 )
 def test_bad_specs_name_the_key(change, needle):
-    with pytest.raises(BatchboundError, match=pytest.importorskip("re").escape(needle)):
+    with pytest.raises(BatchboundError, match=re.escape(needle)):
         study_from_dict(raw(**change))
 
 

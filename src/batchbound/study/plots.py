@@ -173,6 +173,32 @@ def delta_vs_shape(ax: Axes, along: pd.DataFrame, summary: pd.DataFrame,
     ax.grid(alpha=0.3)
 
 
+def delta_along_training(ax: Axes, along: pd.DataFrame, batch_size: int | None = None) -> None:
+    """Δ against epoch for each model at one batch size (the smallest by default): one thin
+    line per run, so plateaus (Δ blowing up near a stationary point) stay visible."""
+    if along.empty:
+        ax.text(0.5, 0.5, "no Δ measurements", ha="center", transform=ax.transAxes)
+        return
+    batch_size = batch_size or int(along["batch_size"].min())
+    part = along[along["batch_size"] == batch_size]
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (name, model) in enumerate(_groups(part)):
+        colour = colours[i % len(colours)]
+        for j, (_, run) in enumerate(model.groupby("key")):
+            run = run.sort_values("epoch")
+            ax.plot(run["epoch"], run["diversity"], "-", color=colour, lw=1, alpha=0.8,
+                    label=name if j == 0 else None)
+    ax.set_yscale("log")
+    if (part["epoch"] > 0).all():  # log epochs keep short runs legible beside long ones
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(PLAIN)
+    ax.set_xlabel("epoch (log)" if ax.get_xscale() == "log" else "epoch")
+    ax.set_ylabel("gradient diversity Δ (log)")
+    ax.set_title(f"Δ along training, B = {batch_size} (one line per seed)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+
 def largest_batch_vs_delta(ax: Axes, table: pd.DataFrame, budget: float | None = None) -> None:
     """Largest workable B (within the epoch budget) and B* against Δ, with the bound n·Δ for
     reference. Δ at matched training loss when every model has it (robust to a model stuck

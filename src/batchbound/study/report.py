@@ -265,6 +265,10 @@ def figures(a: StudyAnalysis) -> list[tuple[str, str, Callable[[Any], None]]]:
                     "training (dots), its average over training and its value at matched "
                     "training loss (seed 000, Figure 2a).",
                     lambda fig: P.delta_vs_shape(fig.add_subplot(), a.along, a.diversity, x)))
+        out.append(("delta_along_training", "Gradient diversity Δ against epoch at the "
+                    "smallest batch size, one line per seed: a shape stuck near a stationary "
+                    "point shows Δ far above the others until it starts to train.",
+                    lambda fig: P.delta_along_training(fig.add_subplot(), a.along)))
         out.append(("largest_batch_vs_delta", "Largest workable batch and threshold B* "
                     "against Δ (at matched training loss when every shape reaches it, else "
                     "averaged over training) (seed 000, Figure 2c).",
