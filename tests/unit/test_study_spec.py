@@ -112,3 +112,17 @@ def test_base_batch_tuning_and_strategies_grid():
     assert len(finals) == 3 * 3 * 3 * 2
     assert {r.fields["strategy"] for r in finals} == set(spec.lr.strategies)
     assert all(r.lr == 0.1 for r in finals)
+
+
+def test_transforms_change_the_planned_data_size():
+    spec = study_from_dict(raw(data__datasets=[
+        "digits", {"dataset": "digits", "transform": "subset(fraction=0.25)"}],
+        batches__sizes=[16, 256]))
+    plan = make_plan(spec)
+    sizes = {r.data: r.n_train for r in plan.tuning_runs()}
+    assert sizes == {"digits": 1438, "digits | subset(fraction=0.25)": 360}
+    transforms = {r.fields["transform"] for r in plan.tuning_runs()}
+    assert transforms == {None, "subset(fraction=0.25)"}
+    with pytest.raises(BatchboundError, match="exceed"):
+        make_plan(study_from_dict(raw(data__datasets=[
+            {"dataset": "digits", "transform": "subset(fraction=0.1)"}])))

@@ -84,19 +84,13 @@ def validate_fields(fields: dict[str, Any]) -> None:
 
 
 def load_data(data: DataSpec) -> Any:
-    from batchbound.data import load_dataset
+    """The data set as planning sees it: sizes after the transform. The trainer applies the
+    transform itself with each run's seed; sizes do not depend on the seed."""
+    from batchbound.data import apply_transform, load_dataset
 
     dataset = load_dataset(data.dataset)
     if data.transform:
-        from batchbound import data as data_module
-
-        apply = getattr(data_module, "apply_transform", None)
-        if apply is None:
-            from batchbound.errors import BatchboundError
-
-            raise BatchboundError("this install's batchbound.data has no apply_transform; "
-                                  f"cannot apply {data.transform!r}")
-        dataset = apply(dataset, data.transform)
+        dataset = apply_transform(dataset, data.transform, 0)
     return dataset
 
 
