@@ -15,6 +15,7 @@ import json
 import math
 import os
 import platform
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -203,6 +204,19 @@ def claims(a: StudyAnalysis) -> list[Claim]:
                 "; ".join(f"{m}: B_crit {_fmt(float(b))} vs n·Δ {_fmt(float(n))}"
                           for m, b, n in zip(A.display_names(ok), ok["b_crit"], ok[bound],
                                              strict=True))))
+    runs = a.frames["runs"]
+    if len(a.regimes) and "data" in a.regimes and a.regimes["data"].nunique() > 1:
+        sizes = runs.groupby("data")["n_train"].first()
+        if sizes.nunique() > 1:
+            reg = a.regimes.assign(n=a.regimes["data"].map(sizes))
+            points = reg["stagnation_from"].dropna()
+            same = len(points) == len(reg) and points.max() <= 2 * points.min()
+            out.append(Claim(
+                "003", "The batch size where speedup stagnates does not depend on the data set "
+                "size (here: equal within one doubling across sizes, Figure 4).",
+                SUPPORTED if same else NOT_SUPPORTED,
+                "; ".join(f"n = {int(n)}: stagnant from {_fmt(float(b))}"
+                          for n, b in zip(reg["n"], reg["stagnation_from"], strict=True))))
     if "strategy" in a.speedups and a.speedups["strategy"].nunique() > 1:
         best = a.speedups.groupby("strategy")["speedup"].max()
         linear = a.regimes.groupby("strategy")["linear_until"].max()
@@ -228,8 +242,7 @@ def figures(a: StudyAnalysis) -> list[tuple[str, str, Callable[[Any], None]]]:
     for name, part in parts:
         suffix = "-".join(str(n) for n in (name if isinstance(name, tuple) else (name,)) if n)
         stem = f"epochs_heatmap{'-' + suffix if suffix else ''}"
-        out.append((stem.replace(" ", "_").replace("(", "").replace(")", "").replace(",", "_")
-                    .replace("=", ""),
+        out.append((re.sub(r"[^A-Za-z0-9_.-]+", "_", stem).strip("_"),
                     f"Epochs to target, {rows} against B{' (' + suffix + ')' if suffix else ''}"
                     " (seed 000, Figure 4). Grey: not reached within max_epochs.",
                     lambda fig, p=part: P.epochs_heatmap(fig.add_subplot(), p, rows,
@@ -349,8 +362,8 @@ def _md_table(frame: pd.DataFrame) -> str:
     cols = list(frame.columns)
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for _, row in frame.iterrows():
-        lines.append("| " + " | ".join(_fmt(v) if not isinstance(v, (int, str)) else str(v)
-                                       for v in row) + " |")
+        cells = (_fmt(v) if not isinstance(v, (int, str)) else str(v) for v in row)
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)
 
 
