@@ -180,3 +180,26 @@ def test_sigkill_resume_with_the_real_trainer(tmp_path):
         x = a[name][keep].sort_values(keep[:3]).reset_index(drop=True)
         y = b[name][keep].sort_values(keep[:3]).reset_index(drop=True)
         pd.testing.assert_frame_equal(x, y, check_exact=False, rtol=1e-6)
+
+
+def test_a_dying_worker_fails_its_runs_not_the_study(tmp_path, monkeypatch):
+    """A worker process that dies fails the runs it held; the rest of the study completes,
+    and a rerun finishes the failed ones without duplicating any final."""
+    from batchbound.study.runner import run_study
+    from batchbound.study.spec import load_study
+
+    spec_path = tmp_path / "spec.toml"
+    spec_path.write_text(SPEC)
+    spec = load_study(spec_path)
+    monkeypatch.setenv("BATCHBOUND_SIM_CRASH_LR", "0.3")  # every tuning run at η = 0.3 dies
+    first = run_study(spec, tmp_path / "s.sqlite", jobs=1, progress=False, trainer=TRAINER)
+    # the 4 crashing runs fail, and so may runs queued in the same broken pool; none is lost
+    assert first.failed >= 4 and first.executed + first.failed == first.total == 16
+    assert set(first.chosen.values()) == {0.1}
+    monkeypatch.delenv("BATCHBOUND_SIM_CRASH_LR")
+    second = run_study(spec, tmp_path / "s.sqlite", jobs=0, progress=False, trainer=TRAINER)
+    assert (second.executed, second.failed) == (first.failed, 0)  # only those ran again
+    with Store(tmp_path / "s.sqlite") as store:
+        frames = store.frames("killme")
+    finals = frames["runs"][frames["runs"]["role"] == "final"]
+    assert len(finals) == 8 and set(frames["runs"]["status"]) == {"complete"}

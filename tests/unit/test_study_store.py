@@ -103,3 +103,15 @@ def test_export_csv_and_parquet(store, tmp_path):
     assert len(pd.read_parquet(tmp_path / "pq" / "curves.parquet")) == 5
     with pytest.raises(BatchboundError, match="csv, parquet"):
         export(store, tmp_path, "xlsx")
+
+
+def test_replace_finals_unlinks_a_stale_choice(store):
+    other = {**LABELS, "lr": 0.3}
+    store.replace_finals("demo", [("k2", {"lr": 0.3}, other)])
+    runs = store.frames("demo")["runs"]
+    assert runs["key"].tolist() == ["k2"]  # k1 (η 0.1) no longer belongs to the study
+    assert store.status("k1") == "pending"  # its record is kept in the store
+    store.replace_finals("demo", [("k2", {"lr": 0.3}, other)])
+    seed1 = {**LABELS, "seed": 1}
+    store.replace_finals("demo", [("k3", {"lr": 0.1}, seed1)])
+    assert sorted(store.frames("demo")["runs"]["key"]) == ["k2", "k3"]

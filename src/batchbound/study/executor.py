@@ -14,6 +14,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
@@ -86,21 +87,38 @@ def default_jobs() -> int:
 
 
 class LocalPool:
+    """A pool of spawned processes. A worker that dies (killed, out of memory, a crash in C
+    code) breaks the pool: the runs in flight or queued in it fail (a later ``study run``
+    retries them), the study goes on, and the pool is rebuilt for the jobs submitted next."""
+
     def __init__(self, jobs: int | None = None) -> None:
         self.jobs = jobs or default_jobs()
-        threads = max(1, default_jobs() // self.jobs)
-        self.pool = ProcessPoolExecutor(self.jobs, mp_context=get_context("spawn"),
-                                        initializer=_init_worker, initargs=(threads,))
-        self.pending: set[Future[Outcome]] = set()
+        self.threads = max(1, default_jobs() // self.jobs)
+        self.pool = self._new_pool()
+        self.pending: dict[Future[Outcome], Job] = {}
+
+    def _new_pool(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(self.jobs, mp_context=get_context("spawn"),
+                                   initializer=_init_worker, initargs=(self.threads,))
 
     def submit(self, job: Job) -> None:
-        self.pending.add(self.pool.submit(run_job, job))
+        try:
+            future = self.pool.submit(run_job, job)
+        except BrokenProcessPool:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = self._new_pool()
+            future = self.pool.submit(run_job, job)
+        self.pending[future] = job
 
     def completed(self) -> Iterator[Outcome]:
         while self.pending:
-            done, self.pending = wait(self.pending, return_when=FIRST_COMPLETED)
+            done, _ = wait(list(self.pending), return_when=FIRST_COMPLETED)
             for future in done:
-                yield future.result()
+                job = self.pending.pop(future)
+                try:
+                    yield future.result()
+                except BrokenProcessPool as exc:
+                    yield Outcome(job.key, None, f"worker process died: {exc!r}", 0.0)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

@@ -143,9 +143,9 @@ def run_study(spec: StudySpec, store_path: str | Path, jobs: int | None = None, 
             summary = pd.DataFrame([_summary_row(store, r, cell) for r in cell_runs[cell]])
             chosen = choose_step_sizes(summary, spec.lr.tuning)
             outcome.chosen.update(chosen)
-            finals = [r for r in plan.final_runs(chosen, only_cell=cell)]
-            store.register_runs(spec.name, [(r.key, FINAL, dict(r.fields), r.labels())
-                                            for r in finals])
+            finals = plan.final_runs(chosen, only_cell=cell)
+            store.replace_finals(spec.name, [(r.key, dict(r.fields), r.labels())
+                                             for r in finals])
             store_seconds += time.perf_counter() - tick
             return finals
 

@@ -10,6 +10,7 @@ best value slows progress, and each seed perturbs r by a few percent. Δ is meas
 It checkpoints after every simulated epoch (sleeping ``$BATCHBOUND_SIM_SLEEP`` seconds per
 epoch, default 0) and resumes from the checkpoint, and appends "key resumed?" to
 ``$BATCHBOUND_SIM_LOG`` when set, so tests can see which runs executed and kill a study mid-run.
+With ``$BATCHBOUND_SIM_CRASH_LR`` set, a run with that η kills its own process (os._exit).
 Select it with ``run_study(..., trainer="batchbound.study.simulate:execute")``.
 """
 
@@ -46,6 +47,9 @@ def execute(fields: dict[str, Any], checkpoint_dir: Path, resume: bool,
     if log:
         with open(log, "a") as fh:
             fh.write(f"{key} {int(resume)}\n")
+    crash = os.environ.get("BATCHBOUND_SIM_CRASH_LR")  # tests: a worker dying mid-study
+    if crash and float(crash) == fields["lr"]:
+        os._exit(3)
     sleep = float(os.environ.get("BATCHBOUND_SIM_SLEEP", "0"))
     model = parse_spec(fields["model"]).kwargs
     depth, width = int(model.get("depth", 1)), int(model.get("width", 32))

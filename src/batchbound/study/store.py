@@ -141,6 +141,22 @@ class Store:
                     f"VALUES (?, ?, ?, {', '.join('?' * len(LABELS))})",
                     (study, key, role, *(labels.get(k) for k in LABELS)))
 
+    def replace_finals(self, study: str, runs: Iterable[tuple[str, Mapping[str, Any],
+                                                            Mapping[str, Any]]]) -> None:
+        """Register final runs (key, config, labels), unlinking any earlier final of the same
+        grid point (data, model, B, seed, mechanism, strategy) under another key: a rerun
+        whose tuning chose a different η must not leave two finals for one point."""
+        runs = list(runs)
+        point = ("data", "model", "batch_size", "seed", "mechanism", "strategy")
+        with self.transaction():
+            for key, _, labels in runs:
+                self.db.execute(
+                    "DELETE FROM study_runs WHERE study=? AND role='final' AND key<>? AND "
+                    + " AND ".join(f"{c} IS ?" for c in point),
+                    (study, key, *(labels.get(c) for c in point)))
+        self.register_runs(study, [(key, "final", config, labels)
+                                   for key, config, labels in runs])
+
     def mark_running(self, key: str) -> None:
         with self.transaction():
             self.db.execute("UPDATE runs SET status='running', attempts=attempts+1, started=? "
