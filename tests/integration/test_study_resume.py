@@ -203,3 +203,20 @@ def test_a_dying_worker_fails_its_runs_not_the_study(tmp_path, monkeypatch):
         frames = store.frames("killme")
     finals = frames["runs"][frames["runs"]["role"] == "final"]
     assert len(finals) == 8 and set(frames["runs"]["status"]) == {"complete"}
+
+
+def test_an_edited_spec_unlinks_what_it_dropped(tmp_path):
+    from batchbound.study.runner import run_study
+    from batchbound.study.spec import load_study
+
+    path = tmp_path / "spec.toml"
+    path.write_text(SPEC)
+    run_study(load_study(path), tmp_path / "s.sqlite", jobs=0, progress=False, trainer=TRAINER)
+    path.write_text(SPEC.replace("sizes = [64, 256]", "sizes = [64]"))
+    again = run_study(load_study(path), tmp_path / "s.sqlite", jobs=0, progress=False,
+                      trainer=TRAINER)
+    assert again.executed == 0
+    with Store(tmp_path / "s.sqlite") as store:
+        runs = store.frames("killme")["runs"]
+        assert set(runs["batch_size"]) == {64} and len(runs) == 4 + 4  # tune + final
+        assert store.db.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 16

@@ -112,6 +112,10 @@ def run_study(spec: StudySpec, store_path: str | Path, jobs: int | None = None, 
     with Store(store_path) as store:
         tick = time.perf_counter()
         store.register_study(spec.name, spec.to_dict())
+        points = {(data.label, shape.spec, batch, seed, mechanism, strategy)
+                  for data, shape, batch, mechanism, strategy in plan.cells()
+                  for seed in spec.train.seeds}
+        store.prune(spec.name, {r.key for r in tuning}, points)
         store.register_runs(spec.name, [(r.key, TUNE, dict(r.fields), r.labels())
                                         for r in tuning])
         store_seconds += time.perf_counter() - tick

@@ -157,6 +157,21 @@ class Store:
         self.register_runs(study, [(key, "final", config, labels)
                                    for key, config, labels in runs])
 
+    def prune(self, study: str, tune_keys: set[str],
+              final_points: set[tuple[Any, ...]]) -> int:
+        """Unlink runs a re-planned study no longer contains (its spec was edited): tuning
+        runs not in ``tune_keys`` and finals whose grid point (data, model, B, seed,
+        mechanism, strategy) is not in ``final_points``. Run records stay. Returns the count."""
+        point = ("data", "model", "batch_size", "seed", "mechanism", "strategy")
+        rows = self.db.execute(f"SELECT rowid, key, role, {', '.join(point)} FROM study_runs "
+                               "WHERE study=?", (study,)).fetchall()
+        stale = [row[0] for row in rows
+                 if (row[2] == "tune" and row[1] not in tune_keys)
+                 or (row[2] == "final" and tuple(row[3:]) not in final_points)]
+        with self.transaction():
+            self.db.executemany("DELETE FROM study_runs WHERE rowid=?", [(r,) for r in stale])
+        return len(stale)
+
     def mark_running(self, key: str) -> None:
         with self.transaction():
             self.db.execute("UPDATE runs SET status='running', attempts=attempts+1, started=? "
