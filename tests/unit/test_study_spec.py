@@ -126,3 +126,17 @@ def test_transforms_change_the_planned_data_size():
     with pytest.raises(BatchboundError, match="exceed"):
         make_plan(study_from_dict(raw(data__datasets=[
             {"dataset": "digits", "transform": "subset(fraction=0.1)"}])))
+
+
+def test_cli_plan_json(capsys):
+    import json
+
+    from batchbound.cli import main
+
+    assert main(["study", "plan", "width-depth-digits", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    roles = [r["role"] for r in plan["runs"]]
+    # 5 depths × 7 batch sizes × 4 η tuning runs; 5 × 7 × 3 seeds finals
+    assert roles.count("tune") == 140 and roles.count("final") == 105
+    assert plan["estimate_seconds"] > 0
+    assert main(["study", "plan", "no-such-study"]) == 2
