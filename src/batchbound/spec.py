@@ -50,7 +50,8 @@ class _Parser:
     def fail(self, what: str) -> BatchboundError:
         pointer = " " * self.pos + "^"
         return BatchboundError(
-            f"malformed spec {self.text!r}: {what} at position {self.pos}\n  {self.text}\n  {pointer}\n"
+            f"malformed spec {self.text!r}: {what} at position {self.pos}\n"
+            f"  {self.text}\n  {pointer}\n"
             "expected name or name(key=value, ...), e.g. fc(depth=4,params=16000,act=relu)"
         )
 

@@ -46,7 +46,7 @@ class Images(HTMLParser):
 def simulated(tmp_path_factory):
     root = tmp_path_factory.mktemp("study")
     outcome = run_study(spec(), root / "s.sqlite", jobs=0, progress=False,
-                        trainer="batchbound.study.simulate:execute")
+                        trainer="simulated_trainer:execute")
     assert outcome.failed == 0 and outcome.executed == outcome.total == 30 + 30
     return root
 

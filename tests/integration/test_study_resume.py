@@ -35,7 +35,7 @@ max_epochs = 6
 diversity_every_epochs = 1
 repeats = 2
 """
-TRAINER = "batchbound.study.simulate:execute"
+TRAINER = "simulated_trainer:execute"
 
 
 def run_cli(spec: Path, store: Path, log: Path, sleep: float, jobs: int = 0) -> subprocess.Popen:

@@ -39,8 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--jobs", type=int, default=None,
                      help="parallel runs (default: one per core; 0: inline in this process)")
     run.add_argument("--trainer", default=None,
-                     help="module:function executing one run (default batchbound.train); "
-                     "batchbound.study.simulate:execute is a fast closed-form stand-in")
+                     help="module:function executing one run; default: batchbound's trainer")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.set_defaults(func=cmd_run)
 

@@ -11,7 +11,8 @@ It checkpoints after every simulated epoch (sleeping ``$BATCHBOUND_SIM_SLEEP`` s
 epoch, default 0) and resumes from the checkpoint, and appends "key resumed?" to
 ``$BATCHBOUND_SIM_LOG`` when set, so tests can see which runs executed and kill a study mid-run.
 With ``$BATCHBOUND_SIM_CRASH_LR`` set, a run with that η kills its own process (os._exit).
-Select it with ``run_study(..., trainer="batchbound.study.simulate:execute")``.
+Lives under tests/ so that no report can be made from it by accident; tests select it with
+``run_study(..., trainer="simulated_trainer:execute")``.
 """
 
 from __future__ import annotations
