@@ -48,7 +48,7 @@ def test_presets_load():
         ({"train__targets": {"train_f1": 0.9}}, "[train] targets"),
         ({"train__repeats": 0}, "[train] repeats"),
         ({"train__colour": "red"}, "[train]: unknown key(s) colour"),
-        ({"models__depths": [0, 2]}, "[models] depths"),
+        ({"models__depths": [-1, 2]}, "[models] depths"),
         ({"models__specs": ["fc(depth=1,width=8)"]}, "[models] specs/family"),
         ({"study__name": "a b"}, "[study] name"),
     ],
@@ -140,3 +140,48 @@ def test_cli_plan_json(capsys):
     assert roles.count("tune") == 140 and roles.count("final") == 105
     assert plan["estimate_seconds"] > 0
     assert main(["study", "plan", "no-such-study"]) == 2
+
+
+def test_cli_plan_reads_user_files_from_data_dir(tmp_path, monkeypatch, capsys):
+    import json
+
+    import numpy as np
+
+    from batchbound.cli import main
+
+    monkeypatch.delenv("BATCHBOUND_DATA", raising=False)
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "mine.npz", x=rng.normal(size=(300, 8)).astype("float32"),
+             y=rng.integers(0, 3, size=300))
+    study = tmp_path / "s.toml"
+    study.write_text(
+        '[study]\nname = "mine"\n[data]\ndatasets = ["npz(path=mine.npz)"]\n'
+        '[models]\nspecs = ["linear(depth=0)"]\n[batches]\nsizes = [8, 32]\n'
+        '[lr]\ngrid = [0.1]\n[train]\ntargets = { train_acc = 0.5 }\nmax_epochs = 2\n')
+    assert main(["study", "plan", str(study), "--json"]) == 2  # not in the default dir
+    capsys.readouterr()
+    # the setting reaches the workers through the environment; monkeypatch restores it
+    monkeypatch.setenv("BATCHBOUND_DATA", "/nonexistent")
+    assert main(["study", "plan", str(study), "--json", "--data-dir", str(tmp_path)]) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert {r["batch_size"] for r in runs} == {8, 32}
+    assert {r["model_label"] for r in runs} == {"L=0"}
+
+
+def test_a_bad_model_spec_fails_the_plan_not_every_run():
+    with pytest.raises(BatchboundError, match="needs a width"):
+        make_plan(study_from_dict(raw(models__family=None, models__params=None,
+                                      models__depths=None, models__specs=["linear(depth=2)"])))
+
+
+def test_family_sweeps_cover_conv_families_and_depth_zero():
+    lenet = {"models__family": "lenet", "models__depths": [0, 1, 2], "batches__sizes": [16],
+             "models__options": {"image": [1, 8, 8], "padding": 2}}
+    shapes = make_plan(study_from_dict(raw(models__params=60000, **lenet))).shapes["digits"]
+    assert [s.depth for s in shapes] == [0, 1, 2]
+    assert all(abs(s.params - 60000) / 60000 < 0.01 for s in shapes[1:])
+    # the convolutional trunk alone has 27,580 parameters: 20,000 cannot be met
+    with pytest.raises(BatchboundError, match="cannot meet 20,000"):
+        make_plan(study_from_dict(raw(models__params=20000, **lenet)))
+    fc = make_plan(study_from_dict(raw(models__depths=[0, 1]))).shapes["digits"]
+    assert fc[0].label == "L=0" and fc[0].params == 64 * 10 and fc[1].width == 54

@@ -213,3 +213,16 @@ def test_divergence_under_per_example_engines(changes: dict) -> None:
     )
     result = run(**regression, **changes).result_  # type: ignore[attr-defined]
     assert result.status == "diverged" and "non-finite" in result.message
+
+
+def test_diversity_is_measured_at_initialisation_and_on_cadence() -> None:
+    from batchbound.diversity import measure
+
+    trainer = Trainer(TrainConfig(**{**SMALL, "diversity_every_epochs": 0.1}), DistContext())
+    data = (trainer.data.x_train, trainer.data.y_train)
+    at_init = measure(trainer.model, data, trainer.loss_fn).diversity
+    rows = trainer.run().curve("diversity")
+    # 12 steps of 32 on 1438 examples = 0.27 epochs: at 0, then past 0.1 and 0.2
+    assert [r[0] for r in rows] == [0, 5, 9]
+    assert rows[0][3] == pytest.approx(at_init, rel=1e-12)
+    assert rows[2][3] != pytest.approx(at_init, rel=1e-6)  # measured on the trained weights

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan = sub.add_parser("plan", help="print the runs a spec implies, with a cost estimate")
     plan.add_argument("file", help="study TOML file or preset name")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON on stdout")
+    _add_data_dir(plan)
     plan.set_defaults(func=cmd_plan)
 
     run = sub.add_parser("run", help="run (or resume) a study into its SQLite store",
@@ -41,6 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--trainer", default=None,
                      help="module:function executing one run; default: batchbound's trainer")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_data_dir(run)
     run.set_defaults(func=cmd_run)
 
     export = sub.add_parser("export", help="write a store's tables as CSV or Parquet")
@@ -52,10 +55,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export.set_defaults(func=cmd_export)
 
 
+def _add_data_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data-dir", default=None,
+                        help="directory holding your data files (sets $BATCHBOUND_DATA for "
+                        "planning and every worker); default $BATCHBOUND_DATA, else "
+                        "~/.cache/batchbound/data")
+
+
+def _use_data_dir(args: argparse.Namespace) -> None:
+    # workers inherit the environment, so one setting reaches planning and every run
+    if args.data_dir is not None:
+        os.environ["BATCHBOUND_DATA"] = str(Path(args.data_dir).expanduser().resolve())
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from batchbound.study.plan import estimate_seconds, make_plan
     from batchbound.study.spec import load_study
 
+    _use_data_dir(args)
     spec = load_study(args.file)
     plan = make_plan(spec)
     tuning = plan.tuning_runs()
@@ -89,6 +106,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.jobs is not None and args.jobs < 0:
         raise BatchboundError(f"--jobs must be >= 0, got {args.jobs}")
+    _use_data_dir(args)
     spec = load_study(args.file)
     store = args.store or default_store(spec.name)
     outcome = run_study(spec, store, args.jobs, trainer=args.trainer or DEFAULT_TRAINER,

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchbound.errors import BatchboundError
-from batchbound.spec import Spec, parse_spec
 from batchbound.study.adapter import config_key, train_fields
 from batchbound.study.spec import DataSpec, StudySpec
 
@@ -38,15 +37,15 @@ class ModelShape:
 
     @property
     def label(self) -> str:
-        if self.depth is not None and self.width is not None:
-            return f"L={self.depth} K={self.width}"
-        return self.spec
+        if self.depth is None:
+            return self.spec
+        return f"L={self.depth}" + (f" K={self.width}" if self.width is not None else "")
 
 
 @dataclass(frozen=True)
 class DataInfo:
     n_train: int
-    d_in: int
+    input_shape: tuple[int, ...]
     d_out: int
 
 
@@ -87,48 +86,43 @@ class PlannedRun:
 
 
 def data_info(data: DataSpec) -> DataInfo:
-    """Load a data set once to learn n, input and output widths (planning needs them)."""
+    """Load a data set once to learn n, the input shape and the output width."""
     from batchbound.study.adapter import load_data
 
     ds = load_data(data)
-    d_in = 1
-    for size in ds.input_shape:
-        d_in *= int(size)
-    return DataInfo(ds.n_train, d_in, ds.num_outputs)
+    return DataInfo(ds.n_train, tuple(int(s) for s in ds.input_shape), ds.num_outputs)
+
+
+MAX_BUDGET_ERROR = 0.1
 
 
 def model_shapes(spec: StudySpec, info: DataInfo) -> list[ModelShape]:
-    """The explicit specs, or the family sweep solved for width at each depth."""
+    """The explicit specs, or the family sweep solved for width at each depth. Every spec is
+    built once on the meta device here, so a bad one fails the plan, not every run."""
+    from batchbound.models import describe_model, family_sweep
+
     models = spec.models
     if models.specs:
-        return [_describe(parse_spec(text), info) for text in models.specs]
-    from batchbound.models import solve_width, weight_count
-
-    if models.family not in ("fc", "linear"):
+        shapes = []
+        for text in models.specs:
+            described = describe_model(text, info.input_shape, info.d_out)
+            # fc/linear budgets count weights only (seed 000); other families count everything
+            fc_like = described.family in ("fc", "linear")
+            shapes.append(ModelShape(text, described.depth, described.width or None,
+                                     described.weights if fc_like else described.params))
+        return shapes
+    rows = family_sweep(models.family, int(models.params), models.depths, info.input_shape,
+                        info.d_out, options=models.options)
+    # depth 0 has no width to solve; any deeper row far off the budget means it is unreachable
+    missed = [r for r in rows if r.depth > 0 and abs(r.relative_error) > MAX_BUDGET_ERROR]
+    if missed:
+        r = missed[0]
         raise BatchboundError(
-            f"study spec [models] family: sweeps at fixed params support fc and linear, got "
-            f"{models.family!r}; list other shapes under specs = [...]"
+            f"study spec [models] params: the {models.family} sweep cannot meet {r.budget:,} "
+            f"parameters at depth {r.depth} (closest: {r.params:,}, {r.spec}); change params "
+            f"or the options that fix the rest of the network"
         )
-    shapes = []
-    for depth in models.depths:
-        width = solve_width(int(models.params), info.d_in, depth, info.d_out)
-        text = str(Spec(models.family, {"depth": depth, "width": width, **models.options}))
-        shapes.append(ModelShape(text, depth, width, weight_count(info.d_in, width, depth,
-                                                                  info.d_out)))
-    return shapes
-
-
-def _describe(parsed: Spec, info: DataInfo) -> ModelShape:
-    depth, width = parsed.kwargs.get("depth"), parsed.kwargs.get("width")
-    params = parsed.kwargs.get("params")
-    if parsed.name in ("fc", "linear") and isinstance(depth, int) and depth >= 1:
-        from batchbound.models import solve_width, weight_count
-
-        if width is None and params is not None:
-            width = solve_width(int(params), info.d_in, depth, info.d_out)
-        if width is not None:
-            params = weight_count(info.d_in, int(width), depth, info.d_out)
-    return ModelShape(str(parsed), depth, width, params)
+    return [ModelShape(row.spec, row.depth, row.width, row.params) for row in rows]
 
 
 def _check_batches(spec: StudySpec, data: DataSpec, info: DataInfo) -> None:
@@ -239,6 +233,6 @@ def estimate_seconds(run: PlannedRun) -> float:
     steps = examples / run.batch_size
     evals = run.epochs / float(run.fields.get("eval_every_epochs") or 1.0)
     every = run.fields.get("diversity_every_epochs")
-    measurements = run.epochs / float(every) if every else 0.0
+    measurements = 1 + run.epochs / float(every) if every else 0.0  # one at initialisation
     return (examples * 6 * weights / FLOPS_PER_SECOND + steps * SECONDS_PER_STEP
             + evals * SECONDS_PER_EVAL + measurements * SECONDS_PER_DIVERSITY)

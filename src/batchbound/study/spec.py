@@ -84,8 +84,8 @@ class ModelsSpec:
             if self.params is None or self.params < 1:
                 raise _fail("models", "params", f"a family sweep needs params >= 1, got "
                             f"{self.params!r}")
-            if not self.depths or any(not isinstance(d, int) or d < 1 for d in self.depths):
-                raise _fail("models", "depths", f"need a list of integers >= 1, got "
+            if not self.depths or any(not isinstance(d, int) or d < 0 for d in self.depths):
+                raise _fail("models", "depths", f"need a list of integers >= 0, got "
                             f"{list(self.depths)!r}")
             if len(set(self.depths)) != len(self.depths):
                 raise _fail("models", "depths", "repeated depth")

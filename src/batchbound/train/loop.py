@@ -172,6 +172,8 @@ class Trainer:
             else:
                 self.evaluate_step()
                 self.record("batch_size", self.batch_size)
+                if self.config.diversity_every_epochs:
+                    self.measure_diversity()  # Δ at initialisation: where the bound starts
             while not self.limit_reached():
                 flags = self.train_step(stop.requested, self.time_exceeded())
                 if self.diverged():
