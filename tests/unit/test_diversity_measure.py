@@ -14,11 +14,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from batchbound.data import load_dataset
 from batchbound.diversity import (
+    PreparedStats,
     measure,
     per_example_gradients,
     per_example_l1_l2,
     per_example_stats,
 )
+from batchbound.errors import BatchboundError
 from batchbound.models import build_model
 
 
@@ -250,3 +252,24 @@ def test_sparse_embedding_under_every_engine() -> None:
             torch.testing.assert_close(got.sq_norms[name], ref.sq_norms[name])
             torch.testing.assert_close(got.grad_sum[name], ref.grad_sum[name])
     assert model[0].sparse
+
+
+def test_prepared_stats_match_the_per_example_loop_across_calls():
+    """The plan made once stays right as the weights change and BatchNorm's mode flips."""
+    torch.manual_seed(0)
+    model = small_cnn().double().eval()
+    x, y = cnn_data()
+    x = x.double()
+    prepared = PreparedStats(model, "cross_entropy", engine="hooks")
+    for _ in range(3):
+        fast = prepared(x, y)
+        slow = per_example_stats(model, x, y, "cross_entropy", engine="loop")
+        assert torch.allclose(fast.total_sq_norms, slow.total_sq_norms, rtol=1e-10)
+        for name in slow.grad_sum:
+            assert torch.allclose(fast.grad_sum[name], slow.grad_sum[name], rtol=1e-10)
+        with torch.no_grad():  # a training step's worth of change
+            for p in model.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+    model.train()  # BatchNorm now uses batch statistics: refused on the next call
+    with pytest.raises(BatchboundError, match="batch statistics"):
+        prepared(x, y)

@@ -29,6 +29,7 @@ from batchbound.diversity.report import DiversityReport
 from batchbound.diversity.stats import (
     ENGINES,
     PerExampleStats,
+    PreparedStats,
     per_example_gradients,
     per_example_l1_l2,
     per_example_stats,
@@ -42,6 +43,7 @@ __all__ = [
     "MechanismReport",
     "OnlineDiversity",
     "PerExampleStats",
+    "PreparedStats",
     "apply_mechanism",
     "cross_entropy",
     "differential_diversity",

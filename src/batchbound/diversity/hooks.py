@@ -47,8 +47,8 @@ class HookPlan:
     uncovered: dict[str, list[str]] = field(default_factory=dict)  # module name -> params
 
 
-def plan_hooks(model: nn.Module) -> HookPlan:
-    params = trainable_parameters(model)
+def plan_hooks(model: nn.Module, params: dict[str, nn.Parameter] | None = None) -> HookPlan:
+    params = trainable_parameters(model) if params is None else params
     name_of = {id(p): name for name, p in params.items()}
     owners: defaultdict[int, list[str]] = defaultdict(list)
     for prefix, module in model.named_modules(remove_duplicate=False):
@@ -128,12 +128,14 @@ def hooks_stats(
     x: Tensor,
     y: Tensor,
     loss_fn: PerExampleLoss,
+    plan: HookPlan,
+    params: dict[str, nn.Parameter],
     *,
     strict: bool,
     offset: int = 0,
 ) -> PerExampleStats:
-    params = trainable_parameters(model)
-    plan = plan_hooks(model)
+    """One chunk through the hooks engine; ``plan`` and ``params`` come from ``plan_hooks``
+    and ``trainable_parameters`` of this model (``PreparedStats`` makes them once)."""
     if plan.uncovered and strict:
         raise BatchboundError(
             "engine='hooks' has no layer rule for these modules' parameters (or they are tied): "

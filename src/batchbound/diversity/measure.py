@@ -23,7 +23,7 @@ from batchbound.data.dataset import Dataset
 from batchbound.diversity.distributed import all_reduce_sum, world_size
 from batchbound.diversity.losses import PerExampleLoss, loss_name, resolve_loss
 from batchbound.diversity.report import DiversityReport
-from batchbound.diversity.stats import ENGINES, per_example_stats, trainable_parameters
+from batchbound.diversity.stats import ENGINES, PreparedStats, trainable_parameters
 from batchbound.errors import BatchboundError
 
 Data = Dataset | TorchDataset | DataLoader | tuple[Tensor, Tensor]
@@ -175,7 +175,8 @@ def _accumulate(
     S, per-parameter Σg), and the parameters the vmap fallback handled."""
     from tqdm.auto import tqdm
 
-    params = trainable_parameters(work)
+    stats_of = PreparedStats(work, loss_fn, engine)
+    params = stats_of.params
     first = next(iter(params.values()))
     device, dtype, acc = first.device, first.dtype, torch.float64
     per_param = [torch.zeros((), dtype=acc, device=device) for _ in params]
@@ -186,7 +187,7 @@ def _accumulate(
         for x, y in chunks:
             x = x.to(device=device, dtype=dtype if x.dtype.is_floating_point else None)
             y = y.to(device=device, dtype=dtype if y.dtype.is_floating_point else None)
-            stats = per_example_stats(work, x, y, loss_fn, engine=engine, offset=seen)
+            stats = stats_of(x, y, offset=seen)
             for i, name in enumerate(params):
                 per_param[i] += stats.sq_norms[name].sum(dtype=acc)
                 grad_sum[i] += stats.grad_sum[name].to(acc)

@@ -57,12 +57,17 @@ def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return params
 
 
-def check_model_mode(model: nn.Module) -> None:
+def batch_norm_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def check_model_mode(
+    model: nn.Module, modules: list[tuple[str, nn.Module]] | None = None
+) -> None:
     """Per-example gradients need examples to be independent: no batch statistics."""
-    for name, module in model.named_modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and (
-            module.training or module.running_mean is None
-        ):
+    for name, module in batch_norm_modules(model) if modules is None else modules:
+        if module.training or module.running_mean is None:  # type: ignore[union-attr]
             raise BatchboundError(
                 f"module {name or type(module).__name__!r} ({type(module).__name__}) uses batch "
                 "statistics (train mode or track_running_stats=False), so examples interact and "
@@ -84,6 +89,44 @@ def check_chunk(x: Tensor, y: Tensor) -> None:
         raise BatchboundError("empty chunk: no examples")
 
 
+class PreparedStats:
+    """``per_example_stats`` for one model called many times (a training loop, ``measure``'s
+    chunks): the checks over the model and the hooks engine's plan of which module computes
+    which parameter's norms are made once, here, instead of on every call.
+
+    The model's structure (its modules and which parameters train) must stay as it was when
+    this was made; its weights and its train/eval mode may change (BatchNorm's mode is
+    checked on every call).
+    """
+
+    def __init__(self, model: nn.Module, loss: object = None, engine: str = "auto") -> None:
+        from batchbound.diversity.hooks import plan_hooks
+        from batchbound.diversity.losses import resolve_loss
+
+        if engine not in ENGINES:
+            raise BatchboundError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
+        self.model, self.engine = model, engine
+        self.loss_fn = resolve_loss(loss)  # type: ignore[arg-type]
+        self.params = trainable_parameters(model)
+        self.batch_norms = batch_norm_modules(model)
+        self.plan = plan_hooks(model, self.params) if engine in ("auto", "hooks") else None
+
+    def __call__(self, x: Tensor, y: Tensor, offset: int = 0) -> PerExampleStats:
+        from batchbound.diversity.engines import loop_stats, vmap_stats
+        from batchbound.diversity.hooks import hooks_stats
+
+        check_chunk(x, y)
+        check_model_mode(self.model, self.batch_norms)
+        with torch.enable_grad():  # also when called under torch.no_grad()
+            if self.engine == "loop":
+                return loop_stats(self.model, x, y, self.loss_fn, offset=offset)
+            if self.engine == "vmap":
+                return vmap_stats(self.model, x, y, self.loss_fn, offset=offset)
+            assert self.plan is not None
+            return hooks_stats(self.model, x, y, self.loss_fn, self.plan, self.params,
+                               strict=self.engine == "hooks", offset=offset)
+
+
 def per_example_stats(
     model: nn.Module,
     x: Tensor,
@@ -101,29 +144,15 @@ def per_example_stats(
     in eval mode; dropout in train mode gives the gradients under the masks drawn in this
     pass, except for parameters left to the vmap fallback, which draws its own), and its
     ``.grad`` fields are left untouched. ``offset`` is the index of the chunk's first example,
-    used to name an example whose loss is not finite.
+    used to name an example whose loss is not finite. For many calls on one model,
+    ``PreparedStats`` skips the per-call checks and planning.
 
     Engines: ``"hooks"`` (per-layer rules; BatchboundError on a parameter no rule covers),
     ``"auto"`` (hooks, with torch.func vmap for uncovered parameters and a warning naming
     their modules), ``"vmap"`` (torch.func for everything), ``"loop"`` (one backward per
     example: the slow reference).
     """
-    from batchbound.diversity.engines import loop_stats, vmap_stats
-    from batchbound.diversity.hooks import hooks_stats
-    from batchbound.diversity.losses import resolve_loss
-
-    if engine not in ENGINES:
-        raise BatchboundError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
-    loss_fn = resolve_loss(loss)  # type: ignore[arg-type]
-    check_chunk(x, y)
-    trainable_parameters(model)
-    check_model_mode(model)
-    with torch.enable_grad():  # also when called under torch.no_grad()
-        if engine == "loop":
-            return loop_stats(model, x, y, loss_fn, offset=offset)
-        if engine == "vmap":
-            return vmap_stats(model, x, y, loss_fn, offset=offset)
-        return hooks_stats(model, x, y, loss_fn, strict=engine == "hooks", offset=offset)
+    return PreparedStats(model, loss, engine)(x, y, offset)
 
 
 def per_example_gradients(

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from batchbound.data import BatchSampler, Dataset, apply_transform, load_dataset
-from batchbound.diversity import measure, per_example_stats
+from batchbound.diversity import PreparedStats, measure
 from batchbound.diversity.losses import resolve_loss
 from batchbound.errors import BatchboundError
 from batchbound.models import build_model
@@ -132,6 +132,7 @@ class Trainer:
         self.generator = torch.Generator(device=ctx.device)
         self.generator.manual_seed(config.seed * 1_000_003 + 7919 * (ctx.rank + 1))
         self.monitor = OnlineMonitor(config.online_diversity, self.n, ctx, config.sampling)
+        self.prepared_stats: PreparedStats | None = None  # made on the first monitored step
 
         subset = config.eval_subset
         if subset is not None and subset < self.n:
@@ -287,7 +288,9 @@ class Trainer:
                 p.grad = g
             return grads, float(losses.sum()), []
         if self.monitor.needs_norms:  # one backward gives gradients and per-example norms
-            stats = per_example_stats(self.model, x, y, self.loss_fn)
+            if self.prepared_stats is None:
+                self.prepared_stats = PreparedStats(self.model, self.loss_fn)
+            stats = self.prepared_stats(x, y)
             grads = [
                 _scaled(stats.grad_sum[name], scale, p)
                 for name, p in zip(self.names, self.params, strict=True)
