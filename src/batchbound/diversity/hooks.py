@@ -177,7 +177,8 @@ def hooks_stats(
         )
         sq_norms.update(vmap_sq_norms(model, x, y, loss_fn, fallback)[0])
     for name, p in params.items():
-        if name not in sq_norms:
-            sq_norms[name] = hooks.sq_norms.get(name, p.new_zeros(n))
+        if name not in sq_norms:  # a parameter with no gradient in this pass has norms 0
+            found = hooks.sq_norms.get(name)
+            sq_norms[name] = p.new_zeros(n) if found is None else found
     sq_norms = {name: sq_norms[name] for name in params}
     return PerExampleStats(losses.detach(), sq_norms, grad_sum, tuple(fallback))
