@@ -185,3 +185,23 @@ def test_family_sweeps_cover_conv_families_and_depth_zero():
         make_plan(study_from_dict(raw(models__params=20000, **lenet)))
     fc = make_plan(study_from_dict(raw(models__depths=[0, 1]))).shapes["digits"]
     assert fc[0].label == "L=0" and fc[0].params == 64 * 10 and fc[1].width == 54
+
+
+def test_clashing_short_labels_fall_back_to_the_spec():
+    specs = ["fc(depth=2,width=36)", "fc(depth=2,width=36,act=tanh)", "fc(depth=1,width=54)"]
+    spec = study_from_dict(raw(models__family=None, models__params=None, models__depths=None,
+                               models__specs=specs, batches__sizes=[16]))
+    labels = [s.label for s in make_plan(spec).shapes["digits"]]
+    assert labels == [*specs[:2], "L=1 K=54"]
+
+
+def test_heatmap_rows_are_depth_only_when_depth_names_one_model():
+    import pandas as pd
+
+    from batchbound.study.plots import shape_axis
+
+    one = pd.DataFrame({"depth": [1, 1, 2], "model_label": ["L=1 K=54", "L=1 K=54", "L=2 K=36"]})
+    assert shape_axis(one, "depth") == "depth"
+    two = pd.DataFrame({"depth": [2, 2], "model_label": ["fc(...)", "lenet L=2 K=84"]})
+    assert shape_axis(two, "depth") == "model_label"
+    assert shape_axis(one.assign(depth=[1, None, 2]), "depth") == "model_label"

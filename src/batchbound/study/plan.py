@@ -14,8 +14,9 @@ smallest batch size and the strategy (blr/lsr/srsr) carries it to the others.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from batchbound.errors import BatchboundError
@@ -28,18 +29,24 @@ Cell = tuple[str, str, int, str, str]  # data, model spec, batch size, mechanism
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A concrete model spec plus what the analyses group by."""
+    """A concrete model spec plus what the analyses group by. ``depth``/``width`` follow the
+    family's convention (fc: hidden layers and their width; lenet/resnet: the head's)."""
 
     spec: str
     depth: int | None = None
-    width: int | None = None
+    width: int | float | None = None
     params: int | None = None
+    family: str = "fc"
+    name: str | None = None  # set when the short label would not tell two shapes apart
 
     @property
     def label(self) -> str:
+        if self.name is not None:
+            return self.name
         if self.depth is None:
             return self.spec
-        return f"L={self.depth}" + (f" K={self.width}" if self.width is not None else "")
+        family = "" if self.family in ("fc", "linear") else f"{self.family} "
+        return f"{family}L={self.depth}" + (f" K={self.width}" if self.width is not None else "")
 
 
 @dataclass(frozen=True)
@@ -109,8 +116,9 @@ def model_shapes(spec: StudySpec, info: DataInfo) -> list[ModelShape]:
             # fc/linear budgets count weights only (seed 000); other families count everything
             fc_like = described.family in ("fc", "linear")
             shapes.append(ModelShape(text, described.depth, described.width or None,
-                                     described.weights if fc_like else described.params))
-        return shapes
+                                     described.weights if fc_like else described.params,
+                                     described.family))
+        return _distinct_labels(shapes)
     rows = family_sweep(models.family, int(models.params), models.depths, info.input_shape,
                         info.d_out, options=models.options)
     # depth 0 has no width to solve; any deeper row far off the budget means it is unreachable
@@ -122,7 +130,16 @@ def model_shapes(spec: StudySpec, info: DataInfo) -> list[ModelShape]:
             f"parameters at depth {r.depth} (closest: {r.params:,}, {r.spec}); change params "
             f"or the options that fix the rest of the network"
         )
-    return [ModelShape(row.spec, row.depth, row.width, row.params) for row in rows]
+    return [ModelShape(row.spec, row.depth, row.width, row.params, models.family)
+            for row in rows]
+
+
+def _distinct_labels(shapes: list[ModelShape]) -> list[ModelShape]:
+    """Shapes whose short labels clash (fc(depth=2,width=36) with relu and with tanh) are
+    labelled by their spec instead: the analyses group runs by label."""
+    counts = Counter(shape.label for shape in shapes)
+    return [replace(shape, name=shape.spec) if counts[shape.label] > 1 else shape
+            for shape in shapes]
 
 
 def _check_batches(spec: StudySpec, data: DataSpec, info: DataInfo) -> None:

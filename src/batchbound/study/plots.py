@@ -40,12 +40,21 @@ def _log2_batch_axis(ax: Axes, batches: list[int] | np.ndarray) -> None:
     ax.set_xlabel("batch size B (log2)")
 
 
+def shape_axis(frame: pd.DataFrame, preferred: str) -> str:
+    """``preferred`` (depth or width) when it names each model uniquely, else model_label:
+    two models at one depth (two families, two activations) must not share a row."""
+    if preferred not in frame or not frame[preferred].notna().all():
+        return "model_label"
+    unique = frame.groupby(preferred)["model_label"].nunique().max() == 1
+    return preferred if unique else "model_label"
+
+
 def epochs_heatmap(ax: Axes, summary: pd.DataFrame, rows: str = "depth",
                    budget: float | None = None) -> None:
     """Median epochs to target as a heatmap: ``rows`` (depth or width) against B. Cells the
     target was never reached in (censored) show '>E' in grey."""
     label = {"depth": "depth L (hidden layers)", "width": "width K"}.get(rows, rows)
-    key = rows if rows in summary and summary[rows].notna().all() else "model_label"
+    key = shape_axis(summary, rows)
     table = summary.pivot_table(index=key, columns="batch_size", values="median",
                                 aggfunc="median")
     values = table.to_numpy(float)

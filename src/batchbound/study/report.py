@@ -234,7 +234,7 @@ def figures(a: StudyAnalysis) -> list[tuple[str, str, Callable[[Any], None]]]:
     from batchbound.study import plots as P
 
     out: list[tuple[str, str, Callable[[Any], None]]] = []
-    rows = "depth" if "depth" in a.epochs and a.epochs["depth"].notna().all() else "model_label"
+    rows = P.shape_axis(a.epochs, "depth")
     max_epochs = float(a.spec.get("train", {}).get("max_epochs", 0)) or None
     groups = A.model_keys(a.epochs)
     extra = [k for k in groups if k != "model_label"]
