@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.colors import LogNorm
-from matplotlib.ticker import FuncFormatter
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 PLAIN = FuncFormatter(lambda value, _: f"{value:g}")
 
@@ -176,6 +176,7 @@ def delta_vs_shape(ax: Axes, along: pd.DataFrame, summary: pd.DataFrame,
                 label=f"at matched loss {mean['matched_loss'].iloc[0]:.3g}")
     ax.set_yscale("log")
     ax.set_xlabel({"depth": "depth L (hidden layers)", "width": "width K"}.get(x, x))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # depths and widths are integers
     ax.set_ylabel("gradient diversity Δ (log)")
     ax.set_title(f"Δ along training (B = {reference})")
     ax.legend(fontsize=7)

@@ -370,7 +370,8 @@ def _md_table(frame: pd.DataFrame) -> str:
 def markdown(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, Path]],
              found: list[Claim]) -> str:
     counts = a.frames["runs"].groupby(["role", "status"]).size()
-    lines = [f"# Study {study}", "", a.spec.get("description", ""), "",
+    description = a.spec.get("description", "")
+    lines = [f"# Study {study}", "", *([description, ""] if description else []),
              "Runs: " + ", ".join(f"{r} {s}: {n}" for (r, s), n in counts.items()), "",
              "## Per shape", "", _md_table(shape_summary(a)), "",
              f"E = {a.budget:g} epochs. Critical batch size of the study (one B_crit for all "
