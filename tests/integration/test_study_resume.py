@@ -46,6 +46,13 @@ def run_cli(spec: Path, store: Path, log: Path, sleep: float, jobs: int = 0) -> 
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 
+def finish(proc: subprocess.Popen) -> str:
+    """Wait for a runner, close its pipes, assert it succeeded; returns its stderr."""
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err.decode()
+    return err.decode()
+
+
 def log_entries(log: Path) -> list[tuple[str, int]]:
     if not log.exists():
         return []
@@ -79,7 +86,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
         assert proc.poll() is None, proc.stderr.read().decode()
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    proc.communicate()
     with Store(store) as s:
         finished = {k for k, st in s.db.execute("SELECT key, status FROM runs")
                     if st == "complete"}
@@ -88,8 +95,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     assert finished and interrupted, "the kill should land mid-study"
     before = len(log_entries(log))
 
-    proc = run_cli(spec, store, log, sleep=0.0)
-    assert proc.wait(timeout=180) == 0, proc.stderr.read().decode()
+    finish(run_cli(spec, store, log, sleep=0.0))
     after = log_entries(log)[before:]
     redone = {key for key, _ in after} & finished
     assert not redone, f"finished runs executed again: {redone}"
@@ -97,17 +103,15 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     assert resumed and set(resumed) <= interrupted  # part-done runs resumed from checkpoints
 
     clean_store, clean_log = tmp_path / "clean.sqlite", tmp_path / "clean.log"
-    proc = run_cli(spec, clean_store, clean_log, sleep=0.0)
-    assert proc.wait(timeout=180) == 0, proc.stderr.read().decode()
+    finish(run_cli(spec, clean_store, clean_log, sleep=0.0))
     killed_tables, clean_tables = tables(store), tables(clean_store)
     for name, frame in clean_tables.items():
         pd.testing.assert_frame_equal(killed_tables[name], frame, check_dtype=False)
     # each run executed exactly once in the clean study; a third run changes nothing
     assert len(log_entries(clean_log)) == len({k for k, _ in log_entries(clean_log)})
-    proc = run_cli(spec, clean_store, clean_log, sleep=0.0)
-    assert proc.wait(timeout=180) == 0
+    err = finish(run_cli(spec, clean_store, clean_log, sleep=0.0))
     assert len(log_entries(clean_log)) == len({k for k, _ in log_entries(clean_log)})
-    assert "0 runs executed" in proc.stderr.read().decode()
+    assert "0 runs executed" in err
 
 
 REAL_SPEC = """
@@ -158,11 +162,11 @@ def test_sigkill_resume_with_the_real_trainer(tmp_path):
         assert proc.poll() is None, proc.stderr.read().decode()
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    proc.communicate()
     with Store(store) as s:
         finished = dict(s.db.execute("SELECT key, finished FROM runs WHERE status='complete'"))
     assert finished
-    assert start(store).wait(timeout=600) == 0
+    finish(start(store))
     with Store(store) as s:
         after = dict(s.db.execute("SELECT key, finished FROM runs WHERE status='complete'"))
         attempts = dict(s.db.execute("SELECT key, attempts FROM runs"))
@@ -170,7 +174,7 @@ def test_sigkill_resume_with_the_real_trainer(tmp_path):
     assert all(attempts[k] == 1 for k in finished)
     assert any(n == 2 for n in attempts.values())  # the interrupted run went again (resumed)
     clean = tmp_path / "clean.sqlite"
-    assert start(clean).wait(timeout=600) == 0
+    finish(start(clean))
     a, b = tables(store), tables(clean)
     pd.testing.assert_frame_equal(a["runs"], b["runs"])
     cols = ["key", "name", "reached", "iteration", "epoch"]
