@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from batchbound.errors import BatchboundError
+from batchbound.errors import BatchboundError, NonFiniteLossError
 
 PerExampleLoss = Callable[[Tensor, Tensor], Tensor]
 
@@ -127,7 +127,7 @@ def check_finite(losses: Tensor, offset: int = 0) -> None:
     finite = torch.isfinite(losses)
     if not bool(finite.all()):
         index = int((~finite).nonzero()[0, 0])
-        raise BatchboundError(
+        raise NonFiniteLossError(
             f"the loss of example {offset + index} is not finite ({float(losses[index])}); "
             "check the inputs and the model's outputs"
         )

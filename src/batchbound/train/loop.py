@@ -27,7 +27,7 @@ import torch
 from batchbound.data import BatchSampler, Dataset, apply_transform, load_dataset
 from batchbound.diversity import PreparedStats, measure
 from batchbound.diversity.losses import resolve_loss
-from batchbound.errors import BatchboundError
+from batchbound.errors import BatchboundError, NonFiniteLossError
 from batchbound.models import build_model
 from batchbound.train.checkpoint import StopFlag, load_checkpoint, save_checkpoint
 from batchbound.train.config import TrainConfig
@@ -192,12 +192,14 @@ class Trainer:
                     break
             if self.status == "complete" and self.last_eval_iteration != self.iteration:
                 self.evaluate_step()
-        except BatchboundError as exc:
+        except NonFiniteLossError as exc:
             # the per-example engines refuse non-finite losses: that is divergence, not bad input
-            if self.initial_loss is None or "not finite" not in str(exc):
+            if self.initial_loss is None:
                 raise
             self.status = "diverged"
             self.message = f"non-finite loss at iteration {self.iteration + 1}: {exc}"
+        except BatchboundError:
+            raise  # bad input: the caller's error, not a result
         except Exception as exc:  # a crash mid-run is a recorded result, not a lost one
             self.status, self.message = "failed", f"{type(exc).__name__}: {exc}"
             if self.ctx.distributed:
