@@ -115,3 +115,23 @@ def test_claim_verdicts_are_computed_not_fixed(report):
     a.shapes = flipped
     text = next(c for c in claims(a) if "decreases with depth" in c.claim)
     assert text.verdict != SUPPORTED
+
+
+def test_threshold_claim_leaves_out_shapes_that_never_train(report):
+    from dataclasses import replace
+
+    from batchbound.study.report import NOT_SUPPORTED, UNTESTABLE, claims
+
+    a = report.analysis
+    max_b = float(a.epochs["batch_size"].max())
+
+    def verdict(b_stars):
+        shapes = a.shapes.assign(threshold_batch=b_stars)
+        claim = next(c for c in claims(replace(a, shapes=shapes)) if "threshold B*" in c.claim)
+        return claim.verdict, claim.evidence
+
+    # one shape never reaches the target (B* = NaN): judged on the others, and said so
+    v, evidence = verdict([32.0, 64.0, float("nan")])
+    assert v == SUPPORTED and "1 never reach the target" in evidence
+    assert verdict([32.0, max_b, float("nan")])[0] == NOT_SUPPORTED
+    assert verdict([float("nan")] * 3)[0] == UNTESTABLE

@@ -150,7 +150,7 @@ def loss_contour(ax: Axes, surface: pd.DataFrame, title: str = "") -> None:
     levels = np.linspace(np.nanmin(z), np.nanmax(z), 12)
     filled = ax.contourf(batches, grid, np.ma.masked_invalid(z), levels=levels,
                          cmap="viridis_r")
-    ax.figure.colorbar(filled, ax=ax, label="log10 training loss")
+    ax.figure.colorbar(filled, ax=ax, label="log10 training loss", format="%.2f")
     _log2_batch_axis(ax, batches)
     ax.set_yscale("log")
     ax.set_ylabel("iterations (log)")
@@ -221,10 +221,12 @@ def largest_batch_vs_delta(ax: Axes, table: pd.DataFrame, budget: float | None =
     ax.plot(table[x], table["largest_batch"], "o-", label=f"largest B {within}")
     ax.plot(table[x], table["threshold_batch"], "s--", label="threshold B*")
     ax.plot(table[x], table[bound], ":", color="grey", label="n·Δ")
-    for name, (_, row) in zip(display_names(table), table.iterrows(), strict=True):
+    for i, (name, (_, row)) in enumerate(zip(display_names(table), table.iterrows(),
+                                             strict=True)):
         if math.isfinite(row["largest_batch"]):
-            ax.annotate(name, (row[x], row["largest_batch"]),
-                        fontsize=7, xytext=(3, 3), textcoords="offset points")
+            # alternate above/below so neighbours at equal B do not print over each other
+            ax.annotate(name, (row[x], row["largest_batch"]), fontsize=7,
+                        xytext=(3, 4 if i % 2 == 0 else -11), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_yscale("log", base=2)
     ax.yaxis.set_major_formatter(PLAIN)

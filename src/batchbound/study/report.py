@@ -121,13 +121,18 @@ def _pairs(table: pd.DataFrame, x: str, y: str) -> str:
 
 
 def _correlation_claim(seed: str, claim: str, table: pd.DataFrame, x: str, y: str,
-                       sign: int) -> Claim:
+                       sign: int, rank_y: str | None = None) -> Claim:
+    """Spearman sign test of x against y; ``rank_y`` ranks in place of ``y`` (shown as is)."""
     if x not in table or y not in table or table[x].nunique() < 3:
         return Claim(seed, claim, UNTESTABLE, f"needs at least 3 distinct {x} values")
-    rho = A.spearman(table[x], table[y])
+    rho = A.spearman(table[x], table[rank_y or y])
     evidence = f"{x}→{y}: {_pairs(table, x, y)}; Spearman ρ = {_fmt(rho)}"
     if math.isnan(rho):
-        return Claim(seed, claim, UNTESTABLE, evidence + " (too few finite values)")
+        finite = table[[x, rank_y or y]].replace([np.inf, -np.inf], np.nan).dropna()
+        why = ("too few finite values" if len(finite) < 3
+               else f"{y} does not vary" if finite[rank_y or y].nunique() == 1
+               else f"{x} does not vary")
+        return Claim(seed, claim, UNTESTABLE, f"{evidence} ({why})")
     return Claim(seed, claim, SUPPORTED if sign * rho > 0 else NOT_SUPPORTED, evidence)
 
 
@@ -137,17 +142,22 @@ def claims(a: StudyAnalysis) -> list[Claim]:
     max_b = a.epochs["batch_size"].max() if len(a.epochs) else math.nan
     # seed 000: a threshold exists for every shape
     b_star = shapes["threshold_batch"] if "threshold_batch" in shapes else pd.Series(dtype=float)
-    has = b_star.notna() & (b_star < max_b)
+    # B* is NaN only for a shape that never reaches the target: it says nothing of B*
+    trains = b_star.notna()
+    has = trains & (b_star < max_b)
     if len(b_star):
+        verdict = (UNTESTABLE if not trains.any()
+                   else SUPPORTED if has[trains].all() else NOT_SUPPORTED)
+        never = int((~trains).sum())
         out.append(Claim(
             "000", "For every network there is a threshold B* beyond which epochs to target "
             "grow (here: by more than 1.5× the best smaller batch, or the target is missed).",
-            SUPPORTED if has.all() else NOT_SUPPORTED,
+            verdict,
             "B* per model: " + ", ".join(
                 f"{m}: {_fmt(b)}" for m, b in zip(A.display_names(shapes), b_star, strict=True))
-            + f"; "
-            f"largest batch tried {_fmt(float(max_b))}; {int(has.sum())}/{len(b_star)} "
-            "shapes have B* below it"))
+            + f"; largest batch tried {max_b:g}; {int(has.sum())}/{int(trains.sum())}"
+            " shapes that reach the target have B* below it"
+            + (f"; {never} never reach the target at any B (left out)" if never else "")))
     out.append(_correlation_claim(
         "000", "The batch-size threshold B* decreases with depth at a fixed parameter count.",
         shapes, "depth", "threshold_batch", -1))
@@ -161,11 +171,13 @@ def claims(a: StudyAnalysis) -> list[Claim]:
         large = a.epochs[a.epochs["batch_size"] == counts[counts >= 3].index.max()] \
             if (counts >= 3).any() else pd.DataFrame()
         if len(large):
-            capped = large.assign(epochs=large["median"].clip(upper=1e9))
+            # a miss (∞) ranks as the slowest; a finite stand-in keeps it in the ranking
+            ranked = large.assign(epochs=large["median"],
+                                  epochs_rank=large["median"].clip(upper=1e300))
             claim = _correlation_claim(
                 "000", f"At the same large batch (B = {int(large['batch_size'].iloc[0])}), "
-                "wider networks need fewer epochs.", capped.sort_values("width"), "width",
-                "epochs", -1)
+                "wider networks need fewer epochs.", ranked.sort_values("width"), "width",
+                "epochs", -1, rank_y="epochs_rank")
             out.append(claim)
     if len(shapes) and shapes["delta_mean"].notna().any():
         # Δ at matched training loss is robust to a shape stuck near a stationary point
