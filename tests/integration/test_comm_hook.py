@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from batchbound.diversity.mechanisms import quantize_group
 from batchbound.train.comm_hook import mechanism_hook, mechanism_hook_state
-from batchbound.train.distributed import free_port
+from batchbound.train.distributed import free_port, teardown
 
 pytestmark = pytest.mark.distributed
 
@@ -59,7 +59,7 @@ def worker(rank: int, port: int, queue) -> None:
         queue.put((rank, {k: [t.numpy() for t in v] if isinstance(v, list) else v.numpy()
                           for k, v in out.items()}))
     finally:
-        dist.destroy_process_group()
+        teardown()
 
 
 def test_hook_quantizes_each_worker_then_averages() -> None:

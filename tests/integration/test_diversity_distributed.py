@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from torch import nn
+
+from batchbound.train.distributed import free_port, teardown
 
 pytestmark = pytest.mark.distributed
 
@@ -25,10 +26,6 @@ def make_problem() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return model, x, y
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -47,7 +44,7 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
         )
         Path(out_dir, f"rank{rank}.json").write_text(report.to_json())
     finally:
-        dist.destroy_process_group()
+        teardown()
 
 
 def test_two_ranks_match_one_process(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ the data, equal the single-process values."""
 from __future__ import annotations
 
 import copy
-import socket
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from torch import nn
 
 from batchbound.diversity.differential import differential_diversity
 from batchbound.diversity.mechanisms import mechanism_diversity
+from batchbound.train.distributed import free_port, teardown
 
 # Spawning two torch processes costs ~30 s on the shared 2-core machine: kept out of the
 # default run (`make test-slow` runs it). measure()'s own two-rank test runs by default.
@@ -45,13 +45,9 @@ def worker(rank: int, port: int, queue) -> None:
         half = slice(0, 13) if rank == 0 else slice(13, 30)  # unequal shards on purpose
         queue.put((rank, measure_all(a, b, x[half], y[half])))
     finally:
-        dist.destroy_process_group()
+        teardown()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_two_ranks_equal_one_process() -> None:

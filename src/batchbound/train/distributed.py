@@ -110,6 +110,20 @@ def all_reduce_sum(buffer: torch.Tensor) -> None:
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
 
 
+def teardown(synchronise: bool = True) -> None:
+    """Leave the process group. With ``synchronise`` (every rank got here normally) a barrier
+    comes first, so no rank closes its gloo connections while a peer still has messages in
+    flight to it, which aborts the peer (SIGABRT, "terminate called without an active
+    exception"). After an error, pass False: a peer may never reach the barrier."""
+    if not dist.is_initialized():
+        return
+    try:
+        if synchronise:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 def free_port() -> int:
     """A free TCP port on loopback (bind to port 0 and let the OS choose)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from batchbound.data import Dataset, apply_transform, load_dataset
 from batchbound.train.config import TrainConfig
-from batchbound.train.distributed import free_port, resolve_device
+from batchbound.train.distributed import free_port, resolve_device, teardown
 from batchbound.train.result import RunResult
 
 
@@ -93,11 +93,13 @@ def _worker(
         rank=rank,
         world_size=config.workers,
     )
+    finished = False
     try:
         result = train(config, dataset=data, **options)
         if rank == 0:
             tmp = Path(out + ".tmp")
             tmp.write_text(result.to_json())
             os.replace(tmp, out)
+        finished = True
     finally:
-        dist.destroy_process_group()
+        teardown(synchronise=finished)
