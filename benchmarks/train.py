@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from batchbound.data import load_dataset
 from batchbound.models import build_model
 from batchbound.train import TrainConfig
-from batchbound.train.distributed import free_port, setup
+from batchbound.train.distributed import free_port, setup, teardown
 from batchbound.train.loop import Trainer
 
 
@@ -168,7 +168,7 @@ def _ddp_worker(rank: int, args: argparse.Namespace, data: Any, port: int, out: 
                 },
                 fh,
             )
-    dist.destroy_process_group()
+    teardown()
 
 
 def two_workers(args: argparse.Namespace, data: Any) -> dict[str, Any]:
