@@ -26,8 +26,6 @@ def make_problem() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return model, x, y
 
 
-
-
 def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 

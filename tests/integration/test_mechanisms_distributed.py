@@ -48,8 +48,6 @@ def worker(rank: int, port: int, queue) -> None:
         teardown()
 
 
-
-
 def test_two_ranks_equal_one_process() -> None:
     single = measure_all(*problem())
     ctx = mp.get_context("spawn")

@@ -14,7 +14,6 @@ from batchbound.cli.common import add_data_arguments
 from batchbound.config import load_toml
 from batchbound.errors import BatchboundError
 from batchbound.train import RunResult, TrainConfig, target_list, train
-from batchbound.train.distributed import teardown
 
 # CLI flag dest -> TrainConfig field, for flags that map one to one
 _FIELDS = {
@@ -196,7 +195,6 @@ def run_command(args: argparse.Namespace) -> int:
         resume=args.resume,
         progress=not args.no_progress and not args.json,
     )
-    teardown()  # under torchrun: leave the group every rank joined, before the process exits
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     if args.output:

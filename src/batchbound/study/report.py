@@ -125,12 +125,13 @@ def _correlation_claim(seed: str, claim: str, table: pd.DataFrame, x: str, y: st
     """Spearman sign test of x against y; ``rank_y`` ranks in place of ``y`` (shown as is)."""
     if x not in table or y not in table or table[x].nunique() < 3:
         return Claim(seed, claim, UNTESTABLE, f"needs at least 3 distinct {x} values")
-    rho = A.spearman(table[x], table[rank_y or y])
+    ranked = rank_y or y
+    rho = A.spearman(table[x], table[ranked])
     evidence = f"{x}→{y}: {_pairs(table, x, y)}; Spearman ρ = {_fmt(rho)}"
     if math.isnan(rho):
-        finite = table[[x, rank_y or y]].replace([np.inf, -np.inf], np.nan).dropna()
+        finite = table[[x, ranked]].replace([np.inf, -np.inf], np.nan).dropna()
         why = ("too few finite values" if len(finite) < 3
-               else f"{y} does not vary" if finite[rank_y or y].nunique() == 1
+               else f"{y} does not vary" if finite[ranked].nunique() == 1
                else f"{x} does not vary")
         return Claim(seed, claim, UNTESTABLE, f"{evidence} ({why})")
     return Claim(seed, claim, SUPPORTED if sign * rho > 0 else NOT_SUPPORTED, evidence)
@@ -173,7 +174,7 @@ def claims(a: StudyAnalysis) -> list[Claim]:
         if len(large):
             # a miss (∞) ranks as the slowest; a finite stand-in keeps it in the ranking
             ranked = large.assign(epochs=large["median"],
-                                  epochs_rank=large["median"].clip(upper=1e300))
+                                  epochs_rank=large["median"].clip(upper=np.finfo(float).max))
             claim = _correlation_claim(
                 "000", f"At the same large batch (B = {int(large['batch_size'].iloc[0])}), "
                 "wider networks need fewer epochs.", ranked.sort_values("width"), "width",

@@ -31,7 +31,14 @@ from batchbound.errors import BatchboundError, NonFiniteLossError
 from batchbound.models import build_model
 from batchbound.train.checkpoint import StopFlag, load_checkpoint, save_checkpoint
 from batchbound.train.config import TrainConfig
-from batchbound.train.distributed import DistContext, all_reduce_sum, env_world_size, setup, shard
+from batchbound.train.distributed import (
+    DistContext,
+    all_reduce_sum,
+    env_world_size,
+    setup,
+    shard,
+    teardown,
+)
 from batchbound.train.evaluate import evaluate
 from batchbound.train.mechanisms import apply_to_worker, example_gradients
 from batchbound.train.monitor import OnlineMonitor
@@ -70,16 +77,24 @@ def train(
             resume=resume,
             progress=progress,
         )
+    owns_group = not torch.distributed.is_initialized()  # setup() may create it (torchrun)
     ctx = setup(config.device)
-    if ctx.world_size != config.workers:
-        raise BatchboundError(
-            f"config says workers={config.workers} but the process group has "
-            f"{ctx.world_size} ranks; set --workers to the torchrun world size"
+    finished = False
+    try:
+        if ctx.world_size != config.workers:
+            raise BatchboundError(
+                f"config says workers={config.workers} but the process group has "
+                f"{ctx.world_size} ranks; set --workers to the torchrun world size"
+            )
+        trainer = Trainer(
+            config, ctx, dataset=dataset, checkpoint_path=checkpoint_path, progress=progress
         )
-    trainer = Trainer(
-        config, ctx, dataset=dataset, checkpoint_path=checkpoint_path, progress=progress
-    )
-    return trainer.run(resume=resume)
+        result = trainer.run(resume=resume)
+        finished = True
+        return result
+    finally:
+        if owns_group:  # leave a group we created; a caller's own group is theirs to close
+            teardown(synchronise=finished)
 
 
 def _scaled(grad: torch.Tensor, scale: float, param: torch.Tensor) -> torch.Tensor:
