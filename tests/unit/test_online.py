@@ -10,8 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from batchbound.diversity import measure, per_example_stats
-from batchbound.diversity.online import OnlineDiversity, monitored_step, watch
+from batchbound.diversity import OnlineDiversity, measure, monitored_step, per_example_stats, watch
 from batchbound.errors import BatchboundError
 
 N, D = 60, 5

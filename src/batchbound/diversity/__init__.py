@@ -24,16 +24,16 @@ from batchbound.diversity.mechanisms import (
     quantize_group,
     sgld_noise,
 )
-from batchbound.diversity.online import OnlineDiversity, monitored_step, watch
-from batchbound.diversity.report import DiversityReport
-from batchbound.diversity.stats import (
-    ENGINES,
-    PerExampleStats,
+from batchbound.diversity.online import OnlineDiversity
+from batchbound.diversity.prepared import (
     PreparedStats,
     per_example_gradients,
     per_example_l1_l2,
     per_example_stats,
 )
+from batchbound.diversity.report import DiversityReport
+from batchbound.diversity.stats import ENGINES, PerExampleStats
+from batchbound.diversity.steps import monitored_step, watch
 
 __all__ = [
     "ENGINES",

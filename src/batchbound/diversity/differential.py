@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from batchbound.diversity.distributed import all_reduce_sum
 from batchbound.diversity.measure import measuring
 from batchbound.diversity.mechanisms import chunks_for
-from batchbound.diversity.stats import per_example_gradients, trainable_parameters
+from batchbound.diversity.prepared import per_example_gradients
+from batchbound.diversity.stats import trainable_parameters
 from batchbound.errors import BatchboundError
 
 

@@ -3,8 +3,11 @@
 ``loop_stats`` runs one forward and backward per example: slow and obviously correct, the
 reference every fast path is tested against. ``vmap_stats`` vectorises the same computation
 with torch.func (functional_call + vmap + grad) and reduces each per-example gradient to its
-squared norm straight away, in sub-chunks small enough to bound memory; it also serves the
-hooks engine as the fallback for parameters that no layer rule covers.
+squared norm straight away, in sub-chunks small enough to bound memory.
+
+Both also serve the hooks engine as its exact fallback for the parameters no layer rule
+covers (``fallback_sq_norms``): vmap first, and the loop where torch.func cannot run the model
+(recurrent layers, nested tensors, checkpointing raise inside vmap).
 """
 
 from __future__ import annotations
@@ -17,32 +20,73 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from batchbound.diversity.losses import PerExampleLoss, check_finite
-from batchbound.diversity.stats import PerExampleStats, trainable_parameters
+from batchbound.diversity.stats import PerExampleStats, gradients, trainable_parameters
+from batchbound.errors import BatchboundError
 
 # Per-example gradients held at once by vmap: examples × parameters ≤ this many numbers.
 VMAP_BUDGET = 2**25
 
+SqNorms = dict[str, Tensor]
+GradSums = dict[str, Tensor]
 
-def loop_stats(
-    model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss, *, offset: int = 0
-) -> PerExampleStats:
-    params = trainable_parameters(model)
-    names, tensors = list(params), list(params.values())
+
+class VmapUnsupported(BatchboundError):
+    """torch.func cannot run this model (the message names torch's reason)."""
+
+
+def loop_sq_norms(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    loss_fn: PerExampleLoss,
+    names: Sequence[str],
+    *,
+    offset: int = 0,
+) -> tuple[SqNorms, GradSums, Tensor]:
+    """One backward per example: squared norms and gradient sums of the parameters ``names``,
+    and the losses."""
+    params = dict(model.named_parameters())
+    tensors = [params[name] for name in names]
     n = x.shape[0]
-    sq_norms = {name: p.new_zeros(n) for name, p in params.items()}
-    grad_sum = {name: torch.zeros_like(p) for name, p in params.items()}
+    sq_norms = {name: p.new_zeros(n) for name, p in zip(names, tensors, strict=True)}
+    grad_sum = {name: torch.zeros_like(p) for name, p in zip(names, tensors, strict=True)}
     losses = []
     for i in range(n):
         value = loss_fn(model(x[i : i + 1]), y[i : i + 1])
         check_finite(value, offset + i)
-        grads = torch.autograd.grad(value.sum(), tensors, allow_unused=True)
+        grads = gradients(value.sum(), tensors)
         for name, g in zip(names, grads, strict=True):
             if g is not None:
                 g = g.to_dense() if g.is_sparse else g
                 sq_norms[name][i] = g.square().sum()
                 grad_sum[name] += g
         losses.append(value.detach())
-    return PerExampleStats(torch.cat(losses), sq_norms, grad_sum)
+    return sq_norms, grad_sum, torch.cat(losses)
+
+
+def loop_stats(
+    model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss, *, offset: int = 0
+) -> PerExampleStats:
+    names = list(trainable_parameters(model))
+    sq_norms, grad_sum, losses = loop_sq_norms(model, x, y, loss_fn, names, offset=offset)
+    return PerExampleStats(losses, sq_norms, grad_sum)
+
+
+def loop_gradients(
+    model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss, names: Sequence[str]
+) -> dict[str, Tensor]:
+    """Materialised per-example gradients, one backward per example."""
+    params = dict(model.named_parameters())
+    tensors = [params[name] for name in names]
+    out = {name: p.new_zeros(x.shape[0], *p.shape) for name, p in zip(names, tensors, strict=True)}
+    for i in range(x.shape[0]):
+        value = loss_fn(model(x[i : i + 1]), y[i : i + 1])
+        check_finite(value, i)
+        grads = gradients(value.sum(), tensors)
+        for name, g in zip(names, grads, strict=True):
+            if g is not None:
+                out[name][i] = g.to_dense() if g.is_sparse else g
+    return out
 
 
 def _per_example_fn(
@@ -74,6 +118,19 @@ def _dense_embeddings(model: nn.Module) -> Iterator[None]:
             module.sparse = True
 
 
+@contextmanager
+def _torch_func_errors() -> Iterator[None]:
+    """torch.func's own failures (no batching rule, autograd.Function without vmap support,
+    saved-tensor hooks) become VmapUnsupported; errors of the model or data pass through."""
+    try:
+        yield
+    except BatchboundError:
+        raise
+    except (RuntimeError, NotImplementedError, TypeError, ValueError, AssertionError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise VmapUnsupported(f"torch.func.vmap cannot run this model: {first[:200]}") from exc
+
+
 def _sub_chunks(n: int, numel: int) -> Iterator[slice]:
     step = max(1, VMAP_BUDGET // max(1, numel))
     for start in range(0, n, step):
@@ -82,8 +139,9 @@ def _sub_chunks(n: int, numel: int) -> Iterator[slice]:
 
 def vmap_sq_norms(
     model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss, names: Sequence[str]
-) -> tuple[dict[str, Tensor], dict[str, Tensor], Tensor]:
-    """Per-example squared norms and gradient sums of the parameters ``names``, and losses."""
+) -> tuple[SqNorms, GradSums, Tensor]:
+    """Per-example squared norms and gradient sums of the parameters ``names``, and losses.
+    Raises VmapUnsupported where torch.func cannot run the model."""
     params = dict(model.named_parameters())
     chosen = {name: params[name].detach() for name in names}
     per_example = _per_example_fn(model, loss_fn, names)
@@ -92,7 +150,7 @@ def vmap_sq_norms(
     grad_sum = {name: torch.zeros_like(p) for name, p in chosen.items()}
     losses = x.new_zeros(n, dtype=next(iter(chosen.values())).dtype)
     for part in _sub_chunks(n, sum(p.numel() for p in chosen.values())):
-        with _dense_embeddings(model):
+        with _dense_embeddings(model), _torch_func_errors():
             grads, values = per_example(chosen, x[part], y[part])
         losses[part] = values
         for name, g in grads.items():
@@ -115,7 +173,27 @@ def vmap_gradients(
 ) -> dict[str, Tensor]:
     params = dict(model.named_parameters())
     chosen = {name: params[name].detach() for name in names}
-    with _dense_embeddings(model):
+    with _dense_embeddings(model), _torch_func_errors():
         grads, losses = _per_example_fn(model, loss_fn, names)(chosen, x, y)
     check_finite(losses)
     return grads
+
+
+FALLBACKS = ("vmap", "loop")
+
+
+def fallback_sq_norms(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    loss_fn: PerExampleLoss,
+    names: Sequence[str],
+    method: str,
+    *,
+    offset: int = 0,
+) -> tuple[SqNorms, GradSums, Tensor]:
+    """The exact fallback for ``names`` (``method``: "vmap" or "loop"): squared norms,
+    gradient sums, and each example's own loss."""
+    if method == "vmap":
+        return vmap_sq_norms(model, x, y, loss_fn, names)
+    return loop_sq_norms(model, x, y, loss_fn, names, offset=offset)

@@ -1,126 +1,435 @@
-"""The hooks engine: per-example squared norms from one forward and one backward pass.
+"""The hooks engine: per-example gradients of one chunk from one forward and one backward.
 
-``NormHooks`` is a context manager that puts a forward hook on every module with a layer
-rule. The forward hook saves the module's input and registers a hook on its output tensor;
-when the backward pass reaches that output, the rule turns (input, output gradient) into
-per-example squared norms right away, so activations are released as early as autograd's own.
-The handles are always removed on exit.
+``HooksPass`` records the calls of modules that have layer rules (``calls.py``), then, before
+the backward pass, reads the autograd graph (``graph.py``) and decides for every trainable
+parameter whether the rules give its per-example gradients exactly:
 
-The loss is reduced by an explicit sum, Σ_i f_i; its gradient is Σ_i g_i, from which T comes,
-taken with ``torch.autograd.grad`` so a user's ``.grad`` fields are never touched.
+1. every operation that uses the parameter lies inside a call of a module whose rule covers
+   it (a use anywhere else, a tied head written ``h @ wte.weight.T`` say, is caught);
+2. each such call has its examples where the rule reads them: the axis found for that call
+   by running two batch sizes (``probe.py``), checked again on this chunk, or no example
+   axis at all when the call's output is broadcast over the examples by an addition (a
+   position embedding ``wpe(arange(T))``, whose per-example gradients are then read off the
+   addition's output gradient);
+3. the rule does not decline the call's configuration.
 
-Policy for a trainable parameter that no rule covers (its module has no rule, it is tied to
-another module, its module runs more than once per forward, or it is used outside its
-module's forward): ``strict=True`` (engine="hooks") raises BatchboundError naming the modules;
-otherwise (engine="auto") the torch.func vmap engine computes those parameters' norms, with
-a warning naming the modules.
+Backward pre-hooks on each call's output nodes hand the output gradients to the rule as
+soon as autograd computes them. A parameter used by one call gets that call's squared
+norms; a parameter used by several (a module run twice, a weight tied between modules)
+gets ‖Σ_c g_i^(c)‖² with the cross terms (``rules/forms.py``). Every other parameter comes
+back with the reason, for the caller to compute exactly by another engine or to refuse.
+
+The loss is an explicit sum Σ_i f_i; its gradient, taken with ``torch.autograd.grad`` so a
+user's ``.grad`` fields are never touched, gives Σ_i g_i and hence T.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections import Counter, defaultdict
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from batchbound.diversity.engines import vmap_sq_norms
+from batchbound.diversity.calls import CallRecord, CallRecorder, flatten
+from batchbound.diversity.graph import (
+    Edge,
+    Node,
+    broadcast_chain,
+    broadcast_factor,
+    name_of,
+    parameter_users,
+    region,
+    walk,
+)
 from batchbound.diversity.losses import PerExampleLoss, check_finite
-from batchbound.diversity.rules import RuleEntry, rule_for
-from batchbound.diversity.stats import PerExampleStats, trainable_parameters
+from batchbound.diversity.rules import (
+    Call,
+    PerExampleGrad,
+    RuleEntry,
+    combined_sq_norms,
+    project,
+    rule_for,
+)
+from batchbound.diversity.stats import gradients, trainable_parameters
 from batchbound.errors import BatchboundError
+
+
+@dataclass(frozen=True)
+class CallLayout:
+    """Where one call keeps its examples, from running the model at two batch sizes."""
+
+    axis: int | None = None  # in the main input; None: the input has no example axis
+    consumer_axis: int | None = None  # batch-less calls: in the broadcasting addition's output
+    reason: str | None = None  # why the call's rule cannot be trusted
+
+
+Layout = dict[tuple[str, int], CallLayout]
+
+
+@dataclass
+class HookPlan:
+    """Which modules' rules cover which parameters, decided before any forward pass."""
+
+    covered: dict[str, tuple[nn.Module, RuleEntry]] = field(default_factory=dict)
+    claims: dict[str, dict[str, str]] = field(default_factory=dict)  # prefix -> local -> name
+    uncovered: dict[str, list[str]] = field(default_factory=dict)  # module label -> params
+
+    def static_reasons(self) -> dict[str, str]:
+        return {name: f"no layer rule for {label}" for label, names in self.uncovered.items()
+                for name in names}
 
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-@dataclass
-class HookPlan:
-    """Which module computes which parameter's norms, decided before the forward pass."""
-
-    covered: dict[str, tuple[nn.Module, RuleEntry]] = field(default_factory=dict)
-    covered_params: dict[str, str] = field(default_factory=dict)  # param name -> module name
-    uncovered: dict[str, list[str]] = field(default_factory=dict)  # module name -> params
-
-
 def plan_hooks(model: nn.Module, params: dict[str, nn.Parameter] | None = None) -> HookPlan:
     params = trainable_parameters(model) if params is None else params
-    name_of = {id(p): name for name, p in params.items()}
-    owners: defaultdict[int, list[str]] = defaultdict(list)
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        for local, p in module.named_parameters(recurse=False):
-            if p.requires_grad:
-                owners[id(p)].append(_join(prefix, local))
-    plan, listed = HookPlan(), set()
+    name_of_param = {id(p): name for name, p in params.items()}
+    plan = HookPlan()
+    claimed: set[str] = set()
     for prefix, module in model.named_modules():
         entry = rule_for(module)
-        for local, p in module.named_parameters(recurse=False):
-            if not p.requires_grad:
-                continue
-            full = name_of[id(p)]
-            if entry is not None and local in entry.params and len(owners[id(p)]) == 1:
-                plan.covered[prefix] = (module, entry)
-                plan.covered_params[full] = prefix
-            elif full not in listed:  # no rule, or tied to several modules
-                listed.add(full)
-                why = ", tied to another module" if len(owners[id(p)]) > 1 else ""
-                label = f"{prefix or '<root>'} ({type(module).__name__}{why})"
-                plan.uncovered.setdefault(label, []).append(full)
+        if entry is None:
+            continue
+        claims = {}
+        for local in entry.params(module):
+            try:
+                param = module.get_parameter(local)
+            except AttributeError:
+                continue  # e.g. bias=False
+            if id(param) in name_of_param:
+                claims[local] = name_of_param[id(param)]
+        if claims:
+            plan.covered[prefix] = (module, entry)
+            plan.claims[prefix] = claims
+            claimed.update(claims.values())
+    owner = {}
+    for prefix, module in model.named_modules():
+        for _, p in module.named_parameters(recurse=False):
+            owner.setdefault(id(p), f"{prefix or '<root>'} ({type(module).__name__})")
+    for name, p in params.items():
+        if name not in claimed:
+            plan.uncovered.setdefault(owner.get(id(p), "<unknown>"), []).append(name)
     return plan
 
 
-class NormHooks:
-    """Hooks that fill ``sq_norms`` (parameter name -> (n,)) during one forward+backward."""
+# ------------------------------------------------------------------------------ the pass
 
-    def __init__(self, modules: dict[str, tuple[nn.Module, RuleEntry]]) -> None:
-        self.modules = modules
+
+@dataclass
+class _Broadcast:
+    """A batch-less call's output reaches the examples through a broadcasting node."""
+
+    edge: Edge
+    adjacent: Node  # the node whose output is the broadcast's operand
+    grad: Tensor | None = None  # the broadcast output's gradient, (…, n, …)
+    operand_shape: torch.Size | None = None
+
+
+@dataclass
+class ProbeShapes:
+    """What ``probe.py`` compares between two batch sizes, for one call."""
+
+    entry: RuleEntry
+    module: nn.Module
+    main: torch.Size | None
+    broadcast: torch.Size | None = None
+
+
+class HooksPass:
+    """One forward and backward of a chunk (see the module docstring). With ``layout=None``
+    it only records shapes for the probe: no rule runs."""
+
+    def __init__(
+        self,
+        plan: HookPlan,
+        params: dict[str, nn.Parameter],
+        layout: Layout | None,
+        n: int,
+        excluded: dict[str, str] | None = None,
+        fingerprint: bool = False,
+    ) -> None:
+        self.plan, self.params, self.layout, self.n = plan, params, layout, n
+        # With ``fingerprint``: ⟨Σ_i g_i, a bᵀ⟩ per parameter from the rules' forms, for a
+        # random a, b each (``probes``), to compare with autograd's gradient sum.
+        self.probes = {name: _probe_vectors(p) for name, p in params.items()} if fingerprint else {}
+        self.fingerprints: dict[str, Tensor] = {}
+        self.recorder = CallRecorder(plan.covered)
+        self.reasons: dict[str, str] = {**plan.static_reasons(), **(excluded or {})}
         self.sq_norms: dict[str, Tensor] = {}
-        self.calls: Counter[str] = Counter()
+        self.totals: dict[str, Tensor] = {}  # Σ_i g_i where autograd's batch sum differs
+        self.shapes: dict[tuple[str, int], ProbeShapes] = {}
+        self.unused: set[str] = set()  # parameters no operation in the graph uses
+        self._ids = {id(p): name for name, p in params.items()}
+        self._contributions: dict[str, int] = {}
+        self._pending: defaultdict[str, list[PerExampleGrad]] = defaultdict(list)
+        self._deferred: list[CallRecord] = []
+        self._broadcasts: dict[tuple[str, int], _Broadcast] = {}
         self._handles: list[RemovableHandle] = []
 
-    def __enter__(self) -> NormHooks:
-        for prefix, (module, entry) in self.modules.items():
-            self._handles.append(module.register_forward_hook(self._forward_hook(prefix, entry)))
-        return self
+    # -------------------------------------------------------------------- phases
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def forward(self, model: nn.Module, *args: Any) -> Any:
+        with self.recorder, self.recorder.recording():
+            return model(*args)
+
+    def attach(self, roots: Sequence[Node]) -> None:
+        """Read the graph and hook the calls, between the forward and the backward pass."""
+        nodes, users = walk(roots)
+        if self.layout is None:
+            self._attach_probe(users)
+            return
+        owners: defaultdict[Node, list[CallRecord]] = defaultdict(list)
+        why: dict[tuple[str, int], str] = {}
+        for call in self.recorder.calls:
+            reason = self._call_reason(call, users)
+            if reason:
+                why[call.key] = reason
+            outputs = [o.node for o in call.outputs]
+            for node in region(outputs, call.input_nodes):
+                owners[node].append(call)
+        contributing: dict[str, list[CallRecord]] = {}
+        for name, using in parameter_users(nodes, self._ids).items():
+            if name in self.reasons:
+                continue
+            calls: list[CallRecord] = []
+            for node in using:
+                claimants = [c for c in owners.get(node, ())
+                             if name in self.plan.claims[c.prefix].values()]
+                if len(claimants) != 1:
+                    self.reasons[name] = (
+                        f"used outside its module's call (by {name_of(node)})" if not claimants
+                        else f"used inside several calls at once (by {name_of(node)})")
+                    break
+                call = claimants[0]
+                if call.key in why:
+                    self.reasons[name] = f"{call.label}: {why[call.key]}"
+                    break
+                if call not in calls:
+                    calls.append(call)
+            else:
+                contributing[name] = calls
+        self._contributions = {name: len(calls) for name, calls in contributing.items()}
+        for call in self.recorder.calls:
+            claimed = self.plan.claims[call.prefix].values()
+            if call.key not in why and any(call in contributing.get(k, ()) for k in claimed):
+                self._hook_call(call)
+
+    def finish(self) -> None:
+        """After the backward pass: deferred calls, cross terms, and zeros for parameters
+        that took no part in this pass."""
+        self._remove_hooks()
+        for call in self._deferred:
+            self._run(call)
+        self._deferred.clear()
+        for name, forms in self._pending.items():
+            numel = self.params[name].numel()
+            self.sq_norms[name] = combined_sq_norms(forms, numel)
+            for form in forms:
+                self._fingerprint(name, form)
+            if not all(f.batch_sum_exact for f in forms):
+                self.totals[name] = sum(f.total() for f in forms).reshape(self.params[name].shape)
+        self._pending.clear()
+        for name, p in self.params.items():
+            if name not in self.reasons and name not in self.sq_norms:
+                self.sq_norms[name] = p.new_zeros(self.n)  # no use of it reached the loss
+                self.unused.add(name)
+
+    def close(self) -> None:
+        self._remove_hooks()
+
+    # ------------------------------------------------------------------ per call
+
+    def _call_reason(self, call: CallRecord, users: dict[Node, list[Edge]]) -> str | None:
+        assert self.layout is not None
+        layout = self.layout.get(call.key)
+        if layout is None:
+            return ("this call did not happen when the model was checked (data-dependent "
+                    "control flow?)")
+        if layout.reason:
+            return layout.reason
+        x, entry, n = call.main_input, call.entry, self.n
+        if not isinstance(x, Tensor):
+            return f"its argument {call.main!r} is not a tensor"
+        if entry.example_axis is None and layout.axis is None:
+            return self._find_broadcast(call, users)
+        axis = layout.axis if entry.example_axis is None else entry.example_axis(call.module)
+        assert axis is not None
+        if x.dim() <= axis or x.shape[axis] != n:
+            return (f"its input {tuple(x.shape)} does not hold the {n} examples along "
+                    f"dimension {axis}")
+        if entry.example_axis is None and any(
+            len(o.shape) <= axis or o.shape[axis] != n for o in call.outputs
+        ):
+            return f"its output does not hold the {n} examples along dimension {axis}"
+        if entry.unsupported is not None:
+            return entry.unsupported(Call(call.module, call.inputs, [], call.main), n)
+        return None
+
+    def _find_broadcast(self, call: CallRecord, users: dict[Node, list[Edge]]) -> str | None:
+        if len(call.outputs) != 1 or call.outputs[0].node is None:
+            return "it runs on a tensor with no example axis"
+        found = broadcast_chain(call.outputs[0].node, users)
+        if found is None:
+            return ("it runs on a tensor with no example axis, and its output is not broadcast "
+                    "over the examples by an addition")
+        chain, edge = found
+        adjacent = chain[-1] if chain else call.outputs[0].node
+        self._broadcasts[call.key] = _Broadcast(edge, adjacent)
+        return None
+
+    def _hook_call(self, call: CallRecord) -> None:
+        call.grads = [None] * len(call.outputs)
+        broadcast = self._broadcasts.get(call.key)
+        if broadcast is not None:
+            self._hook_broadcast(broadcast)
+        by_node: defaultdict[Node, list[int]] = defaultdict(list)
+        for k, out in enumerate(call.outputs):
+            if out.node is not None:
+                by_node[out.node].append(k)
+        single = len(call.outputs) == 1
+        if not single:
+            self._deferred.append(call)
+
+        def make(node: Node, slots: list[int]) -> Callable[[tuple], None]:
+            def prehook(grad_outputs: tuple) -> None:
+                for k in slots:
+                    call.grads[k] = grad_outputs[call.outputs[k].index]
+                if single:
+                    self._run(call)
+
+            return prehook
+
+        for node, slots in by_node.items():
+            self._handles.append(node.register_prehook(make(node, slots)))
+
+    def _hook_broadcast(self, broadcast: _Broadcast) -> None:
+        node, _ = broadcast.edge
+
+        def on_output(grad_outputs: tuple) -> None:
+            broadcast.grad = grad_outputs[0]
+
+        def on_operand(grad_outputs: tuple) -> None:
+            if broadcast.operand_shape is None:
+                broadcast.operand_shape = grad_outputs[0].shape
+
+        self._handles.append(node.register_prehook(on_output))
+        self._handles.append(broadcast.adjacent.register_prehook(on_operand))
+
+    def _run(self, call: CallRecord) -> None:
+        """The rule on one call's inputs and output gradients."""
+        assert self.layout is not None
+        entry, layout = call.entry, self.layout[call.key]
+        inputs = dict(call.inputs)
+        grads = [
+            g if g is not None else torch.zeros(o.shape, dtype=self._dtype(call),
+                                                device=self._device(call))
+            for g, o in zip(call.grads, call.outputs, strict=True)
+        ]
+        call.grads = []  # release them with the rule's forms
+        main = call.main
+        if entry.example_axis is None:
+            x = inputs[main]
+            if layout.axis is None:
+                inputs[main] = x.unsqueeze(0).expand(self.n, *x.shape)
+                grads = [self._per_example(self._broadcasts[call.key], layout, call)]
+            elif layout.axis:
+                inputs[main] = x.movedim(layout.axis, 0)
+                grads = [g.movedim(layout.axis, 0) for g in grads]
+        forms = entry.rule(Call(call.module, inputs, grads, main))
+        claims = self.plan.claims[call.prefix]
+        for local, form in forms.items():
+            name = claims.get(local)
+            if name is None or name not in self._contributions:
+                continue
+            if self._contributions[name] > 1:
+                self._pending[name].append(form)
+                continue
+            self.sq_norms[name] = form.sq_norms()
+            self._fingerprint(name, form)
+            if not form.batch_sum_exact:
+                self.totals[name] = form.total().reshape(self.params[name].shape)
+
+    def _per_example(self, b: _Broadcast, layout: CallLayout, call: CallRecord) -> Tensor:
+        """Row i of the result: ∂f_i/∂(the call's output), from the broadcast's gradient."""
+        assert b.grad is not None and b.operand_shape is not None
+        assert layout.consumer_axis is not None
+        grad, axis, operand, n = b.grad, layout.consumer_axis, list(b.operand_shape), self.n
+        if grad.dim() <= axis or grad.shape[axis] != n:
+            raise BatchboundError(
+                f"{call.label}: the broadcast of its output {tuple(grad.shape)} does not hold "
+                f"the {n} examples along dimension {axis}, as it did when the model was checked")
+        aligned = axis - (grad.dim() - len(operand))
+        if aligned >= 0:
+            del operand[aligned]
+        per = grad.movedim(axis, 0).sum_to_size((n, *operand)) * broadcast_factor(b.edge)
+        return per.reshape(n, *call.outputs[0].shape)
+
+    def _fingerprint(self, name: str, form: PerExampleGrad) -> None:
+        if name in self.probes:
+            a, b = self.probes[name]
+            value = project(form, a, b)
+            self.fingerprints[name] = self.fingerprints.get(name, 0) + value
+
+    # --------------------------------------------------------------------- probe
+
+    def _attach_probe(self, users: dict[Node, list[Edge]]) -> None:
+        for call in self.recorder.calls:
+            x = call.main_input
+            main = x.shape if isinstance(x, Tensor) else None
+            shapes = ProbeShapes(call.entry, call.module, main)
+            self.shapes[call.key] = shapes
+            if len(call.outputs) != 1 or call.outputs[0].node is None:
+                continue
+            found = broadcast_chain(call.outputs[0].node, users)
+            if found is not None:
+                edge = found[1]
+
+                def record(grad_outputs: tuple, shapes: ProbeShapes = shapes) -> None:
+                    shapes.broadcast = grad_outputs[0].shape
+
+                self._handles.append(edge[0].register_prehook(record))
+
+    # -------------------------------------------------------------------- helpers
+
+    def _remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
 
-    def _forward_hook(self, prefix: str, entry: RuleEntry):  # type: ignore[no-untyped-def]
-        def hook(module: nn.Module, inputs: tuple, output: object) -> None:
-            self.calls[prefix] += 1
-            if not inputs or not isinstance(output, Tensor) or not output.requires_grad:
-                return
-            saved = inputs[0].detach()  # shares the version counter with the input
-            version = saved._version
+    def _dtype(self, call: CallRecord) -> torch.dtype:
+        return next(iter(self.params.values())).dtype
 
-            def on_output_grad(grad_output: Tensor) -> None:
-                if saved._version != version:
-                    raise BatchboundError(
-                        f"the input of module {prefix!r} was modified in place after its "
-                        "forward pass; its per-example norms cannot be computed"
-                    )
-                for local, sq in entry.rule(module, saved, grad_output).items():
-                    self.sq_norms[_join(prefix, local)] = sq
-
-            self._handles.append(output.register_hook(on_output_grad))
-
-        return hook
+    def _device(self, call: CallRecord) -> torch.device:
+        return next(iter(self.params.values())).device
 
 
-def _describe(uncovered: dict[str, list[str]]) -> str:
-    return "; ".join(f"{label}: {', '.join(names)}" for label, names in uncovered.items())
+def _probe_vectors(p: Tensor) -> tuple[Tensor, Tensor]:
+    """Fixed random unit vectors a (rows) and b (columns) for parameter ``p`` viewed as a
+    matrix (rows = its first dimension); a local generator leaves the global RNG alone."""
+    rows = p.shape[0] if p.dim() else 1
+    generator = torch.Generator(device=p.device).manual_seed(p.numel())
+    a = torch.randn(rows, generator=generator, device=p.device, dtype=p.dtype)
+    b = torch.randn(p.numel() // rows, generator=generator, device=p.device, dtype=p.dtype)
+    return a / torch.linalg.vector_norm(a), b / torch.linalg.vector_norm(b)
+
+
+def fingerprint_of(grad: Tensor, probe: tuple[Tensor, Tensor]) -> Tensor:
+    a, b = probe
+    return a @ grad.reshape(a.shape[0], b.shape[0]) @ b
+
+
+@dataclass
+class HooksResult:
+    losses: Tensor
+    sq_norms: dict[str, Tensor]  # the parameters the rules computed
+    grad_sum: dict[str, Tensor]  # every parameter: autograd's, or the rules' own sums
+    reasons: dict[str, str]  # parameter -> why the rules could not compute it
 
 
 def hooks_stats(
@@ -130,55 +439,44 @@ def hooks_stats(
     loss_fn: PerExampleLoss,
     plan: HookPlan,
     params: dict[str, nn.Parameter],
+    layout: Layout,
     *,
-    strict: bool,
+    excluded: dict[str, str] | None = None,
     offset: int = 0,
-) -> PerExampleStats:
-    """One chunk through the hooks engine; ``plan`` and ``params`` come from ``plan_hooks``
-    and ``trainable_parameters`` of this model (``PreparedStats`` makes them once)."""
-    if plan.uncovered and strict:
-        raise BatchboundError(
-            "engine='hooks' has no layer rule for these modules' parameters (or they are tied): "
-            f"{_describe(plan.uncovered)}; use engine='auto' (vmap fallback for them) or 'vmap'"
-        )
-    with NormHooks(plan.covered) as hooks:
-        losses = loss_fn(model(x), y)
-        check_finite(losses, offset)
-        grads = torch.autograd.grad(losses.sum(), list(params.values()), allow_unused=True)
-    grad_sum = {  # dense always (an Embedding(sparse=True) gives a sparse gradient)
-        name: torch.zeros_like(p) if g is None else g.to_dense() if g.is_sparse else g
-        for (name, p), g in zip(params.items(), grads, strict=True)
-    }
+) -> HooksResult:
+    """One chunk through the hooks engine. ``layout`` comes from ``probe.py``; ``excluded``
+    parameters are left to the caller from the start (with their reasons)."""
     n = x.shape[0]
-    uncovered = dict(plan.uncovered)
-    for name, prefix in plan.covered_params.items():
-        calls = hooks.calls[prefix]
-        reason = None
-        if calls > 1:
-            reason = f"runs {calls} times per forward pass"
-        elif calls == 0 and grads[list(params).index(name)] is not None:
-            reason = "its parameter is used outside its forward"
-        if reason:
-            module = plan.covered[prefix][0]
-            label = f"{prefix or '<root>'} ({type(module).__name__}, {reason})"
-            uncovered.setdefault(label, []).append(name)
-    if uncovered and strict:
-        raise BatchboundError(
-            f"engine='hooks' cannot cover these modules' parameters: {_describe(uncovered)}; "
-            "use engine='auto' (vmap fallback for them) or 'vmap'"
-        )
-    fallback = [name for names in uncovered.values() for name in names]
-    sq_norms: dict[str, Tensor] = {}
-    if fallback:
-        warnings.warn(
-            "no layer rule covers the parameters of these modules, so torch.func vmap "
-            f"computes their per-example norms (slower): {_describe(uncovered)}",
-            stacklevel=3,
-        )
-        sq_norms.update(vmap_sq_norms(model, x, y, loss_fn, fallback)[0])
-    for name, p in params.items():
-        if name not in sq_norms:  # a parameter with no gradient in this pass has norms 0
-            found = hooks.sq_norms.get(name)
-            sq_norms[name] = p.new_zeros(n) if found is None else found
-    sq_norms = {name: sq_norms[name] for name in params}
-    return PerExampleStats(losses.detach(), sq_norms, grad_sum, tuple(fallback))
+    run = HooksPass(plan, params, layout, n, excluded)
+    try:
+        outputs = run.forward(model, x)
+        losses = loss_fn(outputs, y)
+        check_finite(losses, offset)
+        total = losses.sum()
+        run.attach([total.grad_fn])
+        wanted = [name for name in params if name not in run.reasons]
+        grads = (gradients(total, [params[k] for k in wanted])
+                 if wanted and total.requires_grad else [None] * len(wanted))
+        run.finish()
+    finally:
+        run.close()
+    grad_sum = {}
+    for name, g in zip(wanted, grads, strict=True):
+        g = torch.zeros_like(params[name]) if g is None else g.to_dense() if g.is_sparse else g
+        if name in run.unused and bool(g.any()):
+            run.reasons[name] = ("it gets a gradient that no operation in the autograd graph "
+                                 "accounts for (a custom autograd.Function using it unseen?)")
+            continue
+        grad_sum[name] = run.totals.get(name, g)
+    sq_norms = {k: v for k, v in run.sq_norms.items() if k in grad_sum}
+    return HooksResult(losses.detach(), sq_norms, grad_sum, run.reasons)
+
+
+def output_sum(outputs: Any) -> Tensor | None:
+    """Σ of every floating output that requires grad: a scalar whose graph holds all of the
+    model's operations (the probe's stand-in for a loss)."""
+    total = None
+    for t in flatten(outputs):
+        if isinstance(t, Tensor) and t.requires_grad and t.is_floating_point():
+            total = t.sum() if total is None else total + t.sum()
+    return total

@@ -22,8 +22,9 @@ from torch.utils.data import Dataset as TorchDataset
 from batchbound.data.dataset import Dataset
 from batchbound.diversity.distributed import all_reduce_sum, world_size
 from batchbound.diversity.losses import PerExampleLoss, loss_name, resolve_loss
+from batchbound.diversity.prepared import PreparedStats
 from batchbound.diversity.report import DiversityReport
-from batchbound.diversity.stats import ENGINES, PreparedStats, trainable_parameters
+from batchbound.diversity.stats import ENGINES, eval_mode, trainable_parameters
 from batchbound.errors import BatchboundError
 
 Data = Dataset | TorchDataset | DataLoader | tuple[Tensor, Tensor]
@@ -84,8 +85,6 @@ def data_chunks(
     )
 
 
-
-
 def _model_dtype(model: nn.Module) -> torch.dtype:
     return next(iter(trainable_parameters(model).values())).dtype
 
@@ -99,13 +98,8 @@ def measuring(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[nn
     work = model
     if dtype is not None and dtype != _model_dtype(model):
         work = copy.deepcopy(model).to(dtype)
-    modes = [(module, module.training) for module in work.modules()]
-    work.eval()
-    try:
+    with eval_mode(work):
         yield work
-    finally:
-        for module, training in modes:
-            module.training = training
 
 
 def measure(

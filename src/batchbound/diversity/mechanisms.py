@@ -41,7 +41,8 @@ from torch import Tensor, nn
 from batchbound.diversity.distributed import all_reduce_sum
 from batchbound.diversity.losses import resolve_loss
 from batchbound.diversity.measure import data_chunks, measure, measuring
-from batchbound.diversity.stats import per_example_gradients, trainable_parameters
+from batchbound.diversity.prepared import per_example_gradients
+from batchbound.diversity.stats import trainable_parameters
 from batchbound.errors import BatchboundError
 from batchbound.spec import Spec, parse_spec
 

@@ -1,8 +1,7 @@
 """Online estimates of gradient diversity during training, from what each step already has.
 
-Entry points: ``watch(model, monitor)`` around a user's own forward/backward (layer-rule
-hooks, no change to the step), ``monitored_step(...)`` (runs the step from a per-example
-loss; any model), and ``OnlineDiversity.update_*`` for numbers a trainer already holds.
+``OnlineDiversity`` turns numbers a step already has into smoothed estimates
+(``update_*``); ``steps.py`` feeds it from a user's own step (``watch``, ``monitored_step``).
 
 The full-data quantities are n, M2 = S/n (the mean squared per-example gradient norm) and
 ‖G‖² = T/n² (the squared norm of the mean gradient); then n·Δ = M2/‖G‖² = 1 + B_simple, with
@@ -51,15 +50,13 @@ is small; the smoothed value is then the ratio of the window's averages over rec
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from batchbound.diversity.losses import resolve_loss
-from batchbound.diversity.stats import PerExampleStats, per_example_stats, trainable_parameters
+from batchbound.diversity.stats import PerExampleStats
 from batchbound.errors import BatchboundError
 
 SAMPLINGS = ("without_replacement", "with_replacement")
@@ -264,103 +261,6 @@ class OnlineDiversity:
         self.n, self.decay, self.sampling = fresh.n, fresh.decay, fresh.sampling
         self.steps = int(state["steps"])
         self._sums = {key: float(state["sums"][key]) for key in _SUMS}
-
-
-def monitored_step(
-    model: nn.Module,
-    x: Tensor,
-    y: Tensor,
-    loss: str | Callable[[Tensor, Tensor], Tensor],
-    monitor: OnlineDiversity,
-    *,
-    reduction: str = "mean",
-    engine: str = "auto",
-) -> Tensor:
-    """Forward and backward of a per-example ``loss`` on (x, y), as a training step does, and
-    a ``monitor`` update from the same backward pass.
-
-    Accumulates into each trainable parameter's ``.grad`` exactly what
-    ``loss(model(x), y).mean().backward()`` (``reduction="mean"``) or ``.sum().backward()``
-    would, and returns that reduced loss (detached). Replace the forward/backward lines of an
-    existing step with it; the optimizer step and ``zero_grad`` stay the user's. The model runs
-    in its current mode; BatchNorm in train mode has no per-example gradients and is refused.
-    Under DDP pass the inner module and all-reduce ``.grad`` as usual. Each rank's monitor
-    then holds an unbiased estimate from its local batch; ranks that must agree (an adaptive
-    batch size) should feed global numbers instead, see ``OnlineDiversity``.
-    """
-    if reduction not in ("mean", "sum"):
-        raise BatchboundError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    stats = per_example_stats(model, x, y, resolve_loss(loss), engine=engine)
-    scale = 1.0 / stats.n if reduction == "mean" else 1.0
-    for name, param in trainable_parameters(model).items():
-        grad = (stats.grad_sum[name] * scale).to(param.dtype).reshape(param.shape)
-        if param.grad is None:
-            param.grad = grad.clone()
-        else:
-            param.grad.add_(grad)
-    monitor.update_from_stats(stats)
-    total = stats.losses.sum()
-    return (total / stats.n if reduction == "mean" else total).detach()
-
-
-@contextmanager
-def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean") -> Iterator[None]:
-    """Update ``monitor`` from the user's own forward and backward pass, unchanged:
-
-        with watch(model, monitor):
-            loss = F.cross_entropy(model(x), y)   # mean over the batch
-            loss.backward()
-        optimizer.step()
-
-    The layer rules' hooks read per-example squared norms off the same backward pass (as
-    ``per_example_stats`` does) and T_B comes from the change in ``.grad``, so the step costs
-    about what it did and its gradients are untouched. ``reduction`` says how the loss
-    combines the examples' losses: ``"mean"`` (norms rescaled by b²) or ``"sum"``. The loss
-    must be exactly that, a mean or sum of per-example terms: add regularisers outside the
-    block (or use the optimizer's weight decay), and run one backward per block. Every
-    trainable parameter needs a layer rule (else use ``monitored_step``, which falls back to
-    vmap), and BatchNorm must be in eval mode.
-    """
-    if reduction not in ("mean", "sum"):
-        raise BatchboundError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    from batchbound.diversity.hooks import NormHooks, plan_hooks
-    from batchbound.diversity.stats import check_model_mode
-
-    params = trainable_parameters(model)
-    check_model_mode(model)
-    plan = plan_hooks(model)
-    if plan.uncovered:
-        names = "; ".join(f"{label}: {', '.join(p)}" for label, p in plan.uncovered.items())
-        raise BatchboundError(
-            f"watch() needs a layer rule for every trainable parameter; none covers {names}. "
-            "Use monitored_step(), which falls back to torch.func for them"
-        )
-    before = {k: None if p.grad is None else p.grad.detach().clone() for k, p in params.items()}
-    with NormHooks(plan.covered) as hooks:
-        yield
-    repeated = sorted(prefix for prefix, calls in hooks.calls.items() if calls > 1)
-    if repeated:
-        raise BatchboundError(
-            f"modules ran more than once inside watch(): {', '.join(repeated)}; per-example "
-            "norms need one forward and one backward per block"
-        )
-    delta = {}
-    for name, p in params.items():
-        now = torch.zeros_like(p) if p.grad is None else p.grad.detach()
-        delta[name] = now if before[name] is None else now - before[name]
-    missing = [name for name in params if name not in hooks.sq_norms
-               and bool(delta[name].abs().sum() > 0)]
-    if missing or not hooks.sq_norms:
-        raise BatchboundError(
-            "watch() saw no backward pass through the model's layers"
-            + (f" for {', '.join(missing)}" if missing else "")
-            + "; call loss.backward() inside the block"
-        )
-    b = int(next(iter(hooks.sq_norms.values())).shape[0])
-    scale = float(b * b) if reduction == "mean" else 1.0
-    S_B = scale * float(sum(sq.double().sum() for sq in hooks.sq_norms.values()))
-    T_B = scale * float(sum(d.double().square().sum() for d in delta.values()))
-    monitor.update_from_norms(S_B, T_B, b)
 
 
 def _flat(grad: GradientLike) -> Tensor:

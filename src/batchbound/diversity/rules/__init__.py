@@ -1,21 +1,47 @@
-"""Per-layer rules for per-example squared gradient norms, gathered in one table.
+"""Per-layer rules for per-example gradients, gathered in one table.
 
 Each family lives in its own module and registers its rule with ``@register_rule`` into
 ``RULES``; the imports below are the complete list, so adding a layer means adding one
-module and one line here.
+module and one line here. ``forms.py`` holds the forms a rule returns its gradients in.
 """
 
-from batchbound.diversity.rules import conv, embedding, linear, norm
-from batchbound.diversity.rules.registry import RULES, Rule, RuleEntry, register_rule, rule_for
+from batchbound.diversity.rules import attention, conv, embedding, linear, norm, recurrent
+from batchbound.diversity.rules.forms import (
+    Dense,
+    Lazy,
+    Outer,
+    PerExampleGrad,
+    combined_sq_norms,
+    inner,
+    project,
+)
+from batchbound.diversity.rules.registry import (
+    RULES,
+    Call,
+    Rule,
+    RuleEntry,
+    register_rule,
+    rule_for,
+)
 
 __all__ = [
     "RULES",
+    "Call",
+    "Dense",
+    "Lazy",
+    "Outer",
+    "PerExampleGrad",
     "Rule",
     "RuleEntry",
+    "attention",
+    "combined_sq_norms",
     "conv",
     "embedding",
+    "inner",
     "linear",
     "norm",
+    "project",
+    "recurrent",
     "register_rule",
     "rule_for",
 ]

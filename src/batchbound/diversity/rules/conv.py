@@ -26,7 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from batchbound.diversity.rules.registry import register_rule, row_sq_norms, trainable
+from batchbound.diversity.rules.forms import Dense, Lazy, PerExampleGrad
+from batchbound.diversity.rules.registry import (
+    Call,
+    first_axis,
+    register_rule,
+    row_sq_norms,
+    trainable,
+)
 
 STRATEGIES = ("auto", "gram", "conv", "shifts")
 _strategy = "auto"
@@ -79,8 +86,9 @@ def gram_weight_sq_norms(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
     return (gram_a * gram_b).sum(dim=(1, 2, 3))
 
 
-def conv_weight_sq_norms(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
-    """Materialised per-example weight gradients by torch's own weight-gradient kernel, (n,).
+def conv_weight_grads(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
+    """Materialised per-example weight gradients by torch's own weight-gradient kernel,
+    (n, C_out, C_in/g, *kernel).
 
     Folding the examples into the channels, (n, C, ...) -> (1, n·C, ...), and treating each
     (example, group) pair as a convolution group turns the batch weight gradient into n·g
@@ -101,7 +109,11 @@ def conv_weight_sq_norms(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
         dilation=layer.dilation,
         groups=n * layer.groups,
     )
-    return row_sq_norms(grads.reshape(n, -1))
+    return grads.reshape(n, layer.out_channels, -1, *layer.kernel_size)
+
+
+def conv_weight_sq_norms(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
+    return row_sq_norms(conv_weight_grads(layer, x, b).reshape(x.shape[0], -1))
 
 
 def shifts_weight_sq_norms(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
@@ -171,20 +183,46 @@ def choose_strategy(n: int, c_in: int, c_out: int, groups: int, kernel: int, pos
     return "conv"
 
 
-@register_rule(nn.Conv1d, nn.Conv2d)
-def conv_rule(layer: nn.Module, x: Tensor, b: Tensor) -> dict[str, Tensor]:
-    n = x.shape[0]
-    norms: dict[str, Tensor] = {}
-    if trainable(layer, "weight"):
+def _unbatched(call: Call, n: int) -> str | None:
+    layer = call.module
+    if call.input.dim() != len(layer.kernel_size) + 2:
+        return f"its input {tuple(call.input.shape)} has no batch dimension"
+    return None
+
+
+def _weight(layer: nn.Module, x: Tensor, b: Tensor) -> Lazy:
+    def sq_norms() -> Tensor:
         method = choose_strategy(
-            n,
+            x.shape[0],
             layer.in_channels,
             layer.out_channels,
             layer.groups,
             math.prod(layer.kernel_size),
             math.prod(b.shape[2:]),
         )
-        norms["weight"] = _METHODS[method](layer, x, b)
+        return _METHODS[method](layer, x, b)
+
+    return Lazy(x.shape[0], sq_norms, lambda: conv_weight_grads(layer, x, b),
+                lambda rows: _weight(layer, x[rows], b[rows]), lambda: _weight_sum(layer, x, b))
+
+
+def _weight_sum(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
+    """Σ_i of the per-example weight gradients: torch's weight-gradient kernel on the batch."""
+    symmetric_zeros = layer.padding_mode == "zeros" and not isinstance(layer.padding, str)
+    padding = layer.padding if symmetric_zeros else 0
+    if not symmetric_zeros:
+        x = _padded(layer, x)
+    weight_grad = torch.nn.grad.conv1d_weight if x.dim() == 3 else torch.nn.grad.conv2d_weight
+    return weight_grad(x, layer.weight.shape, b, stride=layer.stride, padding=padding,
+                       dilation=layer.dilation, groups=layer.groups)
+
+
+@register_rule(nn.Conv1d, nn.Conv2d, example_axis=first_axis, unsupported=_unbatched)
+def conv_rule(call: Call) -> dict[str, PerExampleGrad]:
+    layer, x, b = call.module, call.input, call.grad
+    grads: dict[str, PerExampleGrad] = {}
+    if trainable(layer, "weight"):
+        grads["weight"] = _weight(layer, x, b)
     if trainable(layer, "bias"):
-        norms["bias"] = row_sq_norms(b.reshape(n, layer.out_channels, -1).sum(dim=2))
-    return norms
+        grads["bias"] = Dense(b.reshape(x.shape[0], layer.out_channels, -1).sum(dim=2))
+    return grads

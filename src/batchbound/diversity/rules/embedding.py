@@ -1,8 +1,11 @@
-"""nn.Embedding: rows of the per-example gradient are sums of output gradients over the
-positions holding the same index, so ‖g_i‖² = Σ_v ‖Σ_{t: x_it = v} b_it‖².
+"""nn.Embedding: row v of example i's gradient is the sum of its output gradients over the
+positions holding index v, an ``Outer`` form with one-hot u (squared norms in O(n·T·D) by
+summing over unique (example, index) pairs; no n×V×D tensor).
 
-Computed in O(n·T·D) by summing b over unique (example, index) pairs; no n×V×D tensor.
-Positions at ``padding_idx`` get no gradient and are left out.
+Positions at ``padding_idx`` get no gradient. With ``scale_grad_by_freq`` each position is
+divided by how often its index occurs *in its own example* (the gradient of f_i computed on
+example i alone), which differs from autograd's batch gradient, whose counts run over the
+whole batch; the form then says so, and the engine sums the per-example gradients for T.
 """
 
 from __future__ import annotations
@@ -10,11 +13,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from batchbound.diversity.rules.registry import register_rule, trainable
+from batchbound.diversity.rules.forms import Outer, PerExampleGrad
+from batchbound.diversity.rules.registry import Call, register_rule, trainable
 
 
 @register_rule(nn.Embedding, params=("weight",))
-def embedding_rule(layer: nn.Module, idx: Tensor, b: Tensor) -> dict[str, Tensor]:
+def embedding_rule(call: Call) -> dict[str, PerExampleGrad]:
+    layer, idx, b = call.module, call.input, call.grad
     if not trainable(layer, "weight"):
         return {}
     n, dim = idx.shape[0], b.shape[-1]
@@ -22,10 +27,15 @@ def embedding_rule(layer: nn.Module, idx: Tensor, b: Tensor) -> dict[str, Tensor
     b = b.reshape(n, -1, dim)
     if layer.padding_idx is not None:
         b = b * (idx != layer.padding_idx).unsqueeze(-1).to(b.dtype)
-    example = torch.arange(n, device=idx.device).unsqueeze(1).expand_as(idx)
-    keys = (example * layer.num_embeddings + idx).reshape(-1)
-    unique, inverse = torch.unique(keys, return_inverse=True)
-    rows = b.new_zeros(unique.numel(), dim).index_add_(0, inverse, b.reshape(-1, dim))
-    owner = torch.div(unique, layer.num_embeddings, rounding_mode="floor")
-    sq = b.new_zeros(n).index_add_(0, owner, rows.square().sum(dim=1))
-    return {"weight": sq}
+    if layer.scale_grad_by_freq:
+        b = b / _counts_in_example(idx, layer.num_embeddings).unsqueeze(-1).to(b.dtype)
+    return {"weight": Outer(idx, b, rows=layer.num_embeddings,
+                            batch_sum_exact=not layer.scale_grad_by_freq)}
+
+
+def _counts_in_example(idx: Tensor, rows: int) -> Tensor:
+    """For each position, how often its index occurs in the same example: (n, T)."""
+    n, steps = idx.shape
+    keys = torch.arange(n, device=idx.device).unsqueeze(1) * rows + idx
+    _, inverse, counts = torch.unique(keys.reshape(-1), return_inverse=True, return_counts=True)
+    return counts[inverse].reshape(n, steps)

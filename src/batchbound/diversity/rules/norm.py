@@ -16,37 +16,43 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from batchbound.diversity.rules.registry import register_rule, row_sq_norms, trainable
+from batchbound.diversity.rules.forms import Dense, PerExampleGrad
+from batchbound.diversity.rules.registry import Call, first_axis, register_rule, trainable
 from batchbound.errors import BatchboundError
 
 
-def _affine_sq_norms(layer: nn.Module, x_hat: Tensor, b: Tensor, param_dims: int) -> dict:
+def _affine_grads(layer: nn.Module, x_hat: Tensor, b: Tensor, param_dims: int) -> dict:
     """Sum b·x̂ and b over all but the batch dimension and the trailing ``param_dims``."""
     n = b.shape[0]
-    norms: dict[str, Tensor] = {}
+    grads: dict[str, PerExampleGrad] = {}
     shape = (n, -1, *b.shape[b.dim() - param_dims :])
     if trainable(layer, "weight"):
-        g = (b * x_hat).reshape(shape).sum(dim=1)
-        norms["weight"] = g.reshape(n, -1).square().sum(dim=1)
+        grads["weight"] = Dense((b * x_hat).reshape(shape).sum(dim=1))
     if trainable(layer, "bias"):
-        norms["bias"] = b.reshape(shape).sum(dim=1).reshape(n, -1).square().sum(dim=1)
-    return norms
+        grads["bias"] = Dense(b.reshape(shape).sum(dim=1))
+    return grads
 
 
-@register_rule(nn.LayerNorm)
-def layer_norm_rule(layer: nn.Module, x: Tensor, b: Tensor) -> dict[str, Tensor]:
+def _normalized_dims(layer: nn.Module) -> int:
+    return len(layer.normalized_shape)
+
+
+@register_rule(nn.LayerNorm, feature_dims=_normalized_dims)
+def layer_norm_rule(call: Call) -> dict[str, PerExampleGrad]:
+    layer, x, b = call.module, call.input, call.grad
     dims = tuple(range(x.dim() - len(layer.normalized_shape), x.dim()))
     var, mean = torch.var_mean(x, dim=dims, unbiased=False, keepdim=True)
     x_hat = (x - mean) * torch.rsqrt(var + layer.eps)
-    return _affine_sq_norms(layer, x_hat, b, len(layer.normalized_shape))
+    return _affine_grads(layer, x_hat, b, len(layer.normalized_shape))
 
 
-@register_rule(nn.RMSNorm, params=("weight",))
-def rms_norm_rule(layer: nn.Module, x: Tensor, b: Tensor) -> dict[str, Tensor]:
+@register_rule(nn.RMSNorm, params=("weight",), feature_dims=_normalized_dims)
+def rms_norm_rule(call: Call) -> dict[str, PerExampleGrad]:
+    layer, x, b = call.module, call.input, call.grad
     dims = tuple(range(x.dim() - len(layer.normalized_shape), x.dim()))
     eps = torch.finfo(x.dtype).eps if layer.eps is None else layer.eps
     x_hat = x * torch.rsqrt(x.square().mean(dim=dims, keepdim=True) + eps)
-    return _affine_sq_norms(layer, x_hat, b, len(layer.normalized_shape))
+    return _affine_grads(layer, x_hat, b, len(layer.normalized_shape))
 
 
 def _channel_sums(layer: nn.Module, x: Tensor, b: Tensor, mean: Tensor, inv_std: Tensor) -> dict:
@@ -56,17 +62,18 @@ def _channel_sums(layer: nn.Module, x: Tensor, b: Tensor, mean: Tensor, inv_std:
     n, channels = b.shape[0], b.shape[1]
     b = b.reshape(n, channels, -1)
     sum_b = b.sum(dim=2)
-    norms: dict[str, Tensor] = {}
+    grads: dict[str, PerExampleGrad] = {}
     if trainable(layer, "weight"):
         sum_bx = (b * x.reshape(n, channels, -1)).sum(dim=2)
-        norms["weight"] = row_sq_norms(inv_std * (sum_bx - mean * sum_b))
+        grads["weight"] = Dense(inv_std * (sum_bx - mean * sum_b))
     if trainable(layer, "bias"):
-        norms["bias"] = row_sq_norms(sum_b)
-    return norms
+        grads["bias"] = Dense(sum_b)
+    return grads
 
 
-@register_rule(nn.GroupNorm)
-def group_norm_rule(layer: nn.Module, x: Tensor, b: Tensor) -> dict[str, Tensor]:
+@register_rule(nn.GroupNorm, example_axis=first_axis)
+def group_norm_rule(call: Call) -> dict[str, PerExampleGrad]:
+    layer, x, b = call.module, call.input, call.grad
     n, channels, groups = x.shape[0], x.shape[1], layer.num_groups
     var, mean = torch.var_mean(x.reshape(n, groups, -1), dim=2, unbiased=False)
     inv_std = torch.rsqrt(var + layer.eps)
@@ -80,8 +87,9 @@ def group_norm_rule(layer: nn.Module, x: Tensor, b: Tensor) -> dict[str, Tensor]
     )
 
 
-@register_rule(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-def batch_norm_rule(layer: nn.Module, x: Tensor, b: Tensor) -> dict[str, Tensor]:
+@register_rule(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, example_axis=first_axis)
+def batch_norm_rule(call: Call) -> dict[str, PerExampleGrad]:
+    layer, x, b = call.module, call.input, call.grad
     if layer.training or layer.running_mean is None:
         raise BatchboundError(
             f"{type(layer).__name__} normalises with batch statistics (train mode or "

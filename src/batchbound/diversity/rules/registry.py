@@ -1,48 +1,110 @@
 """The one table of per-layer rules: module type -> rule.
 
-A rule has one signature, ``rule(module, inputs, grad_output) -> {param_name: (n,) tensor}``:
+A rule has one signature, ``rule(call) -> {param_name: PerExampleGrad}``:
 
-- ``inputs`` is the module's first positional input from the forward pass (detached);
-- ``grad_output`` is ∂(Σ_i f_i)/∂output, whose row i is ∂f_i/∂output_i because the loss is
-  an explicit sum of per-example losses and the layers keep examples apart;
-- it returns, for each of the module's own trainable parameters (``module.weight``,
-  ``module.bias``; the local name is the key), the per-example squared gradient norms ‖g_i‖².
+- ``call.inputs`` holds the module's forward arguments by name, however they were passed
+  (positionally or as keywords), tensors detached; ``call.input`` is the main one;
+- ``call.grads`` holds ∂(Σ_i f_i)/∂output for each tensor output, in output order (None for
+  an output the loss does not use); row i of each is ∂f_i/∂output_i because the loss is an
+  explicit sum of per-example losses and the layer keeps examples apart;
+- the examples lie along dimension 0 of ``call.input`` and of every gradient, except for
+  rules registered with an ``example_axis`` of their own (recurrent layers, attention),
+  which read their layout from the module;
+- it returns, for each parameter it covers (local names, dotted for a child's parameter),
+  that call's per-example gradients in one of the forms of ``forms.py``.
 
 Register a rule with ``@register_rule(nn.SomeLayer, ...)``. Lookup is by exact type, so a
 subclass that changes ``forward`` is never silently given its parent's rule; it goes to the
 fallback engine instead.
+
+What the engine checks before trusting a rule, for every call: that each use of a parameter
+in the autograd graph lies inside a call of a module whose rule covers it; that the examples
+lie along the axis the rule reads (found once per model by running two batch sizes); and,
+once per model, that the rule's norms agree with the per-example loop on a few examples.
+``unsupported`` lets a rule decline a configuration it does not handle (dropout between
+recurrent layers in train mode, say), which sends that call's parameters to the fallback.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-Rule = Callable[[nn.Module, Tensor, Tensor], dict[str, Tensor]]
+from batchbound.diversity.rules.forms import PerExampleGrad
+
+
+@dataclass
+class Call:
+    """One call of a module, as a rule sees it (see the module docstring)."""
+
+    module: nn.Module
+    inputs: dict[str, Any]
+    grads: list[Tensor | None] = field(default_factory=list)
+    main: str = "input"  # the key of the main input in ``inputs``
+
+    @property
+    def input(self) -> Tensor:
+        return self.inputs[self.main]
+
+    @property
+    def grad(self) -> Tensor:
+        """The gradient of the first output (a zero tensor is never passed: see hooks)."""
+        g = self.grads[0]
+        assert g is not None
+        return g
+
+
+Rule = Callable[[Call], dict[str, PerExampleGrad]]
+ExampleAxis = Callable[[nn.Module], int] | None
+
+
+def _own_weight_and_bias(module: nn.Module) -> tuple[str, ...]:
+    return ("weight", "bias")
 
 
 @dataclass(frozen=True)
 class RuleEntry:
     rule: Rule
-    params: tuple[str, ...]  # the local parameter names the rule covers
+    params: Callable[[nn.Module], tuple[str, ...]]  # local names the rule covers
+    example_axis: ExampleAxis  # None: any leading dimension of the main input (see below)
+    feature_dims: Callable[[nn.Module], int]  # trailing non-example dims, for example_axis=None
+    main: str | None  # the name of the main input argument (None: forward's first)
+    unsupported: Callable[[Call, int], str | None] | None  # (call, n) -> reason, at forward
 
 
 RULES: dict[type[nn.Module], RuleEntry] = {}
 
 
 def register_rule(
-    *module_types: type[nn.Module], params: tuple[str, ...] = ("weight", "bias")
+    *module_types: type[nn.Module],
+    params: tuple[str, ...] | Callable[[nn.Module], tuple[str, ...]] = ("weight", "bias"),
+    example_axis: ExampleAxis = None,
+    feature_dims: int | Callable[[nn.Module], int] = 0,
+    main: str | None = None,
+    unsupported: Callable[[Call, int], str | None] | None = None,
 ) -> Callable[[Rule], Rule]:
-    """Register ``rule`` for each of ``module_types``; ``params`` are the parameters it covers."""
+    """Register ``rule`` for each of ``module_types``.
+
+    ``params``: the local parameter names it covers (or a function of the module).
+    ``example_axis``: None for layers that treat every leading dimension of the main input
+    alike (Linear, Embedding, LayerNorm): the examples may then lie along any of them, and the
+    engine moves that axis to 0 (and expands a batch-less input) before calling the rule;
+    ``feature_dims`` trailing dimensions are features, never examples. Otherwise a function
+    giving the fixed axis of the examples in the main input, which the rule handles itself.
+    """
+
+    names = params if callable(params) else (lambda module, _p=tuple(params): _p)
+    features = feature_dims if callable(feature_dims) else (lambda module, _f=feature_dims: _f)
 
     def decorate(rule: Rule) -> Rule:
         for module_type in module_types:
             if module_type in RULES:
                 raise ValueError(f"a rule for {module_type.__name__} is registered twice")
-            RULES[module_type] = RuleEntry(rule, tuple(params))
+            RULES[module_type] = RuleEntry(rule, names, example_axis, features, main, unsupported)
         return rule
 
     return decorate
@@ -50,6 +112,10 @@ def register_rule(
 
 def rule_for(module: nn.Module) -> RuleEntry | None:
     return RULES.get(type(module))
+
+
+def first_axis(module: nn.Module) -> int:
+    return 0
 
 
 def row_sq_norms(t: Tensor) -> Tensor:

@@ -1,0 +1,176 @@
+"""Recording the calls of modules that have layer rules, during one forward pass.
+
+A forward hook with keyword arguments sees every call, however its arguments were passed
+(``self.conv(x)`` and ``self.conv(input=x)`` alike): they are bound to the names of the
+module's ``forward`` signature. For each call the record keeps the tensor arguments
+(detached, for the rule), the autograd nodes they came from (where the call's own operations
+stop, see ``graph.region``), and the node and shape of each tensor output.
+
+Calls are recorded only inside ``recording()``, the model's own forward: forward passes that
+activation checkpointing reruns during the backward pass are not new calls.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from batchbound.diversity.graph import Node
+from batchbound.diversity.rules import RuleEntry
+
+
+@dataclass
+class Output:
+    node: Node | None  # the autograd node that made it (None: it does not require grad)
+    index: int  # its output_nr on that node
+    shape: torch.Size
+
+
+@dataclass
+class CallRecord:
+    prefix: str
+    module: nn.Module
+    entry: RuleEntry
+    index: int  # this is the module's index-th call in the forward pass
+    inputs: dict[str, Any]
+    input_nodes: set[Node]
+    outputs: list[Output]
+    grads: list[Tensor | None] = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.prefix, self.index
+
+    @property
+    def label(self) -> str:
+        repeat = f", call {self.index + 1}" if self.index else ""
+        return f"{self.prefix or '<root>'} ({type(self.module).__name__}{repeat})"
+
+    @property
+    def main(self) -> str:
+        """The name of the argument the rule reads the examples from."""
+        return self.entry.main or first_argument(self.module)
+
+    @property
+    def main_input(self) -> Any:
+        return self.inputs.get(self.main)
+
+
+_SIGNATURES: dict[type, inspect.Signature] = {}
+
+
+def _signature(module: nn.Module) -> inspect.Signature:
+    kind = type(module)
+    signature = _SIGNATURES.get(kind)
+    if signature is None:
+        signature = _SIGNATURES[kind] = inspect.signature(kind.forward)
+    return signature
+
+
+def first_argument(module: nn.Module) -> str:
+    """The name of ``forward``'s first argument after self."""
+    names = list(_signature(module).parameters)
+    return names[1] if len(names) > 1 else ""
+
+
+def bind(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The forward's arguments by name."""
+    signature = _signature(module)
+    try:
+        bound = signature.bind(module, *args, **kwargs)
+    except TypeError:  # a forward that does not match its own signature: let it raise itself
+        return {}
+    arguments = dict(bound.arguments)
+    arguments.pop(next(iter(signature.parameters)), None)  # self
+    return arguments
+
+
+def flatten(value: Any) -> list[Any]:
+    """The leaves of nested tuples, lists and dicts, in order."""
+    if isinstance(value, (tuple, list)):
+        return [leaf for item in value for leaf in flatten(item)]
+    if isinstance(value, dict):
+        return [leaf for item in value.values() for leaf in flatten(item)]
+    return [value]
+
+
+def detached(value: Any) -> Any:
+    """``value`` with every tensor in it (in tuples and lists too) detached."""
+    if isinstance(value, Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return type(value)(detached(item) for item in value)
+    return value
+
+
+class CallRecorder:
+    """Forward hooks on ``modules`` (prefix -> (module, rule)); ``calls`` after a forward."""
+
+    def __init__(self, modules: dict[str, tuple[nn.Module, RuleEntry]]) -> None:
+        self.modules = modules
+        self.calls: list[CallRecord] = []
+        self._counts: Counter[str] = Counter()
+        self._recording = False
+        self._handles: list[RemovableHandle] = []
+
+    def __enter__(self) -> CallRecorder:
+        for prefix, (module, entry) in self.modules.items():
+            hook = self._hook(prefix, entry)
+            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def start(self) -> None:
+        self._recording = True
+
+    def stop(self) -> None:
+        self._recording = False
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        self.start()
+        try:
+            yield
+        finally:
+            self.stop()
+
+    def _hook(self, prefix: str, entry: RuleEntry):  # type: ignore[no-untyped-def]
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if not self._recording:
+                return
+            index = self._counts[prefix]
+            self._counts[prefix] += 1
+            arguments = bind(module, args, kwargs)
+            inputs = {k: detached(v) for k, v in arguments.items()}
+            nodes = {
+                leaf.grad_fn
+                for value in arguments.values()
+                for leaf in flatten(value)
+                if isinstance(leaf, Tensor) and leaf.grad_fn is not None
+            }
+            outputs = [
+                Output(leaf.grad_fn if leaf.requires_grad else None, leaf.output_nr, leaf.shape)
+                for leaf in flatten(output)
+                if isinstance(leaf, Tensor)
+            ]
+            self.calls.append(CallRecord(prefix, module, entry, index, inputs, nodes, outputs))
+
+        return hook

@@ -1,0 +1,246 @@
+"""Per-example statistics of a model, exact or refused: the entry point over the engines.
+
+``PreparedStats(model, loss, engine)`` is called once per chunk. With ``engine="auto"`` (the
+default) or ``"hooks"`` it checks the model on its first chunk (``probe.py``), then runs
+each chunk through the layer rules (``hooks.py``), which report every parameter they cannot
+compute exactly, with the reason. ``"hooks"`` refuses those with a BatchboundError;
+``"auto"`` computes them by an exact fallback, torch.func vmap or, where vmap cannot run
+the model, the per-example loop, and warns once, naming them, the reason and the cost.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+from torch import Tensor, nn
+
+from batchbound.diversity.engines import (
+    VmapUnsupported,
+    fallback_sq_norms,
+    loop_gradients,
+    loop_stats,
+    vmap_gradients,
+    vmap_stats,
+)
+from batchbound.diversity.hooks import HookPlan, Layout, hooks_stats, plan_hooks
+from batchbound.diversity.losses import PerExampleLoss, check_finite, resolve_loss
+from batchbound.diversity.probe import INTERACTING, probe_layout, self_check
+from batchbound.diversity.stats import (
+    ENGINES,
+    PerExampleStats,
+    batch_norm_modules,
+    check_chunk,
+    check_model_mode,
+    gradients,
+    trainable_parameters,
+)
+from batchbound.errors import BatchboundError
+
+
+def describe(reasons: dict[str, str]) -> str:
+    """Parameters grouped by reason: "reason: a, b; other reason: c"."""
+    grouped: dict[str, list[str]] = {}
+    for name, reason in reasons.items():
+        grouped.setdefault(reason, []).append(name)
+    return "; ".join(f"{reason}: {', '.join(names)}" for reason, names in grouped.items())
+
+
+class PreparedStats:
+    """``per_example_stats`` for one model called many times (a training loop, ``measure``'s
+    chunks): the model is checked and planned once, here, instead of on every call.
+
+    The model's structure (its modules, which parameters train, its control flow) must stay
+    as it was on the first call; its weights and its train/eval mode may change (BatchNorm's
+    mode is checked on every call). Every call still checks, from the autograd graph, that
+    each parameter is used only where its rule looks.
+    """
+
+    def __init__(self, model: nn.Module, loss: object = None, engine: str = "auto") -> None:
+        if engine not in ENGINES:
+            raise BatchboundError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
+        self.model, self.engine = model, engine
+        self.loss_fn: PerExampleLoss = resolve_loss(loss)  # type: ignore[arg-type]
+        self.params = trainable_parameters(model)
+        self.batch_norms = batch_norm_modules(model)
+        self.plan: HookPlan | None = plan_hooks(model, self.params) if engine in (
+            "auto", "hooks") else None
+        self.layout: Layout | None = None
+        self.checked: dict[str, str] = {}  # parameters that failed the first chunk's check
+        self.fallback = "vmap"  # "loop" once vmap has failed on this model
+        self._warned: set[str] = set()
+        self._vmap_error = ""
+
+    def __call__(self, x: Tensor, y: Tensor, offset: int = 0) -> PerExampleStats:
+        check_chunk(x, y)
+        check_model_mode(self.model, self.batch_norms)
+        with torch.enable_grad():  # also when called under torch.no_grad()
+            if self.engine == "loop":
+                return loop_stats(self.model, x, y, self.loss_fn, offset=offset)
+            if self.engine == "vmap":
+                try:
+                    return vmap_stats(self.model, x, y, self.loss_fn, offset=offset)
+                except VmapUnsupported as exc:
+                    raise BatchboundError(f"{exc}; use engine='auto' or 'loop'") from None
+            if x.shape[0] == 1:
+                return self._one_example(x, y, offset)
+            self._check(x, y, offset)
+            if self.checked and all(r == INTERACTING for r in self.checked.values()):
+                return self._whole_model_fallback(x, y, offset)
+            return self._hooks(x, y, offset)
+
+    def _check(self, x: Tensor, y: Tensor, offset: int) -> None:
+        if self.layout is not None:
+            return
+        assert self.plan is not None
+        with torch.no_grad():  # the user's chunk first: errors name their shapes and examples
+            check_finite(self.loss_fn(self.model(x), y), offset)
+        self.layout = probe_layout(self.model, x, self.plan, self.params)
+        self.checked = self_check(self.model, x, y, self.loss_fn, self.plan, self.params,
+                                  self.layout, self.plan.static_reasons())
+        if self.checked and self.engine == "hooks":
+            raise BatchboundError(f"engine='hooks' cannot compute these parameters' per-example "
+                                  f"gradients exactly: {describe(self.checked)}")
+
+    def _hooks(self, x: Tensor, y: Tensor, offset: int) -> PerExampleStats:
+        assert self.plan is not None and self.layout is not None
+        start = time.perf_counter()
+        result = hooks_stats(self.model, x, y, self.loss_fn, self.plan, self.params,
+                             self.layout, excluded=self.checked, offset=offset)
+        if not result.reasons:
+            sq_norms = {name: result.sq_norms[name] for name in self.params}
+            return PerExampleStats(result.losses, sq_norms, result.grad_sum)
+        if self.engine == "hooks":
+            raise BatchboundError(
+                "engine='hooks' cannot compute these parameters' per-example gradients "
+                f"exactly: {describe(result.reasons)}; use engine='auto' (an exact fallback "
+                "for them), 'vmap' or 'loop'"
+            )
+        rules_seconds = time.perf_counter() - start
+        names = [name for name in self.params if name in result.reasons]
+        start = time.perf_counter()
+        sq, sums, _ = self._fallback(x, y, names, offset)
+        self._warn(result.reasons, time.perf_counter() - start, rules_seconds)
+        result.sq_norms.update(sq)
+        result.grad_sum.update(sums)
+        ordered = {name: result.sq_norms[name] for name in self.params}
+        grad_sum = {name: result.grad_sum[name] for name in self.params}
+        return PerExampleStats(result.losses, ordered, grad_sum, tuple(names))
+
+    def _fallback(
+        self, x: Tensor, y: Tensor, names: list[str], offset: int
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor], Tensor]:
+        if self.fallback == "vmap":
+            try:
+                return fallback_sq_norms(self.model, x, y, self.loss_fn, names, "vmap")
+            except VmapUnsupported as exc:
+                self.fallback, self._vmap_error = "loop", str(exc)
+        return fallback_sq_norms(self.model, x, y, self.loss_fn, names, "loop", offset=offset)
+
+    def _whole_model_fallback(self, x: Tensor, y: Tensor, offset: int) -> PerExampleStats:
+        """Examples that interact in a batch: each example's loss and gradient on its own."""
+        start = time.perf_counter()
+        names = list(self.params)
+        sq, sums, losses = self._fallback(x, y, names, offset)
+        check_finite(losses, offset)
+        self._warn(self.checked, time.perf_counter() - start, None)
+        return PerExampleStats(losses, sq, sums, tuple(names))
+
+    def _warn(self, reasons: dict[str, str], seconds: float, others: float | None) -> None:
+        """Once per set of reasons: which parameters, why, by what, and at what cost."""
+        key = describe(reasons)
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        if self.fallback == "loop":
+            how = ("the per-example loop, one forward and backward per example "
+                   f"({self._vmap_error})")
+        else:
+            how = "torch.func vmap"
+        cost = f"{seconds:.2g} s on this chunk"
+        if others:
+            cost += f", {seconds / others:.1f}× the {others:.2g} s of everything else"
+        warnings.warn(
+            f"batchbound: computing exact per-example gradients by {how} ({cost}) for the "
+            f"parameters no layer rule can take: {key}",
+            stacklevel=4,
+        )
+
+    def _one_example(self, x: Tensor, y: Tensor, offset: int) -> PerExampleStats:
+        """One example: its gradient is the batch gradient, exact for any model."""
+        losses = self.loss_fn(self.model(x), y)
+        check_finite(losses, offset)
+        names = list(self.params)
+        tensors = [self.params[k] for k in names]
+        grads = gradients(losses.sum(), tensors) if losses.requires_grad else [None] * len(names)
+        grad_sum, sq_norms = {}, {}
+        for name, g in zip(names, grads, strict=True):
+            p = self.params[name]
+            g = torch.zeros_like(p) if g is None else g.to_dense() if g.is_sparse else g
+            grad_sum[name] = g
+            sq_norms[name] = g.square().sum().reshape(1)
+        return PerExampleStats(losses.detach(), sq_norms, grad_sum)
+
+
+def per_example_stats(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    loss: object = None,
+    *,
+    engine: str = "auto",
+    offset: int = 0,
+) -> PerExampleStats:
+    """Per-example losses, squared gradient norms per parameter, and the gradient sum, for one
+    chunk, from one forward and one backward pass (``engine="hooks"``/``"auto"``).
+
+    ``loss`` is a name (``"cross_entropy"``, ``"mse"``) or a callable returning one loss per
+    example (see ``resolve_loss``). The model is used in its current mode (BatchNorm must be
+    in eval mode; dropout in train mode gives the gradients under the masks drawn in this
+    pass, except for parameters left to a fallback engine, which draws its own), and its
+    ``.grad`` fields are left untouched. ``offset`` is the index of the chunk's first example,
+    used to name an example whose loss is not finite. For many calls on one model,
+    ``PreparedStats`` checks and plans the model once.
+
+    Engines: ``"hooks"`` (layer rules; a BatchboundError naming each parameter they cannot
+    compute exactly, and why), ``"auto"`` (layer rules, and an exact fallback with a warning
+    for such parameters), ``"vmap"`` (torch.func for everything), ``"loop"`` (one backward
+    per example: the slow reference).
+    """
+    return PreparedStats(model, loss, engine)(x, y, offset)
+
+
+def per_example_gradients(
+    model: nn.Module, x: Tensor, y: Tensor, loss: object = None
+) -> dict[str, Tensor]:
+    """Materialised per-example gradients, name -> (n, *param.shape): torch.func vmap, or the
+    per-example loop (with a warning) where vmap cannot run the model.
+
+    Memory is n × (number of parameters): use it on chunks (mechanisms, Monte Carlo checks).
+    """
+    loss_fn = resolve_loss(loss)  # type: ignore[arg-type]
+    check_chunk(x, y)
+    names = list(trainable_parameters(model))
+    check_model_mode(model)
+    with torch.enable_grad():
+        try:
+            return vmap_gradients(model, x, y, loss_fn, names)
+        except VmapUnsupported as exc:
+            warnings.warn(f"batchbound: {exc}; materialising per-example gradients with the "
+                          "per-example loop instead (exact, slower)", stacklevel=2)
+            return loop_gradients(model, x, y, loss_fn, names)
+
+
+def per_example_l1_l2(
+    model: nn.Module, x: Tensor, y: Tensor, loss: object = None
+) -> tuple[Tensor, Tensor]:
+    """(‖g_i‖₁, ‖g_i‖₂) over all parameters, each shape (n,); from materialised gradients.
+
+    Stochastic quantization's diversity needs R = Σ_i ‖g_i‖₂‖g_i‖₁.
+    """
+    grads = per_example_gradients(model, x, y, loss)
+    n = x.shape[0]
+    l1 = sum(g.reshape(n, -1).abs().sum(dim=1) for g in grads.values())
+    sq = sum(g.reshape(n, -1).square().sum(dim=1) for g in grads.values())
+    return l1, sq.sqrt()  # type: ignore[union-attr]

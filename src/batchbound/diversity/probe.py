@@ -1,0 +1,162 @@
+"""Checking a model once before trusting its layer rules: where each call keeps its
+examples, and whether the rules agree with the per-example loop.
+
+Which axis of a module's input holds the examples cannot be read off one batch: 256
+sequences of 256 tokens, sequence-first, look like (n, T, d). So the model runs on two batch
+sizes, 2 and 3 (repeating examples when there are fewer): the example axis of a call is the
+one dimension whose size follows the batch while every other stays put, and a call whose
+input does not change at all has no example axis (a position embedding of ``arange(T)``).
+No constant dimension is 2 in one run and 3 in the other, and a flattened (n·T, d) input
+follows n·T, not n, so neither a coincidence nor flattening passes.
+
+Then the rules run on 3 examples beside the per-example loop, in eval mode (dropout draws
+no masks), and a parameter whose norms or gradient sum disagree is left to the exact
+fallback. This safety net under the structural checks also catches models whose examples
+interact within a batch (f_i then depends on the other examples).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+from batchbound.diversity.engines import loop_sq_norms
+from batchbound.diversity.hooks import (
+    CallLayout,
+    HookPlan,
+    HooksPass,
+    Layout,
+    ProbeShapes,
+    hooks_stats,
+    output_sum,
+)
+from batchbound.diversity.losses import PerExampleLoss
+from batchbound.diversity.stats import eval_mode, gradients
+
+PROBE_SIZES = (2, 3)
+INTERACTING = (
+    "the examples interact within a batch (an example's loss changes with the other examples "
+    "in its batch), so one backward pass over a batch does not give per-example gradients"
+)
+
+
+def examples(t: Tensor, count: int) -> Tensor:
+    """The first ``count`` examples of ``t``, repeating them when it has fewer."""
+    return t[torch.arange(count, device=t.device) % t.shape[0]]
+
+
+@contextmanager
+def rng_kept(params: dict[str, nn.Parameter]) -> Iterator[None]:
+    """The random state as it was: a probe must not shift a seeded run's dropout masks."""
+    devices = sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+def probe_layout(
+    model: nn.Module, x: Tensor, plan: HookPlan, params: dict[str, nn.Parameter]
+) -> Layout:
+    """Run the model at 2 and at 3 examples and read each call's example axis."""
+    records = []
+    with rng_kept(params):
+        for count in PROBE_SIZES:
+            run = HooksPass(plan, params, None, count)
+            try:
+                root = output_sum(run.forward(model, examples(x, count)))
+                if root is not None:
+                    run.attach([root.grad_fn])
+                    gradients(root, list(params.values()))
+            finally:
+                run.close()
+            records.append(run.shapes)
+    small, large = records
+    layout = {key: _derive(shapes, large.get(key)) for key, shapes in small.items()}
+    for key in large.keys() - small.keys():
+        layout[key] = CallLayout(reason=f"it ran at {PROBE_SIZES[1]} examples but not at "
+                                        f"{PROBE_SIZES[0]}")
+    return layout
+
+
+def _follows(s: tuple[int, ...], t: tuple[int, ...], d: int) -> bool:
+    lo, hi = PROBE_SIZES
+    return s[d] == lo and t[d] == hi and all(s[j] == t[j] for j in range(len(s)) if j != d)
+
+
+def _derive(a: ProbeShapes, b: ProbeShapes | None) -> CallLayout:
+    lo, hi = PROBE_SIZES
+    if b is None:
+        return CallLayout(reason=f"it ran at {lo} examples but not at {hi}")
+    entry, s, t = a.entry, a.main, b.main
+    if s is None or t is None:
+        return CallLayout(reason=f"its argument {entry.main or 'input'!r} is not a tensor")
+    s, t = tuple(s), tuple(t)
+    seen = f"(shape {s} at {lo} examples, {t} at {hi})"
+    if len(s) != len(t):
+        return CallLayout(reason=f"its input changes its number of dimensions {seen}")
+    if entry.example_axis is not None:
+        axis = entry.example_axis(a.module)
+        if axis < len(s) and _follows(s, t, axis):
+            return CallLayout(axis=axis)
+        return CallLayout(reason=f"its input does not hold the examples along dimension {axis} "
+                                 f"{seen}")
+    lead = len(s) - entry.feature_dims(a.module)
+    axes = [d for d in range(max(lead, 0)) if _follows(s, t, d)]
+    if len(axes) == 1:
+        return CallLayout(axis=axes[0])
+    if s == t:
+        g, h = a.broadcast, b.broadcast
+        if g is not None and h is not None and len(g) == len(h):
+            found = [d for d in range(len(g)) if _follows(tuple(g), tuple(h), d)]
+            if len(found) == 1:
+                return CallLayout(axis=None, consumer_axis=found[0])
+        return CallLayout(reason=f"its input {s} has no example axis, and its output is not "
+                                 "broadcast over the examples by an addition")
+    return CallLayout(reason=f"no single dimension of its input holds the examples {seen}: "
+                             "flattened with another axis, or mixed")
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Relative agreement asked of the rules against the loop, by the precision at hand."""
+    if dtype == torch.float64:
+        return 1e-8
+    if dtype == torch.float32:
+        return 1e-3
+    return 5e-2
+
+
+def self_check(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    loss_fn: PerExampleLoss,
+    plan: HookPlan,
+    params: dict[str, nn.Parameter],
+    layout: Layout,
+    excluded: dict[str, str],
+) -> dict[str, str]:
+    """The rules beside the per-example loop on 3 examples: parameter -> reason, for each
+    parameter whose rule disagreed (every parameter when the examples interact)."""
+    xs, ys = examples(x, 3), examples(y, 3)
+    with eval_mode(model), rng_kept(params):
+        fast = hooks_stats(model, xs, ys, loss_fn, plan, params, layout, excluded=excluded)
+        slow_sq, slow_sum, slow_losses = loop_sq_norms(model, xs, ys, loss_fn, list(params))
+    rtol = tolerance(next(iter(params.values())).dtype)
+    scale = float(slow_losses.abs().max()) + 1e-30
+    if float((fast.losses - slow_losses).abs().max()) > rtol * scale:
+        return dict.fromkeys(params, INTERACTING)
+    per_example = torch.stack(list(slow_sq.values())).sum(dim=0)
+    floor = float(per_example.max()) * rtol + 1e-300
+    norm = math.sqrt(float(per_example.sum())) + 1e-300
+    reasons = {}
+    for name, sq in fast.sq_norms.items():
+        err = float(((sq - slow_sq[name]).abs() / (per_example + floor)).max())
+        sum_err = float(torch.linalg.vector_norm(fast.grad_sum[name] - slow_sum[name])) / norm
+        worst = max(err, sum_err)
+        if worst > rtol:
+            reasons[name] = ("its layer rule disagreed with the per-example loop on a check of "
+                             f"3 examples (relative error {worst:.1e})")
+    return reasons

@@ -1,0 +1,253 @@
+"""The forms a rule gives one call's per-example gradients in, and their inner products.
+
+A parameter used by one module call needs only the squared norms ‖g_i‖² of that call's
+gradients. A parameter used by several calls (a module run twice, or a weight tied between
+modules: nanoGPT's token embedding and output head) has per-example gradient
+g_i = Σ_c g_i^(c), and ‖g_i‖² = Σ_c ‖g_i^(c)‖² + 2 Σ_{c<d} ⟨g_i^(c), g_i^(d)⟩ needs the
+cross terms, so every form also gives per-example inner products with any other form.
+
+- ``Dense``: the gradients themselves, (n, *shape).
+- ``Outer``: Σ_t u_t v_tᵀ per example: a weight (p × q) applied at T positions (Linear on
+  sequences, Embedding, recurrent weights). u is (n, T, p), or (n, T) integer row indices
+  (an embedding's one-hot u, with ``rows`` = p); v is (n, T, q). Its squared norm and inner
+  products take the Gram form Σ_ts (u_t·u'_s)(v_t·v'_s) or the materialised p × q product,
+  whichever costs fewer flops.
+- ``Lazy``: a rule's own fast squared norms, materialised only for cross terms (conv).
+
+``batch_sum_exact`` is False where autograd's batch gradient is not the sum of the
+per-example gradients (an embedding with ``scale_grad_by_freq`` counts over the batch, but
+example i alone has its own counts); the engine then takes ``total()`` for Σ_i g_i.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+# Numbers a materialised block of per-example gradients may hold in ``inner``.
+MATERIALISE_BUDGET = 2**24
+
+
+def _row_sq(t: Tensor) -> Tensor:
+    if t.dim() == 1:
+        return t.square()
+    return torch.linalg.vector_norm(t, dim=tuple(range(1, t.dim()))).square()
+
+
+class PerExampleGrad:
+    """One call's per-example gradients of one parameter, for n examples."""
+
+    batch_sum_exact: bool = True
+
+    @property
+    def n(self) -> int:
+        raise NotImplementedError
+
+    def sq_norms(self) -> Tensor:
+        """‖g_i‖², shape (n,)."""
+        raise NotImplementedError
+
+    def dense(self) -> Tensor:
+        """The gradients, (n, ...) with the parameter's number of entries per example."""
+        raise NotImplementedError
+
+    def total(self) -> Tensor:
+        """Σ_i g_i, flattened."""
+        return self.dense().sum(dim=0).reshape(-1)
+
+    def part(self, rows: slice) -> PerExampleGrad:
+        """The same gradients for the examples ``rows``."""
+        raise NotImplementedError
+
+
+class Dense(PerExampleGrad):
+    def __init__(self, grads: Tensor) -> None:
+        self.grads = grads
+
+    @property
+    def n(self) -> int:
+        return int(self.grads.shape[0])
+
+    def sq_norms(self) -> Tensor:
+        return _row_sq(self.grads)
+
+    def dense(self) -> Tensor:
+        return self.grads
+
+    def part(self, rows: slice) -> Dense:
+        return Dense(self.grads[rows])
+
+
+class Lazy(PerExampleGrad):
+    """Squared norms by a rule's fast method; ``materialise`` gives the gradients and
+    ``total`` their sum (without materialising them)."""
+
+    def __init__(self, n: int, sq_norms: Callable[[], Tensor], materialise: Callable[[], Tensor],
+                 part: Callable[[slice], Lazy], total: Callable[[], Tensor]) -> None:
+        self._n, self._sq, self._dense, self._part = n, sq_norms, materialise, part
+        self._total = total
+
+    @property
+    def n(self) -> int:
+        return self._n
+
+    def sq_norms(self) -> Tensor:
+        return self._sq()
+
+    def dense(self) -> Tensor:
+        return self._dense()
+
+    def part(self, rows: slice) -> Lazy:
+        return self._part(rows)
+
+    def total(self) -> Tensor:
+        return self._total().reshape(-1)
+
+
+class Outer(PerExampleGrad):
+    """Σ_t u_t v_tᵀ per example (see the module docstring)."""
+
+    def __init__(self, u: Tensor, v: Tensor, rows: int | None = None,
+                 batch_sum_exact: bool = True) -> None:
+        self.u, self.v, self.rows = u, v, rows
+        self.batch_sum_exact = batch_sum_exact
+
+    @property
+    def n(self) -> int:
+        return int(self.v.shape[0])
+
+    @property
+    def steps(self) -> int:
+        return int(self.v.shape[1])
+
+    @property
+    def p(self) -> int:
+        return self.rows if self.rows is not None else int(self.u.shape[2])
+
+    @property
+    def q(self) -> int:
+        return int(self.v.shape[2])
+
+    @property
+    def indexed(self) -> bool:
+        return self.rows is not None
+
+    def part(self, rows: slice) -> Outer:
+        return Outer(self.u[rows], self.v[rows], self.rows, self.batch_sum_exact)
+
+    def _keys(self) -> Tensor:
+        """Row index + p·example, flattened: one key per (example, row) pair."""
+        n, steps = self.u.shape
+        example = torch.arange(n, device=self.u.device).unsqueeze(1).expand(n, steps)
+        return (example * self.p + self.u.long()).reshape(-1)
+
+    def sq_norms(self) -> Tensor:
+        if self.indexed:  # sum v over positions sharing (example, row); no n·p·q tensor
+            unique, inverse = torch.unique(self._keys(), return_inverse=True)
+            sums = self.v.new_zeros(unique.numel(), self.q)
+            sums.index_add_(0, inverse, self.v.reshape(-1, self.q))
+            owner = torch.div(unique, self.p, rounding_mode="floor")
+            return self.v.new_zeros(self.n).index_add_(0, owner, sums.square().sum(dim=1))
+        if self.steps == 1:  # one outer product: ‖u‖²‖v‖²
+            return _row_sq(self.u[:, 0]) * _row_sq(self.v[:, 0])
+        steps, p, q = self.steps, self.p, self.q
+        if steps * steps * (p + q + 1) < steps * p * q:
+            gram_u = self.u @ self.u.transpose(1, 2)
+            gram_v = self.v @ self.v.transpose(1, 2)
+            return (gram_u * gram_v).sum(dim=(1, 2))
+        return _row_sq(self.u.transpose(1, 2) @ self.v)
+
+    def dense(self) -> Tensor:
+        if self.indexed:
+            out = self.v.new_zeros(self.n * self.p, self.q)
+            out.index_add_(0, self._keys(), self.v.reshape(-1, self.q))
+            return out.view(self.n, self.p, self.q)
+        return self.u.transpose(1, 2) @ self.v
+
+    def total(self) -> Tensor:
+        v = self.v.reshape(-1, self.q)
+        if self.indexed:
+            out = v.new_zeros(self.p, self.q)
+            return out.index_add_(0, self.u.reshape(-1).long(), v).reshape(-1)
+        return (self.u.reshape(-1, self.p).transpose(0, 1) @ v).reshape(-1)
+
+
+def _gram_u(a: Outer, b: Outer) -> Tensor:
+    """(n, T_a, T_b) inner products u_t·u'_s."""
+    if a.indexed and b.indexed:
+        return (a.u.unsqueeze(2) == b.u.unsqueeze(1)).to(a.v.dtype)
+    if a.indexed:
+        return _gram_u(b, a).transpose(1, 2)
+    if b.indexed:  # u'_s is one-hot at row b.u[s]: pick that column of u_t
+        n, t_a, t_b = a.n, a.steps, b.steps
+        return a.u.gather(2, b.u.long().unsqueeze(1).expand(n, t_a, t_b))
+    return a.u @ b.u.transpose(1, 2)
+
+
+def _outer_inner(a: Outer, b: Outer) -> Tensor:
+    p, q = a.p, a.q
+    dense_u = not (a.indexed or b.indexed)
+    gram = a.steps * b.steps * ((p if dense_u else 1) + q)
+    materialise = (a.steps + b.steps) * p * q + p * q
+    if gram <= materialise:
+        return (_gram_u(a, b) * (a.v @ b.v.transpose(1, 2))).sum(dim=(1, 2))
+    return _dense_inner(a, b)
+
+
+def _dense_outer_inner(d: Tensor, o: Outer) -> Tensor:
+    """⟨D_i, Σ_t u_t v_tᵀ⟩ = Σ_t u_tᵀ D_i v_t for a materialised D (n, p·q)."""
+    d = d.reshape(o.n, o.p, o.q)
+    if o.indexed:
+        picked = d.gather(1, o.u.long().unsqueeze(2).expand(o.n, o.steps, o.q))
+        return (picked * o.v).sum(dim=(1, 2))
+    return torch.einsum("ntp,npq,ntq->n", o.u, d, o.v)
+
+
+def _dense_inner(a: PerExampleGrad, b: PerExampleGrad) -> Tensor:
+    n = a.n
+    return (a.dense().reshape(n, -1) * b.dense().reshape(n, -1)).sum(dim=1)
+
+
+def _inner_block(a: PerExampleGrad, b: PerExampleGrad) -> Tensor:
+    if isinstance(a, Outer) and isinstance(b, Outer):
+        return _outer_inner(a, b)
+    if isinstance(b, Outer) and not isinstance(a, Outer):
+        a, b = b, a
+    if isinstance(a, Outer):
+        return _dense_outer_inner(b.dense(), a)
+    return _dense_inner(a, b)
+
+
+def inner(a: PerExampleGrad, b: PerExampleGrad, numel: int) -> Tensor:
+    """Per-example ⟨g_i^a, g_i^b⟩, shape (n,), for gradients of one parameter with ``numel``
+    entries; anything materialised is built a block of examples at a time."""
+    n = a.n
+    step = max(1, MATERIALISE_BUDGET // max(1, 2 * numel))
+    if step >= n:
+        return _inner_block(a, b)
+    parts = [_inner_block(a.part(slice(i, i + step)), b.part(slice(i, i + step)))
+             for i in range(0, n, step)]
+    return torch.cat(parts)
+
+
+def project(form: PerExampleGrad, a: Tensor, b: Tensor) -> Tensor:
+    """⟨Σ_i g_i, a bᵀ⟩ for the parameter viewed as a (len(a) × len(b)) matrix: a cheap
+    fingerprint of the gradient sum, compared with autograd's to catch unseen uses."""
+    if isinstance(form, Outer):
+        left = a[form.u.long()] if form.indexed else form.u @ a
+        return (left * (form.v @ b)).sum()
+    total = form.total().reshape(a.shape[0], b.shape[0])
+    return a @ total @ b
+
+
+def combined_sq_norms(forms: list[PerExampleGrad], numel: int) -> Tensor:
+    """‖Σ_c g_i^(c)‖² for the forms of one parameter's calls."""
+    total = forms[0].sq_norms()
+    for i, a in enumerate(forms):
+        if i:
+            total = total + a.sq_norms()
+        for b in forms[i + 1 :]:
+            total = total + 2 * inner(a, b, numel)
+    return total

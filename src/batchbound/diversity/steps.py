@@ -1,0 +1,218 @@
+"""Diversity from a user's own training step: ``watch`` around their forward and backward,
+unchanged, or ``monitored_step`` in place of those two lines.
+
+Both give the same guarantee as ``measure``: the per-example norms they feed the monitor are
+exact, or the step raises BatchboundError naming the parameter and the reason.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from batchbound.diversity.calls import flatten
+from batchbound.diversity.hooks import (
+    HookPlan,
+    HooksPass,
+    Layout,
+    fingerprint_of,
+    plan_hooks,
+)
+from batchbound.diversity.losses import resolve_loss
+from batchbound.diversity.online import OnlineDiversity
+from batchbound.diversity.prepared import PreparedStats, describe
+from batchbound.diversity.probe import probe_layout, tolerance
+from batchbound.diversity.stats import check_model_mode, trainable_parameters
+from batchbound.errors import BatchboundError
+
+# Checked once per model (the probe runs the model at two batch sizes): model -> state.
+_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, Layout] = weakref.WeakKeyDictionary()
+_PREPARED: weakref.WeakKeyDictionary[nn.Module, dict[tuple, PreparedStats]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def monitored_step(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    loss: str | Callable[[Tensor, Tensor], Tensor],
+    monitor: OnlineDiversity,
+    *,
+    reduction: str = "mean",
+    engine: str = "auto",
+) -> Tensor:
+    """Forward and backward of a per-example ``loss`` on (x, y), as a training step does, and
+    a ``monitor`` update from the same backward pass.
+
+    Accumulates into each trainable parameter's ``.grad`` exactly what
+    ``loss(model(x), y).mean().backward()`` (``reduction="mean"``) or ``.sum().backward()``
+    would, and returns that reduced loss (detached). Replace the forward/backward lines of an
+    existing step with it; the optimizer step and ``zero_grad`` stay the user's. The model runs
+    in its current mode; BatchNorm in train mode has no per-example gradients and is refused.
+    The model is checked on the first step and the plan kept for later steps with the same
+    ``loss`` object and ``engine``. Under DDP pass the inner module and all-reduce ``.grad``
+    as usual. Each rank's monitor then holds an unbiased estimate from its local batch; ranks
+    that must agree (an adaptive batch size) should feed global numbers instead, see
+    ``OnlineDiversity``.
+    """
+    if reduction not in ("mean", "sum"):
+        raise BatchboundError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    prepared = _PREPARED.setdefault(model, {})
+    key = (engine, loss)
+    if key not in prepared:
+        prepared.clear()  # one live plan per model
+        prepared[key] = PreparedStats(model, resolve_loss(loss), engine)
+    stats = prepared[key](x, y)
+    scale = 1.0 / stats.n if reduction == "mean" else 1.0
+    for name, param in trainable_parameters(model).items():
+        grad = (stats.grad_sum[name] * scale).to(param.dtype).reshape(param.shape)
+        if param.grad is None:
+            param.grad = grad.clone()
+        else:
+            param.grad.add_(grad)
+    monitor.update_from_stats(stats)
+    total = stats.losses.sum()
+    return (total / stats.n if reduction == "mean" else total).detach()
+
+
+@contextmanager
+def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean") -> Iterator[None]:
+    """Update ``monitor`` from the user's own forward and backward pass, unchanged:
+
+        with watch(model, monitor):
+            loss = F.cross_entropy(model(x), y)   # mean over the batch
+            loss.backward()
+        optimizer.step()
+
+    The layer rules read per-example squared norms off the same backward pass (as
+    ``per_example_stats`` does) and T_B comes from the change in ``.grad``, so the step costs
+    about what it did and its gradients are untouched. ``reduction`` says how the loss
+    combines the examples' losses: ``"mean"`` (norms rescaled by b²) or ``"sum"``. Call the
+    model once per block, on a batch whose first argument holds the examples along dim 0,
+    and run one backward. Every use of a parameter must be one its layer rule covers: inside
+    the model this is checked on the autograd graph, and a use in the loss (a regulariser
+    written into it) is caught by comparing the rules' gradient sum with the change in
+    ``.grad`` (put regularisers outside the block, or in the optimizer's weight decay).
+    Whatever cannot be covered raises BatchboundError naming it: use ``monitored_step``,
+    which computes it by an exact fallback. BatchNorm must be in eval mode.
+    """
+    if reduction not in ("mean", "sum"):
+        raise BatchboundError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    params = trainable_parameters(model)
+    check_model_mode(model)
+    plan = plan_hooks(model, params)
+    if plan.uncovered:
+        raise BatchboundError(
+            "watch() needs a layer rule for every trainable parameter: "
+            f"{describe(plan.static_reasons())}. Use monitored_step(), which computes them by "
+            "an exact fallback"
+        )
+    before = {k: None if p.grad is None else p.grad.detach().clone() for k, p in params.items()}
+    with _Watched(model, plan, params) as watched:
+        yield
+    run = watched.finish()
+    delta = {}
+    for name, p in params.items():
+        now = torch.zeros_like(p) if p.grad is None else p.grad.detach()
+        delta[name] = now if before[name] is None else now - before[name]
+    if run is None or not any(bool(d.any()) for d in delta.values()):
+        raise BatchboundError("watch() saw no backward pass through the model; call the model "
+                              "and loss.backward() inside the block")
+    # The rules saw the user's loss, so their norms and sums carry its scale: a mean over b
+    # examples divides every per-example gradient by b.
+    b = run.n
+    scale = float(b) if reduction == "mean" else 1.0
+    reasons = dict(run.reasons)
+    rtol = tolerance(next(iter(params.values())).dtype)
+    for name, value in run.fingerprints.items():
+        if name in reasons or name in run.totals:
+            continue
+        seen = fingerprint_of(delta[name], run.probes[name])
+        bound = rtol * (float(torch.linalg.vector_norm(delta[name]))
+                        + float(run.sq_norms[name].sum()) ** 0.5) + 1e-30
+        if abs(float(value - seen)) > bound:
+            reasons[name] = ("its gradient includes uses outside the model's layers (a "
+                             "regulariser in the loss?)")
+    if reasons:
+        raise BatchboundError(f"watch() cannot compute these parameters' per-example gradients "
+                              f"exactly: {describe(reasons)}. Use monitored_step(), which "
+                              "computes them by an exact fallback")
+    sums = {k: run.totals.get(k, delta[k]) for k in params}
+    S_B = scale**2 * float(sum(sq.double().sum() for sq in run.sq_norms.values()))
+    T_B = scale**2 * float(sum(s.double().square().sum() for s in sums.values()))
+    monitor.update_from_norms(S_B, T_B, b)
+
+
+class _Watched:
+    """Root-module hooks: on the model's call, check it (first time only), record its layer
+    calls, and before the backward pass read the graph from its outputs."""
+
+    def __init__(self, model: nn.Module, plan: HookPlan, params: dict[str, nn.Parameter]) -> None:
+        self.model, self.plan, self.params = model, plan, params
+        self.run: HooksPass | None = None
+        self.calls = 0
+        self._inside = False  # the probe's own calls of the model
+        self._handles: list[RemovableHandle] = []
+
+    def __enter__(self) -> _Watched:
+        self._handles = [
+            self.model.register_forward_pre_hook(self._before, with_kwargs=True),
+            self.model.register_forward_hook(self._after),
+        ]
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for handle in self._handles:
+            handle.remove()
+        if self.run is not None:
+            self.run.recorder.__exit__(None, None, None)
+            if exc_type is not None:
+                self.run.close()
+
+    def _before(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._inside:
+            return
+        self.calls += 1
+        if self.calls > 1:
+            raise BatchboundError("the model ran more than once inside watch(); per-example "
+                                  "norms need one forward and one backward per block")
+        x = next((t for t in flatten([args, kwargs]) if isinstance(t, Tensor)), None)
+        if x is None or x.dim() == 0:
+            raise BatchboundError("watch() needs the model's first argument to be a tensor of "
+                                  "examples")
+        layout = _LAYOUTS.get(model)
+        if layout is None:
+            self._inside = True
+            try:
+                with torch.enable_grad():
+                    layout = _LAYOUTS[model] = probe_layout(model, x, self.plan, self.params)
+            finally:
+                self._inside = False
+        self.run = HooksPass(self.plan, self.params, layout, int(x.shape[0]), fingerprint=True)
+        self.run.recorder.__enter__()
+        self.run.recorder.start()
+
+    def _after(self, model: nn.Module, args: tuple, output: Any) -> None:
+        if self._inside or self.run is None:
+            return
+        self.run.recorder.stop()
+        roots = [t.grad_fn for t in flatten(output) if isinstance(t, Tensor) and t.grad_fn]
+        self.run.attach(roots)
+
+    def finish(self) -> HooksPass | None:
+        if self.run is not None:
+            self.run.finish()
+        return self.run
