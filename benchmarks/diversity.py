@@ -13,7 +13,10 @@ script re-executes itself with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc) set.
 
     python benchmarks/diversity.py            # the full table (a few minutes)
     python benchmarks/diversity.py --quick    # 3 rounds, slow engines timed on 32 examples
-    python benchmarks/diversity.py --json     # the table as JSON on stdout
+    python benchmarks/diversity.py --json     # the tables as JSON on stdout
+
+A second table times ``measure()`` end to end (checks, chunking, accumulation) against a
+plain forward+backward over the same chunks (``--measure-cases``).
 
 Fast engines (plain, hooks, BackPACK) are timed interleaved on the full batch; the slow ones
 (vmap, loop, Opacus) once, on ``--slow-batch`` examples, scaled linearly to the batch. S is
@@ -36,140 +39,66 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from batchbound.diversity import per_example_stats
+from batchbound.diversity import PreparedStats, measure
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_models import CASES, BasicBlock, Case, classification_loss
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-# ---------------------------------------------------------------- models
-
-
-def mlp() -> nn.Module:
-    return nn.Sequential(
-        nn.Flatten(),
-        nn.Linear(784, 512),
-        nn.ReLU(),
-        nn.Linear(512, 512),
-        nn.ReLU(),
-        nn.Linear(512, 512),
-        nn.ReLU(),
-        nn.Linear(512, 10),
-    )
-
-
-def lenet5() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(1, 6, 5, padding=2),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(6, 16, 5),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(400, 120),
-        nn.ReLU(),
-        nn.Linear(120, 84),
-        nn.ReLU(),
-        nn.Linear(84, 10),
-    )
-
-
-class BasicBlock(nn.Module):
-    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c_out)
-        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c_out)
-        self.relu = nn.ReLU()
-        self.shortcut: nn.Module = nn.Identity()
-        if stride != 1 or c_in != c_out:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out)
-            )
-
-    def forward(self, x: Tensor) -> Tensor:
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return self.relu(out + self.shortcut(x))
-
-
-def small_resnet() -> nn.Module:
-    """ResNet-8 for 3×32×32 inputs: stem, one basic block per stage (16, 32, 64), head."""
-    return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1, bias=False),
-        nn.BatchNorm2d(16),
-        nn.ReLU(),
-        BasicBlock(16, 16, 1),
-        BasicBlock(16, 32, 2),
-        BasicBlock(32, 64, 2),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(64, 10),
-    )
-
-
-@dataclass
-class Case:
-    name: str
-    build: Callable[[], nn.Module]
-    input_shape: tuple[int, ...]
-    batch: int
-
-
-CASES = [
-    Case("MLP 784-512-512-512-10", mlp, (1, 28, 28), 1024),
-    Case("LeNet-5", lenet5, (1, 28, 28), 256),
-    Case("ResNet-8 (BatchNorm, eval)", small_resnet, (3, 32, 32), 64),
-]
-CASE_KEYS = dict(zip(("mlp", "lenet", "resnet"), CASES, strict=True))
-
-
 # ---------------------------------------------------------------- engines
-# Each engine factory gets (model, x, y) and returns a step () -> S (a float).
+# Each engine factory gets (model, x, y, per-example loss) and returns a step () -> S.
+Loss = Callable[[Tensor, Tensor], Tensor]
 
 
-def plain_engine(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], float]:
+def plain_engine(model: nn.Module, x: Tensor, y: Tensor, loss: Loss) -> Callable[[], float]:
     def step() -> float:
         model.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y, reduction="sum").backward()
+        loss(model(x), y).sum().backward()
         return float("nan")
 
     return step
 
 
-def batchbound_engine(name: str) -> Callable[[nn.Module, Tensor, Tensor], Callable[[], float]]:
-    def factory(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], float]:
+def batchbound_engine(name: str) -> Callable[..., Callable[[], float]]:
+    """One PreparedStats per model, as a training loop keeps it: the model is checked on the
+    warm-up call; ``measure`` end to end (below) pays that check on every call."""
+
+    def factory(model: nn.Module, x: Tensor, y: Tensor, loss: Loss) -> Callable[[], float]:
+        stats_of = PreparedStats(model, loss, engine=name)
+
         def step() -> float:
-            return per_example_stats(model, x, y, "cross_entropy", engine=name).S
+            return stats_of(x, y).S
 
         return step
 
     return factory
 
 
-def backpack_engine(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], float]:
+def backpack_engine(model: nn.Module, x: Tensor, y: Tensor, loss: Loss) -> Callable[[], float]:
     from backpack import backpack, extend
     from backpack.extensions import BatchL2Grad
 
+    if loss is not classification_loss:
+        raise NotImplementedError("BackPACK's losses take (n, classes) outputs only")
     residual = any(isinstance(m, BasicBlock) for m in model.modules())
     net = extend(copy.deepcopy(model), use_converter=residual)
-    loss = extend(nn.CrossEntropyLoss(reduction="sum"))
+    summed = extend(nn.CrossEntropyLoss(reduction="sum"))
 
     def step() -> float:
         net.zero_grad(set_to_none=True)
         with backpack(BatchL2Grad()), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # BackPACK's full-backward-hook notice
-            loss(net(x), y).backward()
+            summed(net(x), y).backward()
         return float(sum(p.batch_l2.sum() for p in net.parameters()))
 
     return step
 
 
-def opacus_engine(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], float]:
+def opacus_engine(model: nn.Module, x: Tensor, y: Tensor, loss: Loss) -> Callable[[], float]:
     from opacus import GradSampleModule
 
     # Opacus records activations only in train mode; these models have no dropout, and
@@ -180,14 +109,14 @@ def opacus_engine(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], float]
         net.zero_grad(set_to_none=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Opacus's full-backward-hook notice
-            F.cross_entropy(net(x), y, reduction="sum").backward()
+            loss(net(x), y).sum().backward()
         n = x.shape[0]
         return float(sum(p.grad_sample.reshape(n, -1).square().sum() for p in net.parameters()))
 
     return step
 
 
-ENGINES: dict[str, Callable[[nn.Module, Tensor, Tensor], Callable[[], float]]] = {
+ENGINES: dict[str, Callable[..., Callable[[], float]]] = {
     "plain fwd+bwd": plain_engine,
     "batchbound hooks": batchbound_engine("hooks"),
     "batchbound vmap": batchbound_engine("vmap"),
@@ -246,17 +175,16 @@ def run_case(case: Case, repeats: int, slow_batch: int, engines: list[str]) -> l
     after a warm-up on ``slow_batch`` examples, scaled linearly to the case's batch."""
     torch.manual_seed(0)
     model = case.build().eval()
-    x = torch.randn(case.batch, *case.input_shape)
-    y = torch.randint(0, 10, (case.batch,))
+    x, y = case.inputs(case.batch)
     check = min(64, case.batch)  # S is checked against the loop engine on these examples
-    reference = batchbound_engine("loop")(model, x[:check], y[:check])()
+    reference = batchbound_engine("loop")(model, x[:check], y[:check], case.loss)()
     rows: dict[str, Row] = {}
     steps: dict[str, Callable[[], float]] = {}
     for name in engines:
         batch = min(slow_batch, case.batch) if name in SLOW else case.batch
         try:
-            s = ENGINES[name](model, x[:check], y[:check])()
-            steps[name] = ENGINES[name](model, x[:batch], y[:batch])
+            s = ENGINES[name](model, x[:check], y[:check], case.loss)()
+            steps[name] = ENGINES[name](model, x[:batch], y[:batch], case.loss)
             steps[name]()  # warm-up
             peak = peak_rss_above_start(steps[name]) / 2**20
         except Exception as exc:  # a comparison library that cannot handle this model
@@ -282,6 +210,58 @@ def run_case(case: Case, repeats: int, slow_batch: int, engines: list[str]) -> l
         if row.seconds is not None and plain:
             row.ratio = row.seconds / plain
     return list(rows.values())
+
+
+# ---------------------------------------------------------------- measure() end to end
+# What a user calls: ``measure`` over a data set in chunks, the model checked anew on every
+# call (the probe at two batch sizes, the per-example loop on two examples), against a plain
+# forward+backward over the same chunks.
+MEASURE_SIZES = {"mlp": (4096, 256), "lenet": (2048, 256), "resnet": (512, 64), "gpt": (512, 32)}
+
+
+@dataclass
+class MeasureRow:
+    case: str
+    examples: int
+    chunk: int
+    plain_seconds: float
+    measure_seconds: float
+    ratio: float
+    fallback: list[str]
+
+
+def run_measure(case: Case, examples: int, chunk: int, repeats: int) -> MeasureRow:
+    torch.manual_seed(0)
+    model = case.build().eval()
+    x, y = case.inputs(examples)
+
+    def plain() -> None:
+        for start in range(0, examples, chunk):
+            model.zero_grad(set_to_none=True)
+            case.loss(model(x[start : start + chunk]), y[start : start + chunk]).sum().backward()
+
+    def whole() -> list[str]:
+        report = measure(model, (x, y), case.loss, chunk_size=chunk)
+        return list(report.extra["fallback_parameters"])
+
+    fallback = whole()  # warm-up
+    plain()
+    times: dict[str, list[float]] = {"plain": [], "measure": []}
+    for _ in range(repeats):
+        for name, run in (("plain", plain), ("measure", whole)):
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    p, m = statistics.median(times["plain"]), statistics.median(times["measure"])
+    return MeasureRow(case.name, examples, chunk, p, m, m / p, fallback)
+
+
+def print_measure_table(rows: list[MeasureRow]) -> None:
+    print("| case | examples / chunk | plain fwd+bwd s | measure() s | × plain | fallback |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r.case} | {r.examples} / {r.chunk} | {r.plain_seconds:.3f} | "
+              f"{r.measure_seconds:.3f} | {r.ratio:.2f} | {', '.join(r.fallback) or 'none'} |")
 
 
 def print_table(rows: list[Row]) -> None:
@@ -310,13 +290,21 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated subset of: " + ", ".join(ENGINES),
     )
     parser.add_argument(
-        "--cases", default="mlp,lenet,resnet", help="comma-separated subset of: mlp, lenet, resnet"
+        "--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES)
+    )
+    parser.add_argument(
+        "--measure-cases", default="mlp,gpt",
+        help="cases to time measure() end to end on (comma-separated, or 'none'); sizes: "
+        + ", ".join(f"{k} {n} examples in chunks of {c}" for k, (n, c) in MEASURE_SIZES.items()),
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    keys = [c.strip() for c in args.cases.split(",")]
-    if any(k not in CASE_KEYS for k in keys):
-        parser.error(f"unknown cases {keys}; choose from {list(CASE_KEYS)}")
+    keys = [c.strip() for c in args.cases.split(",") if c.strip()]
+    measure_keys = [] if args.measure_cases == "none" else [
+        c.strip() for c in args.measure_cases.split(",") if c.strip()]
+    for chosen in (keys, measure_keys):
+        if any(k not in CASES for k in chosen):
+            parser.error(f"unknown cases {chosen}; choose from {list(CASES)}")
     engines = [e.strip() for e in args.engines.split(",")]
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
@@ -326,17 +314,26 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 3 if args.quick else args.repeats
     slow_batch = 32 if args.quick else args.slow_batch
     rows: list[Row] = []
-    for case in (CASE_KEYS[k] for k in keys):
+    for case in (CASES[k] for k in keys):
         rows += run_case(case, repeats, slow_batch, engines)
         print(f"done: {case.name}", file=sys.stderr)
+    measured = []
+    for key in measure_keys:
+        examples, chunk = MEASURE_SIZES[key]
+        measured.append(run_measure(CASES[key], examples, chunk, max(3, repeats // 2)))
+        print(f"done: measure() on {CASES[key].name}", file=sys.stderr)
     if args.json:
-        print(json.dumps([asdict(r) for r in rows], indent=2))
+        print(json.dumps({"engines": [asdict(r) for r in rows],
+                          "measure": [asdict(r) for r in measured]}, indent=2))
     else:
         print(
             f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), median of "
             f"{repeats} interleaved rounds; peak MB = RSS peak above the pre-run RSS"
         )
         print_table(rows)
+        if measured:
+            print(f"\nmeasure() end to end, median of {max(3, repeats // 2)} interleaved rounds")
+            print_measure_table(measured)
     return 0
 
 

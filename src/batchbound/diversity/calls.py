@@ -66,6 +66,7 @@ class CallRecord:
 
 
 _SIGNATURES: dict[type, inspect.Signature] = {}
+_POSITIONAL: dict[type, list[str] | None] = {}  # names, when positional calls bind by order
 
 
 def _signature(module: nn.Module) -> inspect.Signature:
@@ -82,8 +83,20 @@ def first_argument(module: nn.Module) -> str:
     return names[1] if len(names) > 1 else ""
 
 
+def _positional(module: nn.Module) -> list[str] | None:
+    kind = type(module)
+    if kind not in _POSITIONAL:
+        params = list(_signature(module).parameters.values())[1:]
+        simple = all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+        _POSITIONAL[kind] = [p.name for p in params] if simple else None
+    return _POSITIONAL[kind]
+
+
 def bind(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The forward's arguments by name."""
+    names = _positional(module)
+    if not kwargs and names is not None and len(args) <= len(names):
+        return dict(zip(names, args, strict=False))  # the common case, without inspect
     signature = _signature(module)
     try:
         bound = signature.bind(module, *args, **kwargs)

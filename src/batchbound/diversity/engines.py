@@ -42,14 +42,16 @@ def loop_sq_norms(
     names: Sequence[str],
     *,
     offset: int = 0,
+    sums: bool = True,
 ) -> tuple[SqNorms, GradSums, Tensor]:
-    """One backward per example: squared norms and gradient sums of the parameters ``names``,
-    and the losses."""
+    """One backward per example: squared norms and (with ``sums``) gradient sums of the
+    parameters ``names``, and the losses."""
     params = dict(model.named_parameters())
     tensors = [params[name] for name in names]
     n = x.shape[0]
     sq_norms = {name: p.new_zeros(n) for name, p in zip(names, tensors, strict=True)}
-    grad_sum = {name: torch.zeros_like(p) for name, p in zip(names, tensors, strict=True)}
+    grad_sum = {name: torch.zeros_like(p) for name, p in zip(names, tensors, strict=True)
+                } if sums else {}
     losses = []
     for i in range(n):
         value = loss_fn(model(x[i : i + 1]), y[i : i + 1])
@@ -58,8 +60,9 @@ def loop_sq_norms(
         for name, g in zip(names, grads, strict=True):
             if g is not None:
                 g = g.to_dense() if g.is_sparse else g
-                sq_norms[name][i] = g.square().sum()
-                grad_sum[name] += g
+                sq_norms[name][i] = torch.linalg.vector_norm(g).square()
+                if sums:
+                    grad_sum[name] += g
         losses.append(value.detach())
     return sq_norms, grad_sum, torch.cat(losses)
 

@@ -166,28 +166,47 @@ def _accumulate(
     progress: bool,
 ) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor], list[str]]:
     """Sums over this rank's chunks, in float64 on the model's device: (n, Σ loss, per-parameter
-    S, per-parameter Σg), and the parameters the vmap fallback handled."""
+    S, per-parameter Σg), and the parameters an exact fallback handled.
+
+    The gradient sum is gathered in the model's own dtype over blocks of ``BLOCK`` chunks
+    (no less precise than one chunk of that many examples) and each block is added into
+    float64: converting every chunk's gradient to float64 cost 5 % of a forward+backward."""
     from tqdm.auto import tqdm
 
     stats_of = PreparedStats(work, loss_fn, engine)
     params = stats_of.params
     first = next(iter(params.values()))
     device, dtype, acc = first.device, first.dtype, torch.float64
-    per_param = [torch.zeros((), dtype=acc, device=device) for _ in params]
+    per_param = torch.zeros(len(params), dtype=acc, device=device)
     grad_sum = [torch.zeros(p.shape, dtype=acc, device=device) for p in params.values()]
+    block = [torch.zeros_like(p) for p in params.values()]
     loss_sum = torch.zeros((), dtype=acc, device=device)
-    seen, fallback = 0, set()
+    seen, fallback, chunks_in_block = 0, set(), 0
     with tqdm(total=n_known, unit="ex", file=sys.stderr, disable=not progress, leave=False) as bar:
         for x, y in chunks:
             x = x.to(device=device, dtype=dtype if x.dtype.is_floating_point else None)
             y = y.to(device=device, dtype=dtype if y.dtype.is_floating_point else None)
             stats = stats_of(x, y, offset=seen)
+            per_param += torch.stack([stats.sq_norms[k] for k in params]).sum(dim=1, dtype=acc)
             for i, name in enumerate(params):
-                per_param[i] += stats.sq_norms[name].sum(dtype=acc)
-                grad_sum[i] += stats.grad_sum[name].to(acc)
+                block[i].add_(stats.grad_sum[name].reshape(block[i].shape))
+            chunks_in_block += 1
+            if chunks_in_block == BLOCK:
+                _flush(grad_sum, block)
+                chunks_in_block = 0
             loss_sum += stats.losses.sum(dtype=acc)
             seen += stats.n
             fallback.update(stats.fallback)
             bar.update(stats.n)
+    _flush(grad_sum, block)
     count = torch.tensor(float(seen), dtype=acc, device=device)
-    return count, loss_sum, per_param, grad_sum, sorted(fallback)
+    return count, loss_sum, list(per_param.unbind()), grad_sum, sorted(fallback)
+
+
+BLOCK = 16
+
+
+def _flush(totals: list[Tensor], block: list[Tensor]) -> None:
+    for total, part in zip(totals, block, strict=True):
+        total.add_(part)
+        part.zero_()

@@ -26,7 +26,7 @@ from batchbound.diversity.engines import (
 )
 from batchbound.diversity.hooks import HookPlan, Layout, hooks_stats, plan_hooks
 from batchbound.diversity.losses import PerExampleLoss, check_finite, resolve_loss
-from batchbound.diversity.probe import INTERACTING, probe_layout, self_check
+from batchbound.diversity.probe import INTERACTING, check_rows, probe_layout, self_check
 from batchbound.diversity.stats import (
     ENGINES,
     PerExampleStats,
@@ -67,7 +67,7 @@ class PreparedStats:
         self.plan: HookPlan | None = plan_hooks(model, self.params) if engine in (
             "auto", "hooks") else None
         self.layout: Layout | None = None
-        self.checked: dict[str, str] = {}  # parameters that failed the first chunk's check
+        self.checked: dict[str, str] | None = None  # parameters that failed the check
         self.fallback = "vmap"  # "loop" once vmap has failed on this model
         self._warned: set[str] = set()
         self._vmap_error = ""
@@ -85,29 +85,41 @@ class PreparedStats:
                     raise BatchboundError(f"{exc}; use engine='auto' or 'loop'") from None
             if x.shape[0] == 1:
                 return self._one_example(x, y, offset)
-            self._check(x, y, offset)
+            if self.layout is None:
+                self._probe(x, y, offset)
+            if self.checked is None and any(m.training for m in self.model.modules()):
+                self._checked(self_check(self.model, x, y, self.loss_fn, self.plan,
+                                         self.params, self.layout, self.plan.static_reasons()))
             if self.checked and all(r == INTERACTING for r in self.checked.values()):
                 return self._whole_model_fallback(x, y, offset)
             return self._hooks(x, y, offset)
 
-    def _check(self, x: Tensor, y: Tensor, offset: int) -> None:
-        if self.layout is not None:
-            return
+    def _probe(self, x: Tensor, y: Tensor, offset: int) -> None:
         assert self.plan is not None
-        with torch.no_grad():  # the user's chunk first: errors name their shapes and examples
-            check_finite(self.loss_fn(self.model(x), y), offset)
-        self.layout = probe_layout(self.model, x, self.plan, self.params)
-        self.checked = self_check(self.model, x, y, self.loss_fn, self.plan, self.params,
-                                  self.layout, self.plan.static_reasons())
-        if self.checked and self.engine == "hooks":
+        try:
+            self.layout = probe_layout(self.model, x, self.plan, self.params)
+        except BatchboundError:
+            with torch.no_grad():  # an error of the user's data: say it in their shapes
+                check_finite(self.loss_fn(self.model(x), y), offset)
+            raise
+
+    def _checked(self, reasons: dict[str, str]) -> None:
+        self.checked = reasons
+        if reasons and self.engine == "hooks":
             raise BatchboundError(f"engine='hooks' cannot compute these parameters' per-example "
-                                  f"gradients exactly: {describe(self.checked)}")
+                                  f"gradients exactly: {describe(reasons)}")
 
     def _hooks(self, x: Tensor, y: Tensor, offset: int) -> PerExampleStats:
         assert self.plan is not None and self.layout is not None
         start = time.perf_counter()
+        excluded = self.checked if self.checked is not None else self.plan.static_reasons()
         result = hooks_stats(self.model, x, y, self.loss_fn, self.plan, self.params,
-                             self.layout, excluded=self.checked, offset=offset)
+                             self.layout, excluded=excluded, offset=offset)
+        if self.checked is None:  # the first chunk, in eval mode: check it against the loop
+            self._checked(check_rows(self.model, x, y, self.loss_fn, self.params,
+                                     result.sq_norms, result.losses))
+            if self.checked:
+                return self(x, y, offset)
         if not result.reasons:
             sq_norms = {name: result.sq_norms[name] for name in self.params}
             return PerExampleStats(result.losses, sq_norms, result.grad_sum)

@@ -9,10 +9,12 @@ input does not change at all has no example axis (a position embedding of ``aran
 No constant dimension is 2 in one run and 3 in the other, and a flattened (n·T, d) input
 follows n·T, not n, so neither a coincidence nor flattening passes.
 
-Then the rules run on 3 examples beside the per-example loop, in eval mode (dropout draws
-no masks), and a parameter whose norms or gradient sum disagree is left to the exact
-fallback. This safety net under the structural checks also catches models whose examples
-interact within a batch (f_i then depends on the other examples).
+Then the rules' results for a few examples are compared with the per-example loop's: on
+the first chunk itself when the model is in eval mode (as ``measure`` runs it), else on 3
+examples run in eval mode (dropout draws no masks). A parameter whose norms (or gradient
+sum) disagree is left to the exact fallback. This safety net under the structural checks
+also catches models whose examples interact within a batch (f_i then depends on the
+others).
 """
 
 from __future__ import annotations
@@ -60,20 +62,31 @@ def rng_kept(params: dict[str, nn.Parameter]) -> Iterator[None]:
 def probe_layout(
     model: nn.Module, x: Tensor, plan: HookPlan, params: dict[str, nn.Parameter]
 ) -> Layout:
-    """Run the model at 2 and at 3 examples and read each call's example axis."""
-    records = []
+    """Run the model at 2 and at 3 examples and read each call's example axis. The backward
+    passes, which show where a batch-less output is broadcast, run only if a call needs it."""
+    runs, roots = [], []
     with rng_kept(params):
-        for count in PROBE_SIZES:
-            run = HooksPass(plan, params, None, count)
-            try:
+        try:
+            for count in PROBE_SIZES:
+                run = HooksPass(plan, params, None, count)
+                runs.append(run)
                 root = output_sum(run.forward(model, examples(x, count)))
                 if root is not None:
                     run.attach([root.grad_fn])
+                roots.append(root)
+            layout = _layout(runs[0].shapes, runs[1].shapes)
+            if any(c.axis is None and c.reason for c in layout.values()) and all(
+                    r is not None for r in roots):
+                for root in roots:
                     gradients(root, list(params.values()))
-            finally:
+                layout = _layout(runs[0].shapes, runs[1].shapes)
+        finally:
+            for run in runs:
                 run.close()
-            records.append(run.shapes)
-    small, large = records
+    return layout
+
+
+def _layout(small: dict, large: dict) -> Layout:
     layout = {key: _derive(shapes, large.get(key)) for key, shapes in small.items()}
     for key in large.keys() - small.keys():
         layout[key] = CallLayout(reason=f"it ran at {PROBE_SIZES[1]} examples but not at "
@@ -128,6 +141,38 @@ def tolerance(dtype: torch.dtype) -> float:
     return 5e-2
 
 
+def disagreements(
+    fast_sq: dict[str, Tensor],
+    fast_losses: Tensor,
+    slow_sq: dict[str, Tensor],
+    slow_losses: Tensor,
+    dtype: torch.dtype,
+    fast_sum: dict[str, Tensor] | None = None,
+    slow_sum: dict[str, Tensor] | None = None,
+) -> dict[str, str]:
+    """Parameter -> reason, for each parameter whose per-example norms from the rules
+    (``fast_*``, rows matching the loop's examples) disagree with the per-example loop's
+    (``slow_*``); every parameter when the examples' losses differ (they interact)."""
+    rtol = tolerance(dtype)
+    count = int(slow_losses.shape[0])
+    scale = float(slow_losses.abs().max()) + 1e-30
+    if float((fast_losses - slow_losses).abs().max()) > rtol * scale:
+        return dict.fromkeys(slow_sq, INTERACTING)
+    per_example = torch.stack(list(slow_sq.values())).sum(dim=0)
+    floor = float(per_example.max()) * rtol + 1e-300
+    norm = math.sqrt(float(per_example.sum())) + 1e-300
+    reasons = {}
+    for name, sq in fast_sq.items():
+        worst = float(((sq - slow_sq[name]).abs() / (per_example + floor)).max())
+        if fast_sum is not None and slow_sum is not None:
+            gap = torch.linalg.vector_norm(fast_sum[name] - slow_sum[name])
+            worst = max(worst, float(gap) / norm)
+        if worst > rtol:
+            reasons[name] = ("its layer rule disagreed with the per-example loop on a check of "
+                             f"{count} examples (relative error {worst:.1e})")
+    return reasons
+
+
 def self_check(
     model: nn.Module,
     x: Tensor,
@@ -138,25 +183,31 @@ def self_check(
     layout: Layout,
     excluded: dict[str, str],
 ) -> dict[str, str]:
-    """The rules beside the per-example loop on 3 examples: parameter -> reason, for each
-    parameter whose rule disagreed (every parameter when the examples interact)."""
+    """The rules beside the per-example loop on 3 examples, in eval mode (for a model in
+    train mode, whose dropout masks the loop could not replay): see ``disagreements``."""
     xs, ys = examples(x, 3), examples(y, 3)
     with eval_mode(model), rng_kept(params):
         fast = hooks_stats(model, xs, ys, loss_fn, plan, params, layout, excluded=excluded)
         slow_sq, slow_sum, slow_losses = loop_sq_norms(model, xs, ys, loss_fn, list(params))
-    rtol = tolerance(next(iter(params.values())).dtype)
-    scale = float(slow_losses.abs().max()) + 1e-30
-    if float((fast.losses - slow_losses).abs().max()) > rtol * scale:
-        return dict.fromkeys(params, INTERACTING)
-    per_example = torch.stack(list(slow_sq.values())).sum(dim=0)
-    floor = float(per_example.max()) * rtol + 1e-300
-    norm = math.sqrt(float(per_example.sum())) + 1e-300
-    reasons = {}
-    for name, sq in fast.sq_norms.items():
-        err = float(((sq - slow_sq[name]).abs() / (per_example + floor)).max())
-        sum_err = float(torch.linalg.vector_norm(fast.grad_sum[name] - slow_sum[name])) / norm
-        worst = max(err, sum_err)
-        if worst > rtol:
-            reasons[name] = ("its layer rule disagreed with the per-example loop on a check of "
-                             f"3 examples (relative error {worst:.1e})")
-    return reasons
+    dtype = next(iter(params.values())).dtype
+    return disagreements(fast.sq_norms, fast.losses, slow_sq, slow_losses, dtype,
+                         fast.grad_sum, slow_sum)
+
+
+def check_rows(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    loss_fn: PerExampleLoss,
+    params: dict[str, nn.Parameter],
+    fast_sq: dict[str, Tensor],
+    fast_losses: Tensor,
+    count: int = 2,
+) -> dict[str, str]:
+    """The rules' results for the first ``count`` examples of a chunk just computed (a model
+    in eval mode) beside the per-example loop's: see ``disagreements``."""
+    slow_sq, _, slow_losses = loop_sq_norms(model, x[:count], y[:count], loss_fn, list(params),
+                                            sums=False)
+    rows = {name: sq[:count] for name, sq in fast_sq.items()}
+    dtype = next(iter(params.values())).dtype
+    return disagreements(rows, fast_losses[:count], slow_sq, slow_losses, dtype)

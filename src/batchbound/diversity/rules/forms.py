@@ -63,15 +63,15 @@ class PerExampleGrad:
 
 
 class Dense(PerExampleGrad):
-    def __init__(self, grads: Tensor) -> None:
-        self.grads = grads
+    def __init__(self, grads: Tensor, sq_norms: Tensor | None = None) -> None:
+        self.grads, self._sq = grads, sq_norms  # sq_norms: when the rule has them already
 
     @property
     def n(self) -> int:
         return int(self.grads.shape[0])
 
     def sq_norms(self) -> Tensor:
-        return _row_sq(self.grads)
+        return _row_sq(self.grads) if self._sq is None else self._sq
 
     def dense(self) -> Tensor:
         return self.grads
@@ -110,9 +110,10 @@ class Outer(PerExampleGrad):
     """Σ_t u_t v_tᵀ per example (see the module docstring)."""
 
     def __init__(self, u: Tensor, v: Tensor, rows: int | None = None,
-                 batch_sum_exact: bool = True) -> None:
+                 batch_sum_exact: bool = True, sq_norms: Tensor | None = None) -> None:
         self.u, self.v, self.rows = u, v, rows
         self.batch_sum_exact = batch_sum_exact
+        self._sq = sq_norms  # when the rule has them already
 
     @property
     def n(self) -> int:
@@ -135,7 +136,8 @@ class Outer(PerExampleGrad):
         return self.rows is not None
 
     def part(self, rows: slice) -> Outer:
-        return Outer(self.u[rows], self.v[rows], self.rows, self.batch_sum_exact)
+        sq = None if self._sq is None else self._sq[rows]
+        return Outer(self.u[rows], self.v[rows], self.rows, self.batch_sum_exact, sq)
 
     def _keys(self) -> Tensor:
         """Row index + p·example, flattened: one key per (example, row) pair."""
@@ -144,6 +146,8 @@ class Outer(PerExampleGrad):
         return (example * self.p + self.u.long()).reshape(-1)
 
     def sq_norms(self) -> Tensor:
+        if self._sq is not None:
+            return self._sq
         if self.indexed:  # sum v over positions sharing (example, row); no n·p·q tensor
             unique, inverse = torch.unique(self._keys(), return_inverse=True)
             sums = self.v.new_zeros(unique.numel(), self.q)

@@ -88,6 +88,8 @@ def _step(m: nn.Module, d: _Direction, t: int, h: Tensor, c: Tensor) -> tuple[Te
     gi = d.gi[:, t]
     gh = _linear(h, m, "hh", d.suffix)
     if m.mode == "GRU":
+        if not gh.requires_grad:  # the first step from a state that needs no gradient
+            gh.requires_grad_()
         d.gh.append(gh)
         ir, iz, i_n = gi.chunk(3, dim=1)
         hr, hz, h_n = gh.chunk(3, dim=1)

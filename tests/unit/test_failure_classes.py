@@ -1,0 +1,270 @@
+"""The classes of silent error found by trying models the engine was not designed around,
+each as its own test: the engine is exact against the float64 per-example loop, or refuses
+with a BatchboundError naming the parameter and the reason. Each failed on batchbound 0.1
+(a wrong number, a raw torch error, or a crash)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from outside_models import (
+    LSTMLanguageModel,
+    MaskedEncoderClassifier,
+    NanoGPT,
+    sequence_loss,
+)
+from reference import assert_exact, feature_loss, feature_targets
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from batchbound.diversity import measure, per_example_stats
+from batchbound.errors import BatchboundError
+
+
+def tokens(n: int = 5, steps: int = 8, vocab: int = 40, seed: int = 0) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, vocab, (n, steps), generator=g),
+            torch.randint(0, vocab, (n, steps), generator=g))
+
+
+# ---------------------------------------------- 1. a parameter used outside its module
+
+
+def test_class1_tied_head_written_as_a_matmul() -> None:
+    torch.manual_seed(0)
+    model, (x, y) = NanoGPT(head="matmul"), tokens()
+    assert_exact(model, x, y, sequence_loss, fallback=True,
+                 warns=r"used outside its module's call.*transformer\.wte\.weight")
+    with pytest.raises(BatchboundError, match=r"used outside its module's call.*wte\.weight"):
+        per_example_stats(model, x, y, sequence_loss, engine="hooks")
+
+
+class FunctionalUses(nn.Module):
+    """A module's weight used again through F.linear, and an embedding table indexed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.emb = nn.Embedding(10, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.fc(x[:, :4]))
+        h = F.linear(h, self.fc.weight)  # the same weight, outside fc's call
+        return h + self.emb.weight[x[:, 4].long().clamp(0, 9)]  # indexing, no module call
+
+
+def test_class1_weight_reused_through_functional_linear_and_indexing() -> None:
+    torch.manual_seed(1)
+    x = torch.cat([torch.randn(6, 4), torch.randint(0, 10, (6, 1)).float()], dim=1)
+    model = FunctionalUses()
+    y = feature_targets(model.double(), x.double())
+    assert_exact(model, x, y, feature_loss, fallback=True,
+                 warns=r"used outside its module's call.*(fc\.weight.*emb\.weight|emb\.weight"
+                       r".*fc\.weight)")
+    with pytest.raises(BatchboundError, match="used outside its module's call"):
+        per_example_stats(model, x.double(), y, feature_loss, engine="hooks")
+
+
+# ----------------------------------------- 2. dimension 0 is not the example axis
+
+
+def test_class2_position_embedding_of_arange_is_exact_under_the_rules() -> None:
+    torch.manual_seed(2)
+    model, (x, y) = NanoGPT(head="tied"), tokens()
+    assert_exact(model, x, y, sequence_loss, engine="hooks")
+
+
+class LearnedQuery(nn.Module):
+    """Learned queries through a Linear: the Linear's input has no example axis, and its
+    output meets the examples through a matrix product, not a broadcast addition."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries = nn.Parameter(torch.randn(3, 4))
+        self.q = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (n, T, 4)
+        weights = torch.softmax(self.q(self.queries) @ x.transpose(1, 2), dim=-1)  # (n, 3, T)
+        return self.out(weights @ x).mean(dim=1)
+
+
+def test_class2_learned_query_through_a_linear() -> None:
+    torch.manual_seed(3)
+    model, x = LearnedQuery(), torch.randn(4, 3, 4)  # 3 queries, 3 positions: n is neither
+    y = feature_targets(model.double(), x.double())
+    assert_exact(model, x, y, feature_loss, fallback=True, warns=r"no example axis.*q\.weight")
+    with pytest.raises(BatchboundError, match=r"no example axis"):
+        per_example_stats(model, x.double(), y, feature_loss, engine="hooks")
+
+
+class SequenceFirstInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (n, T, 4), batch first
+        h = self.norm(self.fc(x.transpose(0, 1)))  # (T, n, 4): sequence first
+        return self.out(torch.tanh(h).mean(dim=0))
+
+
+def test_class2_sequence_first_inside_a_batch_first_model_when_T_equals_n() -> None:
+    torch.manual_seed(4)
+    model, x = SequenceFirstInside(), torch.randn(5, 5, 4)  # T == n: dim 0 looks right
+    y = torch.randint(0, 3, (5,))
+    assert_exact(model, x, y, "cross_entropy", engine="hooks")
+
+
+class Flattened(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, steps, width = x.shape
+        h = self.fc(x.reshape(n * steps, width)).reshape(n, steps, width)
+        return self.out(torch.tanh(h).mean(dim=1))
+
+
+def test_class2_rows_flattened_to_n_times_T() -> None:
+    torch.manual_seed(5)
+    model, x, y = Flattened(), torch.randn(5, 6, 4), torch.randint(0, 3, (5,))
+    assert_exact(model, x, y, "cross_entropy", fallback=True, warns=r"flattened.*fc\.weight")
+    with pytest.raises(BatchboundError, match="flattened"):
+        per_example_stats(model, x.double(), y, "cross_entropy", engine="hooks")
+
+
+def test_class2_a_chunk_the_size_of_a_model_dimension_does_not_fool_measure() -> None:
+    torch.manual_seed(6)
+    model, x = SequenceFirstInside().double(), torch.randn(12, 4, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (12,))
+    exact = measure(model, (x, y), "cross_entropy", engine="loop")
+    for chunk in (4, 5, 12):  # 4 = T: a (T, n, d) chunk is (4, 4, d)
+        got = measure(model, (x, y), "cross_entropy", chunk_size=chunk, engine="hooks")
+        assert pytest.approx(exact.S, rel=1e-10) == got.S
+        assert pytest.approx(exact.T, rel=1e-10) == got.T
+
+
+# ------------------------------------------------------- 3. keyword arguments
+
+
+class KeywordCalls(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(3, 4, 3)
+        self.norm = nn.GroupNorm(2, 4)
+        self.fc = nn.Linear(24, 5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm(self.conv(input=x))
+        return self.fc(input=h.flatten(1))
+
+
+def test_class3_modules_called_with_keyword_arguments() -> None:
+    torch.manual_seed(7)
+    model, x, y = KeywordCalls(), torch.randn(4, 3, 8), torch.randint(0, 5, (4,))
+    assert_exact(model, x, y, "cross_entropy", engine="hooks")
+
+
+# ------------------------------- 4. a per-example gradient unlike the rule's assumption
+
+
+def test_class4_embedding_scale_grad_by_freq_counts_within_each_example() -> None:
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Embedding(6, 4, scale_grad_by_freq=True), nn.Flatten(),
+                          nn.Linear(20, 3))
+    x = torch.tensor([[1, 1, 2, 1, 5], [1, 3, 3, 3, 0], [2, 2, 2, 2, 2], [1, 2, 3, 4, 5]])
+    assert_exact(model, x, torch.randint(0, 3, (4,)), "cross_entropy", engine="hooks")
+
+
+def test_class4_embedding_max_norm_renormalises_rows_it_uses() -> None:
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Embedding(6, 4, max_norm=0.5), nn.Flatten(), nn.Linear(12, 3))
+    x = torch.randint(0, 6, (5, 3))
+    assert_exact(model, x, torch.randint(0, 3, (5,)), "cross_entropy")
+
+
+# --------------------------------------------------------- 5. fallbacks that crashed
+
+
+class RecurrentWithOutsideUse(nn.Module):
+    """An LSTM whose input weights are also read outside its call: they need the fallback,
+    and torch.func vmap cannot run an LSTM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = LSTMLanguageModel(vocab=12, emb=4, hidden=5, layers=2)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.lm(idx) + self.lm.rnn.weight_ih_l0.sum()
+
+
+def test_class5_recurrent_layers_when_vmap_cannot_run_them() -> None:
+    torch.manual_seed(10)
+    model = RecurrentWithOutsideUse()
+    x, y = tokens(n=4, steps=5, vocab=12)
+    assert_exact(model, x, y, sequence_loss, fallback=True,
+                 warns=r"per-example loop.*vmap cannot run this model")
+    with pytest.raises(BatchboundError, match=r"torch\.func\.vmap cannot run this model"):
+        per_example_stats(model, x, y, sequence_loss, engine="vmap")
+
+
+def test_class5_transformer_encoder_with_a_padding_mask() -> None:
+    torch.manual_seed(11)
+    model = MaskedEncoderClassifier().eval()
+    x = torch.randint(1, 20, (5, 7))
+    x[0, 4:] = 0
+    x[3, 2:] = 0
+    y = torch.randint(0, 3, (5,))
+    assert_exact(model, x, y, "cross_entropy", engine="hooks")
+    with pytest.raises(BatchboundError, match=r"torch\.func\.vmap cannot run this model"):
+        per_example_stats(model.double(), x, y, "cross_entropy", engine="vmap")
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.pre, self.a, self.b = nn.Linear(5, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+        self.reentrant = reentrant
+
+    def forward(self, x: Tensor) -> Tensor:
+        def segment(t: Tensor) -> Tensor:
+            return torch.tanh(self.a(t))
+
+        return self.b(checkpoint(segment, self.pre(x), use_reentrant=self.reentrant))
+
+
+def test_class5_activation_checkpointing() -> None:
+    torch.manual_seed(12)
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    assert_exact(Checkpointed(reentrant=False), x, y, "cross_entropy", engine="hooks")
+    for engine in ("auto", "hooks", "loop"):
+        with pytest.raises(BatchboundError, match="use_reentrant=False"):
+            per_example_stats(Checkpointed(reentrant=True), x, y, "cross_entropy", engine=engine)
+
+
+# ------------------------------------------------------------ beyond the five classes
+
+
+class BatchMixing(nn.Module):
+    """Each example sees the batch's mean: f_i depends on the other examples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x + 0.5 * x.mean(dim=0, keepdim=True))
+
+
+def test_examples_that_interact_are_measured_one_at_a_time() -> None:
+    torch.manual_seed(13)
+    model, x, y = BatchMixing(), torch.randn(6, 4), torch.randint(0, 3, (6,))
+    assert_exact(model, x, y, "cross_entropy", fallback=True,
+                 warns="examples interact within a batch")
+    with pytest.raises(BatchboundError, match="examples interact within a batch"):
+        per_example_stats(model, x.double(), y, "cross_entropy", engine="hooks")

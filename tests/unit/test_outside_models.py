@@ -1,0 +1,165 @@
+"""Whole models written as their authors write them (tests/support/outside_models.py), each
+exact with ``engine="auto"`` against the float64 per-example loop (≤ 1e-9 relative), through
+the layer rules alone, and through ``measure``, ``watch`` and ``monitored_step``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from outside_models import (
+    LSTMLanguageModel,
+    MaskedEncoderClassifier,
+    NanoGPT,
+    WordLanguageModel,
+    resnet,
+    sequence_loss,
+)
+from reference import assert_exact
+from torch import Tensor, nn
+
+from batchbound.diversity import (
+    OnlineDiversity,
+    differential_diversity,
+    measure,
+    mechanism_diversity,
+    monitored_step,
+    per_example_stats,
+    watch,
+)
+
+
+def tokens(n: int, steps: int, vocab: int, seed: int = 0) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, vocab, (n, steps), generator=g),
+            torch.randint(0, vocab, (n, steps), generator=g))
+
+
+def test_nanogpt_with_tied_head_and_position_embeddings() -> None:
+    torch.manual_seed(0)
+    x, y = tokens(6, 8, 40)
+    assert_exact(NanoGPT(), x, y, sequence_loss)
+
+
+@pytest.mark.parametrize("rnn_type", ["LSTM", "GRU", "RNN_TANH"])
+@pytest.mark.parametrize("tie_weights", [False, True])
+def test_word_language_model(rnn_type: str, tie_weights: bool) -> None:
+    torch.manual_seed(1)
+    model = WordLanguageModel(rnn_type, tie_weights=tie_weights).eval()
+    x, y = tokens(5, 7, 30)
+    assert_exact(model, x, y, sequence_loss)
+
+
+@pytest.mark.parametrize("bidirectional,proj_size", [(False, 0), (True, 0), (False, 5)])
+def test_lstm_language_model(bidirectional: bool, proj_size: int) -> None:
+    torch.manual_seed(2)
+    model = LSTMLanguageModel(bidirectional=bidirectional, proj_size=proj_size)
+    x, y = tokens(5, 7, 30)
+    assert_exact(model, x, y, sequence_loss)
+
+
+def test_transformer_encoder_with_padding_mask() -> None:
+    torch.manual_seed(3)
+    x = torch.randint(1, 20, (6, 9))
+    x[1, 5:] = 0
+    x[4, 3:] = 0
+    assert_exact(MaskedEncoderClassifier().eval(), x, torch.randint(0, 3, (6,)),
+                 "cross_entropy")
+
+
+@pytest.mark.parametrize("block", ["basic", "bottleneck"])
+def test_torchvision_style_resnet(block: str) -> None:
+    torch.manual_seed(4)
+    assert_exact(resnet(block), torch.randn(4, 3, 16, 16), torch.randint(0, 5, (4,)),
+                 "cross_entropy")
+
+
+def test_measure_streams_chunks_of_outside_models() -> None:
+    torch.manual_seed(5)
+    model = NanoGPT().double()
+    x, y = tokens(23, 8, 40)
+    exact = measure(model, (x, y), sequence_loss, engine="loop")
+    got = measure(model, (x, y), sequence_loss, chunk_size=8)  # 8 = the context: no matter
+    assert got.extra["fallback_parameters"] == []
+    assert pytest.approx(exact.S, rel=1e-10) == got.S
+    assert pytest.approx(exact.T, rel=1e-10) == got.T
+    for name, value in exact.per_parameter_S.items():
+        assert got.per_parameter_S[name] == pytest.approx(value, rel=1e-9)
+
+
+def test_mechanisms_and_differential_diversity_on_an_lstm() -> None:
+    """Materialised per-example gradients fall back to the loop where vmap cannot run."""
+    torch.manual_seed(6)
+    model = LSTMLanguageModel(vocab=12, emb=4, hidden=5, layers=1).double()
+    x, y = tokens(6, 5, 12)
+    with pytest.warns(UserWarning, match="vmap cannot run this model"):
+        report = mechanism_diversity(model, (x, y), sequence_loss, "quantization")
+    base = measure(model, (x, y), sequence_loss)
+    assert report.base_diversity == pytest.approx(base.diversity, rel=1e-9)
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    with pytest.warns(UserWarning, match="vmap cannot run this model"):
+        diff = differential_diversity(model, moved, (x, y), sequence_loss)
+    assert diff.T > 0 and diff.S >= diff.T / 6 * (1 - 1e-9)  # Δ ≥ 1/n
+
+
+def test_watch_on_nanogpt_reads_the_users_backward_exactly() -> None:
+    torch.manual_seed(7)
+    model = NanoGPT().double()
+    x, y = tokens(6, 8, 40)
+    exact = per_example_stats(copy.deepcopy(model), x, y, sequence_loss, engine="loop")
+    monitor = OnlineDiversity(100, decay=0.0)
+    with watch(model, monitor):
+        sequence_loss(model(x), y).mean().backward()
+    expected = OnlineDiversity(100, decay=0.0)
+    expected.update_from_stats(exact)
+    assert monitor.m2 == pytest.approx(expected.m2, rel=1e-9)
+    assert monitor.cross == pytest.approx(expected.cross, rel=1e-8)
+
+
+def test_watch_refuses_a_regulariser_written_into_the_loss() -> None:
+    from batchbound.errors import BatchboundError
+
+    torch.manual_seed(8)
+    model = NanoGPT().double()
+    x, y = tokens(6, 8, 40)
+    with pytest.raises(BatchboundError, match=r"outside the model's layers.*c_fc\.weight"), \
+            watch(model, OnlineDiversity()):
+        penalty = model.transformer.h[0].mlp.c_fc.weight.square().sum()
+        (sequence_loss(model(x), y).mean() + 0.1 * penalty).backward()
+
+
+def test_monitored_step_on_a_word_language_model() -> None:
+    torch.manual_seed(9)
+    model = WordLanguageModel("LSTM").double().eval()
+    monitor, expected = OnlineDiversity(50), OnlineDiversity(50)
+    for seed in range(3):
+        x, y = tokens(4, 6, 30, seed)
+        model.zero_grad(set_to_none=True)
+        monitored_step(model, x, y, sequence_loss, monitor)
+        exact = per_example_stats(model, x, y, sequence_loss, engine="loop")
+        expected.update_from_stats(exact)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, exact.grad_sum[name] / 4, rtol=1e-9, atol=1e-12)
+    assert monitor.steps == 3
+    assert monitor.m2 == pytest.approx(expected.m2, rel=1e-9)
+    assert monitor.cross == pytest.approx(expected.cross, rel=1e-7)
+
+
+class Unused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.spare = nn.Linear(3, 2), nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.used(x)
+
+
+def test_parameters_no_example_reaches_have_zero_norms() -> None:
+    stats = per_example_stats(Unused().double(), torch.randn(4, 3, dtype=torch.float64),
+                              torch.randint(0, 2, (4,)), "cross_entropy", engine="hooks")
+    assert float(stats.sq_norms["spare.weight"].abs().sum()) == 0.0
+    assert float(stats.grad_sum["spare.bias"].abs().sum()) == 0.0
