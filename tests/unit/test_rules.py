@@ -223,3 +223,34 @@ def test_registry_lists_every_family() -> None:
         nn.BatchNorm3d,
     }
     assert expected <= set(RULES)
+
+
+def test_a_new_rule_as_the_readme_writes_it() -> None:
+    """The README's extension example, verbatim but for the layer, is exact under hooks."""
+    from reference import assert_exact
+
+    from batchbound.diversity.rules import Dense, Outer, register_rule
+
+    class MyLayer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(3, 4))
+            self.bias = nn.Parameter(torch.randn(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.linear(x, self.weight, self.bias)
+
+    @register_rule(MyLayer, params=("weight", "bias"), feature_dims=1)
+    def my_layer_rule(call):  # type: ignore[no-untyped-def]
+        a, b = call.input, call.grad
+        n = a.shape[0]
+        return {"weight": Outer(b.reshape(n, -1, b.shape[-1]), a.reshape(n, -1, a.shape[-1])),
+                "bias": Dense(b.reshape(n, -1, b.shape[-1]).sum(dim=1))}
+
+    try:
+        torch.manual_seed(9)
+        assert_exact(MyLayer(), torch.randn(5, 2, 4), torch.randint(0, 3, (5, 2)),
+                     lambda out, y: nn.functional.cross_entropy(
+                         out.transpose(1, 2), y, reduction="none").sum(1), engine="hooks")
+    finally:
+        del RULES[MyLayer]

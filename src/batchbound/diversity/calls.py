@@ -45,6 +45,10 @@ class CallRecord:
     input_nodes: set[Node]
     outputs: list[Output]
     grads: list[Tensor | None] = field(default_factory=list)
+    main: str = ""  # the argument the rule reads the examples from
+
+    def __post_init__(self) -> None:
+        self.main = self.entry.main or first_argument(self.module)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -54,11 +58,6 @@ class CallRecord:
     def label(self) -> str:
         repeat = f", call {self.index + 1}" if self.index else ""
         return f"{self.prefix or '<root>'} ({type(self.module).__name__}{repeat})"
-
-    @property
-    def main(self) -> str:
-        """The name of the argument the rule reads the examples from."""
-        return self.entry.main or first_argument(self.module)
 
     @property
     def main_input(self) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -37,6 +38,20 @@ from batchbound.diversity.stats import (
     trainable_parameters,
 )
 from batchbound.errors import BatchboundError
+
+# The check of a model (its calls' example axes and the rules' agreement with the loop)
+# depends on its structure and the loss, not on its weights: kept per model, so that
+# measuring the same model again (every half epoch in a study) does not redo it.
+_CHECKS: weakref.WeakKeyDictionary[
+    nn.Module, tuple[tuple, HookPlan, Layout, dict[str, str]]
+] = weakref.WeakKeyDictionary()
+
+
+def _structure(model: nn.Module, params: dict[str, nn.Parameter], loss: object,
+               engine: str) -> tuple:
+    modules = tuple((name, id(m), type(m)) for name, m in model.named_modules())
+    tensors = tuple((name, id(p), tuple(p.shape), p.dtype, p.device) for name, p in params.items())
+    return modules, tensors, loss, engine
 
 
 def describe(reasons: dict[str, str]) -> str:
@@ -64,13 +79,19 @@ class PreparedStats:
         self.loss_fn: PerExampleLoss = resolve_loss(loss)  # type: ignore[arg-type]
         self.params = trainable_parameters(model)
         self.batch_norms = batch_norm_modules(model)
-        self.plan: HookPlan | None = plan_hooks(model, self.params) if engine in (
-            "auto", "hooks") else None
+        self.plan: HookPlan | None = None
         self.layout: Layout | None = None
         self.checked: dict[str, str] | None = None  # parameters that failed the check
         self.fallback = "vmap"  # "loop" once vmap has failed on this model
         self._warned: set[str] = set()
         self._vmap_error = ""
+        self._structure = _structure(model, self.params, loss, engine)
+        if engine in ("auto", "hooks"):
+            cached = _CHECKS.get(model)
+            if cached is not None and cached[0] == self._structure:
+                self.plan, self.layout, self.checked = cached[1], cached[2], dict(cached[3])
+            else:
+                self.plan = plan_hooks(model, self.params)
 
     def __call__(self, x: Tensor, y: Tensor, offset: int = 0) -> PerExampleStats:
         check_chunk(x, y)
@@ -105,6 +126,9 @@ class PreparedStats:
 
     def _checked(self, reasons: dict[str, str]) -> None:
         self.checked = reasons
+        assert self.layout is not None
+        assert self.plan is not None
+        _CHECKS[self.model] = (self._structure, self.plan, self.layout, dict(reasons))
         if reasons and self.engine == "hooks":
             raise BatchboundError(f"engine='hooks' cannot compute these parameters' per-example "
                                   f"gradients exactly: {describe(reasons)}")
