@@ -105,13 +105,16 @@ def test_theorem_7_mechanisms_raise_diversity_when_bound_below_n(n, d, seed, spr
     S, T = float(g.square().sum()), float(g.sum(0).square().sum())
     base = S / T
     R = float((g.norm(dim=1) * g.abs().sum(1)).sum())
+    # The closed forms subtract S from T: their rounding error, relative to Δ, grows like
+    # eps·S/T (a nearly cancelling gradient sum makes T tiny and Δ large).
+    tol = 1e-12 * (1.0 + base)
     for spec in (Mechanism("dropconnect", p=p), Mechanism("sgld", sigma=sigma),
                  Mechanism("quantization")):
         value = diversity_under(spec, S=S, T=T, n=n, d=d, R=R)
         if n * base <= n:  # Theorem 7's hypothesis: B ≤ n, i.e. T ≥ S
-            assert value >= base * (1 - 1e-12)
+            assert value >= base * (1 - tol)
         else:  # beyond it the mechanisms pull Δ towards ≤ the old value: the bound is sharp
-            assert value <= base * (1 + 1e-12)
+            assert value <= base * (1 + tol)
 
 
 def test_quantize_is_unbiased_with_the_stated_second_moment() -> None:
