@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     measured = []
     for key in measure_keys:
         examples, chunk = MEASURE_SIZES[key]
-        measured.append(run_measure(CASES[key], examples, chunk, max(3, repeats // 2)))
+        measured.append(run_measure(CASES[key], examples, chunk, repeats))
         print(f"done: measure() on {CASES[key].name}", file=sys.stderr)
     if args.json:
         print(json.dumps({"engines": [asdict(r) for r in rows],
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print_table(rows)
         if measured:
-            print(f"\nmeasure() end to end, median of {max(3, repeats // 2)} interleaved rounds")
+            print(f"\nmeasure() end to end, median of {repeats} interleaved rounds")
             print_measure_table(measured)
     return 0
 

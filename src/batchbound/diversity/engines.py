@@ -60,7 +60,7 @@ def loop_sq_norms(
         for name, g in zip(names, grads, strict=True):
             if g is not None:
                 g = g.to_dense() if g.is_sparse else g
-                sq_norms[name][i] = torch.linalg.vector_norm(g).square()
+                sq_norms[name][i] = torch.linalg.vector_norm(g, dtype=torch.float64).square()
                 if sums:
                     grad_sum[name] += g
         losses.append(value.detach())
