@@ -268,3 +268,106 @@ def test_examples_that_interact_are_measured_one_at_a_time() -> None:
                  warns="examples interact within a batch")
     with pytest.raises(BatchboundError, match="examples interact within a batch"):
         per_example_stats(model, x.double(), y, "cross_entropy", engine="hooks")
+
+
+# ---------------------------------------- found by an independent pass over the engine
+
+
+class HeadInTheLoss(nn.Module):
+    """The model returns features; the loss applies the model's own head to them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(5, 7), nn.Tanh())
+        self.head = nn.Linear(7, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.body(x)
+
+
+def test_parameters_the_loss_itself_uses_go_to_the_loop() -> None:
+    """functional_call swaps parameters inside the model's forward only: torch.func would see
+    no gradient for a head (or a penalty) written into the loss."""
+    torch.manual_seed(14)
+    model = HeadInTheLoss().double()
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
+
+    def head_loss(features: Tensor, t: Tensor) -> Tensor:
+        return F.cross_entropy(model.head(features), t, reduction="none")
+
+    def penalised(features: Tensor, t: Tensor) -> Tensor:
+        return head_loss(features, t) + 0.1 * model.body[0].weight.square().sum()
+
+    for loss in (head_loss, penalised):
+        assert_exact(model, x, y, loss, fallback=True, warns="used by the loss function")
+        with pytest.raises(BatchboundError, match="loss"):
+            per_example_stats(model, x, y, loss, engine="vmap")
+        with pytest.raises(BatchboundError, match="used by the loss function"):
+            per_example_stats(model, x, y, loss, engine="hooks")
+    exact = measure(model, (x, y), penalised, engine="loop")
+    assert pytest.approx(exact.S, rel=1e-10) == measure(model, (x, y), penalised).S
+
+
+class ScalarIndexed(nn.Module):
+    """One learned segment vector, looked up with a 0-dim index and broadcast over (n, T)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.seg, self.out = nn.Embedding(17, 8), nn.Embedding(2, 8), nn.Linear(8, 3)
+
+    def forward(self, t: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.tok(t) + self.seg(torch.tensor(0))).mean(dim=1))
+
+
+def test_batchless_call_broadcast_over_several_dimensions() -> None:
+    torch.manual_seed(15)
+    x = torch.randint(0, 17, (5, 6))
+    assert_exact(ScalarIndexed(), x, torch.randint(0, 3, (5,)), "cross_entropy", engine="hooks")
+
+
+class TwoHeads(nn.Module):
+    def __init__(self, as_dict: bool) -> None:
+        super().__init__()
+        self.body, self.cls, self.reg = nn.Linear(5, 8), nn.Linear(8, 3), nn.Linear(8, 1)
+        self.as_dict = as_dict
+
+    def forward(self, x: Tensor) -> dict[str, Tensor] | tuple[Tensor, Tensor]:
+        h = torch.tanh(self.body(x))
+        logits, value = self.cls(h), self.reg(h)
+        return {"logits": logits, "value": value} if self.as_dict else (logits, value)
+
+
+@pytest.mark.parametrize("as_dict", [True, False])
+def test_models_that_return_dicts_or_tuples(as_dict: bool) -> None:
+    def loss(out: dict | tuple, y: Tensor) -> Tensor:
+        logits, value = (out["logits"], out["value"]) if isinstance(out, dict) else out
+        return F.cross_entropy(logits, y, reduction="none") + value.squeeze(1).square()
+
+    torch.manual_seed(16)
+    assert_exact(TwoHeads(as_dict), torch.randn(6, 5), torch.randint(0, 3, (6,)), loss,
+                 engine="hooks")
+
+
+class Packed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6, padding_idx=0)
+        self.rnn, self.out = nn.LSTM(6, 5, batch_first=True), nn.Linear(5, 3)
+
+    def forward(self, t: Tensor) -> Tensor:
+        from torch.nn.utils.rnn import pack_padded_sequence
+
+        lengths = (t != 0).sum(dim=1).clamp(min=1)
+        packed = pack_padded_sequence(self.emb(t), lengths, batch_first=True,
+                                      enforce_sorted=False)
+        _, (h, _) = self.rnn(packed)
+        return self.out(h[-1])
+
+
+def test_packed_sequences_go_to_the_loop() -> None:
+    torch.manual_seed(17)
+    x = torch.randint(1, 11, (5, 4))
+    x[0, -1] = 0
+    x[2, -2:] = 0
+    assert_exact(Packed(), x, torch.randint(0, 3, (5,)), "cross_entropy", fallback=True,
+                 warns=r"PackedSequence, not a tensor.*rnn\.weight_ih_l0")

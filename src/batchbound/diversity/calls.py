@@ -119,6 +119,8 @@ def detached(value: Any) -> Any:
     """``value`` with every tensor in it (in tuples and lists too) detached."""
     if isinstance(value, Tensor):
         return value.detach()
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple (PackedSequence)
+        return type(value)(*(detached(item) for item in value))
     if isinstance(value, (tuple, list)):
         return type(value)(detached(item) for item in value)
     return value

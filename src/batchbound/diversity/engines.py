@@ -12,6 +12,7 @@ covers (``fallback_sq_norms``): vmap first, and the loop where torch.func cannot
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from batchbound.diversity.losses import PerExampleLoss, check_finite
+from batchbound.diversity.losses import PerExampleLoss, check_finite, check_losses
 from batchbound.diversity.stats import PerExampleStats, gradients, trainable_parameters
 from batchbound.errors import BatchboundError
 
@@ -55,7 +56,7 @@ def loop_sq_norms(
     losses = []
     for i in range(n):
         value = loss_fn(model(x[i : i + 1]), y[i : i + 1])
-        check_finite(value, offset + i)
+        check_losses(value, 1, offset + i)
         grads = gradients(value.sum(), tensors)
         for name, g in zip(names, grads, strict=True):
             if g is not None:
@@ -84,7 +85,7 @@ def loop_gradients(
     out = {name: p.new_zeros(x.shape[0], *p.shape) for name, p in zip(names, tensors, strict=True)}
     for i in range(x.shape[0]):
         value = loss_fn(model(x[i : i + 1]), y[i : i + 1])
-        check_finite(value, i)
+        check_losses(value, 1, i)
         grads = gradients(value.sum(), tensors)
         for name, g in zip(names, grads, strict=True):
             if g is not None:
@@ -101,7 +102,11 @@ def _per_example_fn(
 
     def loss_of_one(chosen: dict[str, Tensor], xi: Tensor, yi: Tensor) -> tuple[Tensor, Tensor]:
         out = functional_call(model, {**fixed, **chosen}, (xi.unsqueeze(0),))
-        value = loss_fn(out, yi.unsqueeze(0)).sum()
+        values = loss_fn(out, yi.unsqueeze(0))
+        if tuple(values.shape) != (1,):
+            raise BatchboundError(f"the loss must return one value per example, got shape "
+                                  f"{tuple(values.shape)} for one example; use reduction='none'")
+        value = values.sum()
         return value, value.detach()
 
     return vmap(grad(loss_of_one, has_aux=True), in_dims=(None, 0, 0), randomness="different")
@@ -126,7 +131,9 @@ def _torch_func_errors() -> Iterator[None]:
     """torch.func's own failures (no batching rule, autograd.Function without vmap support,
     saved-tensor hooks) become VmapUnsupported; errors of the model or data pass through."""
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="There is a performance drop")
+            yield
     except BatchboundError:
         raise
     except (RuntimeError, NotImplementedError, TypeError, ValueError, AssertionError) as exc:

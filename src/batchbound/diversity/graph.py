@@ -83,6 +83,13 @@ def region(outputs: Iterable[Node], stops: set[Node]) -> set[Node]:
     return inside
 
 
+def loss_users(root: Node, outputs: Iterable[Node], names: dict[int, str]) -> set[str]:
+    """The parameters the loss itself uses, between the model's outputs and ``root``: uses
+    that torch.func's ``functional_call`` (which swaps parameters inside the model's forward
+    only) cannot see."""
+    return set(parameter_users(region([root], set(outputs)), names))
+
+
 def broadcast_chain(start: Node, users: dict[Node, list[Edge]]) -> tuple[list[Node], Edge] | None:
     """From a node whose output has no example axis, follow its only user through re-viewing
     operations to a broadcasting one: (the re-viewing nodes, (broadcast node, edge index)),

@@ -40,12 +40,13 @@ from batchbound.diversity.graph import (
     Node,
     broadcast_chain,
     broadcast_factor,
+    loss_users,
     name_of,
     parameter_users,
     region,
     walk,
 )
-from batchbound.diversity.losses import PerExampleLoss, check_finite
+from batchbound.diversity.losses import PerExampleLoss, check_losses
 from batchbound.diversity.rules import (
     Call,
     PerExampleGrad,
@@ -56,6 +57,9 @@ from batchbound.diversity.rules import (
 )
 from batchbound.diversity.stats import gradients, trainable_parameters
 from batchbound.errors import BatchboundError
+
+LOSS_USE = ("used by the loss function itself, outside the model's forward (only the "
+            "per-example loop evaluates the loss with the real parameters)")
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,7 @@ class ProbeShapes:
     module: nn.Module
     main: torch.Size | None
     broadcast: torch.Size | None = None
+    kind: str = "Tensor"  # the main argument's type
 
 
 class HooksPass:
@@ -165,6 +170,7 @@ class HooksPass:
         self.totals: dict[str, Tensor] = {}  # Σ_i g_i where autograd's batch sum differs
         self.shapes: dict[tuple[str, int], ProbeShapes] = {}
         self.unused: set[str] = set()  # parameters no operation in the graph uses
+        self.loss_uses: set[str] = set()  # parameters the loss function itself uses
         self._ids = {id(p): name for name, p in params.items()}
         self._contributions: dict[str, int] = {}
         self._pending: defaultdict[str, list[PerExampleGrad]] = defaultdict(list)
@@ -178,12 +184,17 @@ class HooksPass:
         with self.recorder, self.recorder.recording():
             return model(*args)
 
-    def attach(self, roots: Sequence[Node]) -> None:
-        """Read the graph and hook the calls, between the forward and the backward pass."""
+    def attach(self, roots: Sequence[Node], outputs: Sequence[Node] = ()) -> None:
+        """Read the graph and hook the calls, between the forward and the backward pass.
+        ``outputs``: the model's output nodes, when ``roots`` is a loss computed from them."""
         nodes, users = walk(roots)
         if self.layout is None:
             self._attach_probe(users)
             return
+        if outputs:
+            self.loss_uses = loss_users(roots[0], outputs, self._ids)
+            for name in self.loss_uses:
+                self.reasons[name] = LOSS_USE
         owners: defaultdict[Node, list[CallRecord]] = defaultdict(list)
         why: dict[tuple[str, int], str] = {}
         for call in self.recorder.calls:
@@ -255,7 +266,7 @@ class HooksPass:
             return layout.reason
         x, entry, n = call.main_input, call.entry, self.n
         if not isinstance(x, Tensor):
-            return f"its argument {call.main!r} is not a tensor"
+            return f"its argument {call.main!r} is a {type(x).__name__}, not a tensor"
         if entry.example_axis is None and layout.axis is None:
             return self._find_broadcast(call, users)
         axis = layout.axis if entry.example_axis is None else entry.example_axis(call.module)
@@ -359,15 +370,17 @@ class HooksPass:
         """Row i of the result: ∂f_i/∂(the call's output), from the broadcast's gradient."""
         assert b.grad is not None and b.operand_shape is not None
         assert layout.consumer_axis is not None
-        grad, axis, operand, n = b.grad, layout.consumer_axis, list(b.operand_shape), self.n
+        grad, axis, n = b.grad, layout.consumer_axis, self.n
         if grad.dim() <= axis or grad.shape[axis] != n:
             raise BatchboundError(
                 f"{call.label}: the broadcast of its output {tuple(grad.shape)} does not hold "
                 f"the {n} examples along dimension {axis}, as it did when the model was checked")
-        aligned = axis - (grad.dim() - len(operand))
-        if aligned >= 0:
-            del operand[aligned]
-        per = grad.movedim(axis, 0).sum_to_size((n, *operand)) * broadcast_factor(b.edge)
+        # The operand, right-aligned to the broadcast's shape, has size 1 along the examples.
+        operand = [1] * (grad.dim() - len(b.operand_shape)) + list(b.operand_shape)
+        if operand[axis] != 1:
+            raise BatchboundError(f"{call.label}: its output is not broadcast over the examples")
+        operand[axis] = n
+        per = grad.sum_to_size(operand).movedim(axis, 0) * broadcast_factor(b.edge)
         return per.reshape(n, *call.outputs[0].shape)
 
     def _fingerprint(self, name: str, form: PerExampleGrad) -> None:
@@ -382,7 +395,7 @@ class HooksPass:
         for call in self.recorder.calls:
             x = call.main_input
             main = x.shape if isinstance(x, Tensor) else None
-            shapes = ProbeShapes(call.entry, call.module, main)
+            shapes = ProbeShapes(call.entry, call.module, main, kind=type(x).__name__)
             self.shapes[call.key] = shapes
             if len(call.outputs) != 1 or call.outputs[0].node is None:
                 continue
@@ -430,6 +443,7 @@ class HooksResult:
     sq_norms: dict[str, Tensor]  # the parameters the rules computed
     grad_sum: dict[str, Tensor]  # every parameter: autograd's, or the rules' own sums
     reasons: dict[str, str]  # parameter -> why the rules could not compute it
+    loss_uses: set[str] = field(default_factory=set)  # of those, the loss's own: loop only
 
 
 def hooks_stats(
@@ -451,9 +465,9 @@ def hooks_stats(
     try:
         outputs = run.forward(model, x)
         losses = loss_fn(outputs, y)
-        check_finite(losses, offset)
+        check_losses(losses, n, offset)
         total = losses.sum()
-        run.attach([total.grad_fn])
+        run.attach([total.grad_fn], output_nodes(outputs))
         wanted = [name for name in params if name not in run.reasons]
         grads = (gradients(total, [params[k] for k in wanted])
                  if wanted and total.requires_grad else [None] * len(wanted))
@@ -469,7 +483,12 @@ def hooks_stats(
             continue
         grad_sum[name] = run.totals.get(name, g)
     sq_norms = {k: v for k, v in run.sq_norms.items() if k in grad_sum}
-    return HooksResult(losses.detach(), sq_norms, grad_sum, run.reasons)
+    return HooksResult(losses.detach(), sq_norms, grad_sum, run.reasons, run.loss_uses)
+
+
+def output_nodes(outputs: Any) -> list[Node]:
+    """The autograd nodes of a model's outputs (any nesting of tuples, lists and dicts)."""
+    return [t.grad_fn for t in flatten(outputs) if isinstance(t, Tensor) and t.grad_fn]
 
 
 def output_sum(outputs: Any) -> Tensor | None:

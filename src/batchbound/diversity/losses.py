@@ -103,13 +103,16 @@ def resolve_loss(loss: str | PerExampleLoss | None, task: str | None = None) -> 
 
 
 def _checked(fn: PerExampleLoss) -> PerExampleLoss:
+    """The loss must give a 1-D tensor (the engines check its length against the chunk's)."""
+
     def per_example(outputs: Tensor, targets: Tensor) -> Tensor:
         values = fn(outputs, targets)
-        if not isinstance(values, Tensor) or tuple(values.shape) != (outputs.shape[0],):
+        if not isinstance(values, Tensor) or values.dim() != 1:
             shape = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
+            n = targets.shape[0] if isinstance(targets, Tensor) and targets.dim() else "n"
             raise BatchboundError(
-                f"the loss must return one value per example, shape ({outputs.shape[0]},), "
-                f"got {shape}; use reduction='none'"
+                f"the loss must return one value per example, shape ({n},), got {shape}; use "
+                "reduction='none'"
             )
         return values
 
@@ -119,6 +122,16 @@ def _checked(fn: PerExampleLoss) -> PerExampleLoss:
 
 def loss_name(loss: PerExampleLoss) -> str:
     return getattr(loss, "__name__", "custom")
+
+
+def check_losses(losses: Tensor, n: int, offset: int = 0) -> None:
+    """One finite loss per example of a chunk of ``n``."""
+    if tuple(losses.shape) != (n,):
+        raise BatchboundError(
+            f"the loss must return one value per example, shape ({n},), got "
+            f"{tuple(losses.shape)}; use reduction='none'"
+        )
+    check_finite(losses, offset)
 
 
 def check_finite(losses: Tensor, offset: int = 0) -> None:

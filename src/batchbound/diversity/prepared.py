@@ -25,8 +25,9 @@ from batchbound.diversity.engines import (
     vmap_gradients,
     vmap_stats,
 )
-from batchbound.diversity.hooks import HookPlan, Layout, hooks_stats, plan_hooks
-from batchbound.diversity.losses import PerExampleLoss, check_finite, resolve_loss
+from batchbound.diversity.graph import loss_users
+from batchbound.diversity.hooks import HookPlan, Layout, hooks_stats, output_nodes, plan_hooks
+from batchbound.diversity.losses import PerExampleLoss, check_finite, check_losses, resolve_loss
 from batchbound.diversity.probe import INTERACTING, check_rows, probe_layout, self_check
 from batchbound.diversity.stats import (
     ENGINES,
@@ -85,6 +86,7 @@ class PreparedStats:
         self.fallback = "vmap"  # "loop" once vmap has failed on this model
         self._warned: set[str] = set()
         self._vmap_error = ""
+        self._methods = ""
         self._structure = _structure(model, self.params, loss, engine)
         if engine in ("auto", "hooks"):
             cached = _CHECKS.get(model)
@@ -100,6 +102,11 @@ class PreparedStats:
             if self.engine == "loop":
                 return loop_stats(self.model, x, y, self.loss_fn, offset=offset)
             if self.engine == "vmap":
+                used = loss_uses_parameters(self.model, x, y, self.loss_fn, self.params)
+                if used:
+                    raise BatchboundError(
+                        f"engine='vmap' cannot see parameters the loss itself uses "
+                        f"({', '.join(sorted(used))}); use engine='auto' or 'loop'")
                 try:
                     return vmap_stats(self.model, x, y, self.loss_fn, offset=offset)
                 except VmapUnsupported as exc:
@@ -121,7 +128,7 @@ class PreparedStats:
             self.layout = probe_layout(self.model, x, self.plan, self.params)
         except BatchboundError:
             with torch.no_grad():  # an error of the user's data: say it in their shapes
-                check_finite(self.loss_fn(self.model(x), y), offset)
+                check_losses(self.loss_fn(self.model(x), y), x.shape[0], offset)
             raise
 
     def _checked(self, reasons: dict[str, str]) -> None:
@@ -156,7 +163,7 @@ class PreparedStats:
         rules_seconds = time.perf_counter() - start
         names = [name for name in self.params if name in result.reasons]
         start = time.perf_counter()
-        sq, sums, _ = self._fallback(x, y, names, offset)
+        sq, sums, _ = self._fallback(x, y, names, offset, result.loss_uses)
         self._warn(result.reasons, time.perf_counter() - start, rules_seconds)
         result.sq_norms.update(sq)
         result.grad_sum.update(sums)
@@ -165,20 +172,37 @@ class PreparedStats:
         return PerExampleStats(result.losses, ordered, grad_sum, tuple(names))
 
     def _fallback(
-        self, x: Tensor, y: Tensor, names: list[str], offset: int
+        self, x: Tensor, y: Tensor, names: list[str], offset: int, loop_only: set[str]
     ) -> tuple[dict[str, Tensor], dict[str, Tensor], Tensor]:
-        if self.fallback == "vmap":
+        """vmap for ``names``, but the loop for ``loop_only`` (parameters the loss uses) and
+        for everything once vmap has failed on this model."""
+        sq: dict[str, Tensor] = {}
+        sums: dict[str, Tensor] = {}
+        by_vmap = [k for k in names if k not in loop_only]
+        losses = None
+        if self.fallback == "vmap" and by_vmap:
             try:
-                return fallback_sq_norms(self.model, x, y, self.loss_fn, names, "vmap")
+                sq, sums, losses = fallback_sq_norms(self.model, x, y, self.loss_fn, by_vmap,
+                                                     "vmap")
             except VmapUnsupported as exc:
                 self.fallback, self._vmap_error = "loop", str(exc)
-        return fallback_sq_norms(self.model, x, y, self.loss_fn, names, "loop", offset=offset)
+        by_loop = [k for k in names if k not in sq]
+        self._methods = ("vmap" if sq else "") + ("+loop" if sq and by_loop else
+                                                   "loop" if by_loop else "")
+        if by_loop:
+            more, more_sums, losses = fallback_sq_norms(self.model, x, y, self.loss_fn, by_loop,
+                                                        "loop", offset=offset)
+            sq.update(more)
+            sums.update(more_sums)
+        assert losses is not None
+        return sq, sums, losses
 
     def _whole_model_fallback(self, x: Tensor, y: Tensor, offset: int) -> PerExampleStats:
         """Examples that interact in a batch: each example's loss and gradient on its own."""
         start = time.perf_counter()
         names = list(self.params)
-        sq, sums, losses = self._fallback(x, y, names, offset)
+        loop_only = loss_uses_parameters(self.model, x, y, self.loss_fn, self.params)
+        sq, sums, losses = self._fallback(x, y, names, offset, loop_only)
         check_finite(losses, offset)
         self._warn(self.checked, time.perf_counter() - start, None)
         return PerExampleStats(losses, sq, sums, tuple(names))
@@ -189,11 +213,14 @@ class PreparedStats:
         if key in self._warned:
             return
         self._warned.add(key)
-        if self.fallback == "loop":
-            how = ("the per-example loop, one forward and backward per example "
-                   f"({self._vmap_error})")
-        else:
-            how = "torch.func vmap"
+        how = {
+            "vmap": "torch.func vmap",
+            "loop": "the per-example loop, one forward and backward per example",
+            "vmap+loop": "torch.func vmap, and the per-example loop (one forward and backward "
+                         "per example) for the loss's own parameters",
+        }[self._methods]
+        if self._vmap_error and "loop" in self._methods:
+            how += f" ({self._vmap_error})"
         cost = f"{seconds:.2g} s on this chunk"
         if others:
             cost += f", {seconds / others:.1f}× the {others:.2g} s of everything else"
@@ -206,7 +233,7 @@ class PreparedStats:
     def _one_example(self, x: Tensor, y: Tensor, offset: int) -> PerExampleStats:
         """One example: its gradient is the batch gradient, exact for any model."""
         losses = self.loss_fn(self.model(x), y)
-        check_finite(losses, offset)
+        check_losses(losses, 1, offset)
         names = list(self.params)
         tensors = [self.params[k] for k in names]
         grads = gradients(losses.sum(), tensors) if losses.requires_grad else [None] * len(names)
@@ -217,6 +244,21 @@ class PreparedStats:
             grad_sum[name] = g
             sq_norms[name] = g.square().sum().reshape(1)
         return PerExampleStats(losses.detach(), sq_norms, grad_sum)
+
+
+def loss_uses_parameters(
+    model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss,
+    params: dict[str, nn.Parameter],
+) -> set[str]:
+    """The parameters the loss function itself uses (outside the model's forward), read off
+    the autograd graph of one forward pass: torch.func cannot see those uses."""
+    with torch.enable_grad():
+        outputs = model(x)
+        losses = loss_fn(outputs, y)
+    if not isinstance(losses, Tensor) or not losses.requires_grad:
+        return set()
+    ids = {id(p): k for k, p in params.items()}
+    return loss_users(losses.sum().grad_fn, output_nodes(outputs), ids)
 
 
 def per_example_stats(
@@ -257,9 +299,12 @@ def per_example_gradients(
     """
     loss_fn = resolve_loss(loss)  # type: ignore[arg-type]
     check_chunk(x, y)
-    names = list(trainable_parameters(model))
+    params = trainable_parameters(model)
+    names = list(params)
     check_model_mode(model)
     with torch.enable_grad():
+        if loss_uses_parameters(model, x, y, loss_fn, params):  # torch.func cannot see them
+            return loop_gradients(model, x, y, loss_fn, names)
         try:
             return vmap_gradients(model, x, y, loss_fn, names)
         except VmapUnsupported as exc:

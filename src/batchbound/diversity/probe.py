@@ -105,7 +105,9 @@ def _derive(a: ProbeShapes, b: ProbeShapes | None) -> CallLayout:
         return CallLayout(reason=f"it ran at {lo} examples but not at {hi}")
     entry, s, t = a.entry, a.main, b.main
     if s is None or t is None:
-        return CallLayout(reason=f"its argument {entry.main or 'input'!r} is not a tensor")
+        kind = a.kind if s is None else b.kind
+        return CallLayout(reason=f"its argument {entry.main or 'input'!r} is a {kind}, not a "
+                                 "tensor")
     s, t = tuple(s), tuple(t)
     seen = f"(shape {s} at {lo} examples, {t} at {hi})"
     if len(s) != len(t):
