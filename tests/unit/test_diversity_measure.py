@@ -271,3 +271,26 @@ def test_prepared_stats_match_the_per_example_loop_across_calls():
     model.train()  # BatchNorm now uses batch statistics: refused on the next call
     with pytest.raises(BatchboundError, match="batch statistics"):
         prepared(x, y)
+
+
+def test_a_model_is_checked_once_across_measure_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe and the loop check run on the first call only, also with a callable loss
+    (resolve_loss wraps it anew every call), and again once the structure changes."""
+    import batchbound.diversity.prepared as prepared
+
+    checks = []
+    real = prepared.check_rows
+    monkeypatch.setattr(prepared, "check_rows", lambda *a, **k: checks.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    x, y = torch.randn(12, 5), torch.randint(0, 3, (12,))
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, target, reduction="none")
+
+    first = measure(model, (x, y), loss, chunk_size=4)
+    second = measure(model, (x, y), loss, chunk_size=4)
+    assert len(checks) == 1 and second.S == first.S
+    model[2] = nn.Linear(4, 3)
+    measure(model, (x, y), loss, chunk_size=4)
+    assert len(checks) == 2

@@ -117,6 +117,7 @@ def _checked(fn: PerExampleLoss) -> PerExampleLoss:
         return values
 
     per_example.__name__ = getattr(fn, "__name__", "custom")
+    per_example.__wrapped__ = fn  # type: ignore[attr-defined]  # the user's loss, for cache keys
     return per_example
 
 

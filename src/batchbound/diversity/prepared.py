@@ -52,7 +52,8 @@ def _structure(model: nn.Module, params: dict[str, nn.Parameter], loss: object,
                engine: str) -> tuple:
     modules = tuple((name, id(m), type(m)) for name, m in model.named_modules())
     tensors = tuple((name, id(p), tuple(p.shape), p.dtype, p.device) for name, p in params.items())
-    return modules, tensors, loss, engine
+    user_loss = getattr(loss, "__wrapped__", loss)  # resolve_loss wraps it anew on every call
+    return modules, tensors, user_loss, engine
 
 
 def describe(reasons: dict[str, str]) -> str:
