@@ -371,3 +371,85 @@ def test_packed_sequences_go_to_the_loop() -> None:
     x[2, -2:] = 0
     assert_exact(Packed(), x, torch.randint(0, 3, (5,)), "cross_entropy", fallback=True,
                  warns=r"PackedSequence, not a tensor.*rnn\.weight_ih_l0")
+
+
+# ---------------------------------------------- found after the five: reordering, state, closures
+
+
+class SortsItsBatch(nn.Module):
+    """Sorts the examples by a feature, runs the layers, and restores the order: rows inside
+    the layers are not the examples' rows, though every shape is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 7), nn.Linear(7, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        order = torch.argsort(x[:, 0])
+        return self.b(torch.tanh(self.a(x[order])))[torch.argsort(order)]
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_a_model_that_reorders_its_batch(train: bool) -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    model = SortsItsBatch().train(train)
+    assert_exact(model, x, y, "cross_entropy", fallback=True, warns="disagreed")
+    with pytest.raises(BatchboundError, match="disagreed with the per-example loop"):
+        per_example_stats(SortsItsBatch().double().train(train), x.double(), y, "cross_entropy",
+                          engine="hooks")
+
+
+class BatchStatistics(nn.Module):
+    """A hand-written batch norm: batch statistics in training (updating running ones), the
+    running ones otherwise. Not an nn.BatchNorm, so no list of modules can know it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(width))
+        self.register_buffer("var", torch.ones(width))
+
+    def forward(self, h: Tensor) -> Tensor:
+        if self.training and h.shape[0] > 1:
+            mu, var = h.mean(0), h.var(0, unbiased=False)
+            with torch.no_grad():
+                self.mean.lerp_(mu, 0.1)
+                self.var.lerp_(var, 0.1)
+        else:
+            mu, var = self.mean, self.var
+        return (h - mu) / torch.sqrt(var + 1e-5)
+
+
+def test_examples_that_interact_only_in_train_mode() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), BatchStatistics(7), nn.ReLU(), nn.Linear(7, 3))
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    model.double().train()
+    before = [b.clone() for b in model.buffers()]
+    assert_exact(model, x, y, "cross_entropy", fallback=True, warns="interact")
+    # the checks' own forward passes leave the running statistics as they were
+    assert all(torch.equal(a, b) for a, b in zip(before, model.buffers(), strict=True))
+
+
+class ClosureParameters(nn.Module):
+    """Weights held in a plain list and used through a closure: torch.func's functional_call
+    replaces module attributes only, so vmap differentiates a constant there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w0, self.w1 = nn.Parameter(torch.randn(5, 7)), nn.Parameter(torch.randn(7, 3))
+        held = [self.w0, self.w1]
+        self.apply_weights = lambda x: torch.tanh(x @ held[0]) @ held[1]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.apply_weights(x)
+
+
+def test_parameters_reached_outside_module_attributes_leave_vmap_for_the_loop() -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    assert_exact(ClosureParameters(), x, y, "cross_entropy", fallback=True,
+                 warns="vmap disagreed with the per-example loop")
+    with pytest.raises(BatchboundError, match="vmap disagreed"):
+        per_example_stats(ClosureParameters().double(), x.double(), y, "cross_entropy",
+                          engine="vmap")

@@ -246,3 +246,22 @@ def test_watch_refuses_what_it_cannot_measure() -> None:
         nn.Sequential(nn.Linear(2, 2), Scaled()), OnlineDiversity()
     ):
         pass
+
+
+def test_watch_refuses_examples_that_interact_or_are_reordered() -> None:
+    """watch() has no loss to check against; a projection of the outputs stands in for it."""
+
+    class Centres(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(5, 7), nn.Linear(7, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            return self.b(torch.tanh(h - h.mean(0, keepdim=True)))
+
+    torch.manual_seed(0)
+    model = Centres()
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    with pytest.raises(BatchboundError, match="interact"), watch(model, OnlineDiversity(n=100)):
+        nn.functional.cross_entropy(model(x), y).backward()

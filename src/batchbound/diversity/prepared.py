@@ -10,6 +10,7 @@ the model, the per-example loop, and warns once, naming them, the reason and the
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 import weakref
@@ -21,6 +22,7 @@ from batchbound.diversity.engines import (
     VmapUnsupported,
     fallback_sq_norms,
     loop_gradients,
+    loop_sq_norms,
     loop_stats,
     vmap_gradients,
     vmap_stats,
@@ -28,7 +30,15 @@ from batchbound.diversity.engines import (
 from batchbound.diversity.graph import loss_users
 from batchbound.diversity.hooks import HookPlan, Layout, hooks_stats, output_nodes, plan_hooks
 from batchbound.diversity.losses import PerExampleLoss, check_finite, check_losses, resolve_loss
-from batchbound.diversity.probe import INTERACTING, check_rows, probe_layout, self_check
+from batchbound.diversity.probe import (
+    INTERACTING,
+    buffers_kept,
+    check_rows,
+    disagreements,
+    probe_layout,
+    self_check,
+    tolerance,
+)
 from batchbound.diversity.stats import (
     ENGINES,
     PerExampleStats,
@@ -85,6 +95,7 @@ class PreparedStats:
         self.layout: Layout | None = None
         self.checked: dict[str, str] | None = None  # parameters that failed the check
         self.fallback = "vmap"  # "loop" once vmap has failed on this model
+        self._vmap_checked = False  # vmap's rows checked against the loop's once
         self._warned: set[str] = set()
         self._vmap_error = ""
         self._methods = ""
@@ -109,7 +120,10 @@ class PreparedStats:
                         f"engine='vmap' cannot see parameters the loss itself uses "
                         f"({', '.join(sorted(used))}); use engine='auto' or 'loop'")
                 try:
-                    return vmap_stats(self.model, x, y, self.loss_fn, offset=offset)
+                    stats = vmap_stats(self.model, x, y, self.loss_fn, offset=offset)
+                    if not self._vmap_checked:
+                        self._check_vmap(x, y, stats.sq_norms, stats.losses)
+                    return stats
                 except VmapUnsupported as exc:
                     raise BatchboundError(f"{exc}; use engine='auto' or 'loop'") from None
             if x.shape[0] == 1:
@@ -185,8 +199,11 @@ class PreparedStats:
             try:
                 sq, sums, losses = fallback_sq_norms(self.model, x, y, self.loss_fn, by_vmap,
                                                      "vmap")
+                if not self._vmap_checked:
+                    self._check_vmap(x, y, sq, losses)
             except VmapUnsupported as exc:
                 self.fallback, self._vmap_error = "loop", str(exc)
+                sq = {}
         by_loop = [k for k in names if k not in sq]
         self._methods = ("vmap" if sq else "") + ("+loop" if sq and by_loop else
                                                    "loop" if by_loop else "")
@@ -197,6 +214,23 @@ class PreparedStats:
             sums.update(more_sums)
         assert losses is not None
         return sq, sums, losses
+
+    def _check_vmap(self, x: Tensor, y: Tensor, sq: dict[str, Tensor], losses: Tensor) -> None:
+        """torch.func sees only parameters reached as module attributes (not through a
+        closure or a plain list): its first and last rows, once per model, against the
+        loop's. Raises VmapUnsupported on disagreement."""
+        rows = sorted({0, x.shape[0] - 1})
+        slow_sq, _, slow_losses = loop_sq_norms(self.model, x[rows], y[rows], self.loss_fn,
+                                                list(sq), sums=False)
+        fast = {name: values[rows] for name, values in sq.items()}
+        wrong = disagreements(fast, losses[rows], slow_sq, slow_losses,
+                              next(iter(self.params.values())).dtype)
+        if wrong:
+            raise VmapUnsupported(
+                "torch.func vmap disagreed with the per-example loop on "
+                f"{', '.join(sorted(wrong))} (a parameter reached outside its module's "
+                "attributes, through a closure or a plain list?)")
+        self._vmap_checked = True
 
     def _whole_model_fallback(self, x: Tensor, y: Tensor, offset: int) -> PerExampleStats:
         """Examples that interact in a batch: each example's loss and gradient on its own."""
@@ -253,7 +287,7 @@ def loss_uses_parameters(
 ) -> set[str]:
     """The parameters the loss function itself uses (outside the model's forward), read off
     the autograd graph of one forward pass: torch.func cannot see those uses."""
-    with torch.enable_grad():
+    with torch.enable_grad(), buffers_kept(model):
         outputs = model(x)
         losses = loss_fn(outputs, y)
     if not isinstance(losses, Tensor) or not losses.requires_grad:
@@ -307,11 +341,28 @@ def per_example_gradients(
         if loss_uses_parameters(model, x, y, loss_fn, params):  # torch.func cannot see them
             return loop_gradients(model, x, y, loss_fn, names)
         try:
-            return vmap_gradients(model, x, y, loss_fn, names)
+            grads = vmap_gradients(model, x, y, loss_fn, names)
+            _check_first_row(model, x, y, loss_fn, grads)
+            return grads
         except VmapUnsupported as exc:
             warnings.warn(f"batchbound: {exc}; materialising per-example gradients with the "
                           "per-example loop instead (exact, slower)", stacklevel=2)
             return loop_gradients(model, x, y, loss_fn, names)
+
+
+def _check_first_row(model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss,
+                     grads: dict[str, Tensor]) -> None:
+    """torch.func sees only parameters reached as module attributes: its first example's
+    gradients against autograd's on that example alone."""
+    slow = loop_gradients(model, x[:1], y[:1], loss_fn, list(grads))
+    rtol = tolerance(next(iter(grads.values())).dtype)
+    scale = math.sqrt(sum(float(g.double().square().sum()) for g in slow.values())) + 1e-30
+    gap = math.sqrt(sum(float((grads[k][:1].double() - g.double()).square().sum())
+                        for k, g in slow.items()))
+    if gap > rtol * scale:
+        raise VmapUnsupported(f"torch.func vmap disagreed with the per-example loop (relative "
+                              f"error {gap / scale:.1e}; a parameter reached outside its "
+                              "module's attributes, through a closure or a plain list?)")
 
 
 def per_example_l1_l2(

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import Tensor, nn
 
+from batchbound.diversity.calls import flatten
 from batchbound.diversity.engines import loop_sq_norms
 from batchbound.diversity.hooks import (
     CallLayout,
@@ -65,7 +66,7 @@ def probe_layout(
     """Run the model at 2 and at 3 examples and read each call's example axis. The backward
     passes, which show where a batch-less output is broadcast, run only if a call needs it."""
     runs, roots = [], []
-    with rng_kept(params):
+    with rng_kept(params), buffers_kept(model):
         try:
             for count in PROBE_SIZES:
                 run = HooksPass(plan, params, None, count)
@@ -185,15 +186,46 @@ def self_check(
     layout: Layout,
     excluded: dict[str, str],
 ) -> dict[str, str]:
-    """The rules beside the per-example loop on 3 examples, in eval mode (for a model in
-    train mode, whose dropout masks the loop could not replay): see ``disagreements``."""
-    xs, ys = examples(x, 3), examples(y, 3)
-    with eval_mode(model), rng_kept(params):
-        fast = hooks_stats(model, xs, ys, loss_fn, plan, params, layout, excluded=excluded)
-        slow_sq, slow_sum, slow_losses = loop_sq_norms(model, xs, ys, loss_fn, list(params))
+    """For a model in train mode: the rules on a batch of up to 8 of the chunk's examples,
+    spread over it, beside the per-example loop on each (see ``disagreements``). In train
+    mode when the model is deterministic there (so a layer that mixes the batch in training
+    shows), else in eval mode (dropout masks cannot be replayed one example at a time). The model's
+    buffers are restored after."""
+    count = min(8, x.shape[0])
+    rows = torch.linspace(0, x.shape[0] - 1, count).round().long().unique()
+    size = max(3, rows.numel())
+    xs, ys = examples(x[rows], size), examples(y[rows], size)
+    with buffers_kept(model), rng_kept(params):
+        mode = nullcontext() if _deterministic(model, xs) else eval_mode(model)
+        with mode:
+            fast = hooks_stats(model, xs, ys, loss_fn, plan, params, layout, excluded=excluded)
+            slow_sq, _, slow_losses = loop_sq_norms(model, xs, ys, loss_fn, list(params),
+                                                    sums=False)
     dtype = next(iter(params.values())).dtype
-    return disagreements(fast.sq_norms, fast.losses, slow_sq, slow_losses, dtype,
-                         fast.grad_sum, slow_sum)
+    return disagreements(fast.sq_norms, fast.losses, slow_sq, slow_losses, dtype)
+
+
+def _deterministic(model: nn.Module, x: Tensor) -> bool:
+    """Whether two forward passes under different random seeds give the same outputs."""
+    outputs = []
+    with torch.no_grad():
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            outputs.append([t for t in flatten(model(x)) if isinstance(t, Tensor)])
+    return all(torch.equal(a, b) for a, b in zip(*outputs, strict=True))
+
+
+@contextmanager
+def buffers_kept(model: nn.Module) -> Iterator[None]:
+    """The model's buffers as they were (a check's forward passes in train mode may update
+    running statistics)."""
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
 
 
 def check_rows(
@@ -204,12 +236,13 @@ def check_rows(
     params: dict[str, nn.Parameter],
     fast_sq: dict[str, Tensor],
     fast_losses: Tensor,
-    count: int = 2,
 ) -> dict[str, str]:
-    """The rules' results for the first ``count`` examples of a chunk just computed (a model
-    in eval mode) beside the per-example loop's: see ``disagreements``."""
-    slow_sq, _, slow_losses = loop_sq_norms(model, x[:count], y[:count], loss_fn, list(params),
+    """The rules' results for the first, middle and last examples of a chunk just computed
+    (a model in eval mode) beside the per-example loop's: see ``disagreements``. Spread
+    rows, because a model that reorders its batch (sorting it) may leave the first in place."""
+    picked = sorted({0, x.shape[0] // 2, x.shape[0] - 1})
+    slow_sq, _, slow_losses = loop_sq_norms(model, x[picked], y[picked], loss_fn, list(params),
                                             sums=False)
-    rows = {name: sq[:count] for name, sq in fast_sq.items()}
+    rows = {name: sq[picked] for name, sq in fast_sq.items()}
     dtype = next(iter(params.values())).dtype
-    return disagreements(rows, fast_losses[:count], slow_sq, slow_losses, dtype)
+    return disagreements(rows, fast_losses[picked], slow_sq, slow_losses, dtype)

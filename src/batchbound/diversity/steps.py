@@ -28,7 +28,7 @@ from batchbound.diversity.hooks import (
 from batchbound.diversity.losses import resolve_loss
 from batchbound.diversity.online import OnlineDiversity
 from batchbound.diversity.prepared import PreparedStats, describe
-from batchbound.diversity.probe import probe_layout, tolerance
+from batchbound.diversity.probe import probe_layout, self_check, tolerance
 from batchbound.diversity.stats import check_model_mode, trainable_parameters
 from batchbound.errors import BatchboundError
 
@@ -198,12 +198,26 @@ class _Watched:
             self._inside = True
             try:
                 with torch.enable_grad():
-                    layout = _LAYOUTS[model] = probe_layout(model, x, self.plan, self.params)
+                    layout = probe_layout(model, x, self.plan, self.params)
+                    self._check(x, layout)
+                _LAYOUTS[model] = layout
             finally:
                 self._inside = False
         self.run = HooksPass(self.plan, self.params, layout, int(x.shape[0]), fingerprint=True)
         self.run.recorder.__enter__()
         self.run.recorder.start()
+
+    def _check(self, x: Tensor, layout: Layout) -> None:
+        """Once per model: the rules beside the per-example loop on a few examples, with a
+        fixed random projection of the outputs standing in for the user's loss (the rules
+        do not depend on the loss; the check shows examples that interact or are reordered)."""
+        y = torch.zeros(x.shape[0], device=x.device)
+        reasons = self_check(self.model, x, y, _stand_in_loss, self.plan, self.params, layout,
+                             self.plan.static_reasons())
+        if reasons:
+            raise BatchboundError(f"watch() cannot compute these parameters' per-example "
+                                  f"gradients exactly: {describe(reasons)}. Use "
+                                  "monitored_step(), which computes them by an exact fallback")
 
     def _after(self, model: nn.Module, args: tuple, output: Any) -> None:
         if self._inside or self.run is None:
@@ -216,3 +230,10 @@ class _Watched:
         if self.run is not None:
             self.run.finish()
         return self.run
+
+
+def _stand_in_loss(outputs: Any, targets: Tensor) -> Tensor:
+    """Per example: ⟨output_i, r⟩ for a fixed random r (the same on every call)."""
+    out = next(t for t in flatten(outputs) if isinstance(t, Tensor) and t.is_floating_point())
+    r = torch.randn(out.shape[1:], generator=torch.Generator().manual_seed(0), dtype=out.dtype)
+    return (out * r.to(out.device)).reshape(out.shape[0], -1).sum(dim=1)
