@@ -66,3 +66,15 @@ def test_bad_strategies(spec: str, words: str) -> None:
     with pytest.raises(BatchboundError) as info:
         parse_strategy(spec)
     assert words in str(info.value)
+
+
+def test_adaptive_batch_goes_to_the_upper_end_when_the_gradient_sum_vanishes() -> None:
+    """T → 0 makes Δ̂ infinite (or 0/0): the bound n·Δ is then unlimited, not minimal."""
+    import math
+
+    from batchbound.train.adaptive import parse_batch_policy
+
+    policy = parse_batch_policy("adaptive(delta=1,min=8,max=512,every=10)")
+    assert policy.batch_size(1000, math.inf) == 512
+    assert policy.batch_size(1000, math.nan) == 512
+    assert policy.batch_size(1000, 0.05) == 51

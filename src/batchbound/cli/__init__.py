@@ -14,7 +14,7 @@ from batchbound import __version__
 from batchbound.errors import BatchboundError
 
 # Subcommand modules, in the order `batchbound --help` lists them.
-COMMANDS = ["measure", "data", "models", "train", "study", "report", "demo"]
+COMMANDS = ["measure", "data", "models", "train", "advise", "study", "report", "demo"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -34,3 +34,18 @@ def add_model_argument(
         help="model spec, e.g. 'fc(depth=3,params=16000,act=relu)' (see `batchbound models "
         "list`)" + ("; repeat for several models" if repeatable else ""),
     )
+
+
+def check_writable(path: str) -> None:
+    """Fail before any work when an output file cannot be written (its folder missing or
+    read-only)."""
+    import os
+    from pathlib import Path
+
+    from batchbound.errors import BatchboundError
+
+    folder = Path(path).expanduser().resolve().parent
+    if not folder.is_dir():
+        raise BatchboundError(f"cannot write {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise BatchboundError(f"cannot write {path}: folder {folder} is not writable")

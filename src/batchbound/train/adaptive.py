@@ -45,9 +45,11 @@ class BatchPolicy:
             )
 
     def batch_size(self, n: int, diversity: float) -> int:
-        """B = clip(⌊δ·n·Δ̂⌋ + 1, min, max); a non-finite Δ̂ keeps the lower end."""
+        """B = clip(⌊δ·n·Δ̂⌋ + 1, min, max). A Δ̂ that is infinite or not positive comes
+        from T → 0 (gradients that cancel, or vanish): the bound is then unlimited, so the
+        upper end."""
         if not math.isfinite(diversity) or diversity <= 0:
-            return self.min
+            return self.max
         return int(min(max(math.floor(self.delta * n * diversity) + 1, self.min), self.max))
 
 

@@ -1,0 +1,234 @@
+"""``batchbound.advise``: how many workers, what batch size, how long.
+
+``advise(config)`` runs a pilot at ``config.batch_size`` (B0) to ``config``'s first target
+with exact n·Δ along the way, predicts iterations at other batch sizes from it
+(``iterations.py``), times steps and all-reduces here or models them for a described cluster
+(``timing.py``), and picks the time-optimal batch per worker count (``answer.py``). With
+``probe=True`` it also branches short runs from the pilot (``pilot.py``): the empirical
+critical batch beside n·Δ.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from batchbound.advise.answer import Row, best_row, finish, worker_counts
+from batchbound.advise.iterations import (
+    LR_RULES,
+    Pilot,
+    lr_scale,
+    minimum_iterations,
+    predict_iterations,
+)
+from batchbound.advise.pilot import ProbePoint, probe, run_pilot
+from batchbound.advise.timing import (
+    OVERLAPS,
+    Cluster,
+    ComputeCurve,
+    load_cluster,
+    micro_batch_sizes,
+    time_allreduce,
+    time_compute,
+)
+from batchbound.data import apply_transform, load_dataset
+from batchbound.errors import BatchboundError
+from batchbound.train.config import TrainConfig
+from batchbound.train.distributed import resolve_device
+
+
+@dataclass
+class Advice:
+    batch_bound: float  # n·Δ averaged over the pilot's steps
+    rows: list[Row]
+    recommended: Row
+    workers_stop_paying: int | None
+    assumptions: str
+    pilot: dict[str, Any]
+    probe: list[ProbePoint] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "batch_bound": self.batch_bound,
+            "rows": [r.to_dict() for r in self.rows],
+            "recommended": {"workers": self.recommended.workers,
+                            "batch_size": self.recommended.batch_size,
+                            "lr": self.recommended.lr},
+            "workers_stop_paying": self.workers_stop_paying,
+            "assumptions": self.assumptions,
+            "pilot": self.pilot,
+            **self.extra,
+        }
+        if self.probe is not None:
+            out["probe"] = [p.to_dict() for p in self.probe]
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def table(self) -> str:
+        lines = ["| workers | batch | lr | iterations | s/iteration (compute + comm.) | "
+                 "s to target | speedup | efficiency |", "|" + "---|" * 8]
+        for r in self.rows:
+            mark = " ←" if r is self.recommended else ""
+            lines.append(
+                f"| {r.workers}{mark} | {r.batch_size} | {r.lr:.4g} | {r.iterations:.0f} | "
+                f"{r.seconds_per_iteration:.3g} ({r.compute_seconds:.3g} + "
+                f"{r.communication_seconds:.3g}) | {r.seconds_to_target:.3g} | "
+                f"{r.speedup:.2f}× | {r.efficiency:.0%} |")
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        r = self.recommended
+        stop = (f"beyond {self.workers_stop_paying} workers, doubling saves less than 10 %"
+                if self.workers_stop_paying else "every doubling of workers in the table pays")
+        return (f"use {r.workers} worker(s) at batch {r.batch_size} (lr {r.lr:.4g}): about "
+                f"{r.iterations:.0f} iterations, {r.seconds_to_target:.3g} s to the target; "
+                f"{stop}. n·Δ over the pilot: {self.batch_bound:.4g}.")
+
+
+def advise(
+    config: TrainConfig,
+    *,
+    max_workers: int | None = None,
+    cluster: str | Path | Cluster | None = None,
+    overlap: str = "none",
+    lr_rule: str = "noise",
+    diversity_every_epochs: float = 0.1,
+    with_probe: bool = False,
+    probe_tolerance: float = 0.1,
+    log: Callable[[str], None] = lambda _: None,
+) -> Advice:
+    """The advice for training ``config`` (its batch size is the pilot's B0, its lr η0, its
+    first target the target). ``max_workers``: the largest P (default: this machine's
+    cores, or the cluster's max_workers). ``cluster``: a cluster file or ``Cluster`` to
+    model communication (and compute, with ``examples_per_second``) instead of timing it
+    here. ``overlap``: ``"none"`` (batchbound's trainer) or ``"backward"`` (DDP)."""
+    if not config.targets:
+        raise BatchboundError("advise needs a target (--target-train-acc and the like)")
+    if config.workers != 1:
+        raise BatchboundError("the pilot runs on one process; leave workers at 1")
+    if lr_rule not in LR_RULES:
+        raise BatchboundError(f"unknown lr rule {lr_rule!r}; choose from {', '.join(LR_RULES)}")
+    if overlap not in OVERLAPS:
+        raise BatchboundError(f"unknown overlap {overlap!r}; choose from {', '.join(OVERLAPS)}")
+    if not 0 < probe_tolerance < 1:
+        raise BatchboundError(f"probe tolerance must be in (0, 1), got {probe_tolerance}")
+    spec = load_cluster(cluster) if isinstance(cluster, (str, Path)) else cluster
+    cores = os.cpu_count() or 1
+    limit = max_workers if max_workers is not None else (spec.max_workers if spec else cores)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise BatchboundError(f"max workers must be a positive integer, got {limit!r}")
+    if spec is None and limit > cores:
+        raise BatchboundError(f"this machine has {cores} cores, so at most {cores} local "
+                              f"workers can be timed; pass --cluster FILE to model {limit}")
+
+    data = load_dataset(config.dataset, config.data_dir)
+    if config.transform:
+        data = apply_transform(data, config.transform, config.seed)
+    # evaluated 4 times per Δ measurement: the target's iteration is known to that grain
+    pilot_config = config.replace(diversity_every_epochs=diversity_every_epochs,
+                                  eval_every_epochs=diversity_every_epochs / 4,
+                                  eval_every_iterations=None, stop_at_targets=True,
+                                  targets=config.targets[:1])
+    pilot_config.validate_against(data)
+    device = resolve_device(config.device)
+    log(f"pilot: batch {config.batch_size}, lr {config.lr:g}, to {config.targets[0].name}")
+    run = run_pilot(pilot_config, data, device)
+    pilot = run.pilot
+    n = data.n_train
+    mean_bound = pilot.mean_batch_bound()
+    log(f"pilot: {pilot.iterations} iterations; n·Δ {pilot.batch_bounds[0]:.4g} at the start, "
+        f"{pilot.batch_bounds[-1]:.4g} at the last measurement, {mean_bound:.4g} on average")
+
+    def lr(batch: int) -> float:
+        scale = lr_scale(lr_rule, batch, pilot)
+        return config.lr * scale * (pilot.batch_size / batch if config.convention == "sum"
+                                    else 1.0)
+
+    micro_limit = min(n, spec.max_micro_batch if spec and spec.max_micro_batch else n)
+    params = sum(p.numel() for p in _model_parameters(config, data))
+    payload = (params + 3) * 4 if config.dtype == "float32" else (params + 3) * 8
+    counts = worker_counts(limit)
+    curves: dict[int, ComputeCurve] = {}  # by worker count
+    by_threads: dict[int, ComputeCurve] = {}
+    communication: dict[int, float] = {}
+    for workers in counts:
+        if spec is not None and spec.examples_per_second:
+            curves[workers] = ComputeCurve.from_rate(spec.examples_per_second)
+        else:  # each local worker gets cores / P threads, as batchbound train gives it
+            threads = max(1, cores // workers) if spec is None else cores
+            if threads not in by_threads:
+                log(f"timing the step at micro-batches 1 .. {micro_limit} ({threads} thread(s))")
+                by_threads[threads] = time_compute(config, data, micro_batch_sizes(micro_limit),
+                                                   threads)
+            curves[workers] = by_threads[threads]
+        if spec is not None:
+            communication[workers] = spec.allreduce_seconds(workers, payload)
+        elif workers > 1:
+            log(f"timing the all-reduce of {payload} bytes on {workers} local processes")
+            communication[workers] = time_allreduce(workers, payload // 4)
+        else:
+            communication[workers] = 0.0
+
+    rows = []
+    for workers in counts:
+        row = best_row(workers, n, micro_limit, curves[workers], communication[workers],
+                       overlap, lambda b: predict_iterations(pilot, b, lr_rule), lr)
+        if row is not None:
+            rows.append(row)
+    if not rows:
+        raise BatchboundError("no batch size is predicted to reach the target")
+    recommended, stop = finish(rows)
+    points = None
+    if with_probe:
+        log("probe: branching short runs from the pilot")
+        points = probe(run, pilot_config, data, device, lr, tolerance=probe_tolerance,
+                       largest=micro_limit, log=log)
+    where = ("modelled for the cluster file (ring all-reduce, α–β)" if spec is not None
+             else "timed on this machine (the trainer's step; gloo all-reduce)")
+    assumptions = (
+        f"Iterations: McCandlish et al.'s quadratic model applied step by step along a pilot "
+        f"of {pilot.iterations} iterations at B0 = {pilot.batch_size}, with B_noise = n·Δ − 1 "
+        f"(exact Δ every {diversity_every_epochs:g} epochs) and the pilot's lr taken as the "
+        f"best at B0. Learning rate per batch: '{lr_rule}' rule ({_RULES[lr_rule]}), a "
+        f"constant rate (strategy blr). Seconds: {where}; communication {_OVERLAP[overlap]}"
+        f"; {payload} bytes all-reduced per iteration. Batches B = P·2^k up to micro-batch "
+        f"{micro_limit}. Evaluation time excluded, as in batchbound train's target seconds.")
+    return Advice(
+        batch_bound=mean_bound,
+        rows=rows,
+        recommended=recommended,
+        workers_stop_paying=stop,
+        assumptions=assumptions,
+        pilot={"batch_size": pilot.batch_size, "lr": pilot.lr, "iterations": pilot.iterations,
+               "seconds": run.result.targets[0].seconds, "target": config.targets[0].name,
+               "minimum_iterations": minimum_iterations(pilot),
+               "batch_bounds": [[i, b] for i, b in zip(pilot.bound_iterations,
+                                                       pilot.batch_bounds, strict=True)]},
+        probe=points,
+        extra={"n": n, "lr_rule": lr_rule, "overlap": overlap,
+               "timing": "cluster" if spec is not None else "measured"},
+    )
+
+
+_OVERLAP = {"none": "after the backward, not overlapped (as batchbound train does)",
+            "backward": "overlapping the backward (as DDP does)"}
+_RULES = {
+    "noise": "η(B) = η0·(1 + B_lo/B0)/(1 + B_lo/B), B_lo the pilot's lowest noise scale",
+    "linear": "η(B) = η0·B/B0",
+    "constant": "η(B) = η0",
+}
+def _model_parameters(config: TrainConfig, data: Any) -> list[Any]:
+    from batchbound.models import build_model
+
+    model = build_model(config.model, data.input_shape, data.num_outputs, seed=config.seed)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+__all__ = ["Advice", "Cluster", "Pilot", "advise", "load_cluster", "predict_iterations"]

@@ -1,0 +1,94 @@
+"""The answer: for P = 1, 2, 4, … workers, the time-optimal batch and its seconds to target;
+the recommended (P, B); and the worker count past which more workers stop paying.
+
+Time to target at (P, B) = k(B) × t(P, B), with k from ``iterations.py`` and
+t(P, B) = the step of one worker on ⌈B/P⌉ examples + the all-reduce (``timing.py``). The
+candidate batches for P are B = P·m for m = 1, 2, 4, … within the micro-batch limit and n.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from itertools import pairwise
+
+from batchbound.advise.timing import ComputeCurve
+
+STOP_PAYING = 0.10  # doubling P must save at least this share of the time
+
+
+@dataclass
+class Row:
+    workers: int
+    batch_size: int
+    lr: float
+    iterations: float  # inf: the model predicts no convergence
+    seconds_per_iteration: float
+    compute_seconds: float  # per iteration: one worker's step (data, fwd, bwd, optimiser)
+    communication_seconds: float  # per iteration, the part not hidden by overlap
+    seconds_to_target: float
+    speedup: float = 1.0
+    efficiency: float = 1.0
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                for k, v in asdict(self).items()}
+
+
+def worker_counts(max_workers: int) -> list[int]:
+    """1, 2, 4, … up to ``max_workers``, which is always included."""
+    counts = [1 << k for k in range(max_workers.bit_length()) if 1 << k < max_workers]
+    return [*counts, max_workers]
+
+
+def iteration_seconds(curve: ComputeCurve, workers: int, batch_size: int,
+                      communication: float, overlap: str) -> tuple[float, float, float]:
+    """(seconds per iteration, compute, the communication not hidden)."""
+    micro = math.ceil(batch_size / workers)
+    step = curve.step(micro)
+    if overlap == "backward":
+        backward = max(step - curve.forward(micro), 0.0)
+        exposed = max(communication - backward, 0.0)
+    else:
+        exposed = communication
+    return step + exposed, step, exposed
+
+
+def best_row(workers: int, n: int, max_micro_batch: int, curve: ComputeCurve,
+             communication: float, overlap: str, iterations: Callable[[int], float],
+             lr: Callable[[int], float]) -> Row | None:
+    """The batch B = P·m (m = 1, 2, 4, …) with the least predicted time; None when no
+    candidate fits (P > n) or none converges."""
+    best: Row | None = None
+    micro = 1
+    while micro <= max_micro_batch and workers * micro <= n:
+        batch = workers * micro
+        k = iterations(batch)
+        per, compute, exposed = iteration_seconds(curve, workers, batch, communication, overlap)
+        row = Row(workers, batch, lr(batch), k, per, compute, exposed, k * per)
+        if math.isfinite(row.seconds_to_target) and (
+                best is None or row.seconds_to_target < best.seconds_to_target):
+            best = row
+        micro *= 2
+    return best
+
+
+def finish(rows: list[Row]) -> tuple[Row, int | None]:
+    """Fill speedup and efficiency against one worker; return the recommended row and
+    ``workers_stop_paying``: the smallest P whose doubling saves less than 10 % of the time
+    (None if every doubling within the rows pays). The recommendation is that P's row, or
+    the fastest row when more workers keep paying."""
+    base = rows[0].seconds_to_target
+    for row in rows:
+        row.speedup = base / row.seconds_to_target
+        row.efficiency = row.speedup / row.workers
+    stop = None
+    for row, doubled in pairwise(rows):
+        if doubled.workers == 2 * row.workers and (
+                doubled.seconds_to_target > (1 - STOP_PAYING) * row.seconds_to_target):
+            stop = row.workers
+            break
+    if stop is not None:
+        return next(r for r in rows if r.workers == stop), stop
+    return min(rows, key=lambda r: r.seconds_to_target), None

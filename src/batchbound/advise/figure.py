@@ -1,0 +1,49 @@
+"""Time to target against workers (log-log): the predicted best per P, the ideal line
+T(1)/P, and n·Δ marked (with one example per worker, B = P: no more than n·Δ workers can
+keep the per-example progress)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+def plot_advice(advice: Any, path: str | Path) -> Path:
+    rows = advice.rows
+    workers = [r.workers for r in rows]
+    seconds = [r.seconds_to_target for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    ideal = [seconds[0] / p for p in workers]
+    ax.plot(workers, ideal, "--", color="0.55", label="ideal: T(1)/P")
+    ax.plot(workers, seconds, "o-", color="C0", label="predicted (best batch per P)")
+    for r in rows:
+        ax.annotate(f"B={r.batch_size}", (r.workers, r.seconds_to_target),
+                    textcoords="offset points", xytext=(5, 6), fontsize=8)
+    rec = advice.recommended
+    ax.plot([rec.workers], [rec.seconds_to_target], "*", color="C3", markersize=14,
+            label=f"recommended: P={rec.workers}, B={rec.batch_size}")
+    bound = advice.batch_bound
+    if workers[0] <= bound <= max(workers[-1], 2) * 4:
+        ax.axvline(bound, color="C2", linestyle=":", label=f"n·Δ = {bound:.3g}")
+    else:
+        ax.plot([], [], " ", label=f"n·Δ = {bound:.3g} (off the axis)")
+    if advice.workers_stop_paying:
+        ax.axvline(advice.workers_stop_paying, color="C1", alpha=0.5,
+                   label=f"workers stop paying past P={advice.workers_stop_paying}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("workers P")
+    ax.set_ylabel("predicted seconds to target")
+    ax.set_title(f"Time to {advice.pilot['target']} against workers")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

@@ -1,0 +1,134 @@
+"""Iterations to the target at batch size B, predicted from a pilot run at B0.
+
+The model (McCandlish et al. 2018, *An Empirical Model of Large-Batch Training*) is SGD on a
+local quadratic: with learning rate ε at batch B, one step lowers the loss by
+
+    ΔL(ε, B) = ε‖G‖² − ε²/2 · (GᵀHG + tr(HΣ)/B).
+
+Write x = ε/ε_max with ε_max = ‖G‖²/GᵀHG, and B_noise = tr(HΣ)/GᵀHG, taken as the simple noise
+scale n·Δ − 1 (H ∝ I; DESIGN.md). Relative to its best value, the step's progress is
+
+    p(x, B) = 2x − x²·(1 + B_noise/B),   best at x = 1/(1 + B_noise/B), where p = 1/(1 + B_noise/B).
+
+The pilot's rate η0 is taken to be the best one at B0, so x0 = 1/(1 + B_noise/B0). A rule for
+the learning rate at B gives η(B) = s(B)·η0, hence x = s(B)·x0, and each pilot step at B0
+stands for p(x0, B0)/p(x, B) steps at B. Summed along the pilot, with B_noise(t) interpolated
+between the exact measurements, this gives k(B). The rules (``LR_RULES``):
+
+- ``noise``: s = (1 + B_lo/B0)/(1 + B_lo/B), B_lo the smallest B_noise along the pilot: the best
+  constant rate when B_noise is B_lo (McCandlish's ε_opt), and the largest one that is never
+  past the best rate at any pilot step (s grows with B_noise for B > B0), so no step is
+  predicted to overshoot. Where B_noise is B_lo, each step stands for
+  (1 + B_noise/B)/(1 + B_noise/B0) steps.
+- ``linear``: s = B/B0 (LSR). Progress vanishes for B ≥ 2·B0 + B_noise: there the model
+  predicts no convergence (k = ∞, marked), as linear scaling past the noise scale diverges.
+- ``constant``: s = 1 (BLR). A larger batch then saves at most half the steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from batchbound.errors import BatchboundError
+
+LR_RULES = ("noise", "linear", "constant")
+
+
+@dataclass(frozen=True)
+class Pilot:
+    """What the prediction needs from a pilot run at ``batch_size`` (B0) with rate ``lr``:
+    the iterations it took to the target, and exact n·Δ at some of its iterations."""
+
+    batch_size: int
+    lr: float
+    iterations: int
+    bound_iterations: tuple[int, ...]  # where n·Δ was measured
+    batch_bounds: tuple[float, ...]  # n·Δ there (≥ 1)
+
+    def __post_init__(self) -> None:
+        if self.iterations < 1:
+            raise BatchboundError(f"the pilot took {self.iterations} iterations; need >= 1")
+        if not self.batch_bounds or len(self.batch_bounds) != len(self.bound_iterations):
+            raise BatchboundError("the pilot has no exact n·Δ measurement to predict from")
+        bad = [b for b in self.batch_bounds if not (math.isfinite(b) and b >= 1 - 1e-9)]
+        if bad:
+            raise BatchboundError(
+                f"the pilot's n·Δ must be finite and >= 1, got {bad[0]!r} (a zero gradient?)")
+
+    def noise_scale(self, iteration: float) -> float:
+        """B_noise = n·Δ − 1 at a pilot iteration, linear between measurements and constant
+        beyond the first and last."""
+        its, bounds = self.bound_iterations, self.batch_bounds
+        if iteration <= its[0]:
+            return max(bounds[0] - 1.0, 0.0)
+        for k in range(1, len(its)):
+            (i0, b0), (i1, b1) = (its[k - 1], bounds[k - 1]), (its[k], bounds[k])
+            if iteration <= i1:
+                w = (iteration - i0) / (i1 - i0) if i1 > i0 else 1.0
+                return max(b0 + w * (b1 - b0) - 1.0, 0.0)
+        return max(bounds[-1] - 1.0, 0.0)
+
+    def noise_scales(self) -> list[float]:
+        """B_noise at each pilot step t = 0 .. iterations−1."""
+        return [self.noise_scale(t) for t in range(self.iterations)]
+
+    def lowest_noise_scale(self) -> float:
+        return max(min(self.batch_bounds) - 1.0, 0.0)
+
+    def mean_batch_bound(self) -> float:
+        """n·Δ averaged over the pilot's steps."""
+        return 1.0 + sum(self.noise_scales()) / self.iterations
+
+
+def lr_scale(rule: str, batch_size: int, pilot: Pilot) -> float:
+    """s(B): the rate at B is s(B)·η0 (see the module docstring)."""
+    if rule not in LR_RULES:
+        raise BatchboundError(f"unknown lr rule {rule!r}; choose from {', '.join(LR_RULES)}")
+    if rule == "linear":
+        return batch_size / pilot.batch_size
+    if rule == "constant":
+        return 1.0
+    low = pilot.lowest_noise_scale()
+    return (1.0 + low / pilot.batch_size) / (1.0 + low / batch_size)
+
+
+def steps_per_pilot_step(noise: float, b0: int, batch_size: int, scale: float) -> float:
+    """How many steps at ``batch_size`` with rate scale·η0 equal one pilot step at ``b0``,
+    when the noise scale is ``noise``; inf when the model predicts no progress."""
+    x0 = 1.0 / (1.0 + noise / b0)
+    x = scale * x0
+    progress = 2.0 * x - x * x * (1.0 + noise / batch_size)
+    return x0 / progress if progress > 0 else math.inf
+
+
+def predict_iterations(pilot: Pilot, batch_size: int, rule: str = "noise") -> float:
+    """k(B): the pilot's steps, each weighted by ``steps_per_pilot_step``; at B = B0 this is
+    the pilot's own count. Fractional; inf when some step makes no progress."""
+    if batch_size < 1:
+        raise BatchboundError(f"batch size must be >= 1, got {batch_size}")
+    scale = lr_scale(rule, batch_size, pilot)
+    total = 0.0
+    for noise in pilot.noise_scales():
+        total += steps_per_pilot_step(noise, pilot.batch_size, batch_size, scale)
+        if math.isinf(total):
+            return math.inf
+    return total
+
+
+def minimum_iterations(pilot: Pilot) -> float:
+    """S_min in steps: k(B) as B → ∞ under the ``noise`` rule, Σ_t 1/(1 + B_noise(t)/B0)."""
+    return sum(1.0 / (1.0 + noise / pilot.batch_size) for noise in pilot.noise_scales())
+
+
+def from_measured(batch_sizes: Sequence[int], iterations: Sequence[float],
+                  critical_batch: float, batch_size: int) -> float:
+    """k(B) from a study: S_min·(1 + B_crit/B) through the measured k nearest to B (in log B),
+    so the measured points are reproduced and B_crit shapes the curve between them."""
+    if not batch_sizes:
+        raise BatchboundError("the study has no batch size that reached the target")
+    nearest = min(range(len(batch_sizes)),
+                  key=lambda i: abs(math.log(batch_sizes[i]) - math.log(batch_size)))
+    b, k = batch_sizes[nearest], iterations[nearest]
+    return k * (1.0 + critical_batch / batch_size) / (1.0 + critical_batch / b)

@@ -1,0 +1,224 @@
+"""Seconds per iteration on P workers at global batch B: compute, communication, step.
+
+- Compute: the trainer's own step (data, forward and backward, optimiser step) on a
+  micro-batch of m = ⌈B/P⌉ examples, timed on this device at a few m, with the torch thread
+  count each worker gets here (cores / P), and interpolated linearly between the m timed
+  (extrapolated beyond the largest from its last two points). The forward alone is timed
+  too, so the backward's share is known for overlap.
+- Communication on this machine: batchbound's own all-reduce (one flat buffer, gloo)
+  timed with P local processes.
+- Communication on a cluster: a ring all-reduce of b bytes, 2(P−1)·α + 2(P−1)/P · b/β.
+- Overlap: ``"none"`` (batchbound's trainer: compute, then all-reduce, then step) adds
+  them; ``"backward"`` (DDP's buckets) hides communication behind the backward,
+  forward + max(backward, communication) + step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tomllib
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from batchbound.data import Dataset
+from batchbound.errors import BatchboundError
+from batchbound.train.config import TrainConfig
+from batchbound.train.distributed import DistContext, free_port, teardown
+
+OVERLAPS = ("none", "backward")
+
+
+@dataclass(frozen=True)
+class ComputeCurve:
+    """Seconds of one worker's step against its micro-batch size m (timed at ``sizes``)."""
+
+    sizes: tuple[int, ...]
+    step_seconds: tuple[float, ...]  # data + forward + backward + optimiser step
+    forward_seconds: tuple[float, ...]
+
+    def _at(self, values: Sequence[float], m: float) -> float:
+        sizes = self.sizes
+        if len(sizes) == 1:
+            return values[0] * m / sizes[0]
+        k = next((i for i in range(1, len(sizes)) if m <= sizes[i]), len(sizes) - 1)
+        s0, s1, v0, v1 = sizes[k - 1], sizes[k], values[k - 1], values[k]
+        return max(v0 + (v1 - v0) * (m - s0) / (s1 - s0), 0.0)
+
+    def step(self, m: float) -> float:
+        return self._at(self.step_seconds, m)
+
+    def forward(self, m: float) -> float:
+        return min(self._at(self.forward_seconds, m), self.step(m))
+
+    @classmethod
+    def from_rate(cls, examples_per_second: float) -> ComputeCurve:
+        """A described device: t(m) = m / rate, a third of it the forward."""
+        return cls((1,), (1.0 / examples_per_second,), (1.0 / (3 * examples_per_second),))
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``[network] bandwidth_gbytes_per_s, latency_us``, ``[cluster] max_workers``,
+    optional ``[device] examples_per_second, max_micro_batch``."""
+
+    bandwidth_bytes_per_s: float
+    latency_s: float
+    max_workers: int
+    examples_per_second: float | None = None
+    max_micro_batch: int | None = None
+
+    def allreduce_seconds(self, workers: int, payload_bytes: int) -> float:
+        return ring_allreduce_seconds(workers, payload_bytes, self.latency_s,
+                                      self.bandwidth_bytes_per_s)
+
+
+def ring_allreduce_seconds(workers: int, payload_bytes: int, latency_s: float,
+                           bandwidth_bytes_per_s: float) -> float:
+    """2(P−1)·α + 2(P−1)/P · b/β; 0 for one worker, and α alone for infinite bandwidth."""
+    if workers <= 1:
+        return 0.0
+    steps = 2 * (workers - 1)
+    return steps * latency_s + steps / workers * payload_bytes / bandwidth_bytes_per_s
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """Read and check a cluster file; a one-line BatchboundError names what is wrong."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise BatchboundError(f"cluster file {path} does not exist") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise BatchboundError(f"cluster file {path} is not valid TOML: {exc}") from None
+    allowed = {"network": {"bandwidth_gbytes_per_s", "latency_us"}, "cluster": {"max_workers"},
+               "device": {"examples_per_second", "max_micro_batch"}}
+    for table, keys in data.items():
+        if table not in allowed or not isinstance(keys, dict):
+            raise BatchboundError(f"cluster file {path}: unknown table [{table}]; tables: "
+                                  f"{', '.join(allowed)}")
+        unknown = set(keys) - allowed[table]
+        if unknown:
+            raise BatchboundError(f"cluster file {path}: unknown key {sorted(unknown)[0]!r} in "
+                                  f"[{table}]; keys: {', '.join(sorted(allowed[table]))}")
+
+    def number(table: str, key: str, required: bool = True) -> float | None:
+        value = data.get(table, {}).get(key)
+        if value is None:
+            if required:
+                raise BatchboundError(f"cluster file {path} needs [{table}] {key}")
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and value > 0):
+            raise BatchboundError(f"cluster file {path}: [{table}] {key} must be a positive "
+                                  f"number, got {value!r}")
+        return float(value)
+
+    workers = number("cluster", "max_workers")
+    micro = number("device", "max_micro_batch", required=False)
+    for key, value in (("[cluster] max_workers", workers), ("[device] max_micro_batch", micro)):
+        if value is not None and value != int(value):
+            raise BatchboundError(f"cluster file {path}: {key} must be a whole number")
+    return Cluster(
+        bandwidth_bytes_per_s=number("network", "bandwidth_gbytes_per_s") * 1e9,  # type: ignore[operator]
+        latency_s=number("network", "latency_us") / 1e6,  # type: ignore[operator]
+        max_workers=int(workers),  # type: ignore[arg-type]
+        examples_per_second=number("device", "examples_per_second", required=False),
+        max_micro_batch=None if micro is None else int(micro),
+    )
+
+
+# ---------------------------------------------------------------- measured here
+
+
+def micro_batch_sizes(largest: int) -> list[int]:
+    """1, 2, 4, … and ``largest``."""
+    sizes = [1 << k for k in range(largest.bit_length()) if 1 << k < largest]
+    return [*sizes, largest]
+
+
+def time_compute(config: TrainConfig, data: Dataset, sizes: Sequence[int], threads: int,
+                 budget_s: float = 0.2) -> ComputeCurve:
+    """The trainer's step timed at each micro-batch size (median of repeats, at least 3 and
+    about ``budget_s`` seconds each), with ``threads`` torch threads, on a throwaway model."""
+    from batchbound.train.loop import Trainer
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        timed = config.replace(workers=1, lr=1e-9, online_diversity="off",
+                               diversity_every_epochs=None, batch_policy="fixed", targets=())
+        trainer = Trainer(timed, DistContext(device=torch.device(_device(config))), dataset=data)
+        trainer.initial_loss = 1.0
+        steps, forwards = [], []
+        for m in sizes:
+            trainer.batch_size = m
+            steps.append(_median_seconds(lambda: trainer.train_step(False, False), budget_s))
+            x, y = trainer.data.x_train[:m], trainer.data.y_train[:m]
+            forwards.append(_median_seconds(
+                lambda x=x, y=y: trainer.loss_fn(trainer.model(x), y).sum(), budget_s))
+        return ComputeCurve(tuple(sizes), tuple(steps), tuple(forwards))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _device(config: TrainConfig) -> str:
+    from batchbound.train.distributed import resolve_device
+
+    return str(resolve_device(config.device))
+
+
+def _median_seconds(fn: Any, budget_s: float) -> float:
+    fn()  # warm-up
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < 3 or (spent < budget_s and len(times) < 200):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+        spent += times[-1]
+    return statistics.median(times)
+
+
+def time_allreduce(workers: int, numel: int, repeats: int = 20) -> float:
+    """Median seconds of batchbound's all-reduce of ``numel`` float32 values (the trainer's
+    flat buffer) across ``workers`` local gloo processes."""
+    if workers <= 1:
+        return 0.0
+    with tempfile.TemporaryDirectory(prefix="batchbound-allreduce-") as tmp:
+        out = Path(tmp) / "seconds"
+        mp.start_processes(_allreduce_worker, args=(workers, numel, repeats, free_port(),
+                                                   str(out)),
+                           nprocs=workers, join=True, start_method="spawn")
+        return float(out.read_text())
+
+
+def _allreduce_worker(rank: int, workers: int, numel: int, repeats: int, port: int,
+                      out: str) -> None:
+    from batchbound.train.distributed import all_reduce_sum
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=workers)
+    try:
+        grads = [torch.randn(numel)]
+        times = []
+        for _ in range(repeats + 2):
+            dist.barrier()
+            start = time.perf_counter()
+            flat = torch.cat([g.reshape(-1) for g in grads])  # as Trainer.all_reduce does
+            all_reduce_sum(flat)
+            grads[0].copy_(flat)
+            times.append(time.perf_counter() - start)
+        if rank == 0:
+            Path(out).write_text(str(statistics.median(times[2:])))
+    finally:
+        teardown()

@@ -1,0 +1,106 @@
+"""``batchbound advise``: how many workers, what batch size, how long to the target.
+
+A pilot run at a small batch measures exact n·Δ along training; a model of iterations
+against batch size and timed (or described) steps and all-reduces turn it into seconds to
+target per worker count."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from batchbound.advise import advise
+from batchbound.advise.figure import plot_advice
+from batchbound.advise.iterations import LR_RULES
+from batchbound.advise.timing import OVERLAPS
+from batchbound.cli.common import add_data_arguments, add_model_argument, check_writable
+from batchbound.train import TrainConfig, target_list
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "advise",
+        help="how many workers and what batch size, and how long to the target",
+        description=(
+            "Run a pilot at a small batch B0 (--batch-size) to the target, measuring exact "
+            "n·Δ along the way; predict iterations at other batch sizes (McCandlish et al.'s "
+            "model, step by step along the pilot); time the step and the all-reduce here, or "
+            "model them for a cluster file; print, for P = 1, 2, 4, … workers, the "
+            "time-optimal batch, its iterations and seconds to target, the recommended "
+            "(P, B), and the worker count past which doubling saves less than 10 %%."
+        ),
+    )
+    add_data_arguments(parser)
+    add_model_argument(parser, default="fc(depth=2,params=4000)")
+    parser.add_argument("--lr", type=float, default=0.1,
+                        help="the pilot's learning rate η0, taken as the best at B0 "
+                        "(default 0.1)")
+    parser.add_argument("--batch-size", "-B", type=int, default=16,
+                        help="the pilot's batch B0 (default 16)")
+    for metric in ("train_acc", "train_loss", "test_acc", "test_loss"):
+        parser.add_argument(f"--target-{metric.replace('_', '-')}", dest=f"target_{metric}",
+                            type=float, metavar="X", help=f"the target: {metric} reaches X")
+    parser.add_argument("--lr-rule", choices=LR_RULES, default="noise",
+                        help="the learning rate at batch B: noise (default) η0·(1+B_lo/B0)/"
+                        "(1+B_lo/B), B_lo the pilot's lowest noise scale n·Δ−1; linear "
+                        "η0·B/B0; constant η0")
+    parser.add_argument("--max-workers", "-P", type=int,
+                        help="largest worker count (default: this machine's cores, or the "
+                        "cluster file's max_workers)")
+    parser.add_argument("--cluster", metavar="FILE.toml",
+                        help="model a cluster: [network] bandwidth_gbytes_per_s, latency_us; "
+                        "[cluster] max_workers; optional [device] examples_per_second, "
+                        "max_micro_batch")
+    parser.add_argument("--overlap", choices=OVERLAPS, default="none",
+                        help="none: all-reduce after the backward, as batchbound train "
+                        "(default); backward: overlapped with it, as DDP")
+    parser.add_argument("--probe", action="store_true",
+                        help="branch short runs from the pilot at B0·2^k: the empirical "
+                        "critical batch beside n·Δ at 3 points")
+    parser.add_argument("--probe-tolerance", type=float, default=0.1,
+                        help="a batch keeps up when its loss decrease is at least (1 − this) "
+                        "of B0's over the same examples (default 0.1)")
+    parser.add_argument("--diversity-every", type=float, default=0.1, metavar="EPOCHS",
+                        help="exact n·Δ every this many pilot epochs (default 0.1)")
+    parser.add_argument("--max-epochs", type=float, default=100.0,
+                        help="the pilot's epoch limit (default 100)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    parser.add_argument("--figure", metavar="PNG", help="write time to target against P here")
+    parser.add_argument("--json", action="store_true", help="print the advice as JSON")
+    parser.set_defaults(func=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    targets = target_list(**{m: getattr(args, f"target_{m}")
+                             for m in ("train_acc", "train_loss", "test_acc", "test_loss")})
+    if args.figure:
+        check_writable(args.figure)
+    config = TrainConfig(dataset=args.dataset, data_dir=args.data_dir, model=args.model,
+                         lr=args.lr, batch_size=args.batch_size, targets=targets,
+                         max_epochs=args.max_epochs, eval_every_epochs=args.diversity_every,
+                         seed=args.seed, device=args.device)
+
+    def log(text: str) -> None:
+        print(f"advise: {text}", file=sys.stderr, flush=True)
+
+    advice = advise(config, max_workers=args.max_workers, cluster=args.cluster,
+                    overlap=args.overlap, lr_rule=args.lr_rule,
+                    diversity_every_epochs=args.diversity_every, with_probe=args.probe,
+                    probe_tolerance=args.probe_tolerance, log=log)
+    if args.figure:
+        plot_advice(advice, args.figure)
+        log(f"figure written to {args.figure}")
+    if args.json:
+        print(advice.to_json())
+        return 0
+    print(advice.table())
+    print()
+    print(advice.summary())
+    if advice.probe:
+        print("\nempirical critical batch (probe) beside n·Δ:")
+        for p in advice.probe:
+            print(f"  epoch {p.epoch:.2f}: n·Δ = {p.batch_bound:.4g}, keeps up to "
+                  f"B = {p.empirical_cbs}")
+    print(f"\nassumptions: {advice.assumptions}")
+    return 0

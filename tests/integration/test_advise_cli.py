@@ -1,0 +1,63 @@
+"""``batchbound advise`` end to end on digits: the JSON the issue asks for, in under a minute,
+and bad input as one line with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from batchbound.cli import main
+
+COMMAND = ["advise", "--dataset", "digits", "--model", "fc(depth=2,params=4000)", "--lr", "0.1",
+           "--target-train-acc", "0.95"]
+
+
+def test_advise_json_on_this_machine(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    start = time.perf_counter()
+    code = main([*COMMAND, "--max-workers", "2", "--json", "--figure", str(tmp_path / "a.png")])
+    seconds = time.perf_counter() - start
+    assert code == 0 and seconds < 60
+    advice = json.loads(capsys.readouterr().out)
+    assert advice["batch_bound"] > 1
+    assert [r["workers"] for r in advice["rows"]] == [1, 2]
+    for row in advice["rows"]:
+        assert row["batch_size"] % row["workers"] == 0
+        assert row["seconds_to_target"] == pytest.approx(
+            row["iterations"] * row["seconds_per_iteration"])
+        assert row["seconds_per_iteration"] == pytest.approx(
+            row["compute_seconds"] + row["communication_seconds"])
+    assert advice["rows"][0]["communication_seconds"] == 0
+    assert advice["rows"][1]["communication_seconds"] > 0  # timed with gloo
+    assert set(advice["recommended"]) == {"workers", "batch_size", "lr"}
+    assert "workers_stop_paying" in advice and "McCandlish" in advice["assumptions"]
+    assert (tmp_path / "a.png").stat().st_size > 10_000
+
+
+def test_advise_projects_to_a_cluster(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text("[network]\nbandwidth_gbytes_per_s = 10\nlatency_us = 5\n"
+                       "[cluster]\nmax_workers = 1024\n"
+                       "[device]\nexamples_per_second = 20000\nmax_micro_batch = 64\n")
+    assert main([*COMMAND, "--cluster", str(cluster), "--json"]) == 0
+    advice = json.loads(capsys.readouterr().out)
+    workers = [r["workers"] for r in advice["rows"]]
+    assert workers[0] == 1 and workers[-1] <= 1024
+    assert all(r["batch_size"] <= 64 * r["workers"] for r in advice["rows"])
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "needs a target"),
+    (["--cluster", "/nonexistent.toml"], "does not exist"),
+    (["--max-workers", "64"], "cores"),
+    (["--figure", "/nonexistent/dir/a.png"], "does not exist"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], extra: list[str],
+                                          message: str) -> None:
+    args = [a for a in COMMAND if a not in ("--target-train-acc", "0.95")] if not extra else \
+        COMMAND
+    code = main([*args, *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and message in err[-1] and err[-1].startswith("batchbound advise: error")

@@ -1,0 +1,188 @@
+"""The advise model: iterations against batch size, seconds per iteration, the answer, and
+the cluster file, each against its closed form."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from batchbound.advise.answer import best_row, finish, worker_counts
+from batchbound.advise.iterations import (
+    LR_RULES,
+    Pilot,
+    lr_scale,
+    minimum_iterations,
+    predict_iterations,
+)
+from batchbound.advise.timing import (
+    Cluster,
+    ComputeCurve,
+    load_cluster,
+    ring_allreduce_seconds,
+)
+from batchbound.errors import BatchboundError
+
+
+def flat_pilot(noise: float, b0: int = 16, k0: int = 200) -> Pilot:
+    return Pilot(b0, 0.1, k0, (0, k0 // 2), (noise + 1, noise + 1))
+
+
+@pytest.mark.parametrize("rule", LR_RULES)
+def test_the_pilots_own_batch_takes_the_pilots_iterations(rule: str) -> None:
+    pilot = Pilot(16, 0.1, 300, (0, 100, 250), (40.0, 90.0, 200.0))
+    assert predict_iterations(pilot, 16, rule) == pytest.approx(300)
+
+
+@pytest.mark.parametrize("batch", [1, 8, 32, 100, 1000, 10**6])
+def test_noise_rule_with_a_constant_noise_scale_is_mccandlish_closed_form(batch: int) -> None:
+    """S(B) = S_min·(1 + B_noise/B), through the pilot's (B0, k0)."""
+    noise, b0, k0 = 63.0, 16, 200
+    expected = k0 * (1 + noise / batch) / (1 + noise / b0)
+    assert predict_iterations(flat_pilot(noise, b0, k0), batch) == pytest.approx(expected)
+
+
+def test_noise_rule_falls_with_batch_and_stays_above_the_minimum() -> None:
+    """S_min (the best rate at every step) bounds any one rate from below; it is reached
+    when the noise scale does not change."""
+    pilot = Pilot(16, 0.1, 300, (0, 100, 250), (40.0, 90.0, 200.0))
+    ks = [predict_iterations(pilot, b) for b in (16, 64, 256, 1024, 10**7)]
+    assert ks == sorted(ks, reverse=True) and all(math.isfinite(k) for k in ks)
+    assert ks[-1] >= minimum_iterations(pilot)
+    flat = flat_pilot(noise=63.0)
+    assert predict_iterations(flat, 10**9) == pytest.approx(minimum_iterations(flat), rel=1e-6)
+
+
+def test_linear_scaling_past_the_noise_scale_predicts_no_convergence() -> None:
+    pilot = flat_pilot(noise=20.0, b0=16)
+    assert math.isfinite(predict_iterations(pilot, 32, "linear"))
+    assert predict_iterations(pilot, 2 * 16 + 20, "linear") == math.inf
+
+
+def test_a_constant_rate_saves_at_most_half_the_steps() -> None:
+    pilot = flat_pilot(noise=50.0, k0=200)
+    assert predict_iterations(pilot, 10**6, "constant") >= 100 - 1e-9
+    assert predict_iterations(pilot, 64, "constant") < 200
+
+
+def test_noise_rule_rate_approaches_linear_scaling_for_small_batches() -> None:
+    pilot = flat_pilot(noise=1000.0, b0=4)
+    assert lr_scale("noise", 8, pilot) == pytest.approx(2.0, rel=0.01)
+    assert lr_scale("noise", 10**7, pilot) == pytest.approx(1 + 1000 / 4, rel=0.01)
+
+
+def test_a_pilot_without_a_finite_bound_is_refused() -> None:
+    with pytest.raises(BatchboundError, match="finite"):
+        Pilot(16, 0.1, 10, (0,), (math.inf,))
+
+
+# ---------------------------------------------------------------- communication
+
+
+def test_one_worker_has_no_communication() -> None:
+    assert ring_allreduce_seconds(1, 10**9, 1e-3, 1e6) == 0.0
+
+
+def test_infinite_bandwidth_leaves_only_latency_and_zero_with_none() -> None:
+    assert ring_allreduce_seconds(8, 10**9, 5e-6, math.inf) == pytest.approx(14 * 5e-6)
+    assert ring_allreduce_seconds(8, 10**9, 0.0, math.inf) == 0.0
+
+
+def test_ring_allreduce_closed_form() -> None:
+    p, b, alpha, beta = 4, 4_000_000, 1e-5, 1e9
+    assert ring_allreduce_seconds(p, b, alpha, beta) == pytest.approx(
+        2 * 3 * alpha + 2 * 3 / 4 * b / beta)
+
+
+# ---------------------------------------------------------------- the answer
+
+CURVE = ComputeCurve((1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096),
+                     tuple(2e-4 + 1e-5 * m for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512,
+                                                     1024, 4096)),
+                     tuple(1e-4 + 3e-6 * m for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512,
+                                                     1024, 4096)))
+
+
+def answer(pilot: Pilot, cluster: Cluster, overlap: str = "none", n: int = 60_000):
+    rows = []
+    for p in worker_counts(cluster.max_workers):
+        row = best_row(p, n, 4096, CURVE, cluster.allreduce_seconds(p, 4_000_000), overlap,
+                       lambda b: predict_iterations(pilot, b), lambda b: 0.1)
+        if row is not None:
+            rows.append(row)
+    recommended, stop = finish(rows)
+    return rows, recommended, stop
+
+
+def test_time_never_falls_below_minimum_steps_times_one_example() -> None:
+    pilot = Pilot(16, 0.1, 500, (0, 200, 450), (30.0, 300.0, 3000.0))
+    cluster = Cluster(bandwidth_bytes_per_s=math.inf, latency_s=0.0, max_workers=1024)
+    rows, _, _ = answer(pilot, cluster)
+    floor = minimum_iterations(pilot) * CURVE.step(1)
+    assert len(rows) == 11 and all(r.seconds_to_target >= floor for r in rows)
+    assert all(r.communication_seconds == 0 for r in rows)
+
+
+def test_raising_the_bandwidth_never_lowers_where_workers_stop_paying() -> None:
+    pilot = Pilot(16, 0.1, 500, (0, 200, 450), (30.0, 300.0, 3000.0))
+    stops = []
+    for gbytes in (0.1, 1, 10, 100, 1000, math.inf):
+        cluster = Cluster(bandwidth_bytes_per_s=gbytes * 1e9, latency_s=5e-6,
+                          max_workers=1024)
+        stops.append(answer(pilot, cluster)[2])
+    as_numbers = [math.inf if s is None else s for s in stops]
+    assert as_numbers == sorted(as_numbers), stops
+
+
+def test_rows_use_multiples_of_the_workers_and_speedup_is_against_one_worker() -> None:
+    pilot = flat_pilot(noise=500.0)
+    rows, recommended, stop = answer(pilot, Cluster(10e9, 5e-6, 64))
+    assert [r.workers for r in rows] == [1, 2, 4, 8, 16, 32, 64]
+    for r in rows:
+        assert r.batch_size % r.workers == 0
+        assert r.speedup == pytest.approx(rows[0].seconds_to_target / r.seconds_to_target)
+        assert r.efficiency == pytest.approx(r.speedup / r.workers)
+    assert recommended in rows
+    if stop is not None:
+        nxt = next(r for r in rows if r.workers == 2 * stop)
+        this = next(r for r in rows if r.workers == stop)
+        assert nxt.seconds_to_target > 0.9 * this.seconds_to_target
+
+
+def test_overlap_hides_communication_behind_the_backward() -> None:
+    pilot = flat_pilot(noise=500.0)
+    slow = Cluster(1e8, 5e-6, 8)
+    plain = answer(pilot, slow, "none")[0]
+    hidden = answer(pilot, slow, "backward")[0]
+    for a, b in zip(plain, hidden, strict=True):
+        assert b.seconds_to_target <= a.seconds_to_target + 1e-12
+
+
+# ---------------------------------------------------------------- the cluster file
+
+
+def test_cluster_file_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text("[network]\nbandwidth_gbytes_per_s = 12.5\nlatency_us = 5\n"
+                    "[cluster]\nmax_workers = 1024\n[device]\nexamples_per_second = 2e4\n")
+    cluster = load_cluster(path)
+    assert cluster.bandwidth_bytes_per_s == 12.5e9 and cluster.latency_s == 5e-6
+    assert cluster.max_workers == 1024 and cluster.examples_per_second == 2e4
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[network]\nlatency_us = 5\n[cluster]\nmax_workers = 4\n", "bandwidth_gbytes_per_s"),
+    ("[network]\nbandwidth_gbytes_per_s = 'fast'\nlatency_us = 5\n[cluster]\nmax_workers = 4\n",
+     "positive number"),
+    ("[network]\nbandwidth_gbytes_per_s = 1\nlatency_us = 5\nspeed = 3\n"
+     "[cluster]\nmax_workers = 4\n", "unknown key 'speed'"),
+    ("[network]\nbandwidth_gbytes_per_s = 1\nlatency_us = 5\n[cluster]\nmax_workers = 2.5\n",
+     "whole number"),
+    ("not toml [", "not valid TOML"),
+])
+def test_bad_cluster_files_are_named(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text(text)
+    with pytest.raises(BatchboundError, match=message):
+        load_cluster(path)
