@@ -51,6 +51,9 @@ class Advice:
     pilot: dict[str, Any]
     probe: list[ProbePoint] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # what the rows were computed from (not in the JSON): per worker count
+    curves: dict[int, ComputeCurve] = field(default_factory=dict, repr=False)
+    communication: dict[int, float] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -214,6 +217,8 @@ def advise(
         probe=points,
         extra={"n": n, "lr_rule": lr_rule, "overlap": overlap,
                "timing": "cluster" if spec is not None else "measured"},
+        curves=curves,
+        communication=communication,
     )
 
 
