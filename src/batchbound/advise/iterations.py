@@ -28,7 +28,6 @@ between the exact measurements, this gives k(B). The rules (``LR_RULES``):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from batchbound.errors import BatchboundError
@@ -120,15 +119,3 @@ def predict_iterations(pilot: Pilot, batch_size: int, rule: str = "noise") -> fl
 def minimum_iterations(pilot: Pilot) -> float:
     """S_min in steps: k(B) as B → ∞ under the ``noise`` rule, Σ_t 1/(1 + B_noise(t)/B0)."""
     return sum(1.0 / (1.0 + noise / pilot.batch_size) for noise in pilot.noise_scales())
-
-
-def from_measured(batch_sizes: Sequence[int], iterations: Sequence[float],
-                  critical_batch: float, batch_size: int) -> float:
-    """k(B) from a study: S_min·(1 + B_crit/B) through the measured k nearest to B (in log B),
-    so the measured points are reproduced and B_crit shapes the curve between them."""
-    if not batch_sizes:
-        raise BatchboundError("the study has no batch size that reached the target")
-    nearest = min(range(len(batch_sizes)),
-                  key=lambda i: abs(math.log(batch_sizes[i]) - math.log(batch_size)))
-    b, k = batch_sizes[nearest], iterations[nearest]
-    return k * (1.0 + critical_batch / batch_size) / (1.0 + critical_batch / b)
