@@ -51,7 +51,7 @@ def test_advise_projects_to_a_cluster(capsys: pytest.CaptureFixture[str], tmp_pa
 @pytest.mark.parametrize("extra, message", [
     ([], "needs a target"),
     (["--cluster", "/nonexistent.toml"], "does not exist"),
-    (["--max-workers", "64"], "cores"),
+    (["--max-workers", "100000"], "cores"),
     (["--figure", "/nonexistent/dir/a.png"], "does not exist"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], extra: list[str],
