@@ -19,7 +19,7 @@ import sys
 
 from batchbound.advise import advise, predict_iterations
 from batchbound.advise.answer import iteration_seconds
-from batchbound.advise.iterations import Pilot, lr_scale
+from batchbound.advise.iterations import lr_scale
 from batchbound.train import TrainConfig, target_list, train
 
 CASES = {
@@ -35,9 +35,8 @@ def run_case(name: str, workers: list[int]) -> list[dict]:
                          batch_size=16, targets=target_list(train_acc=case["target"]))
     advice = advise(config, max_workers=max(workers),
                     log=lambda t: print(f"  {name}: {t}", file=sys.stderr))
-    p = advice.pilot
-    pilot = Pilot(p["batch_size"], p["lr"], p["iterations"],
-                  tuple(i for i, _ in p["batch_bounds"]), tuple(b for _, b in p["batch_bounds"]))
+    pilot = advice.source
+    assert pilot is not None
     curves, comm = advice.curves, advice.communication
     out = []
     for P in workers:

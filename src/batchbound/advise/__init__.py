@@ -37,6 +37,7 @@ from batchbound.advise.timing import (
 )
 from batchbound.data import apply_transform, load_dataset
 from batchbound.errors import BatchboundError
+from batchbound.models import build_model, count_parameters
 from batchbound.train.config import TrainConfig
 from batchbound.train.distributed import resolve_device
 
@@ -51,7 +52,8 @@ class Advice:
     pilot: dict[str, Any]
     probe: list[ProbePoint] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-    # what the rows were computed from (not in the JSON): per worker count
+    # what the rows were computed from (not in the JSON): the pilot, and per worker count
+    source: Pilot | None = field(default=None, repr=False)
     curves: dict[int, ComputeCurve] = field(default_factory=dict, repr=False)
     communication: dict[int, float] = field(default_factory=dict, repr=False)
 
@@ -155,7 +157,7 @@ def advise(
                                     else 1.0)
 
     micro_limit = min(n, spec.max_micro_batch if spec and spec.max_micro_batch else n)
-    params = sum(p.numel() for p in _model_parameters(config, data))
+    params = count_parameters(build_model(config.model, data.input_shape, data.num_outputs))
     payload = (params + 3) * 4 if config.dtype == "float32" else (params + 3) * 8
     counts = worker_counts(limit)
     curves: dict[int, ComputeCurve] = {}  # by worker count
@@ -217,6 +219,7 @@ def advise(
         probe=points,
         extra={"n": n, "lr_rule": lr_rule, "overlap": overlap,
                "timing": "cluster" if spec is not None else "measured"},
+        source=pilot,
         curves=curves,
         communication=communication,
     )
@@ -229,11 +232,4 @@ _RULES = {
     "linear": "η(B) = η0·B/B0",
     "constant": "η(B) = η0",
 }
-def _model_parameters(config: TrainConfig, data: Any) -> list[Any]:
-    from batchbound.models import build_model
-
-    model = build_model(config.model, data.input_shape, data.num_outputs, seed=config.seed)
-    return [p for p in model.parameters() if p.requires_grad]
-
-
 __all__ = ["Advice", "Cluster", "Pilot", "advise", "load_cluster", "predict_iterations"]

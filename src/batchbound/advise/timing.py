@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 from batchbound.data import Dataset
 from batchbound.errors import BatchboundError
 from batchbound.train.config import TrainConfig
-from batchbound.train.distributed import DistContext, free_port, teardown
+from batchbound.train.distributed import DistContext, free_port, resolve_device, teardown
 
 OVERLAPS = ("none", "backward")
 
@@ -156,7 +156,7 @@ def time_compute(config: TrainConfig, data: Dataset, sizes: Sequence[int], threa
     try:
         timed = config.replace(workers=1, lr=1e-9, online_diversity="off",
                                diversity_every_epochs=None, batch_policy="fixed", targets=())
-        trainer = Trainer(timed, DistContext(device=torch.device(_device(config))), dataset=data)
+        trainer = Trainer(timed, DistContext(device=resolve_device(config.device)), dataset=data)
         trainer.initial_loss = 1.0
         steps, forwards = [], []
         for m in sizes:
@@ -168,12 +168,6 @@ def time_compute(config: TrainConfig, data: Dataset, sizes: Sequence[int], threa
         return ComputeCurve(tuple(sizes), tuple(steps), tuple(forwards))
     finally:
         torch.set_num_threads(previous)
-
-
-def _device(config: TrainConfig) -> str:
-    from batchbound.train.distributed import resolve_device
-
-    return str(resolve_device(config.device))
 
 
 def _median_seconds(fn: Any, budget_s: float) -> float:

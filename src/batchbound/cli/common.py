@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
+
+from batchbound.errors import BatchboundError
 
 
 def add_data_arguments(parser: argparse.ArgumentParser, default: str | None = "digits") -> None:
@@ -39,11 +43,6 @@ def add_model_argument(
 def check_writable(path: str) -> None:
     """Fail before any work when an output file cannot be written (its folder missing or
     read-only)."""
-    import os
-    from pathlib import Path
-
-    from batchbound.errors import BatchboundError
-
     folder = Path(path).expanduser().resolve().parent
     if not folder.is_dir():
         raise BatchboundError(f"cannot write {path}: folder {folder} does not exist")

@@ -58,6 +58,10 @@ _CHECKS: weakref.WeakKeyDictionary[
 ] = weakref.WeakKeyDictionary()
 
 
+# Models whose vmap gradients were checked against the loop (per_example_gradients).
+_VMAP_CHECKED: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
+
+
 def _structure(model: nn.Module, params: dict[str, nn.Parameter], loss: object,
                engine: str) -> tuple:
     modules = tuple((name, id(m), type(m)) for name, m in model.named_modules())
@@ -342,7 +346,10 @@ def per_example_gradients(
             return loop_gradients(model, x, y, loss_fn, names)
         try:
             grads = vmap_gradients(model, x, y, loss_fn, names)
-            _check_first_row(model, x, y, loss_fn, grads)
+            key = _structure(model, params, loss_fn, "vmap")
+            if _VMAP_CHECKED.get(model) != key:  # once per model: a training step calls this
+                _check_first_row(model, x, y, loss_fn, grads)
+                _VMAP_CHECKED[model] = key
             return grads
         except VmapUnsupported as exc:
             warnings.warn(f"batchbound: {exc}; materialising per-example gradients with the "
