@@ -10,7 +10,7 @@ import pytest
 
 from batchbound.advise.answer import best_row, finish, worker_counts
 from batchbound.advise.iterations import (
-    LR_RULES,
+    STRATEGIES,
     Pilot,
     lr_scale,
     minimum_iterations,
@@ -29,7 +29,7 @@ def flat_pilot(noise: float, b0: int = 16, k0: int = 200) -> Pilot:
     return Pilot(b0, 0.1, k0, (0, k0 // 2), (noise + 1, noise + 1))
 
 
-@pytest.mark.parametrize("rule", LR_RULES)
+@pytest.mark.parametrize("rule", STRATEGIES)
 def test_the_pilots_own_batch_takes_the_pilots_iterations(rule: str) -> None:
     pilot = Pilot(16, 0.1, 300, (0, 100, 250), (40.0, 90.0, 200.0))
     assert predict_iterations(pilot, 16, rule) == pytest.approx(300)
@@ -56,14 +56,14 @@ def test_noise_rule_falls_with_batch_and_stays_above_the_minimum() -> None:
 
 def test_linear_scaling_past_the_noise_scale_predicts_no_convergence() -> None:
     pilot = flat_pilot(noise=20.0, b0=16)
-    assert math.isfinite(predict_iterations(pilot, 32, "linear"))
-    assert predict_iterations(pilot, 2 * 16 + 20, "linear") == math.inf
+    assert math.isfinite(predict_iterations(pilot, 32, "lsr"))
+    assert predict_iterations(pilot, 2 * 16 + 20, "lsr") == math.inf
 
 
 def test_a_constant_rate_saves_at_most_half_the_steps() -> None:
     pilot = flat_pilot(noise=50.0, k0=200)
-    assert predict_iterations(pilot, 10**6, "constant") >= 100 - 1e-9
-    assert predict_iterations(pilot, 64, "constant") < 200
+    assert predict_iterations(pilot, 10**6, "blr") >= 100 - 1e-9
+    assert predict_iterations(pilot, 64, "blr") < 200
 
 
 def test_noise_rule_rate_approaches_linear_scaling_for_small_batches() -> None:

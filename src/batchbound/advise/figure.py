@@ -4,6 +4,7 @@ keep the per-example progress)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,9 @@ def plot_advice(advice: Any, path: str | Path) -> Path:
     ax.plot([rec.workers], [rec.seconds_to_target], "*", color="C3", markersize=14,
             label=f"recommended: P={rec.workers}, B={rec.batch_size}")
     bound = advice.batch_bound
-    if workers[0] <= bound <= max(workers[-1], 2) * 4:
+    if not math.isfinite(bound):
+        ax.plot([], [], " ", label="n·Δ not measured")
+    elif workers[0] <= bound <= max(workers[-1], 2) * 4:
         ax.axvline(bound, color="C2", linestyle=":", label=f"n·Δ = {bound:.3g}")
     else:
         ax.plot([], [], " ", label=f"n·Δ = {bound:.3g} (off the axis)")
@@ -39,7 +42,8 @@ def plot_advice(advice: Any, path: str | Path) -> Path:
     ax.set_yscale("log")
     ax.set_xlabel("workers P")
     ax.set_ylabel("predicted seconds to target")
-    ax.set_title(f"Time to {advice.pilot['target']} against workers")
+    target = (advice.pilot or advice.study or {}).get("target", "the target")
+    ax.set_title(f"Time to {target} against workers")
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()

@@ -13,16 +13,19 @@ scale n·Δ − 1 (H ∝ I; DESIGN.md). Relative to its best value, the step's p
 The pilot's rate η0 is taken to be the best one at B0, so x0 = 1/(1 + B_noise/B0). A rule for
 the learning rate at B gives η(B) = s(B)·η0, hence x = s(B)·x0, and each pilot step at B0
 stands for p(x0, B0)/p(x, B) steps at B. Summed along the pilot, with B_noise(t) interpolated
-between the exact measurements, this gives k(B). The rules (``LR_RULES``):
+between the exact measurements, this gives k(B). The strategies (``STRATEGIES``; ``blr``,
+``lsr`` and ``srsr`` are the trainer's, after warm-up):
 
 - ``noise``: s = (1 + B_lo/B0)/(1 + B_lo/B), B_lo the smallest B_noise along the pilot: the best
   constant rate when B_noise is B_lo (McCandlish's ε_opt), and the largest one that is never
   past the best rate at any pilot step (s grows with B_noise for B > B0), so no step is
   predicted to overshoot. Where B_noise is B_lo, each step stands for
   (1 + B_noise/B)/(1 + B_noise/B0) steps.
-- ``linear``: s = B/B0 (LSR). Progress vanishes for B ≥ 2·B0 + B_noise: there the model
+- ``lsr``: s = B/B0 (linear scaling). Progress vanishes for B ≥ 2·B0 + B_noise: there the model
   predicts no convergence (k = ∞, marked), as linear scaling past the noise scale diverges.
-- ``constant``: s = 1 (BLR). A larger batch then saves at most half the steps.
+- ``srsr``: s = √(B/B0) (square-root scaling); past the model's best rate, as ``lsr``.
+- ``blr``: s = 1 (one rate for every batch). A larger batch then saves at most half the
+  steps.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 
 from batchbound.errors import BatchboundError
 
-LR_RULES = ("noise", "linear", "constant")
+STRATEGIES = ("noise", "blr", "lsr", "srsr")
 
 
 @dataclass(frozen=True)
@@ -81,13 +84,16 @@ class Pilot:
         return 1.0 + sum(self.noise_scales()) / self.iterations
 
 
-def lr_scale(rule: str, batch_size: int, pilot: Pilot) -> float:
+def lr_scale(strategy: str, batch_size: int, pilot: Pilot) -> float:
     """s(B): the rate at B is s(B)·η0 (see the module docstring)."""
-    if rule not in LR_RULES:
-        raise BatchboundError(f"unknown lr rule {rule!r}; choose from {', '.join(LR_RULES)}")
-    if rule == "linear":
+    if strategy not in STRATEGIES:
+        raise BatchboundError(f"unknown strategy {strategy!r}; choose from "
+                              f"{', '.join(STRATEGIES)}")
+    if strategy == "lsr":
         return batch_size / pilot.batch_size
-    if rule == "constant":
+    if strategy == "srsr":
+        return math.sqrt(batch_size / pilot.batch_size)
+    if strategy == "blr":
         return 1.0
     low = pilot.lowest_noise_scale()
     return (1.0 + low / pilot.batch_size) / (1.0 + low / batch_size)
@@ -102,12 +108,12 @@ def steps_per_pilot_step(noise: float, b0: int, batch_size: int, scale: float) -
     return x0 / progress if progress > 0 else math.inf
 
 
-def predict_iterations(pilot: Pilot, batch_size: int, rule: str = "noise") -> float:
+def predict_iterations(pilot: Pilot, batch_size: int, strategy: str = "noise") -> float:
     """k(B): the pilot's steps, each weighted by ``steps_per_pilot_step``; at B = B0 this is
     the pilot's own count. Fractional; inf when some step makes no progress."""
     if batch_size < 1:
         raise BatchboundError(f"batch size must be >= 1, got {batch_size}")
-    scale = lr_scale(rule, batch_size, pilot)
+    scale = lr_scale(strategy, batch_size, pilot)
     total = 0.0
     for noise in pilot.noise_scales():
         total += steps_per_pilot_step(noise, pilot.batch_size, batch_size, scale)

@@ -5,8 +5,9 @@
   count each worker gets here (cores / P), and interpolated linearly between the m timed
   (extrapolated beyond the largest from its last two points). The forward alone is timed
   too, so the backward's share is known for overlap.
-- Communication on this machine: batchbound's own all-reduce (one flat buffer, gloo)
-  timed with P local processes.
+- On P local workers: the trainer's real step run in lockstep by P gloo processes
+  (``time_workers``), so the all-reduce is timed with the waiting for a slower peer that an
+  all-reduce timed alone misses.
 - Communication on a cluster: a ring all-reduce of b bytes, 2(P−1)·α + 2(P−1)/P · b/β.
 - Overlap: ``"none"`` (batchbound's trainer: compute, then all-reduce, then step) adds
   them; ``"backward"`` (DDP's buckets) hides communication behind the backward,
@@ -15,9 +16,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -27,13 +31,11 @@ from typing import Any
 
 import tomllib
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from batchbound.data import Dataset
 from batchbound.errors import BatchboundError
 from batchbound.train.config import TrainConfig
-from batchbound.train.distributed import DistContext, free_port, resolve_device, teardown
+from batchbound.train.distributed import DistContext, free_port, resolve_device
 
 OVERLAPS = ("none", "backward")
 
@@ -182,37 +184,39 @@ def _median_seconds(fn: Any, budget_s: float) -> float:
     return statistics.median(times)
 
 
-def time_allreduce(workers: int, numel: int, repeats: int = 20) -> float:
-    """Median seconds of batchbound's all-reduce of ``numel`` float32 values (the trainer's
-    flat buffer) across ``workers`` local gloo processes."""
-    if workers <= 1:
-        return 0.0
-    with tempfile.TemporaryDirectory(prefix="batchbound-allreduce-") as tmp:
-        out = Path(tmp) / "seconds"
-        mp.start_processes(_allreduce_worker, args=(workers, numel, repeats, free_port(),
-                                                   str(out)),
-                           nprocs=workers, join=True, start_method="spawn")
-        return float(out.read_text())
-
-
-def _allreduce_worker(rank: int, workers: int, numel: int, repeats: int, port: int,
-                      out: str) -> None:
-    from batchbound.train.distributed import all_reduce_sum
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=workers)
-    try:
-        grads = [torch.randn(numel)]
-        times = []
-        for _ in range(repeats + 2):
-            dist.barrier()
-            start = time.perf_counter()
-            flat = torch.cat([g.reshape(-1) for g in grads])  # as Trainer.all_reduce does
-            all_reduce_sum(flat)
-            grads[0].copy_(flat)
-            times.append(time.perf_counter() - start)
-        if rank == 0:
-            Path(out).write_text(str(statistics.median(times[2:])))
-    finally:
-        teardown()
+def time_workers(config: TrainConfig, workers: int, sizes: Sequence[int], threads: int,
+                 repeats: int = 30) -> tuple[ComputeCurve, float]:
+    """The trainer's real step on ``workers`` local gloo processes, in lockstep, at global
+    batches P·m for each micro-batch m in ``sizes`` (``step_timer.py``): the compute curve of
+    one worker, and the median seconds per iteration its all-reduce takes, waiting for the
+    slower peer included."""
+    timed = config.replace(workers=workers, lr=1e-9, online_diversity="off",
+                           diversity_every_epochs=None, batch_policy="fixed", targets=())
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="batchbound-steps-") as tmp:
+        spec, out = Path(tmp) / "config.json", Path(tmp) / "steps.json"
+        spec.write_text(json.dumps(timed.to_dict()))
+        command = [sys.executable, "-m", "batchbound.advise.step_timer", str(spec), str(out),
+                   str(threads), str(repeats), *map(str, sizes)]
+        ranks = [subprocess.Popen(command, env={
+            **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(workers)},
+            stderr=subprocess.PIPE, text=True) for r in range(workers)]
+        errors = []
+        try:
+            for rank in ranks:
+                _, err = rank.communicate()
+                if rank.returncode:
+                    errors.append(err.strip().splitlines()[-1] if err.strip() else
+                                  f"exit {rank.returncode}")
+        finally:
+            for rank in ranks:
+                if rank.poll() is None:
+                    rank.kill()
+        if errors or not out.exists():
+            raise BatchboundError(f"timing the step on {workers} processes failed: "
+                                  f"{errors[0] if errors else 'no result'}")
+        rows = json.loads(out.read_text())
+    curve = ComputeCurve(tuple(r["micro_batch"] for r in rows),
+                         tuple(r["compute"] for r in rows), tuple(r["forward"] for r in rows))
+    return curve, statistics.median(r["communication"] for r in rows)

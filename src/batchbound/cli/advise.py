@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from batchbound.advise import advise
+from batchbound.advise import advise, advise_from_study
 from batchbound.advise.figure import plot_advice
-from batchbound.advise.iterations import LR_RULES
+from batchbound.advise.iterations import STRATEGIES
 from batchbound.advise.timing import OVERLAPS
 from batchbound.cli.common import add_data_arguments, add_model_argument, check_writable
+from batchbound.errors import BatchboundError
 from batchbound.train import TrainConfig, target_list
 
 
@@ -40,10 +41,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for metric in ("train_acc", "train_loss", "test_acc", "test_loss"):
         parser.add_argument(f"--target-{metric.replace('_', '-')}", dest=f"target_{metric}",
                             type=float, metavar="X", help=f"the target: {metric} reaches X")
-    parser.add_argument("--lr-rule", choices=LR_RULES, default="noise",
+    parser.add_argument("--strategy", choices=STRATEGIES, default=None,
                         help="the learning rate at batch B: noise (default) η0·(1+B_lo/B0)/"
-                        "(1+B_lo/B), B_lo the pilot's lowest noise scale n·Δ−1; linear "
-                        "η0·B/B0; constant η0")
+                        "(1+B_lo/B), B_lo the pilot's lowest noise scale n·Δ−1; blr η0; lsr "
+                        "η0·B/B0; srsr η0·√(B/B0). With --from-study: which of the study's "
+                        "strategies to read (needed when it ran several)")
     parser.add_argument("--max-workers", "-P", type=int,
                         help="largest worker count (default: this machine's cores, or the "
                         "cluster file's max_workers)")
@@ -60,6 +62,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--probe-tolerance", type=float, default=0.1,
                         help="a batch keeps up when its loss decrease is at least (1 − this) "
                         "of B0's over the same examples (default 0.1)")
+    parser.add_argument("--from-study", metavar="STORE",
+                        help="use a study's measured iterations to its target and its runs' "
+                        "step times instead of a pilot (the data, model, lr and target flags "
+                        "are then the study's)")
+    parser.add_argument("--study", help="with --from-study: the study, when the store holds "
+                        "several")
+    parser.add_argument("--study-model", metavar="LABEL",
+                        help="with --from-study: the model as the report names it (e.g. "
+                        "'L=2 K=30'), when the study has several")
     parser.add_argument("--diversity-every", type=float, default=0.1, metavar="EPOCHS",
                         help="exact n·Δ every this many pilot epochs (default 0.1)")
     parser.add_argument("--max-epochs", type=float, default=100.0,
@@ -76,6 +87,8 @@ def run_command(args: argparse.Namespace) -> int:
                              for m in ("train_acc", "train_loss", "test_acc", "test_loss")})
     if args.figure:
         check_writable(args.figure)
+    if args.from_study and args.probe:
+        raise BatchboundError("--probe branches a pilot; it does not apply to --from-study")
     config = TrainConfig(dataset=args.dataset, data_dir=args.data_dir, model=args.model,
                          lr=args.lr, batch_size=args.batch_size, targets=targets,
                          max_epochs=args.max_epochs, eval_every_epochs=args.diversity_every,
@@ -84,10 +97,17 @@ def run_command(args: argparse.Namespace) -> int:
     def log(text: str) -> None:
         print(f"advise: {text}", file=sys.stderr, flush=True)
 
-    advice = advise(config, max_workers=args.max_workers, cluster=args.cluster,
-                    overlap=args.overlap, lr_rule=args.lr_rule,
-                    diversity_every_epochs=args.diversity_every, with_probe=args.probe,
-                    probe_tolerance=args.probe_tolerance, log=log)
+    if args.from_study:
+        advice = advise_from_study(args.from_study, study=args.study, model=args.study_model,
+                                   strategy=args.strategy, max_workers=args.max_workers,
+                                   cluster=args.cluster, overlap=args.overlap, log=log)
+    else:
+        if args.strategy is None:
+            args.strategy = "noise"
+        advice = advise(config, max_workers=args.max_workers, cluster=args.cluster,
+                        overlap=args.overlap, strategy=args.strategy,
+                        diversity_every_epochs=args.diversity_every, with_probe=args.probe,
+                        probe_tolerance=args.probe_tolerance, log=log)
     if args.figure:
         plot_advice(advice, args.figure)
         log(f"figure written to {args.figure}")

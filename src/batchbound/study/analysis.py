@@ -265,8 +265,8 @@ def critical_batch(per_run: pd.DataFrame, value: str = "iterations", by: Sequenc
         edge = (batch.min() / 999, batch.max() * 999)
         rows.append({**dict(zip(keys, group, strict=True)), "b_crit": bc, "s_min": s_min,
                      "e_min": s_min * bc, "points": len(batch),
-                     "low": float(np.percentile(draws, 16)),
-                     "high": float(np.percentile(draws, 84)),
+                     "low": float(np.percentile(draws, 16)) if draws else math.nan,
+                     "high": float(np.percentile(draws, 84)) if draws else math.nan,
                      "at_bound": bool(bc <= edge[0] or bc >= edge[1])})
     return pd.DataFrame(rows)
 

@@ -1,0 +1,69 @@
+"""One rank of the timed distributed step: ``python -m batchbound.advise.step_timer``.
+
+``timing.time_workers`` starts P of these as fresh interpreters (not ``multiprocessing``
+children, so a caller's script is never re-imported). Each joins a gloo group from the
+torchrun-style environment, builds batchbound's ``Trainer`` and runs its real
+``train_step`` at global batches P·m for each micro-batch m, in lockstep with its peers. The
+trainer's own phase timer splits each iteration into compute (data, forward and backward,
+optimiser step) and communication: the all-reduce and any waiting for a slower peer, which
+an all-reduce timed alone does not see. Rank 0 writes the medians as JSON.
+
+    python -m batchbound.advise.step_timer CONFIG.json OUT.json THREADS REPEATS M1 [M2 ...]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+WARMUP = 3
+
+
+def main(argv: list[str]) -> None:
+    from batchbound.train.config import TrainConfig
+    from batchbound.train.distributed import setup, teardown
+    from batchbound.train.loop import Trainer
+
+    config_path, out, threads, repeats, *sizes = argv
+    torch.set_num_threads(int(threads))
+    config = TrainConfig.from_dict(json.loads(Path(config_path).read_text()))
+    ctx = setup(config.device)
+    finished = False
+    try:
+        trainer = Trainer(config, ctx)
+        trainer.initial_loss = 1.0
+        timer = trainer.timer
+        rows = []
+        for m in map(int, sizes):
+            trainer.batch_size = m * ctx.world_size
+            compute, communication = [], []
+            for i in range(WARMUP + int(repeats)):
+                before = dict(timer.totals)
+                trainer.train_step(False, False)
+                spent = {k: timer.totals[k] - before[k] for k in timer.totals}
+                if i >= WARMUP:
+                    compute.append(spent["data"] + spent["compute"] + spent["step"])
+                    communication.append(spent["communication"])
+            x, y = trainer.data.x_train[:m], trainer.data.y_train[:m]
+            forwards = []
+            for _ in range(WARMUP + int(repeats)):
+                start = time.perf_counter()
+                trainer.loss_fn(trainer.model(x), y).sum()
+                forwards.append(time.perf_counter() - start)
+            rows.append({"micro_batch": m, "compute": statistics.median(compute),
+                         "communication": statistics.median(communication),
+                         "forward": statistics.median(forwards[WARMUP:])})
+        if ctx.rank == 0:
+            Path(out).write_text(json.dumps(rows))
+        finished = True
+    finally:
+        teardown(synchronise=finished)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
