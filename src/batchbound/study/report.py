@@ -27,6 +27,7 @@ import pandas as pd
 
 from batchbound.study import analysis as A
 from batchbound.study.store import Store
+from batchbound.study.workers import workers_table
 
 SUPPORTED, NOT_SUPPORTED, UNTESTABLE = "supported", "not supported", "not testable here"
 
@@ -380,12 +381,23 @@ def _md_table(frame: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+WORKERS_TEXT = (
+    "For each model, the time-optimal batch per worker count on the machine that wrote this "
+    "report, as `batchbound advise --from-study` computes it: the iterations to the target "
+    "this study measured (the fitted B_crit interpolates between grid batches; nothing "
+    "outside the grid), one worker's step from the runs' recorded times, and the all-reduce "
+    "timed here running the trainer's step on P local processes. ← marks the recommendation: "
+    "the fewest workers past which doubling saves less than 10 %.")
+
+
 def markdown(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, Path]],
-             found: list[Claim]) -> str:
+             found: list[Claim], workers: pd.DataFrame | None = None) -> str:
     counts = a.frames["runs"].groupby(["role", "status"]).size()
     description = a.spec.get("description", "")
     lines = [f"# Study {study}", "", *([description, ""] if description else []),
              "Runs: " + ", ".join(f"{r} {s}: {n}" for (r, s), n in counts.items()), "",
+             *(["## How many workers", "", WORKERS_TEXT, "", _md_table(workers.fillna("")), ""]
+               if workers is not None and len(workers) else []),
              "## Per shape", "", _md_table(shape_summary(a)), "",
              f"E = {a.budget:g} epochs. Critical batch size of the study (one B_crit for all "
              f"shapes): {critical_text(a)}.", "", "## The seeds' claims", ""]
@@ -406,7 +418,8 @@ figcaption{font-size:13px;color:#555}.supported{color:#176317}.not{color:#a31515
 
 
 def html_page(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, Path]],
-              found: list[Claim], env: dict[str, str]) -> str:
+              found: list[Claim], env: dict[str, str], workers: pd.DataFrame | None = None
+              ) -> str:
     e = html.escape
 
     def table(frame: pd.DataFrame) -> str:
@@ -416,6 +429,10 @@ def html_page(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, P
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>Study {e(study)}"
              f"</title><style>{CSS}</style></head><body>",
              f"<h1>Study {e(study)}</h1><p>{e(a.spec.get('description', ''))}</p>",
+             *(["<section id='workers'><h2>How many workers</h2>"
+                f"<p>{e(WORKERS_TEXT.replace('`', ''))}</p>",
+                table(workers.fillna("")), "</section>"]
+               if workers is not None and len(workers) else []),
              "<h2>Per shape</h2>", table(shape_summary(a)),
              f"<p>E = {a.budget:g} epochs. Study critical batch size: "
              f"{e(critical_text(a))}.</p>", "<h2>The seeds' claims</h2><ul>"]
@@ -452,8 +469,10 @@ class ReportPaths:
     analysis: StudyAnalysis
 
 
-def write_report(store_path: str | Path, study: str | None, out_dir: str | Path) -> ReportPaths:
-    """Analyse ``study`` in the store (the only one when None) and write the report."""
+def write_report(store_path: str | Path, study: str | None, out_dir: str | Path,
+                 max_workers: int | None = None) -> ReportPaths:
+    """Analyse ``study`` in the store (the only one when None) and write the report; its
+    workers table goes up to ``max_workers`` (this machine's cores by default)."""
     with Store(store_path) as store:
         if study is None:
             names = store.studies()
@@ -468,8 +487,10 @@ def write_report(store_path: str | Path, study: str | None, out_dir: str | Path)
     a = analyze(frames, spec)
     figure_paths = render_figures(a, out / "figures")
     found = claims(a)
-    (out / "summary.md").write_text(markdown(a, study, figure_paths, found))
-    (out / "report.html").write_text(html_page(a, study, figure_paths, found, environment()))
+    workers = workers_table(store_path, study, a.per_run, max_workers)
+    (out / "summary.md").write_text(markdown(a, study, figure_paths, found, workers))
+    (out / "report.html").write_text(html_page(a, study, figure_paths, found, environment(),
+                                               workers))
     shape_summary(a).to_csv(out / "shapes.csv", index=False)
     return ReportPaths(out / "report.html", out / "summary.md",
                        [p for _, _, p in figure_paths], a)
