@@ -78,3 +78,24 @@ def test_adaptive_batch_goes_to_the_upper_end_when_the_gradient_sum_vanishes() -
     assert policy.batch_size(1000, math.inf) == 512
     assert policy.batch_size(1000, math.nan) == 512
     assert policy.batch_size(1000, 0.05) == 51
+
+
+def test_pick_time_minimises_seconds_per_unit_of_progress() -> None:
+    from batchbound.train.adaptive import parse_batch_policy
+
+    policy = parse_batch_policy("adaptive(min=8,max=1024,every=10,pick=time)")
+    assert policy.candidates(1) == [8, 16, 32, 64, 128, 256, 512, 1024]
+    assert policy.candidates(3) == [12, 24, 48, 96, 192, 384, 768]
+
+    def seconds(b: int) -> float:  # a fixed cost per step plus a cost per example
+        return 1e-3 + 1e-5 * b
+
+    n, delta = 1000, 0.2  # B_noise = 199
+    best = min(policy.candidates(1), key=lambda b: seconds(b) * (1 + 199 / b))
+    assert policy.time_optimal(n, delta, 1, seconds) == best
+    # closed form of the continuous optimum: B = sqrt(a·B_noise/c) = sqrt(100·199) ≈ 141
+    assert best in (128, 256)
+    assert policy.time_optimal(n, math.inf, 1, seconds) == 1024
+    assert policy.time_optimal(n, 0.0, 1, seconds) == 1024
+    free = policy.time_optimal(n, delta, 1, lambda b: 1.0)  # steps cost the same: largest
+    assert free == 1024

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +179,7 @@ class Trainer:
         self.curves: list[tuple[int, float, float, str, float]] = []
         self.targets = [TargetResult(t.name, t.metric, t.threshold) for t in config.targets]
         self.status, self.message = "complete", ""
+        self._step_cost: Callable[[int], float] | None = None  # pick=time's t(B), timed once
 
     # ---------------------------------------------------------------- the loop
     def run(self, resume: bool = False) -> RunResult:
@@ -283,6 +285,8 @@ class Trainer:
             for metric, value in self.monitor.update(grads, scale, extras_sum[3:], batch).items():
                 self.record(metric, value)
             timer.totals["monitor"] += time.perf_counter() - t0
+            if self.policy.adaptive and self.policy.source == "online":  # the policy's input
+                self.train_seconds += time.perf_counter() - t0
         self.progress.update(
             self.sampler.epoch,
             self.iteration,
@@ -390,15 +394,45 @@ class Trainer:
         return float(report.diversity)
 
     def adapt_batch_size(self) -> None:
-        """B = clip(⌊δ·n·Δ̂⌋ + 1, min, max), Δ̂ from the online monitor or an exact measure."""
+        """B = clip(⌊δ·n·Δ̂⌋ + 1, min, max), or with pick=time the B of least time per unit
+        of progress; Δ̂ from the online monitor or an exact measure. The seconds this takes
+        are the policy's own, so they count as training time."""
+        started = time.perf_counter()
         if self.policy.source == "online":
             diversity = self.monitor.diversity_estimate()
         else:
             diversity = self.measure_diversity()
-        new = max(min(self.policy.batch_size(self.n, diversity), self.n), self.ctx.world_size)
+        if self.policy.pick == "time":
+            new = self.policy.time_optimal(self.n, diversity, self.ctx.world_size,
+                                           self.step_cost())
+        else:
+            new = self.policy.batch_size(self.n, diversity)
+        new = max(min(new, self.n), self.ctx.world_size)
+        self.train_seconds += time.perf_counter() - started
         if new != self.batch_size:
             self.batch_size = new
             self.record("batch_size", new)
+
+    def step_cost(self) -> Callable[[int], float]:
+        """t(B): seconds of one iteration at global batch B, for the policy's candidates: this
+        machine's step at ⌈B/P⌉ examples, timed once, plus the all-reduce as this run has
+        measured it so far; averaged over ranks so that every rank picks the same B."""
+        if self._step_cost is None:
+            from batchbound.advise.timing import time_compute
+
+            workers = self.ctx.world_size
+            candidates = self.policy.candidates(workers)
+            micro = [math.ceil(b / workers) for b in candidates]
+            with torch.random.fork_rng(devices=[]):  # the throwaway model reseeds torch
+                curve = time_compute(self.config.replace(transform=None), self.data,
+                                     sorted(set(micro)), torch.get_num_threads(), budget_s=0.02)
+            communication = self.timer.totals["communication"] / max(self.timer.iterations, 1)
+            seconds = torch.tensor([curve.step(m) + communication for m in micro],
+                                   dtype=torch.float64, device=self.ctx.device)
+            all_reduce_sum(seconds)
+            table = dict(zip(candidates, (seconds / workers).tolist(), strict=True))
+            self._step_cost = table.__getitem__
+        return self._step_cost
 
     def diverged(self) -> bool:
         loss, factor = self.last_batch_loss, self.config.divergence_factor
