@@ -61,3 +61,24 @@ def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], ex
     code = main([*args, *extra])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and message in err[-1] and err[-1].startswith("batchbound advise: error")
+
+
+def test_timing_workers_never_reimports_the_callers_script(tmp_path: Path) -> None:
+    """P local workers are fresh interpreters, so a script without a __main__ guard is not
+    run again by each of them (multiprocessing's spawn would)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from batchbound.advise.timing import time_workers\n"
+        "from batchbound.train import TrainConfig\n"
+        "print('script ran', flush=True)\n"
+        "config = TrainConfig(dataset='digits', model='fc(depth=1,params=500)', lr=0.1,\n"
+        "                     batch_size=4)\n"
+        "curve, communication = time_workers(config, 2, [1, 4], 1, repeats=5)\n"
+        "print(curve.sizes, communication > 0)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.count("script ran") == 1
+    assert "(1, 4) True" in done.stdout

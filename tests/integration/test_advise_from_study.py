@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+from simulated_trainer import step_seconds
 
 from batchbound.advise import advise_from_study
 from batchbound.advise.study import MeasuredIterations
@@ -15,7 +16,6 @@ from batchbound.cli import main
 from batchbound.errors import BatchboundError
 from batchbound.study.runner import run_study
 from batchbound.study.spec import study_from_dict
-from simulated_trainer import step_seconds
 
 BATCHES = [32, 64, 128, 256, 512]
 

@@ -145,7 +145,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="example: per-example gradients (exact, costly); worker (default)",
     )
     mech.add_argument(
-        "--batch-policy", help="fixed | adaptive(delta=..,min=..,max=..,every=..[,source=online])"
+        "--batch-policy",
+        help="fixed | adaptive(delta=..,min=..,max=..,every=..[,source=online][,pick=time])",
     )
     run = parser.add_argument_group("running")
     run.add_argument("--checkpoint", help="checkpoint file (written periodically and on SIGTERM)")
