@@ -298,9 +298,11 @@ def _timings(config: TrainConfig, data: Dataset, spec: Cluster | None, counts: l
     for workers in counts:
         if spec is None and workers > 1:
             largest = min(micro_limit, n // workers)
-            log(f"timing the step on {workers} local processes at micro-batches 1 .. {largest}")
-            timed, communication[workers] = time_workers(
-                config, workers, micro_batch_sizes(largest), max(1, cores // workers))
+            # with the step given, only the all-reduce is wanted: one small micro-batch
+            sizes = micro_batch_sizes(largest) if given is None else [min(8, largest)]
+            log(f"timing the step on {workers} local processes at micro-batches {sizes}")
+            timed, communication[workers] = time_workers(config, workers, sizes,
+                                                         max(1, cores // workers))
             curves[workers] = given if given is not None else timed
             continue
         if spec is not None and spec.examples_per_second:
