@@ -198,17 +198,20 @@ def time_workers(config: TrainConfig, workers: int, sizes: Sequence[int], thread
         spec.write_text(json.dumps(timed.to_dict()))
         command = [sys.executable, "-m", "batchbound.advise.step_timer", str(spec), str(out),
                    str(threads), str(repeats), *map(str, sizes)]
-        ranks = [subprocess.Popen(command, env={
-            **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(workers)},
-            stderr=subprocess.PIPE, text=True) for r in range(workers)]
+        # stderr to files, not pipes: a rank blocked on a full pipe would hang its peers
+        logs = [Path(tmp) / f"rank{r}.err" for r in range(workers)]
+        ranks = []
+        for r, log in enumerate(logs):
+            with log.open("w") as err:  # the child keeps its own copy of the descriptor
+                ranks.append(subprocess.Popen(command, stderr=err, env={
+                    **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                    "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(workers)}))
         errors = []
         try:
-            for rank in ranks:
-                _, err = rank.communicate()
-                if rank.returncode:
-                    errors.append(err.strip().splitlines()[-1] if err.strip() else
-                                  f"exit {rank.returncode}")
+            for rank, log in zip(ranks, logs, strict=True):
+                if rank.wait():
+                    err = log.read_text().strip()
+                    errors.append(err.splitlines()[-1] if err else f"exit {rank.returncode}")
         finally:
             for rank in ranks:
                 if rank.poll() is None:
