@@ -10,7 +10,7 @@ from html.parser import HTMLParser
 import pytest
 
 from batchbound.cli import main
-from batchbound.study.report import SUPPORTED, write_report
+from batchbound.study.report import write_report
 from batchbound.study.runner import run_study
 from batchbound.study.spec import study_from_dict
 from batchbound.study.store import Store
@@ -67,8 +67,12 @@ def test_report_renders(report):
     for png in paths.figures:
         assert png.stat().st_size > 5000 and png.with_suffix(".svg").stat().st_size > 5000
     text = paths.markdown.read_text()
-    assert "## The seeds' claims" in text and "B_crit" in text
+    assert text.startswith("## Answer") and "## The papers' claims" in text
+    assert "### Glossary" in text and "An Empirical Model of Large-Batch Training" in text
     html = unescape(paths.html.read_text())
+    # the answer comes before any figure, and cites the papers by title once
+    assert html.index("id='answer'") < html.index("<figure")
+    assert html.count("The Effect of Network Width on the Performance") == 1
     assert "Environment" in html and "torch" in html and '"max_epochs": 12' in html
     # analyses ran on the simulated data: thresholds found, speedup never beats linear
     a = paths.analysis
@@ -105,33 +109,52 @@ def test_real_trainer_tiny_study(tmp_path):
     assert (again.executed, again.skipped) == (0, 4)
 
 
-def test_claim_verdicts_are_computed_not_fixed(report):
-    from batchbound.study.report import claims
+def test_diverged_runs_and_several_thresholds(tmp_path):
+    """LSR scales η past 1 at large batches, where the simulated trainer diverges: the
+    report says so in its answer, its tables and its fits; two thresholds of one metric
+    are each analysed."""
+    lsr = study_from_dict({
+        "study": {"name": "div"},
+        "data": {"datasets": ["digits"]},
+        "models": {"family": "fc", "params": 3000, "depths": [1, 2]},
+        "batches": {"sizes": [32, 64, 128, 256, 512, 1024]},
+        "lr": {"strategy": "lsr(base_batch=32)", "grid": [0.05], "tuning": "none"},
+        "train": {"targets": {"train_acc": [0.3, 0.35]}, "max_epochs": 30, "repeats": 2,
+                  "diversity_every_epochs": 1},
+    })
+    outcome = run_study(lsr, tmp_path / "d.sqlite", jobs=0, progress=False,
+                        trainer="simulated_trainer:execute")
+    assert outcome.failed == 0
+    paths = write_report(tmp_path / "d.sqlite", "div", tmp_path / "report", max_workers=1)
+    a = paths.analysis
+    assert a.targets == ["train_acc>=0.3", "train_acc>=0.35"]
+    assert set(a.by_target["target"]) == set(a.targets)
+    # η = 0.05·B/32 > 1 only at B = 1024: both runs of both models diverge there
+    dead = a.epochs[a.epochs["batch_size"] == 1024]
+    assert (dead["diverged"] == 2).all() and (a.epochs[a.epochs["batch_size"] < 1024]
+                                               ["diverged"] == 0).all()
+    assert (a.critical["diverged"] == 2).all()  # left out of the fit, and counted
+    assert (a.loss_thresholds["from_batch"] == 512).all()  # not from the diverged runs
+    assert (a.loss_speedups[a.loss_speedups["batch_size"] == 1024]["speedup"] == 0).all()
+    html = unescape(paths.html.read_text())
+    assert "Diverged runs: 2 of 12." in html and "Every target" in html
+    assert "train_acc>=0.35" in html
 
-    a = report.analysis
-    verdicts = {c.claim[:40]: c.verdict for c in claims(a)}
-    assert any(v == SUPPORTED for v in verdicts.values())
-    flipped = a.shapes.assign(threshold_batch=a.shapes["depth"] * 16.0)  # B* grows with depth
-    a.shapes = flipped
-    text = next(c for c in claims(a) if "decreases with depth" in c.claim)
-    assert text.verdict != SUPPORTED
 
-
-def test_threshold_claim_leaves_out_shapes_that_never_train(report):
-    from dataclasses import replace
-
-    from batchbound.study.report import NOT_SUPPORTED, UNTESTABLE, claims
-
-    a = report.analysis
-    max_b = float(a.epochs["batch_size"].max())
-
-    def verdict(b_stars):
-        shapes = a.shapes.assign(threshold_batch=b_stars)
-        claim = next(c for c in claims(replace(a, shapes=shapes)) if "threshold B*" in c.claim)
-        return claim.verdict, claim.evidence
-
-    # one shape never reaches the target (B* = NaN): judged on the others, and said so
-    v, evidence = verdict([32.0, 64.0, float("nan")])
-    assert v == SUPPORTED and "1 never reach the target" in evidence
-    assert verdict([32.0, max_b, float("nan")])[0] == NOT_SUPPORTED
-    assert verdict([float("nan")] * 3)[0] == UNTESTABLE
+def test_failed_runs_are_reported_and_exit_non_zero(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHBOUND_SIM_CRASH_LR", "0.3")
+    small = study_from_dict({
+        "study": {"name": "fails"},
+        "data": {"datasets": ["digits"]},
+        "models": {"family": "fc", "params": 3000, "depths": [1]},
+        "batches": {"sizes": [32, 64, 128]},
+        "lr": {"grid": [0.1, 0.3], "tuning": "none"} if False else
+        {"grid": [0.3], "tuning": "none"},
+        "train": {"targets": {"train_acc": 0.6}, "max_epochs": 4, "repeats": 1},
+    })
+    outcome = run_study(small, tmp_path / "f.sqlite", jobs=1, progress=False,
+                        trainer="simulated_trainer:execute")
+    assert outcome.failed == 3
+    paths = write_report(tmp_path / "f.sqlite", "fails", tmp_path / "report", max_workers=1)
+    assert paths.failed == 3
+    assert "**3 runs failed**" in paths.markdown.read_text()

@@ -59,6 +59,9 @@ def execute(fields: dict[str, Any], checkpoint_dir: Path, resume: bool,
     model = parse_spec(fields["model"]).kwargs
     depth, width = int(model.get("depth", 1)), int(model.get("width", 32))
     batch, lr, seed = fields["batch_size"], fields["lr"], fields["seed"]
+    strategy = parse_spec(fields.get("strategy") or "blr")
+    if strategy.name == "lsr":  # linear scaling from the base batch, as the trainer does
+        lr = lr * batch / strategy.kwargs.get("base_batch", batch)
     r = rate(batch, lr, depth, seed)
     per_epoch = math.ceil(n_train / batch)
     targets = [dict(t) for t in fields.get("targets", [])]
@@ -116,6 +119,6 @@ def execute(fields: dict[str, Any], checkpoint_dir: Path, resume: bool,
         "timings": {"train": t * 1e-3, "data_per_iteration": 1e-5,
                     "compute_per_iteration": step_seconds(batch, fields.get("workers", 1)) - 2e-5,
                     "step_per_iteration": 1e-5, "communication_per_iteration": 0.0},
-        "final": {"train_loss": L0 * math.exp(-r * t)},
+        "final": {"train_loss": L0 * math.exp(-r * t), "iterations": t},
         "message": "",
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from batchbound.errors import BatchboundError
@@ -44,4 +45,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     paths = write_report(store, name, args.out or DEFAULT_ROOT / name / "report")
     print(paths.html)
     print(paths.markdown)
+    if paths.failed:  # the report says so at the top; the exit status says so to scripts
+        print(f"report: {paths.failed} runs of {name} failed and are left out; rerun "
+              "`batchbound study run` to retry them", file=sys.stderr)
+        return 1
     return 0

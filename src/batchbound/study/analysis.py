@@ -28,9 +28,18 @@ Definitions (thresholds are arguments with these defaults):
   the smallest m from which every following step is stagnant.
 - **Critical batch size** (McCandlish et al.): fit S(B) = S_min(1 + B_crit/B), equivalent to
   (S/S_min − 1)(E/E_min − 1) = 1 with E = S·B and B_crit = E_min/S_min, by least squares on
-  relative error over every reached run; uncertainty by bootstrap over runs within each B.
+  relative error. A run that reached the target is a point; a run that stopped without it
+  (max_epochs) is censored: it only says S > the iterations it ran, and adds a residual only
+  when the curve passes below that. Diverged runs say nothing about S at a working step size
+  and are left out (counted). 95 % intervals by bootstrap over runs within each B; with one
+  run per B the interval has no spread and says so (``one_run``). ``outside`` flags a B_crit
+  below the smallest or above the largest batch that reached the target.
 - **Loss threshold** (seed 003): the lower quartile of all training-loss values recorded by
-  the runs at the largest batch size; k(m) is then the first iteration with loss ≤ it.
+  the runs at the largest batch size with a run that did not diverge; k(m) is then the first
+  iteration with loss ≤ it. Diverged runs never count as reaching it.
+
+Diverged runs (status ``diverged``) count as misses (+∞) in the per-cell medians, like any
+run that does not reach its target, and each table carries their count per cell.
 - **Δ per model**: averaged over training (every measurement of every run at the reference
   batch size, averaged per run, then over seeds) and at matched training loss ℓ\\* (Δ at the
   first measurement where the run's training loss ≤ ℓ\\*, with ℓ\\* the loss every model
@@ -39,6 +48,7 @@ Definitions (thresholds are arguments with these defaults):
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 
@@ -93,29 +103,48 @@ def per_run_to_target(runs: pd.DataFrame, targets: pd.DataFrame,
     out = final.merge(chosen, on="key", how="left")
     reached = out["reached"].fillna(0).astype(bool)
     out["reached"] = reached
+    out["diverged"] = (out["status"] == "diverged") if "status" in out else False
     out["epochs"] = np.where(reached, out["epoch"], np.inf).astype(float)
     out["iterations"] = np.where(reached, out["iteration"], np.inf).astype(float)
+    out["ran_iterations"] = [_ran_iterations(f) for f in out.get("final_json", [None] * len(out))]
     out["target"] = target
     return out.drop(columns=["epoch", "iteration"])
 
 
+def _ran_iterations(final_json: object) -> float:
+    """How many iterations a run trained (NaN when its final record does not say)."""
+    if not isinstance(final_json, str):
+        return math.nan
+    value = json.loads(final_json).get("iterations")
+    return float(value) if isinstance(value, (int, float)) else math.nan
+
+
+def target_names(runs: pd.DataFrame, targets: pd.DataFrame) -> list[str]:
+    """The targets the final runs were trained to, in the order the spec gives them."""
+    names = targets[targets["key"].isin(finals(runs)["key"])]["name"]
+    return list(dict.fromkeys(names))
+
+
 def summarize_to_target(per_run: pd.DataFrame, value: str = "epochs") -> pd.DataFrame:
     """Per (model, B): median over seeds (censoring-aware), mean/std/min/max of reached runs,
-    number of runs and number censored."""
+    the number of runs, of runs stopped short of the target (censored) and of diverged runs."""
     keys = [*model_keys(per_run), *[c for c in SHAPE_COLUMNS if c in per_run], "batch_size"]
     rows = []
     for group, frame in per_run.groupby(keys, sort=True, dropna=False):
         values = frame[value].to_numpy(dtype=float)
         finite = values[np.isfinite(values)]
+        diverged = int(frame["diverged"].sum()) if "diverged" in frame else 0
         rows.append({
             **dict(zip(keys, group, strict=True)),
             "runs": len(values),
-            "censored": int(len(values) - len(finite)),
+            "censored": int(len(values) - len(finite)) - diverged,
+            "diverged": diverged,
             "median": float(np.median(values)),
             "mean_reached": float(finite.mean()) if len(finite) else math.nan,
             "std_reached": float(finite.std(ddof=1)) if len(finite) > 1 else math.nan,
             "min": float(values.min()),
             "max": float(values.max()),
+            **({"lr": float(frame["lr"].median())} if "lr" in frame else {}),
         })
     return pd.DataFrame(rows)
 
@@ -129,31 +158,53 @@ def _by_model(summary: pd.DataFrame) -> tuple[list[tuple[tuple, pd.DataFrame]], 
 def threshold_batch(summary: pd.DataFrame, growth: float = 1.5) -> pd.DataFrame:
     """Seed 000's B* per model from an epochs summary (see the module docstring)."""
     groups, keys = _by_model(summary)
-    rows = []
-    for group, frame in groups:
-        best, b_star = math.inf, math.nan
-        for batch, epochs in zip(frame["batch_size"], frame["median"], strict=True):
-            if not math.isfinite(epochs):
-                if math.isfinite(best):
-                    break
-                continue  # misses below the first batch that reaches: small-B instability
-            best = min(best, epochs)
-            if epochs > growth * best:
+    return pd.DataFrame([{**dict(zip(keys, group, strict=True)),
+                          "threshold_batch": b_star(frame["batch_size"], frame["median"], growth)}
+                         for group, frame in groups])
+
+
+def b_star(batches: Sequence[float], epochs: Sequence[float], growth: float = 1.5) -> float:
+    """B* of one model from its median epochs per batch size, batches ascending."""
+    best, out = math.inf, math.nan
+    for batch, e in zip(batches, epochs, strict=True):
+        if not math.isfinite(e):
+            if math.isfinite(best):
                 break
-            b_star = batch
-        rows.append({**dict(zip(keys, group, strict=True)), "threshold_batch": b_star})
-    return pd.DataFrame(rows)
+            continue  # misses below the first batch that reaches: small-B instability
+        best = min(best, e)
+        if e > growth * best:
+            break
+        out = float(batch)
+    return out
+
+
+def largest_within(batches: Sequence[float], epochs: Sequence[float], budget: float) -> float:
+    """The largest batch whose median epochs to target is ≤ budget (NaN if none)."""
+    ok = [b for b, e in zip(batches, epochs, strict=True) if e <= budget]
+    return float(max(ok)) if ok else math.nan
+
+
+def alphas(batches: Sequence[float], iterations: Sequence[float]) -> list[float]:
+    """The local scaling exponent of each step from the first batch that reaches the target:
+    α = log(k_prev/k)/log(m/m_prev); −∞ for a step into (or out of) a miss."""
+    pairs = list(zip(batches, iterations, strict=True))
+    first = next((i for i, (_, k) in enumerate(pairs) if math.isfinite(k)), None)
+    if first is None:
+        return []
+    out = []
+    for (b0, k0), (b1, k1) in zip(pairs[first:], pairs[first + 1:], strict=False):
+        out.append(math.log(k0 / k1) / math.log(b1 / b0)
+                   if math.isfinite(k0) and math.isfinite(k1) else -math.inf)
+    return out
 
 
 def largest_batch_within(summary: pd.DataFrame, epochs: float) -> pd.DataFrame:
     """Largest grid B whose median epochs to target is ≤ ``epochs`` (NaN if none)."""
     groups, keys = _by_model(summary)
-    rows = []
-    for group, frame in groups:
-        ok = frame[frame["median"] <= epochs]["batch_size"]
-        rows.append({**dict(zip(keys, group, strict=True)), "epochs_budget": epochs,
-                     "largest_batch": float(ok.max()) if len(ok) else math.nan})
-    return pd.DataFrame(rows)
+    return pd.DataFrame([{**dict(zip(keys, group, strict=True)), "epochs_budget": epochs,
+                          "largest_batch": largest_within(frame["batch_size"], frame["median"],
+                                                          epochs)}
+                         for group, frame in groups])
 
 
 def speedup(summary: pd.DataFrame, linear: float = 0.8, stagnant: float = 0.1) -> pd.DataFrame:
@@ -167,23 +218,19 @@ def speedup(summary: pd.DataFrame, linear: float = 0.8, stagnant: float = 0.1) -
             continue
         m0 = int(reached["batch_size"].iloc[0])
         k0 = float(reached["median"].iloc[0])
-        prev = None
-        for batch, k in zip(frame["batch_size"], frame["median"], strict=True):
-            if batch < m0:
-                continue
-            alpha, regime = math.nan, ""
-            if prev is not None:
-                if math.isfinite(k) and math.isfinite(prev[1]):
-                    alpha = math.log(prev[1] / k) / math.log(batch / prev[0])
-                else:
-                    alpha = -math.inf
-                regime = ("linear" if alpha >= linear else
-                          "stagnant" if alpha < stagnant else "diminishing")
+        steps = [math.nan, *alphas(frame["batch_size"], frame["median"])]
+        tail = frame[frame["batch_size"] >= m0]
+        diverged = tail["diverged"] if "diverged" in tail else [0] * len(tail)
+        for batch, k, alpha, dead in zip(tail["batch_size"], tail["median"], steps, diverged,
+                                         strict=True):
+            regime = "" if math.isnan(alpha) else ("linear" if alpha >= linear else
+                                                   "stagnant" if alpha < stagnant
+                                                   else "diminishing")
             s = k0 / k if math.isfinite(k) else 0.0
             rows.append({**dict(zip(keys, group, strict=True)), "batch_size": int(batch),
                          "iterations": k, "speedup": s, "ideal": batch / m0,
-                         "efficiency": s / (batch / m0), "alpha": alpha, "regime": regime})
-            prev = (batch, k)
+                         "efficiency": s / (batch / m0), "alpha": alpha, "regime": regime,
+                         "diverged": int(dead)})
     return pd.DataFrame(rows)
 
 
@@ -210,9 +257,13 @@ def regime_boundaries(speedups: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _fit_steps(batch: np.ndarray, steps: np.ndarray, group: np.ndarray) -> tuple[float, dict]:
+def _fit_steps(batch: np.ndarray, steps: np.ndarray, group: np.ndarray,
+               censored: np.ndarray | None = None) -> tuple[float, dict]:
     """Least squares on relative error of S = S_min,g (1 + B_c/B) with one B_c shared by
-    all groups g; for fixed B_c each S_min,g has a closed form. Returns (B_c, S_min per g)."""
+    all groups g. A censored point (S > steps) adds its residual only while the curve lies
+    below it. For fixed B_c each S_min,g solves a small active-set problem (closed form per
+    set). Returns (B_c, S_min per g)."""
+    censored = np.zeros(len(batch), bool) if censored is None else censored
     names, codes = np.unique(group, return_inverse=True)
     onehot = np.eye(len(names))[codes]  # (points, groups)
     low, high = math.log(batch.min() / 1e3), math.log(batch.max() * 1e3)
@@ -220,8 +271,15 @@ def _fit_steps(batch: np.ndarray, steps: np.ndarray, group: np.ndarray) -> tuple
     def fit(log_bc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Residual sums and S_min per group for each candidate log B_c (vectorised)."""
         w = (1 + np.exp(log_bc)[:, None] / batch[None, :]) / steps[None, :]  # (grid, points)
-        a = (w @ onehot) / ((w**2) @ onehot)  # (grid, groups)
-        residual = ((a @ onehot.T) * w - 1) ** 2
+        active = np.broadcast_to(~censored, w.shape)
+        for _ in range(len(batch) + 1):  # the active set only grows: this terminates
+            a = ((w * active) @ onehot) / np.maximum((w**2 * active) @ onehot, 1e-300)
+            ratio = (a @ onehot.T) * w  # predicted S over the recorded steps
+            grown = active | (censored[None, :] & (ratio < 1))
+            if (grown == active).all():
+                break
+            active = grown
+        residual = np.where(active, (ratio - 1) ** 2, 0.0)
         return residual.sum(axis=1), a
 
     grid = np.linspace(low, high, 121)
@@ -236,63 +294,92 @@ def _fit_steps(batch: np.ndarray, steps: np.ndarray, group: np.ndarray) -> tuple
 
 def critical_batch(per_run: pd.DataFrame, value: str = "iterations", by: Sequence[str] | None
                    = None, bootstrap: int = 200, seed: int = 0) -> pd.DataFrame:
-    """Fit (S/S_min − 1)(E/E_min − 1) = 1 to the reached runs, per model (``by`` = model
-    keys) or jointly (``by=[]``: one B_crit for the study, one S_min per model).
+    """Fit (S/S_min − 1)(E/E_min − 1) = 1 per model (``by`` = model keys) or jointly
+    (``by=[]``: one B_crit for the study, one S_min per model). Reached runs are points,
+    runs stopped short of the target are censored at the iterations they ran, diverged runs
+    are left out (see the module docstring).
 
-    Columns: b_crit, s_min (NaN for joint fits), e_min, points, low/high (16th/84th bootstrap
-    percentiles, resampling runs within each batch size), at_bound (the fit hit the search
-    range: B_crit is below B_min/1000 or above 1000·B_max, i.e. not identified)."""
+    Columns: b_crit, s_min (NaN for joint fits), e_min, points (reached), censored,
+    diverged (left out), low/high (2.5th/97.5th bootstrap percentiles, resampling runs
+    within each batch size), one_run (every batch has one run: the interval has no
+    spread), at_bound (the fit hit the search range: not identified), outside ("below" or
+    "above" the batches that reached the target, else "")."""
     keys = model_keys(per_run) if by is None else list(by)
-    reached = per_run[np.isfinite(per_run[value])]
+    diverged = per_run["diverged"].to_numpy(bool) if "diverged" in per_run \
+        else np.zeros(len(per_run), bool)
+    ran = per_run["ran_iterations"] if "ran_iterations" in per_run \
+        else pd.Series(math.nan, index=per_run.index)
+    usable = per_run.assign(_censored=~np.isfinite(per_run[value]),
+                            _steps=per_run[value].where(np.isfinite(per_run[value]), ran),
+                            _diverged=diverged)
     rng = np.random.default_rng(seed)
     rows = []
-    grouped = [((), reached)] if not keys else reached.groupby(keys, sort=True, dropna=False)
-    for group, frame in grouped:
-        if frame["batch_size"].nunique() < 3:
+    grouped = [((), usable)] if not keys else usable.groupby(keys, sort=True, dropna=False)
+    for group, everything in grouped:
+        frame = everything[~everything["_diverged"] & np.isfinite(everything["_steps"])]
+        reached = frame[~frame["_censored"]]
+        if reached["batch_size"].nunique() < 3:
             continue
         model_of = frame[model_keys(per_run)].astype(str).agg("|".join, axis=1).to_numpy()
         batch = frame["batch_size"].to_numpy(float)
-        steps = frame[value].to_numpy(float)
-        bc, mins = _fit_steps(batch, steps, model_of)
+        steps = frame["_steps"].to_numpy(float)
+        censored = frame["_censored"].to_numpy(bool)
+        bc, mins = _fit_steps(batch, steps, model_of, censored)
         draws = []
         cells = [np.flatnonzero((batch == b) & (model_of == m))
                  for b, m in sorted(set(zip(batch, model_of, strict=True)))]
         for _ in range(bootstrap):
             idx = np.concatenate([rng.choice(c, size=len(c)) for c in cells])
-            draws.append(_fit_steps(batch[idx], steps[idx], model_of[idx])[0])
+            if len(np.unique(batch[idx][~censored[idx]])) >= 3:
+                draws.append(_fit_steps(batch[idx], steps[idx], model_of[idx],
+                                        censored[idx])[0])
         s_min = next(iter(mins.values())) if len(mins) == 1 else math.nan
         group = group if isinstance(group, tuple) else (group,)
         edge = (batch.min() / 999, batch.max() * 999)
+        hit = reached["batch_size"]
         rows.append({**dict(zip(keys, group, strict=True)), "b_crit": bc, "s_min": s_min,
-                     "e_min": s_min * bc, "points": len(batch),
-                     "low": float(np.percentile(draws, 16)) if draws else math.nan,
-                     "high": float(np.percentile(draws, 84)) if draws else math.nan,
-                     "at_bound": bool(bc <= edge[0] or bc >= edge[1])})
+                     "e_min": s_min * bc, "points": len(reached),
+                     "censored": int(censored.sum()),
+                     "diverged": int(everything["_diverged"].sum()),
+                     "low": float(np.percentile(draws, 2.5)) if draws else math.nan,
+                     "high": float(np.percentile(draws, 97.5)) if draws else math.nan,
+                     "one_run": bool(max(len(c) for c in cells) == 1),
+                     "at_bound": bool(bc <= edge[0] or bc >= edge[1]),
+                     "outside": "below" if bc < hit.min() else
+                     "above" if bc > hit.max() else ""})
     return pd.DataFrame(rows)
 
 
 def loss_threshold(runs: pd.DataFrame, curves: pd.DataFrame, metric: str = "train_loss",
                    quantile: float = 0.25) -> pd.DataFrame:
     """Seed 003's threshold per model: the lower quartile of the ``metric`` values recorded
-    by the final runs at that model's largest batch size."""
+    by the final runs at that model's largest batch size, diverged runs left out (and the
+    largest batch with a run that did not diverge when every run there diverged)."""
     final = finals(runs)
     keys = model_keys(final)
     rows = []
-    for group, frame in final.groupby(keys, sort=True, dropna=False):
+    for group, everything in final.groupby(keys, sort=True, dropna=False):
+        frame = everything[_not_diverged(everything)]
         largest = frame[frame["batch_size"] == frame["batch_size"].max()]["key"]
         values = curves[(curves["key"].isin(largest)) & (curves["metric"] == metric)]["value"]
         values = values[np.isfinite(values.astype(float))]
         group = group if isinstance(group, tuple) else (group,)
         rows.append({**dict(zip(keys, group, strict=True)),
                      "threshold": float(np.quantile(values, quantile)) if len(values)
-                     else math.nan})
+                     else math.nan,
+                     "from_batch": float(frame["batch_size"].max()) if len(frame) else math.nan,
+                     "diverged_left_out": int((~_not_diverged(everything)).sum())})
     return pd.DataFrame(rows)
+
+
+def _not_diverged(runs: pd.DataFrame) -> pd.Series:
+    return runs["status"] != "diverged" if "status" in runs else pd.Series(True, runs.index)
 
 
 def per_run_to_loss(runs: pd.DataFrame, curves: pd.DataFrame, thresholds: pd.DataFrame,
                     metric: str = "train_loss") -> pd.DataFrame:
     """Like per_run_to_target, with k(m) the first iteration where ``metric`` ≤ the model's
-    threshold (from loss_threshold)."""
+    threshold (from loss_threshold); a diverged run never reaches it."""
     final = finals(runs).merge(thresholds, on=model_keys(finals(runs)), how="left")
     rows = curves[curves["metric"] == metric]
     first = {}
@@ -300,8 +387,9 @@ def per_run_to_loss(runs: pd.DataFrame, curves: pd.DataFrame, thresholds: pd.Dat
         frame = frame.sort_values("iteration")
         first[key] = frame[["iteration", "epoch", "value"]].to_numpy(float)
     iterations, epochs = [], []
-    for key, threshold in zip(final["key"], final["threshold"], strict=True):
-        data = first.get(key)
+    usable = _not_diverged(final).to_numpy()
+    for key, threshold, ok in zip(final["key"], final["threshold"], usable, strict=True):
+        data = first.get(key) if ok else None
         hit = None if data is None else np.flatnonzero(data[:, 2] <= threshold)
         if hit is None or not len(hit):
             iterations.append(math.inf)
@@ -309,7 +397,8 @@ def per_run_to_loss(runs: pd.DataFrame, curves: pd.DataFrame, thresholds: pd.Dat
         else:
             iterations.append(data[hit[0], 0])
             epochs.append(data[hit[0], 1])
-    return final.assign(iterations=iterations, epochs=epochs, reached=np.isfinite(iterations))
+    return final.assign(iterations=iterations, epochs=epochs, reached=np.isfinite(iterations),
+                        diverged=~usable)
 
 
 def loss_surface(runs: pd.DataFrame, curves: pd.DataFrame, metric: str = "train_loss"
@@ -331,14 +420,14 @@ def diversity_along_training(runs: pd.DataFrame, diversity: pd.DataFrame) -> pd.
     return wide.merge(final, on="key")
 
 
-def diversity_summary(runs: pd.DataFrame, diversity: pd.DataFrame, curves: pd.DataFrame,
-                      batch_size: int | None = None, metric: str = "train_loss"
-                      ) -> pd.DataFrame:
-    """Per model: Δ averaged over training and at matched training loss ℓ*, at the reference
-    batch size (the smallest by default), with n·Δ for both.
-
-    Columns: delta_mean, delta_std (over runs), bound_mean (n·delta_mean), measurements,
-    matched_loss (ℓ*), delta_matched, bound_matched."""
+def diversity_runs(runs: pd.DataFrame, diversity: pd.DataFrame, curves: pd.DataFrame,
+                   targets: pd.DataFrame | None = None, batch_size: int | None = None,
+                   metric: str = "train_loss") -> pd.DataFrame:
+    """Per final run at the reference batch size (the smallest by default): Δ averaged over
+    its measurements (``delta_run``), Δ at matched training loss ℓ* (``delta_matched_run``:
+    the first measurement where the run's loss ≤ ℓ*, ℓ* the loss every model reached),
+    ``measured_to`` (the epoch of its last measurement) and ``target_epoch`` (when it
+    reached the first target; its last epoch when it did not)."""
     along = diversity_along_training(runs, diversity)
     if along.empty:
         return pd.DataFrame()
@@ -352,20 +441,69 @@ def diversity_summary(runs: pd.DataFrame, diversity: pd.DataFrame, curves: pd.Da
                        .sort_values("iteration"), on="iteration", by="key", direction="backward")
     per_model_best = at.groupby(keys, dropna=False)["loss"].min()
     matched = float(per_model_best.max()) if len(per_model_best) else math.nan
+    hits = at[at["loss"] <= matched].sort_values("iteration").groupby("key")["diversity"].first()
+    out = at.groupby("key").agg(delta_run=("diversity", "mean"), measured_to=("epoch", "max"),
+                                measurements=("diversity", "size")).reset_index()
+    out = out.assign(delta_matched_run=out["key"].map(hits), matched_loss=matched)
+    first = finals(runs).drop_duplicates("key").set_index("key")
+    out = out.join(first[[*keys, "n_train"]], on="key").assign(batch_size=reference)
+    ends = curves[curves["key"].isin(out["key"])].groupby("key")["epoch"].max()
+    reached = {}
+    if targets is not None and len(targets):
+        name = target_names(runs, targets)[0]
+        hit = targets[(targets["name"] == name) & (targets["reached"] == 1)]
+        reached = dict(zip(hit["key"], hit["epoch"], strict=True))
+    out["target_epoch"] = [reached.get(k, ends.get(k, math.nan)) for k in out["key"]]
+    return out
+
+
+def diversity_summary(runs: pd.DataFrame, diversity: pd.DataFrame, curves: pd.DataFrame,
+                      batch_size: int | None = None, metric: str = "train_loss",
+                      targets: pd.DataFrame | None = None, cadence: float = 0.0
+                      ) -> pd.DataFrame:
+    """Per model: Δ averaged over training and at matched training loss ℓ*, at the reference
+    batch size (the smallest by default), with n·Δ for both.
+
+    Columns: delta_mean, delta_std (over runs), bound_mean (n·delta_mean), measurements,
+    matched_loss (ℓ*), delta_matched, bound_matched, measured_to (the shortest span of
+    measurements over the runs, in epochs), over_training (True when every run's
+    measurements reach within ``cadence`` epochs of its run to the target: only then is
+    delta_mean an average over training)."""
+    per_run = diversity_runs(runs, diversity, curves, targets, batch_size, metric)
+    if per_run.empty:
+        return pd.DataFrame()
+    keys = [*model_keys(per_run), *[c for c in SHAPE_COLUMNS if c in per_run]]
     rows = []
-    for group, frame in at.groupby(keys, sort=True, dropna=False):
-        per_run = frame.groupby("key")["diversity"].mean()
-        hits = frame[frame["loss"] <= matched].sort_values("iteration").groupby("key").first()
+    for group, frame in per_run.groupby(keys, sort=True, dropna=False):
         n = float(frame["n_train"].iloc[0])
-        delta_matched = float(hits["diversity"].mean()) if len(hits) else math.nan
+        delta = float(frame["delta_run"].mean())
+        hits = frame["delta_matched_run"].dropna()
+        delta_matched = float(hits.mean()) if len(hits) else math.nan
+        covered = bool((frame["measured_to"] >= frame["target_epoch"] - cadence - 1e-9).all()
+                       and (frame["measurements"] >= 2).all())
         group = group if isinstance(group, tuple) else (group,)
-        rows.append({**dict(zip(keys, group, strict=True)), "batch_size": reference,
-                     "delta_mean": float(per_run.mean()),
-                     "delta_std": float(per_run.std(ddof=1)) if len(per_run) > 1 else math.nan,
-                     "bound_mean": n * float(per_run.mean()), "measurements": len(frame),
-                     "matched_loss": matched, "delta_matched": delta_matched,
-                     "bound_matched": n * delta_matched})
+        rows.append({**dict(zip(keys, group, strict=True)),
+                     "batch_size": int(frame["batch_size"].iloc[0]),
+                     "delta_mean": delta,
+                     "delta_std": float(frame["delta_run"].std(ddof=1)) if len(frame) > 1
+                     else math.nan,
+                     "bound_mean": n * delta, "measurements": int(frame["measurements"].sum()),
+                     "matched_loss": float(frame["matched_loss"].iloc[0]),
+                     "delta_matched": delta_matched, "bound_matched": n * delta_matched,
+                     "measured_to": float(frame["measured_to"].min()),
+                     "over_training": covered})
     return pd.DataFrame(rows)
+
+
+def delta_label(summary: pd.DataFrame) -> str:
+    """How the study's Δ may be described: "averaged over training" only when every
+    model's measurements span its run to the target."""
+    if summary.empty:
+        return "not measured"
+    if bool(summary["over_training"].all()):
+        return "averaged over training"
+    span = float(summary["measured_to"].min())
+    return "at initialisation" if span == 0 else f"over the first {span:g} epochs only"
 
 
 def spearman(x: Sequence[float], y: Sequence[float]) -> float:

@@ -49,58 +49,112 @@ def shape_axis(frame: pd.DataFrame, preferred: str) -> str:
     return preferred if unique else "model_label"
 
 
+DIVERGED = "#d62728"
+
+
 def epochs_heatmap(ax: Axes, summary: pd.DataFrame, rows: str = "depth",
-                   budget: float | None = None) -> None:
-    """Median epochs to target as a heatmap: ``rows`` (depth or width) against B. Cells the
-    target was never reached in (censored) show '>E' in grey."""
+                   budget: float | None = None, scale: tuple[float, float] | None = None,
+                   title: str = "epochs to target") -> None:
+    """Median epochs to target as a heatmap: ``rows`` (depth or width) against B, with the
+    tuned η under each value. Cells that never reached the target show '>E' in grey, cells
+    whose every run diverged 'diverged' in red; 'div k/n' counts diverged runs. ``scale``
+    (min, max) shares one colour scale across panels."""
     label = {"depth": "depth L (hidden layers)", "width": "width K"}.get(rows, rows)
     key = shape_axis(summary, rows)
+
     table = summary.pivot_table(index=key, columns="batch_size", values="median",
-                                aggfunc="median")
-    values = table.to_numpy(float)
+                                aggfunc="median", dropna=False)
+
+    def pivot(column: str) -> np.ndarray:
+        if column not in summary:
+            return np.full(table.shape, np.nan)
+        return (summary.pivot_table(index=key, columns="batch_size", values=column,
+                                    aggfunc="median", dropna=False)
+                .reindex(index=table.index, columns=table.columns).to_numpy(float))
+
+    values, lrs = table.to_numpy(float), pivot("lr")
+    diverged, runs = pivot("diverged"), pivot("runs")
     finite = values[np.isfinite(values)]
-    masked = np.ma.masked_invalid(values)
-    cmap = plt.get_cmap("viridis").with_extremes(bad="#cccccc")
-    norm = LogNorm(vmin=max(finite.min(), 1e-2), vmax=max(finite.max(), 1e-2 * 1.01)) \
-        if len(finite) else None
-    image = ax.imshow(masked, aspect="auto", cmap=cmap, norm=norm, origin="lower")
+    low, high = scale or ((finite.min(), finite.max()) if len(finite) else (1.0, 1.0))
+    norm = LogNorm(vmin=max(low, 1e-2), vmax=max(high, low * 1.01, 1e-2 * 1.01))
+    colours = plt.get_cmap("viridis").with_extremes(bad="#cccccc")
+    image = ax.imshow(np.ma.masked_invalid(values), aspect="auto", cmap=colours, norm=norm,
+                      origin="lower")
+    all_diverged = np.nan_to_num(diverged) >= np.nan_to_num(runs, nan=np.inf)
+    if all_diverged.any():
+        ax.imshow(np.ma.masked_where(~all_diverged, np.ones_like(values)), aspect="auto",
+                  cmap=plt.matplotlib.colors.ListedColormap([DIVERGED]), origin="lower",
+                  alpha=0.55)
     for i in range(values.shape[0]):
         for j in range(values.shape[1]):
             v = values[i, j]
-            text = (f">{budget:g}" if budget else "miss") if not math.isfinite(v) else f"{v:.1f}"
-            bright = norm is not None and math.isfinite(v) and norm(v) > 0.6
-            ax.text(j, i, text, ha="center", va="center", fontsize=8,
+            if all_diverged[i, j]:
+                text = "diverged"
+            elif math.isfinite(v):
+                text = f"{v:.1f}"
+            else:
+                text = f">{budget:g}" if budget else "miss"
+            if math.isfinite(lrs[i, j]):
+                text += f"\nη {lrs[i, j]:g}"
+            if np.nan_to_num(diverged[i, j]) > 0 and not all_diverged[i, j]:
+                text += f"\ndiv {int(diverged[i, j])}/{int(runs[i, j])}"
+            bright = math.isfinite(v) and norm(v) > 0.6
+            ax.text(j, i, text, ha="center", va="center", fontsize=6.5,
                     color="black" if bright or not math.isfinite(v) else "white")
     ax.set_xticks(range(len(table.columns)), [str(c) for c in table.columns],
                   rotation=45 if len(table.columns) > 6 else 0)
     ax.set_yticks(range(len(table.index)), [str(i) for i in table.index])
     ax.set_xlabel("batch size B")
     ax.set_ylabel(label if key == rows else "model")
-    ax.set_title("epochs to target (median over seeds)")
+    ax.set_title(f"{title} (median over runs)")
     bar = ax.figure.colorbar(image, ax=ax, label="epochs (log scale)")
     bar.ax.yaxis.set_major_formatter(PLAIN)
     bar.ax.yaxis.set_minor_formatter(PLAIN)
 
 
+def _segments(frame: pd.DataFrame, column: str) -> list[pd.DataFrame]:
+    """Runs of consecutive batch sizes whose ``column`` is finite and positive: a line is
+    drawn within each, never across a batch size that missed."""
+    ok = np.isfinite(frame[column].to_numpy(float)) & (frame[column].to_numpy(float) > 0)
+    out, start = [], None
+    for i, good in enumerate([*ok, False]):
+        if good and start is None:
+            start = i
+        elif not good and start is not None:
+            out.append(frame.iloc[start:i])
+            start = None
+    return out
+
+
 def epochs_vs_batch(ax: Axes, summary: pd.DataFrame, budget: float | None = None) -> None:
     """Median epochs to target against B, one line per model; the error bars span the
     seeds; censored points are drawn as open triangles at the epoch budget."""
-    for label, part in _groups(summary):
+    groups = _groups(summary)
+    for i, (label, part) in enumerate(groups):
+        colour = f"C{i % 10}"
+        for j, segment in enumerate(_segments(part, "median")):
+            ax.plot(segment["batch_size"], segment["median"], "o-", color=colour,
+                    label=label if j == 0 else None)
         finite = part[np.isfinite(part["median"])]
-        line, = ax.plot(finite["batch_size"], finite["median"], "o-", label=label)
         low = finite["median"] - finite["min"]
         high = (finite["max"].where(np.isfinite(finite["max"]), finite["median"])
                 - finite["median"])
         ax.errorbar(finite["batch_size"], finite["median"], yerr=[low, high], fmt="none",
-                    ecolor=line.get_color(), alpha=0.6, capsize=2)
+                    ecolor=colour, alpha=0.6, capsize=2)
         missed = part[~np.isfinite(part["median"])]
         if budget and len(missed):
-            ax.plot(missed["batch_size"], [budget] * len(missed), "^", mfc="none",
-                    color=line.get_color())
+            # side by side, not on top of each other: one small offset per model
+            shift = 2 ** (0.12 * (i - (len(groups) - 1) / 2))
+            dead = missed["diverged"] >= missed["runs"] if "diverged" in missed else \
+                np.zeros(len(missed), bool)
+            ax.plot(missed["batch_size"][~dead] * shift, [budget] * int((~dead).sum()), "^",
+                    mfc="none", color=colour)
+            ax.plot(missed["batch_size"][dead] * shift, [budget] * int(dead.sum()), "x",
+                    color=DIVERGED, ms=7, mew=2)
     if budget:
         ax.axhline(budget, color="grey", ls=":", lw=1)
-        ax.text(0.01, 0.99, "open ▲ at max epochs: not reached", transform=ax.transAxes,
-                va="top", fontsize=7, color="grey")
+        ax.text(0.01, 0.99, "at max epochs: open ▲ not reached, red ✕ diverged",
+                transform=ax.transAxes, va="top", fontsize=7, color="grey")
     _log2_batch_axis(ax, summary["batch_size"].unique())
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(PLAIN)
@@ -111,11 +165,18 @@ def epochs_vs_batch(ax: Axes, summary: pd.DataFrame, budget: float | None = None
     ax.grid(alpha=0.3, which="both")
 
 
-def speedup_curves(ax: Axes, speedups: pd.DataFrame) -> None:
-    """s(m; m0) per model with the linear ideal m/m0 (dashed)."""
-    for label, part in _groups(speedups):
-        ok = part[part["speedup"] > 0]
-        ax.plot(ok["batch_size"], ok["speedup"], "o-", label=label)
+def speedup_curves(ax: Axes, speedups: pd.DataFrame, title: str = "speedup") -> None:
+    """s(m; m0) per model with the linear ideal m/m0 (dashed); no line across a batch size
+    that missed; a red ✕ on the bottom edge where every run diverged."""
+    bottom = ax.get_xaxis_transform()
+    for i, (label, part) in enumerate(_groups(speedups)):
+        for j, segment in enumerate(_segments(part, "speedup")):
+            ax.plot(segment["batch_size"], segment["speedup"], "o-", color=f"C{i % 10}",
+                    label=label if j == 0 else None)
+        if "diverged" in part:
+            dead = part[(part["diverged"] > 0) & (part["speedup"] == 0)]
+            ax.plot(dead["batch_size"], [0.03] * len(dead), "x", color=DIVERGED, ms=7, mew=2,
+                    transform=bottom, label="diverged" if len(dead) and i == 0 else None)
     m0 = speedups["batch_size"].min()
     batches = np.array(sorted(speedups["batch_size"].unique()), float)
     ax.plot(batches, batches / m0, "k--", lw=1, label="linear ideal m/m0")
@@ -123,14 +184,16 @@ def speedup_curves(ax: Axes, speedups: pd.DataFrame) -> None:
     ax.set_yscale("log", base=2)
     ax.yaxis.set_major_formatter(PLAIN)
     ax.set_ylabel("speedup s(m; m0) = k(m0)/k(m) (log2)")
-    ax.set_title("speedup in iterations to target")
+    ax.set_title(title)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
 
 
-def loss_contour(ax: Axes, surface: pd.DataFrame, title: str = "") -> None:
+def loss_contour(ax: Axes, surface: pd.DataFrame, title: str = "",
+                 levels: np.ndarray | None = None) -> None:
     """Training loss over (B, iterations) on a log scale, as seed 003's Figure 1; one model's
-    rows from ``analysis.loss_surface``. Lighter is lower."""
+    rows from ``analysis.loss_surface``. Lighter is lower. ``levels`` (log10 loss) shares
+    one scale across panels."""
     batches = sorted(surface["batch_size"].unique())
     top = max(float(surface["iteration"].max()), 2.0)
     grid = np.unique(np.geomspace(1, top, 60).round())
@@ -147,7 +210,8 @@ def loss_contour(ax: Axes, surface: pd.DataFrame, title: str = "") -> None:
     if np.isfinite(z).sum() < 4:
         ax.text(0.5, 0.5, "not enough curve data", ha="center", transform=ax.transAxes)
         return
-    levels = np.linspace(np.nanmin(z), np.nanmax(z), 12)
+    if levels is None:
+        levels = np.linspace(np.nanmin(z), np.nanmax(z), 12)
     filled = ax.contourf(batches, grid, np.ma.masked_invalid(z), levels=levels,
                          cmap="viridis_r")
     ax.figure.colorbar(filled, ax=ax, label="log10 training loss", format="%.2f")
@@ -158,7 +222,7 @@ def loss_contour(ax: Axes, surface: pd.DataFrame, title: str = "") -> None:
 
 
 def delta_vs_shape(ax: Axes, along: pd.DataFrame, summary: pd.DataFrame,
-                   x: str = "depth") -> None:
+                   x: str = "depth", how: str = "averaged over training") -> None:
     """Δ at every measurement along training (dots coloured by epoch) against depth or
     width, with the per-model average over training (line)."""
     if along.empty:
@@ -170,7 +234,7 @@ def delta_vs_shape(ax: Axes, along: pd.DataFrame, summary: pd.DataFrame,
                       alpha=0.8)
     ax.figure.colorbar(dots, ax=ax, label="epoch of measurement")
     mean = summary.sort_values(x)
-    ax.plot(mean[x], mean["delta_mean"], "k-o", label="average over training")
+    ax.plot(mean[x], mean["delta_mean"], "k-o", label=f"mean, {how}")
     if mean["delta_matched"].notna().any():
         ax.plot(mean[x], mean["delta_matched"], "s--", color="tab:green",
                 label=f"at matched loss {mean['matched_loss'].iloc[0]:.3g}")
@@ -209,13 +273,14 @@ def delta_along_training(ax: Axes, along: pd.DataFrame, batch_size: int | None =
     ax.grid(alpha=0.3)
 
 
-def largest_batch_vs_delta(ax: Axes, table: pd.DataFrame, budget: float | None = None) -> None:
+def largest_batch_vs_delta(ax: Axes, table: pd.DataFrame, budget: float | None = None,
+                           how: str = "averaged over training") -> None:
     """Largest workable B (within the epoch budget) and B* against Δ, with the bound n·Δ for
     reference. Δ at matched training loss when every model has it (robust to a model stuck
     near a stationary point), else Δ averaged over training."""
     matched = "delta_matched" in table and table["delta_matched"].notna().all()
     x, bound, how = (("delta_matched", "bound_matched", "at matched training loss") if matched
-                     else ("delta_mean", "bound_mean", "averaged over training"))
+                     else ("delta_mean", "bound_mean", how))
     table = table.sort_values(x)
     within = f"within {budget:g} epochs" if budget else "within E epochs"
     ax.plot(table[x], table["largest_batch"], "o-", label=f"largest B {within}")

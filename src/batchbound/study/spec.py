@@ -239,9 +239,23 @@ def _batch_sizes(table: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _targets(value: Any) -> tuple[tuple[str, float], ...]:
+    """``{train_acc = 0.95}`` or several thresholds per metric, ``{train_acc = [0.9, 0.95]}``;
+    each (metric, threshold) is a target of its own, analysed on its own."""
     if not isinstance(value, dict):
         raise _fail("train", "targets", "write a table, e.g. targets = {train_acc = 0.95}")
-    return tuple((str(k), float(v)) for k, v in value.items())
+    out = []
+    for metric, given in value.items():
+        thresholds = given if isinstance(given, list) else [given]
+        if not thresholds:
+            raise _fail("train", "targets", f"{metric} has an empty list of thresholds")
+        for threshold in thresholds:
+            if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+                raise _fail("train", "targets", f"{metric} threshold must be a number, got "
+                            f"{threshold!r}")
+            if (str(metric), float(threshold)) in out:
+                raise _fail("train", "targets", f"{metric} = {threshold:g} is given twice")
+            out.append((str(metric), float(threshold)))
+    return tuple(out)
 
 
 def _lr(table: dict[str, Any]) -> LRSpec:

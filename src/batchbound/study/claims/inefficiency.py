@@ -1,0 +1,127 @@
+"""Claims of "On the Computational Inefficiency of Large Batch Sizes for Stochastic Gradient
+Descent" (arXiv 1811.12941, 2018): speedup in iterations is linear, then diminishing, then
+stagnant; where it stagnates does not depend on the data set size; no learning-rate
+strategy keeps it linear."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from batchbound.study import analysis as A
+from batchbound.study.claims.registry import (
+    UNTESTABLE,
+    Context,
+    Finding,
+    all_models,
+    directional,
+    fmt,
+    one_run_note,
+    register_claim,
+    span,
+)
+from batchbound.study.evidence import Model, interval
+
+SOURCE = "inefficiency"
+LINEAR, STAGNANT = 0.8, 0.1  # the regimes' α thresholds (analysis.speedup)
+
+
+def _first_last(model: Model, row: int) -> tuple[float, float]:
+    steps = A.alphas(model.batches, model.iterations[row])
+    return (steps[0], steps[-1]) if len(steps) >= 2 else (math.nan, math.nan)
+
+
+@register_claim(SOURCE, needs=("batch_size",))
+def three_regimes(context: Context) -> Finding:
+    claim = ("Speedup in iterations is near-linear for small batches, then diminishes, then "
+             "stagnates: the scaling exponent α of the first step is consistent with linear "
+             f"(α ≥ {LINEAR}), that of the last step with stagnation (α < {STAGNANT}), and α "
+             "falls between them.")
+    parts, verdicts = [], []
+    for model in context.evidence.models:
+        rows = [_first_last(model, r) for r in range(context.evidence.draws + 1)]
+        first = np.array([a for a, _ in rows])
+        last = np.array([b for _, b in rows])
+        if math.isnan(first[0]):
+            parts.append(f"{model.name}: fewer than 3 batch sizes from the first that reaches "
+                         "the target")
+            verdicts.append(UNTESTABLE)
+            continue
+        with np.errstate(invalid="ignore"):  # −∞ − (−∞): a draw with no finite step
+            drop = first - last
+        low_first, high_first = interval(first)
+        low_last, high_last = interval(last)
+        low_drop, high_drop = interval(drop)
+        shows = high_first >= LINEAR and low_last < STAGNANT and low_drop > 0
+        verdicts.append(directional(context, shows, high_drop <= 0))
+        parts.append(f"{model.name}: first α {fmt(first[0])} {span(low_first, high_first)}, "
+                     f"last α {fmt(last[0])} {span(low_last, high_last)}, fall "
+                     f"{span(low_drop, high_drop)}")
+    return Finding(SOURCE, claim, all_models(verdicts), "; ".join(parts) + " (95 % intervals)."
+                   + one_run_note(context))
+
+
+def _stagnation(model: Model, row: int) -> float:
+    """The smallest batch from which every following step is stagnant (NaN if none)."""
+    steps = A.alphas(model.batches, model.iterations[row])
+    first = next((i for i, k in enumerate(model.iterations[row]) if math.isfinite(k)), 0)
+    out = math.nan
+    for i in range(len(steps) - 1, -1, -1):
+        if steps[i] >= STAGNANT:
+            break
+        out = float(model.batches[first + i])
+    return out
+
+
+@register_claim(SOURCE, needs=("n_train",))
+def stagnation_ignores_data_size(context: Context) -> Finding:
+    claim = ("The batch size where speedup stagnates does not depend on the data set size "
+             "(equal within one doubling across sizes, Figure 4).")
+    groups: dict[tuple, list[Model]] = {}
+    for model in context.evidence.models:
+        rest = tuple((k, v) for k, v in sorted(model.labels.items())
+                     if k not in ("data", "n_train"))
+        groups.setdefault(rest, []).append(model)
+    groups = {k: v for k, v in groups.items() if len({m.labels["n_train"] for m in v}) > 1}
+    if not groups:
+        return Finding(SOURCE, claim, UNTESTABLE, "no model was trained on several sizes")
+    parts, verdicts = [], []
+    for models in groups.values():
+        points = np.array([[_stagnation(m, r) for m in models]
+                           for r in range(context.evidence.draws + 1)])
+        spread = np.log2(np.nanmax(points, axis=1) / np.nanmin(points, axis=1))
+        spread[np.isnan(points).any(axis=1)] = np.inf  # no stagnation in a draw: no evidence
+        low, high = interval(spread)
+        names = ", ".join(f"n = {m.labels['n_train']}: {fmt(p)}"
+                          for m, p in zip(models, points[0], strict=True))
+        if np.isnan(points[0]).any():
+            parts.append(f"{names} (a size shows no stagnation in the grid)")
+            verdicts.append(UNTESTABLE)
+            continue
+        verdicts.append(directional(context, high <= 1, low > 1))
+        parts.append(f"{names}; doublings between them {fmt(spread[0])} {span(low, high)}")
+    return Finding(SOURCE, claim, all_models(verdicts), "; ".join(parts) + " (95 % intervals)."
+                   + one_run_note(context))
+
+
+@register_claim(SOURCE, needs=("strategy", "batch_size"))
+def no_strategy_keeps_linear(context: Context) -> Finding:
+    claim = ("No learning-rate strategy (BLR, LSR, SRSR) keeps linear speedup up to the "
+             f"largest batch: its efficiency s(m)/(m/m0) there stays below {LINEAR}.")
+    parts, verdicts = [], []
+    for model in context.evidence.models:
+        def efficiency(m: Model, row: int) -> float:
+            k = m.iterations[row]
+            first = next((i for i, v in enumerate(k) if math.isfinite(v)), None)
+            if first is None:
+                return 0.0
+            return float(k[first] / k[-1] / (m.batches[-1] / m.batches[first]))
+
+        values = np.array([efficiency(model, r) for r in range(context.evidence.draws + 1)])
+        low, high = interval(values)
+        verdicts.append(directional(context, high < LINEAR, low >= LINEAR))
+        parts.append(f"{model.name}: {fmt(values[0])} {span(low, high)} at B = "
+                     f"{fmt(float(model.batches[-1]))}")
+    return Finding(SOURCE, claim, all_models(verdicts), "Efficiency at the largest batch (95 % "
+                   "interval): " + "; ".join(parts) + "." + one_run_note(context))

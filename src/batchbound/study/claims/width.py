@@ -1,0 +1,114 @@
+"""Claims of "The Effect of Network Width on the Performance of Large-batch Training"
+(NeurIPS 2018): a batch-size threshold exists, shrinks with depth and grows with width and
+with gradient diversity."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from batchbound.study import analysis as A
+from batchbound.study.claims.registry import (
+    CONTRADICTED,
+    INCONCLUSIVE,
+    SUPPORTED,
+    UNTESTABLE,
+    Context,
+    Finding,
+    correlation,
+    fmt,
+    one_run_note,
+    register_claim,
+    span,
+)
+from batchbound.study.evidence import Model, interval
+
+SOURCE = "width"
+
+
+def _b_star(model: Model, row: int) -> float:
+    return A.b_star(model.batches, model.epochs[row])
+
+
+def _labels(context: Context, label: str) -> dict[str, float]:
+    return {m.name: float(m.labels.get(label, math.nan)) for m in context.evidence.models}
+
+
+@register_claim(SOURCE, needs=("batch_size",))
+def threshold_exists(context: Context) -> Finding:
+    claim = ("For every network there is a threshold B* beyond which epochs to target grow "
+             "(by more than 1.5× the best smaller batch, or the target is missed).")
+    b_star = context.evidence.per_model(_b_star)
+    trains = {n: v for n, v in b_star.items() if not math.isnan(v[0])}
+    if not trains:
+        return Finding(SOURCE, claim, UNTESTABLE, "no model reaches the target at any batch")
+    top = context.max_batch
+    bounds = {n: interval(v) for n, v in trains.items()}
+    below = all(high < top for _, high in bounds.values())
+    at_top = any(low >= top for low, _ in bounds.values())
+    never = len(b_star) - len(trains)
+    verdict = (INCONCLUSIVE if context.evidence.one_run else
+               SUPPORTED if below else CONTRADICTED if at_top else INCONCLUSIVE)
+    text = ("B* (95 % interval) per model: " + "; ".join(
+        f"{n}: {fmt(trains[n][0])} {span(*bounds[n])}" for n in trains)
+        + f"; largest batch tried {fmt(top)}"
+        + (f"; {never} model(s) never reach the target (left out)" if never else "")
+        + "." + one_run_note(context))
+    return Finding(SOURCE, claim, verdict, text)
+
+
+@register_claim(SOURCE, needs=("depth",))
+def threshold_falls_with_depth(context: Context) -> Finding:
+    return correlation(context, SOURCE, "The batch-size threshold B* decreases with depth at "
+                       "a fixed parameter count.", _labels(context, "depth"),
+                       context.evidence.per_model(_b_star), -1, "depth", "B*")
+
+
+@register_claim(SOURCE, needs=("width",))
+def wider_allows_larger_batch(context: Context) -> Finding:
+    largest = context.evidence.per_model(
+        lambda m, r: A.largest_within(m.batches, m.epochs[r], context.budget))
+    return correlation(context, SOURCE, f"Wider networks allow a larger batch within E = "
+                       f"{context.budget:g} epochs (Figure 5).", _labels(context, "width"),
+                       largest, +1, "width", "largest B")
+
+
+@register_claim(SOURCE, needs=("width", "batch_size"))
+def wider_needs_fewer_epochs(context: Context) -> Finding:
+    models = context.evidence.models
+    common = set.intersection(*(set(m.batches) for m in models))
+    # the largest batch at which at least 3 models reach the target
+    reached = [b for b in sorted(common)
+               if sum(math.isfinite(m.epochs[0][list(m.batches).index(b)]) for m in models) >= 3]
+    claim = "At the same large batch, wider networks need fewer epochs to the target."
+    if not reached:
+        return Finding(SOURCE, claim, "not testable",
+                       "no batch size at which 3 models reach the target")
+    batch = reached[-1]
+    epochs = context.evidence.per_model(
+        lambda m, r: float(m.epochs[r][list(m.batches).index(batch)]))
+    return correlation(context, SOURCE, f"At the same large batch (B = {batch:g}), wider "
+                       "networks need fewer epochs to the target (a miss ranks slowest).",
+                       _labels(context, "width"), epochs, -1, "width", "epochs")
+
+
+def _delta(context: Context) -> dict[str, np.ndarray]:
+    return {m.name: m.delta for m in context.evidence.models}
+
+
+@register_claim(SOURCE, needs=("width", "diversity"))
+def diversity_grows_with_width(context: Context) -> Finding:
+    return correlation(context, SOURCE, f"Gradient diversity Δ ({context.delta_how}) grows "
+                       "with width at a fixed parameter count (Figure 2a).",
+                       _labels(context, "width"), _delta(context), +1, "width", "Δ")
+
+
+@register_claim(SOURCE, needs=("model_label", "diversity"))
+def largest_batch_grows_with_diversity(context: Context) -> Finding:
+    largest = context.evidence.per_model(
+        lambda m, r: A.largest_within(m.batches, m.epochs[r], context.budget))
+    delta = {m.name: float(m.delta[0]) for m in context.evidence.models}
+    return correlation(context, SOURCE, f"The largest batch within E = {context.budget:g} "
+                       f"epochs grows with gradient diversity Δ ({context.delta_how}) "
+                       "(Figure 2c).", delta, largest, +1, "Δ", "largest B")

@@ -1,0 +1,121 @@
+"""Which figures a study's report shows, with their captions, drawn by ``plots``.
+
+``figures(a)`` takes a ``report.StudyAnalysis`` and lists (file stem, caption, draw) for
+every figure its data supports; ``render_figures`` writes each as PNG and SVG. Panels that
+are compared share one colour scale, and every title names what its panel shows.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from batchbound.study import analysis as A
+
+Figure = tuple[str, str, Callable[[Any], None]]
+NOT_REACHED = ("Grey: not reached within max_epochs; red: every run diverged; "
+               "'div k/n': k of the cell's n runs diverged.")
+
+
+def figures(a: Any) -> list[Figure]:
+    """(file stem, caption, draw(fig)) for every figure the data supports."""
+    from batchbound.study import plots as P
+
+    out: list[Figure] = []
+    rows = P.shape_axis(a.epochs, "depth")
+    max_epochs = float(a.spec.get("train", {}).get("max_epochs", 0)) or None
+    target = a.targets[0] if a.targets else "the target"
+    groups = A.model_keys(a.epochs)
+    extra = [k for k in groups if k != "model_label"]
+    parts = [(("",), a.epochs)] if not extra else list(a.epochs.groupby(extra))
+    finite = a.epochs["median"].replace([np.inf, -np.inf], np.nan).dropna()
+    scale = (float(finite.min()), float(finite.max())) if len(finite) else None
+    for name, part in parts:
+        suffix = " · ".join(str(n) for n in (name if isinstance(name, tuple) else (name,)) if n)
+        stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"epochs_heatmap-{suffix}" if suffix
+                      else "epochs_heatmap").strip("_")
+        out.append((stem, f"Epochs to {target}, {rows} against B"
+                    f"{' for ' + suffix if suffix else ''}, with the tuned step size η of "
+                    "each cell [width, Figure 4]. " + NOT_REACHED
+                    + (" Every panel shares one colour scale." if len(parts) > 1 else ""),
+                    lambda fig, p=part, t=suffix: P.epochs_heatmap(
+                        fig.add_subplot(), p, rows, max_epochs, scale=scale,
+                        title=f"epochs to target{': ' + t if t else ''}")))
+    out.append(("epochs_vs_batch", f"Epochs to {target} against B per model [width, "
+                "Figure 3]. Bars span the runs; a line never crosses a batch size that missed "
+                "the target; open ▲: not reached, red ✕: diverged.",
+                lambda fig: P.epochs_vs_batch(fig.add_subplot(), a.epochs, max_epochs)))
+    if len(a.speedups):
+        out.append(("speedup", f"Speedup s(m; m0) in iterations to {target}, with the linear "
+                    "ideal [inefficiency, Figure 2]; red ✕ at the bottom: every run at that "
+                    "batch diverged.",
+                    lambda fig: P.speedup_curves(fig.add_subplot(), a.speedups,
+                                                 "speedup to the target")))
+    if len(a.loss_speedups):
+        out.append(("speedup_loss_threshold", "Speedup to the loss threshold (the lower "
+                    "quartile of the losses recorded at the largest batch whose runs did not "
+                    "diverge) [inefficiency]. Diverged runs never count as reaching it.",
+                    lambda fig: P.speedup_curves(fig.add_subplot(), a.loss_speedups,
+                                                 "speedup to the loss threshold")))
+    surface = A.loss_surface(a.frames["runs"], a.frames["curves"])
+    if len(surface):
+        keys = A.model_keys(surface)
+        models = list(surface.groupby(keys, sort=False))
+        chosen = [models[0], models[-1]] if len(models) > 1 else models[:1]
+        values = np.log10(surface["value"][surface["value"] > 0].astype(float))
+        values = values[np.isfinite(values)]
+        levels = np.linspace(values.min(), values.max(), 12) if len(values) > 1 else None
+
+        def draw(fig: Any, chosen: list = chosen) -> None:
+            for i, (name, part) in enumerate(chosen):
+                title = " · ".join(map(str, name)) if isinstance(name, tuple) else str(name)
+                P.loss_contour(fig.add_subplot(1, len(chosen), i + 1), part,
+                               f"training loss: {title}", levels=levels)
+
+        out.append(("loss_contour", "Training loss over batch size and iterations for the "
+                    "first and last model, on one colour scale [inefficiency, Figure 1]. "
+                    "Lighter is lower.", draw))
+    if len(a.diversity) and len(a.along):
+        how = A.delta_label(a.diversity)
+        x = "depth" if a.diversity["depth"].notna().all() else "width"
+        out.append(("delta_vs_shape", "Gradient diversity Δ at every measurement (dots), its "
+                    f"mean ({how}) and its value at matched training loss [width, Figure "
+                    "2a].",
+                    lambda fig: P.delta_vs_shape(fig.add_subplot(), a.along, a.diversity, x,
+                                                 how)))
+        out.append(("delta_along_training", "Gradient diversity Δ against epoch at the "
+                    "smallest batch size, one line per run: a shape stuck near a stationary "
+                    "point shows Δ far above the others until it starts to train.",
+                    lambda fig: P.delta_along_training(fig.add_subplot(), a.along)))
+        out.append(("largest_batch_vs_delta", "Largest batch within E epochs and threshold "
+                    "B* against Δ (at matched training loss when every shape reaches it, else "
+                    f"{how}) [width, Figure 2c].",
+                    lambda fig: P.largest_batch_vs_delta(fig.add_subplot(), a.shapes,
+                                                         a.budget, how)))
+    return out
+
+
+def render_figures(a: Any, directory: Path) -> list[tuple[str, str, Path]]:
+    """Draw every figure to ``directory`` as PNG and SVG (stale ones removed first)."""
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in [*directory.glob("*.png"), *directory.glob("*.svg")]:  # from an earlier report
+        stale.unlink()
+    out = []
+    for stem, caption, draw in figures(a):
+        wide = stem == "loss_contour"
+        fig = plt.figure(figsize=(11 if wide else 6.4, 4.6), dpi=110)
+        try:
+            draw(fig)
+            fig.tight_layout()
+            fig.savefig(directory / f"{stem}.png")
+            fig.savefig(directory / f"{stem}.svg")
+        finally:
+            plt.close(fig)
+        out.append((stem, caption, directory / f"{stem}.png"))
+    return out
