@@ -1,7 +1,8 @@
 """Executors: where runs execute. The runner only needs ``submit`` and ``completed``.
 
-``LocalPool`` runs jobs in a pool of spawned local processes (one per core by default, each
-with ``cores // jobs`` torch threads). ``Inline`` runs them one by one in this process, for
+``LocalPool`` runs jobs in a pool of spawned local processes (one per core by default); every
+run, in a pool or inline, computes on one torch thread, so results do not depend on the
+machine's cores or on ``OMP_NUM_THREADS``. ``Inline`` runs them one by one in this process, for
 tests and debugging. A cluster engine replaces both by implementing the same two methods:
 runs are independent, and a job carries everything it needs (config fields, checkpoint
 directory, resume flag, the trainer's import name).
@@ -10,12 +11,15 @@ directory, resume flag, the trainer's import name).
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from dataclasses import dataclass
+from importlib.machinery import ModuleSpec
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Protocol
@@ -49,16 +53,49 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
+# Every run computes on this many torch threads, whatever the machine: a float sum's order
+# depends on the thread count, so a study's numbers would otherwise change with the cores.
+RUN_THREADS = 1
+
+
 def run_job(job: Job) -> Outcome:
-    """Execute one job; any exception becomes a failed outcome with its traceback."""
+    """Execute one job on RUN_THREADS torch threads; any exception becomes a failed outcome
+    with its traceback."""
+    import torch
+
     from batchbound.study.adapter import resolve_trainer
 
     start = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(RUN_THREADS)
     try:
         result = resolve_trainer(job.trainer)(job.fields, job.checkpoint_dir, job.resume)
         return Outcome(job.key, result, None, time.perf_counter() - start)
     except Exception:  # a crashed run is a result (status failed), not a crashed study
         return Outcome(job.key, None, traceback.format_exc(), time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextmanager
+def _main_not_rerun() -> Iterator[None]:
+    """Start spawned workers without re-running the caller's ``__main__`` script.
+
+    A spawned process imports the parent's main module (as ``__mp_main__``) so that its
+    functions can be unpickled, which re-runs a script's unguarded top level: the study again,
+    in every worker. Jobs only need ``batchbound``, so while workers start the main module is
+    named by a spec called ``__main__``, which spawn skips (multiprocessing/spawn.py,
+    ``_fixup_main_from_name``); a script pasted without ``if __name__ == "__main__"`` works."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = getattr(main, "__spec__", None)
+    main.__spec__ = ModuleSpec("__main__", None)
+    try:
+        yield
+    finally:
+        main.__spec__ = saved
 
 
 class Inline:
@@ -93,7 +130,7 @@ class LocalPool:
 
     def __init__(self, jobs: int | None = None) -> None:
         self.jobs = jobs or default_jobs()
-        self.threads = max(1, default_jobs() // self.jobs)
+        self.threads = RUN_THREADS
         self.pool = self._new_pool()
         self.pending: dict[Future[Outcome], Job] = {}
 
@@ -102,12 +139,13 @@ class LocalPool:
                                    initializer=_init_worker, initargs=(self.threads,))
 
     def submit(self, job: Job) -> None:
-        try:
-            future = self.pool.submit(run_job, job)
-        except BrokenProcessPool:
-            self.pool.shutdown(wait=False, cancel_futures=True)
-            self.pool = self._new_pool()
-            future = self.pool.submit(run_job, job)
+        with _main_not_rerun():  # workers start inside submit
+            try:
+                future = self.pool.submit(run_job, job)
+            except BrokenProcessPool:
+                self.pool.shutdown(wait=False, cancel_futures=True)
+                self.pool = self._new_pool()
+                future = self.pool.submit(run_job, job)
         self.pending[future] = job
 
     def completed(self) -> Iterator[Outcome]:
