@@ -44,6 +44,7 @@ def _cell(value: object, digits: str = ".3g") -> str:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from batchbound.cli.study import DEFAULT_ROOT, default_store
+    from batchbound.study import analysis as A
     from batchbound.study.adapter import DEFAULT_TRAINER
     from batchbound.study.report import critical_text, write_report
     from batchbound.study.runner import checkpoint_root, run_study
@@ -61,11 +62,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     trained = time.perf_counter()
     paths = write_report(store, spec.name, args.out or DEFAULT_ROOT / spec.name / "report")
     a = paths.analysis
-    print(f"\nreport: {paths.html}\nsummary: {paths.markdown}\n")
-    print("Δ: averaged over training | at matched training loss "
-          f"{_cell(float(a.shapes.get('matched_loss', [math.nan])[0]))}")
+    # stdout is the summary alone (the README shows it verbatim); paths and timing: stderr
+    print(f"report: {paths.html}\nsummary: {paths.markdown}", file=sys.stderr)
+    linear = {}
+    if len(a.regimes):
+        linear = dict(zip(a.regimes["model_label"], a.regimes["linear_until"], strict=False))
+    reference = float(a.diversity["batch_size"].iloc[0]) if len(a.diversity) else math.nan
+    matched = float(a.shapes.get("matched_loss", [math.nan])[0])
+    print(f"target {a.targets[0] if a.targets else '-'}; Δ {A.delta_label(a.diversity)} at "
+          f"B = {_cell(reference, '.0f')} | at matched training loss {_cell(matched)}")
     print(f"{'depth':>5} {'width':>5} {'Δ avg':>9} {'nΔ avg':>8} {'Δ match':>9} "
-          f"{'nΔ match':>8} {'B*':>6} {'largest B ≤ ' + format(a.budget, 'g') + ' ep':>18}")
+          f"{'nΔ match':>8} {'B*':>6} {'largest B ≤ ' + format(a.budget, 'g') + ' ep':>18} "
+          f"{'linear ≤':>8} {'B_crit':>7}")
     for _, row in a.shapes.iterrows():
         print(f"{_cell(row.get('depth')):>5} {_cell(row.get('width')):>5} "
               f"{_cell(row.get('delta_mean', math.nan)):>9} "
@@ -73,8 +81,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
               f"{_cell(row.get('delta_matched', math.nan)):>9} "
               f"{_cell(row.get('bound_matched', math.nan), '.0f'):>8} "
               f"{_cell(row.get('threshold_batch', math.nan), '.0f'):>6} "
-              f"{_cell(row.get('largest_batch', math.nan), '.0f'):>18}")
-    print(f"\ncritical batch size: {critical_text(a)}")
+              f"{_cell(row.get('largest_batch', math.nan), '.0f'):>18} "
+              f"{_cell(float(linear.get(row['model_label'], math.nan)), '.0f'):>8} "
+              f"{_cell(row.get('b_crit', math.nan), '.0f'):>7}")
+    print(f"\ncritical batch size (one fit for all shapes): {critical_text(a)}")
     print(f"runs: {outcome.executed} executed, {outcome.skipped} reused, {outcome.failed} failed;"
           f" training {trained - start:.0f} s, report {time.perf_counter() - trained:.0f} s",
           file=sys.stderr)
