@@ -69,6 +69,13 @@ def test_clear_trend_is_supported_reversed_is_contradicted():
     assert verdict(rising, "threshold_falls_with_depth") == CONTRADICTED
 
 
+def test_no_trend_is_inconclusive_not_contradicted():
+    flat = per_run({1: 32, 2: 32, 3: 32, 4: 32, 5: 32})
+    assert verdict(flat, "threshold_falls_with_depth") == INCONCLUSIVE
+    noisy = per_run({1: 64, 2: 32, 3: 64, 4: 32, 5: 64}, noise=0.4)
+    assert verdict(noisy, "threshold_falls_with_depth") == INCONCLUSIVE
+
+
 def test_weak_correlation_on_five_points_is_inconclusive():
     # ρ = 0.3 between depth and B*: the sign alone once made this "supported"
     weak = per_run({1: 64, 2: 256, 3: 32, 4: 128, 5: 64})

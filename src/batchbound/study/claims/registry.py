@@ -122,8 +122,8 @@ def correlation(context: Context, source: str, claim: str, x: dict[str, float],
     text = (f"{x_name}→{y_name}: {pairs}; Spearman ρ = {fmt(rho[0])}, 95 % interval "
             f"{span(low, high)} over {context.evidence.draws} bootstrap draws; one-sided "
             f"permutation p = {fmt(p)}.{one_run_note(context)}")
-    return Finding(source, claim, directional(context, sign * low > 0 and p <= 0.05,
-                                              sign * high < 0), text)
+    near, far = sorted((sign * low, sign * high))  # the interval, in the claimed direction
+    return Finding(source, claim, directional(context, near > 0 and p <= 0.05, far < 0), text)
 
 
 def directional(context: Context, supported: bool, contradicted: bool) -> str:
