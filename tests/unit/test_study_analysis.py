@@ -186,12 +186,6 @@ def test_diversity_over_training_and_at_matched_loss():
     assert len(along) == 8 and set(along.columns) >= {"diversity", "batch_bound", "epoch"}
 
 
-def test_spearman():
-    assert A.spearman([1, 2, 3, 4], [10, 20, 25, 40]) == pytest.approx(1)
-    assert A.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1)
-    assert math.isnan(A.spearman([1, 2, INF], [1, 2, 3]))
-
-
 def test_tuning_rules():
     from batchbound.study.tuning import choose_step_sizes, final_loss
 

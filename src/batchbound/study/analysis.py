@@ -246,15 +246,23 @@ def regime_boundaries(speedups: pd.DataFrame) -> pd.DataFrame:
             if regime != "linear":
                 break
             linear_until = batch
-        stagnation_from = math.nan
-        for i in range(len(batches) - 1, 0, -1):
-            if regimes[i] != "stagnant":
-                break
-            stagnation_from = batches[i - 1]
+        stagnation_from = stagnation_start(batches, frame["alpha"].tolist()[1:])
         group = group if isinstance(group, tuple) else (group,)
         rows.append({**dict(zip(keys, group, strict=True)), "linear_until": linear_until,
                      "stagnation_from": stagnation_from})
     return pd.DataFrame(rows)
+
+
+def stagnation_start(batches: Sequence[float], steps: Sequence[float],
+                     stagnant: float = 0.1) -> float:
+    """The smallest batch from which every following step is stagnant (α < ``stagnant``);
+    ``steps[i]`` is the α of the step from batches[i] to batches[i + 1]. NaN if none."""
+    out = math.nan
+    for i in range(len(steps) - 1, -1, -1):
+        if not steps[i] < stagnant:
+            break
+        out = float(batches[i])
+    return out
 
 
 def _fit_steps(batch: np.ndarray, steps: np.ndarray, group: np.ndarray,
@@ -506,15 +514,3 @@ def delta_label(summary: pd.DataFrame) -> str:
         return "averaged over training"
     span = float(summary["measured_to"].min())
     return "at initialisation" if span == 0 else f"over the first {span:.2g} epochs only"
-
-
-def spearman(x: Sequence[float], y: Sequence[float]) -> float:
-    """Rank correlation over the pairs where both are finite (NaN with fewer than 3)."""
-    a, b = np.asarray(x, float), np.asarray(y, float)
-    ok = np.isfinite(a) & np.isfinite(b)
-    if ok.sum() < 3:
-        return math.nan
-    ra, rb = pd.Series(a[ok]).rank().to_numpy(), pd.Series(b[ok]).rank().to_numpy()
-    if ra.std() == 0 or rb.std() == 0:
-        return math.nan
-    return float(np.corrcoef(ra, rb)[0, 1])

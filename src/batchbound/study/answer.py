@@ -65,7 +65,7 @@ def answer_table(a: Any, workers: pd.DataFrame | None) -> pd.DataFrame:
         rec = _recommended(workers, name)
         rows.append({
             "model": name,
-            "first reached": _first_reached(frame),
+            "first reached": _first_reached(a.speedups, match),
             "near-linear up to": regime["linear_until"] if regime is not None else math.nan,
             "stagnant from": regime["stagnation_from"] if regime is not None else math.nan,
             "B_crit": crit["b_crit"] if crit is not None else math.nan,
@@ -80,11 +80,10 @@ def answer_table(a: Any, workers: pd.DataFrame | None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _first_reached(frame: pd.DataFrame) -> float:
-    """The smallest batch whose median run reaches the target (the speedup's m0)."""
-    medians = frame.groupby("batch_size")["iterations"].median()
-    hit = medians[np.isfinite(medians)]
-    return float(hit.index.min()) if len(hit) else math.nan
+def _first_reached(speedups: pd.DataFrame, match: dict[str, Any]) -> float:
+    """The speedup's m0: the smallest batch whose median run reaches the target."""
+    base = _row(speedups[speedups["ideal"] == 1] if len(speedups) else speedups, match)
+    return float(base["batch_size"]) if base is not None else math.nan
 
 
 def _row(table: pd.DataFrame, match: dict[str, Any]) -> pd.Series | None:

@@ -100,7 +100,9 @@ def analyze(frames: dict[str, pd.DataFrame], spec: dict[str, Any]) -> StudyAnaly
         loss_speedups=A.speedup(A.summarize_to_target(per_loss, "iterations")),
         along=A.diversity_along_training(runs, frames["diversity"]), diversity=diversity,
         delta_runs=delta_runs, targets=targets,
-        by_target=target_table(runs, frames["targets"], targets, float(budget)),
+        # shown only for several targets; the first target's tables are the ones above
+        by_target=target_table(runs, frames["targets"], targets, float(budget))
+        if len(targets) > 1 else pd.DataFrame(),
     )
     out.shapes = shape_table(out)
     return out

@@ -64,14 +64,9 @@ def three_regimes(context: Context) -> Finding:
 
 def _stagnation(model: Model, row: int) -> float:
     """The smallest batch from which every following step is stagnant (NaN if none)."""
-    steps = A.alphas(model.batches, model.iterations[row])
     first = next((i for i, k in enumerate(model.iterations[row]) if math.isfinite(k)), 0)
-    out = math.nan
-    for i in range(len(steps) - 1, -1, -1):
-        if steps[i] >= STAGNANT:
-            break
-        out = float(model.batches[first + i])
-    return out
+    return A.stagnation_start(model.batches[first:],
+                              A.alphas(model.batches, model.iterations[row]), STAGNANT)
 
 
 @register_claim(SOURCE, needs=("n_train",))
