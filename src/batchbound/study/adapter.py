@@ -26,6 +26,14 @@ def train_fields(spec: StudySpec, data: DataSpec, model: str, batch_size: int, l
                  with_targets: bool) -> dict[str, Any]:
     """TrainConfig fields for one run. Tuning runs (no targets) skip Δ measurements."""
     train = spec.train
+    # options added after 0.1 are passed only when set, so older trainers and stores agree
+    later = {"mechanism_granularity": train.mechanism_granularity,
+             "stop_at_targets": train.stop_at_targets,
+             "snapshot_every_epochs": train.snapshot_every_epochs if with_targets else None,
+             "final_probes": list(train.final_probes) if with_targets else []}
+    defaults = {"mechanism_granularity": "worker", "stop_at_targets": True,
+                "snapshot_every_epochs": None,
+                "final_probes": []}
     return {
         "dataset": data.dataset,
         "transform": data.transform,
@@ -47,6 +55,7 @@ def train_fields(spec: StudySpec, data: DataSpec, model: str, batch_size: int, l
         "mechanism": mechanism,
         "checkpoint_every": None if train.checkpoint_every_epochs is None else max(
             1, round(train.checkpoint_every_epochs * data_n(data) / batch_size)),
+        **{k: v for k, v in later.items() if v != defaults[k]},
     }
 
 

@@ -51,7 +51,11 @@ def _medians(values: np.ndarray, draws: int, rng: np.random.Generator) -> np.nda
     return np.concatenate([[np.median(values)], np.median(values[picks], axis=1)])
 
 
-def _means(values: np.ndarray, draws: int, rng: np.random.Generator) -> np.ndarray:
+def means(values: np.ndarray, draws: int = DRAWS, rng: np.random.Generator | None = None
+          ) -> np.ndarray:
+    """The mean of ``values`` (row 0) and of each bootstrap draw of them (NaN when empty):
+    the same resampling as the cells', for a quantity measured once per run."""
+    rng = rng if rng is not None else np.random.default_rng(0)
     if not len(values):
         return np.full(draws + 1, math.nan)
     picks = rng.integers(0, len(values), size=(draws, len(values)))
@@ -83,7 +87,7 @@ class Evidence:
             delta = np.full(draws + 1, math.nan)
             if deltas is not None:
                 mine = deltas[deltas["key"].isin(frame["key"].unique())]
-                delta = _means(mine["delta"].dropna().to_numpy(float), draws, rng)
+                delta = means(mine["delta"].dropna().to_numpy(float), draws, rng)
             first = frame.iloc[0]
             self.models.append(Model(
                 str(names[frame.index[0]]), {k: first[k] for k in LABELS if k in frame},

@@ -107,7 +107,7 @@ def render_figures(a: Any, directory: Path) -> list[tuple[str, str, Path]]:
     for stale in [*directory.glob("*.png"), *directory.glob("*.svg")]:  # from an earlier report
         stale.unlink()
     out = []
-    for stem, caption, draw in figures(a):
+    for stem, caption, draw in [*figures(a), *[f for s in a.sections for f in s.figures]]:
         wide = stem == "loss_contour"
         fig = plt.figure(figsize=(11 if wide else 6.4, 4.6), dpi=110)
         try:

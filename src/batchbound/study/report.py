@@ -40,6 +40,7 @@ from batchbound.study.claims import (
 )
 from batchbound.study.claims.registry import fmt
 from batchbound.study.evidence import Evidence
+from batchbound.study.experiments import Section, sections
 from batchbound.study.figures import render_figures
 from batchbound.study.references import REFERENCES
 from batchbound.study.store import Store
@@ -71,6 +72,7 @@ class StudyAnalysis:
     targets: list[str] = field(default_factory=list)
     by_target: pd.DataFrame = field(default_factory=pd.DataFrame)
     shapes: pd.DataFrame = field(default_factory=pd.DataFrame)
+    sections: list[Section] = field(default_factory=list)  # the papers' other experiments
 
 
 def analyze(frames: dict[str, pd.DataFrame], spec: dict[str, Any]) -> StudyAnalysis:
@@ -105,6 +107,7 @@ def analyze(frames: dict[str, pd.DataFrame], spec: dict[str, Any]) -> StudyAnaly
         if len(targets) > 1 else pd.DataFrame(),
     )
     out.shapes = shape_table(out)
+    out.sections = sections(out)
     return out
 
 
@@ -165,7 +168,8 @@ def claims(a: StudyAnalysis) -> list[Finding]:
     context = Context(
         evidence=Evidence(a.per_run, deltas), budget=a.budget,
         max_batch=float(a.epochs["batch_size"].max()) if len(a.epochs) else math.nan,
-        critical=a.critical, diversity=a.diversity, delta_how=delta_how)
+        critical=a.critical, diversity=a.diversity, delta_how=delta_how,
+        sections={s.key: s for s in a.sections})
     order = list(REFERENCES)
     return sorted(evaluate(context), key=lambda f: order.index(f.source))
 
@@ -306,9 +310,20 @@ def markdown(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, Pa
     lines += ["## The papers' claims", "", VERDICT_RULE, ""]
     for c in found:
         lines.append(f"- **{c.verdict}** {_cite(c.source)}: {c.claim} {c.evidence}")
+    shown = {stem for s in a.sections for stem, _, _ in s.figures}
+    for section in a.sections:
+        lines += ["", f"## {section.title} {_cite(section.source)}", "", section.text, ""]
+        for stem, caption, path in figure_paths:
+            if stem in {f[0] for f in section.figures}:
+                lines += [f"![{stem}](figures/{path.name}) {caption}", ""]
+        for caption, frame in section.tables:
+            lines += [f"**{caption}**", "", _md_table(frame), ""]
+        lines += [f"- **{c.verdict}** {_cite(c.source)}: {c.claim} {c.evidence}"
+                  for c in found if c.section == section.key]
     lines += ["", "## Figures", ""]
     for stem, caption, path in figure_paths:
-        lines += [f"![{stem}](figures/{path.name}) {caption}", ""]
+        if stem not in shown:
+            lines += [f"![{stem}](figures/{path.name}) {caption}", ""]
     lines += ["## References", "", *[f"- [{k}] {v}" for k, v in REFERENCES.items()]]
     return "\n".join(lines) + "\n"
 
@@ -340,6 +355,17 @@ def html_page(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, P
                        for row in frame.itertuples(index=False))
         return f"<table><tr>{head}</tr>{body}</table>"
 
+    def figure(stem: str, caption: str, path: Path) -> str:
+        data = base64.b64encode(path.read_bytes()).decode()
+        return (f"<figure id='{e(stem)}'><img alt='{e(stem)}' style='max-width:100%' "
+                f"src='data:image/png;base64,{data}'><figcaption>{e(caption)}"
+                "</figcaption></figure>")
+
+    def verdict(c: Finding) -> str:
+        css = VERDICT_CSS.get(c.verdict, "untestable")
+        return (f"<li><b class='{css}'>{e(c.verdict)}</b> {cite.get(c.source, '')}: "
+                f"{e(c.claim)} <br><small>{e(c.evidence)}</small></li>")
+
     counts, failed = run_counts(a)
     target = a.targets[0] if a.targets else "the target"
     answer = answer_table(a, workers)
@@ -367,16 +393,20 @@ def html_page(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, P
         parts += ["<h2 id='targets'>Every target</h2>", table(target_summary(a))]
     parts += ["<h2 id='claims'>The papers' claims</h2>", f"<p><small>{e(VERDICT_RULE)}"
               "</small></p><ul>"]
-    for c in found:
-        css = VERDICT_CSS.get(c.verdict, "untestable")
-        parts.append(f"<li><b class='{css}'>{e(c.verdict)}</b> {cite.get(c.source, '')}: "
-                     f"{e(c.claim)} <br><small>{e(c.evidence)}</small></li>")
-    parts.append("</ul><h2>Figures</h2>")
-    for stem, caption, path in figure_paths:
-        data = base64.b64encode(path.read_bytes()).decode()
-        parts.append(f"<figure id='{e(stem)}'><img alt='{e(stem)}' style='max-width:100%' "
-                     f"src='data:image/png;base64,{data}'><figcaption>{e(caption)}"
-                     "</figcaption></figure>")
+    parts += [verdict(c) for c in found]
+    parts.append("</ul>")
+    own = {stem for s in a.sections for stem, _, _ in s.figures}
+    for section in a.sections:
+        stems = {f[0] for f in section.figures}
+        parts += [f"<section id='{e(section.key)}'><h2>{e(section.title)} "
+                  f"{cite.get(section.source, '')}</h2><p>{e(section.text)}</p>",
+                  *[figure(*f) for f in figure_paths if f[0] in stems]]
+        for caption, frame in section.tables:
+            parts += [f"<h3>{e(caption)}</h3>", table(frame)]
+        mine = [verdict(c) for c in found if c.section == section.key]
+        parts += [f"<ul>{''.join(mine)}</ul>" if mine else "", "</section>"]
+    parts.append("<h2>Figures</h2>")
+    parts += [figure(*f) for f in figure_paths if f[0] not in own]
     parts += ["<h2>Tables</h2><h3>Epochs to target per model and B (η: the tuned step size; "
               "censored: stopped short of the target; diverged: left out of fits)</h3>",
               table(a.epochs),

@@ -134,6 +134,7 @@ class TrainSpec:
 
     targets: tuple[tuple[str, float], ...] = (("train_acc", 0.95),)
     max_epochs: float = 20.0
+    stop_at_targets: bool = True  # false: every run lasts max_epochs (curves compared per pass)
     epochs_budget: float | None = None  # E for "largest B within E epochs"; None: max_epochs/2
     momentum: float = 0.0
     weight_decay: float = 0.0
@@ -142,7 +143,10 @@ class TrainSpec:
     eval_every_epochs: float = 0.25
     diversity_every_epochs: float | None = 1.0
     mechanisms: tuple[str, ...] = ("none",)
+    mechanism_granularity: str = "worker"  # example: seed 001's per-example draws (costly)
     workers: int = 1
+    snapshot_every_epochs: float | None = None  # keep weights per pass (stability pairs)
+    final_probes: tuple[str, ...] = ()  # measurements at the final weights (train/probes.py)
     checkpoint_every_epochs: float | None = 1.0
     repeats: int = 2
     seed: int = 0
@@ -179,6 +183,11 @@ class TrainSpec:
             raise _fail("train", "mechanisms", "need at least one, e.g. ['none']")
         for text in self.mechanisms:
             parse_spec(text)
+        if self.snapshot_every_epochs is not None and not self.snapshot_every_epochs > 0:
+            raise _fail("train", "snapshot_every_epochs", "must be > 0 (or omitted for none)")
+        if any(not isinstance(p, str) for p in self.final_probes):
+            raise _fail("train", "final_probes", f"need a list of probe names, got "
+                        f"{list(self.final_probes)!r}")
 
     @property
     def budget(self) -> float:
@@ -301,7 +310,7 @@ def study_from_dict(raw: dict[str, Any]) -> StudySpec:
     _check_keys("train", train, {f for f in TrainSpec.__dataclass_fields__})
     if "targets" in train:
         train["targets"] = _targets(train["targets"])
-    for key in ("mechanisms",):
+    for key in ("mechanisms", "final_probes"):
         if key in train:
             train[key] = tuple(train[key])
     try:

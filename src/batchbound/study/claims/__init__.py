@@ -5,7 +5,7 @@ imports below are the complete list, so adding a claim means one function in one
 new paper: one module and one line here). ``registry.py`` holds the verdict rules.
 """
 
-from batchbound.study.claims import inefficiency, noise_scale, width
+from batchbound.study.claims import diversity, inefficiency, noise_scale, width
 from batchbound.study.claims.registry import (
     CLAIMS,
     CONTRADICTED,
@@ -28,6 +28,7 @@ __all__ = [
     "ClaimEntry",
     "Context",
     "Finding",
+    "diversity",
     "evaluate",
     "inefficiency",
     "noise_scale",

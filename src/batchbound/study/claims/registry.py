@@ -3,8 +3,9 @@
 A claim module registers its functions with ``@register_claim(source, needs=...)``. ``needs``
 names the study dimensions the claim speaks about (labels that must take several values
 across the models, or ``"batch_size"`` for several batch sizes, ``"diversity"`` for Δ
-measured); a study that does not vary them never shows the claim. The function gets a
-``Context`` and returns a ``Finding``, whose verdict is one of:
+measured, ``"section:KEY"`` for an experiment section of ``batchbound.study.experiments``
+the study's data supports); a study that does not vary them never shows the claim. The
+function gets a ``Context`` and returns a ``Finding``, whose verdict is one of:
 
 - ``supported``: the 95 % interval of the effect (bootstrap over runs; for rank
   correlations also an exact permutation test at 5 %) excludes no effect, in the claimed
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -40,6 +42,7 @@ class Context:
     critical: pd.DataFrame = field(default_factory=pd.DataFrame)  # analysis.critical_batch
     diversity: pd.DataFrame = field(default_factory=pd.DataFrame)  # analysis.diversity_summary
     delta_how: str = "not measured"  # analysis.delta_label
+    sections: dict[str, Any] = field(default_factory=dict)  # experiments' Sections by key
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class Finding:
     claim: str
     verdict: str
     evidence: str
+    section: str = ""  # the experiment section it speaks about, if any
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,9 @@ def applies(entry: ClaimEntry, context: Context) -> bool:
         elif need == "diversity":
             if context.diversity.empty:
                 return False
+        elif need.startswith("section:"):
+            if need.removeprefix("section:") not in context.sections:
+                return False
         elif context.evidence.varies(need) < 2:
             return False
     return True
@@ -85,7 +92,13 @@ def applies(entry: ClaimEntry, context: Context) -> bool:
 
 def evaluate(context: Context) -> list[Finding]:
     """Every registered claim the study can speak to, in registration order."""
-    return [entry.test(context) for entry in CLAIMS.values() if applies(entry, context)]
+    return [replace(entry.test(context), section=_section(entry))
+            for entry in CLAIMS.values() if applies(entry, context)]
+
+
+def _section(entry: ClaimEntry) -> str:
+    return next((n.removeprefix("section:") for n in entry.needs
+                 if n.startswith("section:")), "")
 
 
 def fmt(value: float) -> str:

@@ -1,0 +1,43 @@
+"""Claims of "Gradient Diversity: a Key Ingredient for Scalable Distributed Learning"
+(AISTATS 2018), tested on its experiments' sections: replication widens the large-batch gap,
+DropConnect buys time, and large batches are less stable."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from batchbound.study.claims.registry import Context, Finding, correlation, register_claim
+
+SOURCE = "diversity"
+
+
+@register_claim(SOURCE, needs=("section:replication",))
+def replication_widens_gap(context: Context) -> Finding:
+    data = context.sections["replication"].data
+    small, large = data["small"], data["large"]
+    claim = (f"Replicating the data r times (lower diversity) widens the gap between a large "
+             f"and a small batch: e(B={large})/e(B={small}) grows with r.")
+    factors: dict[str, float] = {}
+    gaps: dict[str, np.ndarray] = {}
+    for model in context.evidence.models:
+        r = data["factors"].get(model.labels.get("data"))
+        batches = list(model.batches)
+        if r is None or small not in batches or large not in batches:
+            continue
+        factors[model.name] = float(r)
+        gaps[model.name] = (model.epochs[:, batches.index(large)]
+                            / model.epochs[:, batches.index(small)])
+    return correlation(context, SOURCE, claim, factors, gaps, +1, "r",
+                       f"e({large})/e({small})")
+
+
+@register_claim(SOURCE, needs=("section:replication",))
+def replication_raises_loss_ratio(context: Context) -> Finding:
+    data = context.sections["replication"].data
+    small, large = data["small"], data["large"]
+    claim = (f"The training loss of the large batch over the small one's after the same "
+             f"number of passes, L(B={large})/L(B={small}), grows with r [Figure 2].")
+    factors = {f"r={r}": float(r) for r in data["log_ratio"]}
+    ratios = {f"r={r}": 10 ** draws for r, draws in data["log_ratio"].items()}
+    return correlation(context, SOURCE, claim, factors, ratios, +1, "r",
+                       "geometric-mean loss ratio")
