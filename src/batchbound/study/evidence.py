@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from batchbound.spec import parse_spec
 from batchbound.study import analysis as A
 
 DRAWS = 400
@@ -89,8 +90,11 @@ class Evidence:
                 mine = deltas[deltas["key"].isin(frame["key"].unique())]
                 delta = means(mine["delta"].dropna().to_numpy(float), draws, rng)
             first = frame.iloc[0]
+            labels = {k: first[k] for k in LABELS if k in frame}
+            if "model" in frame:
+                labels["family"] = parse_spec(str(first["model"])).name
             self.models.append(Model(
-                str(names[frame.index[0]]), {k: first[k] for k in LABELS if k in frame},
+                str(names[frame.index[0]]), labels,
                 batches, epochs, iterations, delta))
 
     @property

@@ -5,6 +5,7 @@ strategy keeps it linear."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -21,7 +22,7 @@ from batchbound.study.claims.registry import (
     register_claim,
     span,
 )
-from batchbound.study.evidence import Model, interval
+from batchbound.study.evidence import LEVEL, Model, interval
 
 SOURCE = "inefficiency"
 LINEAR, STAGNANT = 0.8, 0.1  # the regimes' α thresholds (analysis.speedup)
@@ -120,3 +121,41 @@ def no_strategy_keeps_linear(context: Context) -> Finding:
                      f"{fmt(float(model.batches[-1]))}")
     return Finding(SOURCE, claim, all_models(verdicts), "Efficiency at the largest batch (95 % "
                    "interval): " + "; ".join(parts) + "." + one_run_note(context))
+
+
+@register_claim(SOURCE, needs=("section:architectures",))
+def speedup_shape_depends_on_architecture(context: Context) -> Finding:
+    claim = ("The shape of the speedup curve depends on the architecture [Figure 3 left]: at "
+             "the largest batch every architecture reaches, the efficiency s(B)/(B/m0) of at "
+             "least two architectures differs.")
+    models = [m for m in context.evidence.models if len(m.batches)]
+    batches = sorted(set.intersection(*[set(m.batches) for m in models]))
+    reached = [b for b in batches
+               if all(np.isfinite(m.iterations[0][list(m.batches).index(b)]) for m in models)]
+    if len(reached) < 2 or reached[0] != batches[0]:
+        return Finding(SOURCE, claim, UNTESTABLE, "needs two batch sizes, the smallest "
+                       "included, that every architecture reaches")
+    m0, top = reached[0], reached[-1]
+
+    def efficiency(model: Model) -> np.ndarray:
+        index = list(model.batches)
+        return (model.iterations[:, index.index(m0)] / model.iterations[:, index.index(top)]
+                / (top / m0))
+
+    eff = {m.name: efficiency(m) for m in models}
+    pairs = list(itertools.combinations(eff, 2))
+    tail = (1 - LEVEL) / 2 / len(pairs)  # Bonferroni over the pairs
+    parts, apart = [], False
+    for one, two in pairs:
+        log_ratio = np.log(eff[one][1:] / eff[two][1:])
+        low, high = np.quantile(log_ratio[np.isfinite(log_ratio)], [tail, 1 - tail],
+                                method="inverted_cdf")
+        apart |= bool(low > 0 or high < 0)
+        parts.append(f"{one} / {two}: {fmt(float(eff[one][0] / eff[two][0]))} "
+                     f"{span(float(np.exp(low)), float(np.exp(high)))}")
+    text = (f"efficiency at B = {fmt(top)} from m0 = {fmt(m0)}: "
+            + ", ".join(f"{n} {fmt(v[0])}" for n, v in eff.items())
+            + f"; ratios with 95 % intervals (Bonferroni over {len(pairs)} pairs): "
+            + "; ".join(parts) + "."
+            + one_run_note(context))
+    return Finding(SOURCE, claim, directional(context, apart, False), text)

@@ -28,6 +28,7 @@ import pandas as pd
 
 from batchbound.study.evidence import Evidence, interval, permutation_p, rank_correlation
 
+SHAPE_LABELS = ("depth", "width", "params")  # meaningful within one model family only
 SUPPORTED, CONTRADICTED, INCONCLUSIVE, UNTESTABLE = (
     "supported", "contradicted", "inconclusive", "not testable")
 
@@ -87,6 +88,8 @@ def applies(entry: ClaimEntry, context: Context) -> bool:
                 return False
         elif context.evidence.varies(need) < 2:
             return False
+        elif need in SHAPE_LABELS and context.evidence.varies("family") > 1:
+            return False  # a LeNet's width multiplier is no fc width: compare within a family
     return True
 
 
