@@ -1,9 +1,10 @@
 """Worker-granularity mechanisms as a DistributedDataParallel communication hook.
 
 For users who train with their own DDP loop: each worker's gradient goes through the
-mechanism (DropConnect, SGLD or stochastic quantization, seed 001) before DDP all-reduces
-it, as ``batchbound train`` does on its flat gradient buffer (both call
-``apply_to_worker``).
+mechanism (DropConnect, SGLD, stochastic quantization of seed 001, or any other registered
+in batchbound.diversity.mechanisms) before DDP all-reduces it, as ``batchbound train`` does
+on its flat gradient buffer (both call ``apply_to_worker``, which dispatches to the
+mechanism's own worker sampler).
 
     from torch.nn.parallel import DistributedDataParallel as DDP
     from batchbound.train.comm_hook import mechanism_hook, mechanism_hook_state

@@ -1,6 +1,7 @@
 """Diversity-inducing mechanisms of seed 001 applied in training: ``dropconnect(p=..)``,
 ``sgld(sigma=..)`` and ``quantization``, at one of two granularities. The samplers and the
-spec are batchbound.diversity.mechanisms'; this module decides *where* they act.
+spec are batchbound.diversity.mechanisms' (one module per mechanism, found through its
+table); this module decides *where* they act, for any registered mechanism.
 
 Every mechanism acts on a gradient sum Σ_{i∈unit} g_i and is unbiased, so the expected
 update equals the plain one:
@@ -13,13 +14,14 @@ update equals the plain one:
 
 Granularity:
 
-- ``example`` (exact, seed 001's definition): the unit is one example. DropConnect and
-  quantization need the per-example gradients (``per_example_gradients``, torch.func vmap):
-  memory B_local × |w| and several times the cost of a plain backward. SGLD needs none: the
-  sum of B independent N(0, σ²I) draws is one N(0, Bσ²I) draw.
+- ``example`` (exact, seed 001's definition): the unit is one example. Mechanisms with
+  ``needs_per_example`` (DropConnect, quantization) need the per-example gradients
+  (``per_example_gradients``, torch.func vmap): memory B_local × |w| and several times the
+  cost of a plain backward. The others draw Σ_i M(g_i) from the summed gradient (their
+  entry's ``from_sum``; SGLD: the sum of B independent N(0, σ²I) draws is one N(0, Bσ²I)).
 - ``worker`` (the practical form): the unit is one worker's local gradient (each rank's
   slice of the global batch; on one process, the whole batch), applied to the flat gradient
-  buffer just before the all-reduce.
+  buffer just before the all-reduce (the entry's ``worker``).
 
 Gradients here are already multiplied by the convention's ``scale`` (1/B for ``mean``, 1
 for ``sum``). DropConnect and Q are positively homogeneous, Q(c·v) ~ c·Q(v) for c > 0, so
@@ -28,20 +30,12 @@ applying them after the scale is the same; SGLD's noise is multiplied by ``scale
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
 from batchbound.diversity import per_example_gradients
 from batchbound.diversity.losses import PerExampleLoss
-from batchbound.diversity.mechanisms import (
-    Mechanism,
-    apply_mechanism,
-    parse_mechanism,
-    quantize_group,
-    sgld_noise,
-)
+from batchbound.diversity.mechanisms import Mechanism, apply_mechanism, parse_mechanism
 
 GRANULARITIES = ("example", "worker")
 
@@ -55,19 +49,7 @@ def apply_to_worker(
     generator: torch.Generator,
 ) -> None:
     """Replace this worker's (already scaled) gradient tensors in place by M(gradient)."""
-    if mechanism.name == "none":
-        return
-    if mechanism.name == "sgld":
-        for g in grads:
-            g.add_(sgld_noise(g, mechanism.sigma * scale, generator=generator))
-    elif mechanism.name == "quantization" and not mechanism.per_tensor:
-        for g, q in zip(grads, quantize_group(grads, generator), strict=True):
-            g.copy_(q)
-    else:
-        named = {str(i): g for i, g in enumerate(grads)}
-        drawn = apply_mechanism(mechanism, named, generator, batch_dims=0, rescale=True)
-        for i, g in enumerate(grads):
-            g.copy_(drawn[str(i)])
+    mechanism.entry.worker(mechanism, grads, scale, generator)
 
 
 def example_gradients(
@@ -82,15 +64,13 @@ def example_gradients(
     """Σ_i M(g_i)·scale over this worker's examples, each example's mechanism drawn on its
     own. Returns (per-example losses, gradients in ``model.parameters()`` order)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    if mechanism.name in ("sgld", "none"):
+    from_sum = mechanism.entry.from_sum
+    if from_sum is not None:  # the sum's distribution needs only Σ g_i: one plain backward
         outputs = model(x)
         losses = loss_fn(outputs, y)
-        grads = torch.autograd.grad(losses.sum() * scale, params)
-        if mechanism.name == "sgld":  # Σ of n independent N(0, σ²) = N(0, nσ²)
-            sigma = mechanism.sigma * math.sqrt(x.shape[0]) * scale
-            for g in grads:
-                g.add_(sgld_noise(g, sigma, generator=generator))
-        return losses.detach(), list(grads)
+        grads = list(torch.autograd.grad(losses.sum() * scale, params))
+        from_sum(mechanism, grads, x.shape[0], scale, generator)
+        return losses.detach(), grads
     with torch.no_grad():
         losses = loss_fn(model(x), y)
     per_example = per_example_gradients(model, x, y, loss_fn)
