@@ -14,6 +14,7 @@ from batchbound.cli.common import add_data_arguments
 from batchbound.config import load_toml
 from batchbound.errors import BatchboundError
 from batchbound.train import RunResult, TrainConfig, target_list, train
+from batchbound.train.probes import PROBES
 
 # CLI flag dest -> TrainConfig field, for flags that map one to one
 _FIELDS = {
@@ -46,6 +47,8 @@ _FIELDS = {
     "checkpoint_every": "checkpoint_every",
     "device": "device",
     "dtype": "dtype",
+    "snapshot_every_epochs": "snapshot_every_epochs",
+    "final_probes": "final_probes",
 }
 
 
@@ -134,6 +137,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--online-diversity",
         choices=["off", "norms", "two_batch"],
         help="cheap per-iteration diversity estimate (default off)",
+    )
+    ev.add_argument(
+        "--snapshot-every-epochs",
+        type=float,
+        help="keep the flat weights (float32) at epoch 0, every this many epochs and at the end",
+    )
+    ev.add_argument(
+        "--final-probes",
+        nargs="+",
+        metavar="PROBE",
+        help=f"measure at the final weights: {' | '.join(PROBES)} (several allowed)",
     )
     mech = parser.add_argument_group("mechanisms and batch policy")
     mech.add_argument(
@@ -233,4 +247,15 @@ def print_human(result: RunResult, file: Any = None) -> None:
         f"last evaluation (iteration {when}): " + ", ".join(f"{k}={final[k]:.4f}" for k in shown),
         file=out,
     )
+    probed = [k for k in PROBE_KEYS if k in final]
+    if probed:
+        print("final probes: " + ", ".join(f"{k}={final[k]:.4g}" for k in probed), file=out)
+    if result.snapshots:
+        print(f"snapshots: {len(result.snapshots)} (epochs {result.snapshots[0][0]:.3g} to "
+              f"{result.snapshots[-1][0]:.3g})", file=out)
     print(f"config hash: {result.config_hash}", file=out)
+
+
+# what print_human shows of the final probes' values
+PROBE_KEYS = ("osg_mean", "osg_sd", "linear_error", "linear_error_sd", "final_lr",
+              "final_train_loss")

@@ -5,11 +5,14 @@ status (complete, diverged, stopped, failed); its targets, curves, Δ measuremen
 are written in the same transaction as its final status, so a kill at any moment leaves either
 the whole result or none of it. A run belongs to studies through ``study_runs`` (with its role,
 tune or final, and the grid labels the analyses group by); the same config in two studies is
-trained and stored once. The schema is documented in docs/store.md.
+trained and stored once. Weight snapshots (``snapshot_every_epochs``) go to ``snapshots``, one
+float32 BLOB per (run, epoch), read back by ``Store.snapshots(keys)``. The schema is documented
+in docs/store.md.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import sqlite3
@@ -18,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from batchbound.errors import BatchboundError
@@ -60,8 +64,16 @@ CREATE INDEX IF NOT EXISTS diversity_key ON diversity (key, metric);
 CREATE TABLE IF NOT EXISTS timings (
     key TEXT NOT NULL REFERENCES runs(key), name TEXT NOT NULL, seconds REAL,
     PRIMARY KEY (key, name));
+CREATE TABLE IF NOT EXISTS snapshots (
+    key TEXT NOT NULL REFERENCES runs(key), epoch REAL NOT NULL, weights BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS snapshots_key ON snapshots (key);
 """
-TABLES = ("studies", "runs", "study_runs", "targets", "curves", "diversity", "timings")
+TABLES = ("studies", "runs", "study_runs", "targets", "curves", "diversity", "timings",
+          "snapshots")
+# The weights are float32, little-endian: what RunResult.to_dict() base64-encodes.
+SNAPSHOT_DTYPE = np.dtype("<f4")
+# frames() and table() show snapshots without their BLOBs (Store.snapshots() decodes those).
+_SNAPSHOT_INDEX = "key, epoch, length(weights) / 4 AS numel"
 
 
 def _number(value: Any) -> float | None:
@@ -85,6 +97,26 @@ def curve_rows(curves: Any) -> list[tuple[Any, ...]]:
         if isinstance(r, Mapping) else tuple(r)
         for r in curves
     ]
+
+
+def snapshot_rows(snapshots: Any) -> list[tuple[float, bytes]]:
+    """(epoch, raw float32 bytes) from RunResult.to_dict()'s ``snapshots``, which is
+    {"epochs": [...], "dtype": "float32", "data": [base64, ...]}; empty for None."""
+    if not snapshots:
+        return []
+    if snapshots.get("dtype", "float32") != "float32":
+        raise BatchboundError(f"snapshots of dtype {snapshots.get('dtype')!r}; the store keeps "
+                              "float32")
+    epochs, data = list(snapshots["epochs"]), list(snapshots["data"])
+    if len(epochs) != len(data):
+        raise BatchboundError(f"{len(epochs)} snapshot epochs but {len(data)} weight vectors")
+    rows = []
+    for epoch, blob in zip(epochs, data, strict=True):
+        raw = base64.b64decode(blob) if isinstance(blob, str) else bytes(blob)
+        if len(raw) % SNAPSHOT_DTYPE.itemsize:
+            raise BatchboundError(f"a snapshot of {len(raw)} bytes is not float32 values")
+        rows.append((float(epoch), raw))
+    return rows
 
 
 class Store:
@@ -198,13 +230,15 @@ class Store:
             for t in result.get("targets", [])
         ]
         timings = [(key, name, _number(sec)) for name, sec in _flat(result.get("timings", {}))]
+        snapshots = [(key, epoch, raw) for epoch, raw in snapshot_rows(result.get("snapshots"))]
         with self.transaction():
-            for table in ("targets", "curves", "diversity", "timings"):
+            for table in ("targets", "curves", "diversity", "timings", "snapshots"):
                 self.db.execute(f"DELETE FROM {table} WHERE key=?", (key,))
             self.db.executemany("INSERT INTO targets VALUES (?,?,?,?,?,?,?,?)", targets)
             self.db.executemany("INSERT INTO curves VALUES (?,?,?,?,?,?)", curves)
             self.db.executemany("INSERT INTO diversity VALUES (?,?,?,?,?,?)", diversity)
             self.db.executemany("INSERT INTO timings VALUES (?,?,?)", timings)
+            self.db.executemany("INSERT INTO snapshots VALUES (?,?,?)", snapshots)
             self.db.execute(
                 "UPDATE runs SET status=?, finished=?, wall_seconds=?, final_json=?, error=? "
                 "WHERE key=?",
@@ -236,7 +270,8 @@ class Store:
         return json.loads(row[0])
 
     def frames(self, study: str) -> dict[str, pd.DataFrame]:
-        """The study's tables as DataFrames: runs (labels + status), targets, curves, ..."""
+        """The study's tables as DataFrames: runs (labels + status), targets, curves, ...;
+        ``snapshots`` lists (key, epoch, numel) without the weights (``snapshots(keys)``)."""
         self.study_spec(study)
         runs = pd.read_sql_query(
             "SELECT s.*, r.status, r.attempts, r.wall_seconds, r.final_json, r.config_json "
@@ -247,11 +282,33 @@ class Store:
             frames[table] = pd.read_sql_query(
                 f"SELECT t.* FROM {table} t WHERE t.key IN (SELECT key FROM study_runs "
                 f"WHERE study=?) ORDER BY t.rowid", self.db, params=(study,))
+        frames["snapshots"] = pd.read_sql_query(
+            f"SELECT {_SNAPSHOT_INDEX} FROM snapshots WHERE key IN (SELECT key FROM study_runs "
+            "WHERE study=?) ORDER BY rowid", self.db, params=(study,))
         return frames
+
+    def snapshots(self, keys: Iterable[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """key -> (epochs, shape (k,) float64; weights, shape (k, d) float32), in the order
+        the run took them, for the given keys that have snapshots (others are left out)."""
+        out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        for key in dict.fromkeys(keys):
+            rows = self.db.execute("SELECT epoch, weights FROM snapshots WHERE key=? "
+                                   "ORDER BY rowid", (key,)).fetchall()
+            if not rows:
+                continue
+            sizes = {len(blob) for _, blob in rows}
+            if len(sizes) != 1:
+                raise BatchboundError(f"run {key}: snapshots of different sizes {sorted(sizes)}")
+            epochs = np.array([epoch for epoch, _ in rows], dtype=np.float64)
+            weights = np.frombuffer(b"".join(blob for _, blob in rows), dtype=SNAPSHOT_DTYPE)
+            out[key] = (epochs, weights.astype(np.float32).reshape(len(rows), -1))
+        return out
 
     def table(self, name: str) -> pd.DataFrame:
         if name not in (*TABLES, "meta"):
             raise BatchboundError(f"no table {name!r}; tables: {', '.join(TABLES)}")
+        if name == "snapshots":  # the weights are BLOBs: Store.snapshots(keys) reads them
+            return pd.read_sql_query(f"SELECT {_SNAPSHOT_INDEX} FROM snapshots", self.db)
         return pd.read_sql_query(f"SELECT * FROM {name}", self.db)
 
 

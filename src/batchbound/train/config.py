@@ -17,6 +17,7 @@ from batchbound.config import config_hash, to_plain
 from batchbound.errors import BatchboundError
 from batchbound.train.adaptive import BatchPolicy, parse_batch_policy
 from batchbound.train.mechanisms import GRANULARITIES, Mechanism, parse_mechanism
+from batchbound.train.probes import PROBES
 from batchbound.train.schedule import Strategy, parse_strategy
 
 CONVENTIONS = ("mean", "sum")
@@ -28,6 +29,10 @@ DTYPES = ("float32", "float64")
 TARGET_METRICS = {"train_acc": ">=", "train_loss": "<=", "test_acc": ">=", "test_loss": "<="}
 # Fields that say where things are, not what the run is: left out of the hash.
 NOT_HASHED = ("data_dir",)
+# Fields added after stores keyed runs by config_hash(): hashed only when they differ from
+# their default, so a config that leaves them alone keeps the key it had before they existed
+# (and finds its stored runs and checkpoints). A new field goes here, not into the hash.
+HASHED_WHEN_SET = ("snapshot_every_epochs", "final_probes")
 
 
 @dataclass(frozen=True)
@@ -102,10 +107,14 @@ class TrainConfig:
     checkpoint_every: int | None = None  # iterations between periodic checkpoints
     device: str = "auto"  # auto: cuda when available
     dtype: str = "float32"
+    # kept for later analyses (both in HASHED_WHEN_SET)
+    snapshot_every_epochs: float | None = None  # flat weights at 0, every k epochs, the end
+    final_probes: tuple[str, ...] = ()  # measurements at w* (train/probes.py: osg, ...)
 
     def __post_init__(self) -> None:
         targets = tuple(_target(t) for t in self.targets)
         object.__setattr__(self, "targets", targets)
+        object.__setattr__(self, "final_probes", _probes(self.final_probes))
         _positive_int("batch_size", self.batch_size)
         _positive_int("workers", self.workers)
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
@@ -127,7 +136,8 @@ class TrainConfig:
             raise BatchboundError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if len({t.name for t in targets}) != len(targets):
             raise BatchboundError("the same target is given twice")
-        for name in ("max_epochs", "max_seconds", "eval_every_epochs", "diversity_every_epochs"):
+        for name in ("max_epochs", "max_seconds", "eval_every_epochs", "diversity_every_epochs",
+                     "snapshot_every_epochs"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise BatchboundError(f"{name} must be > 0 (or unset), got {value}")
@@ -150,7 +160,7 @@ class TrainConfig:
         # parse the spec strings now, so a typo fails before any work
         self.parsed_strategy()
         self.parsed_mechanism()
-        if self.online_diversity != "off" and self.parsed_mechanism().name != "none":
+        if self.online_diversity != "off" and not self.parsed_mechanism().is_identity:
             raise BatchboundError(
                 "online_diversity estimates the plain gradient's diversity and cannot be "
                 "combined with a mechanism; measure a mechanism's Δ with "
@@ -224,7 +234,14 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
     def config_hash(self) -> str:
-        identity = {k: v for k, v in self.to_dict().items() if k not in NOT_HASHED}
+        """Hash of the fields that define the run: NOT_HASHED left out, HASHED_WHEN_SET
+        fields only when they are not at their default."""
+        defaults = {f.name: to_plain(f.default) for f in dataclasses.fields(self)
+                    if f.name in HASHED_WHEN_SET}
+        identity = {
+            k: v for k, v in self.to_dict().items()
+            if k not in NOT_HASHED and not (k in defaults and v == defaults[k])
+        }
         return config_hash(identity)
 
 
@@ -236,6 +253,24 @@ def _target(value: Any) -> Target:
     if isinstance(value, (list, tuple)) and len(value) == 2:
         return Target(str(value[0]), float(value[1]))
     raise BatchboundError(f"a target is {{metric, threshold}}, got {value!r}")
+
+
+def _probes(value: Any) -> tuple[str, ...]:
+    """final_probes as a tuple in PROBES' order (so equal sets hash alike); a string is one
+    name or a comma-separated list. Unknown or repeated names raise BatchboundError."""
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise BatchboundError(f"final_probes is a list of probe names, got {value!r}")
+    unknown = [v for v in value if v not in PROBES]
+    if unknown:
+        raise BatchboundError(
+            f"unknown final probe(s) {', '.join(map(repr, unknown))}; choose from "
+            f"{', '.join(PROBES)}"
+        )
+    if len(set(value)) != len(value):
+        raise BatchboundError(f"a final probe is given twice: {list(value)}")
+    return tuple(name for name in PROBES if name in value)
 
 
 def _positive_int(name: str, value: Any) -> None:

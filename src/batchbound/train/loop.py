@@ -4,10 +4,12 @@
     while no limit reached:
         train_step        data → compute → communication (all-reduce) → step
         divergence check  non-finite or > divergence_factor × initial loss: status diverged
+        snapshot          every snapshot_every_epochs: the flat weights, kept (rank 0)
         evaluate          every eval_every_* ; record targets reached
         measure_diversity every diversity_every_epochs (exact Δ across ranks)
         adapt_batch_size  every k iterations with batch_policy adaptive(...)
         checkpoint        every checkpoint_every iterations, and on SIGTERM/SIGINT
+    final evaluation; final_probes at w* (train/probes.py) when the run is complete
 
 The global batch B is drawn identically on every rank (same sampler seed); rank r takes its
 slice (see distributed.py). Each rank backpropagates Σ_{i∈slice} f_i · scale, scale = 1/B
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from batchbound.data import BatchSampler, Dataset, apply_transform, load_dataset
@@ -174,12 +177,16 @@ class Trainer:
         self.last_batch_loss = math.nan
         self.next_eval_epoch = config.eval_every_epochs or math.inf
         self.next_diversity_epoch = config.diversity_every_epochs or math.inf
+        self.next_snapshot_epoch = config.snapshot_every_epochs or math.inf
+        self.snapshots: list[tuple[int, float, np.ndarray]] = []  # (iteration, epoch, weights)
         self.last_eval_iteration = -1
         self.metrics: dict[str, float] = {}
         self.curves: list[tuple[int, float, float, str, float]] = []
         self.targets = [TargetResult(t.name, t.metric, t.threshold) for t in config.targets]
         self.status, self.message = "complete", ""
         self._step_cost: Callable[[int], float] | None = None  # pick=time's t(B), timed once
+        self.probe_values: dict[str, float] = {}  # final_probes' results (not checkpointed:
+        self.probe_seconds: dict[str, float] = {}  # they run once the training has ended)
 
     # ---------------------------------------------------------------- the loop
     def run(self, resume: bool = False) -> RunResult:
@@ -192,6 +199,8 @@ class Trainer:
                 self.record("batch_size", self.batch_size)
                 if self.config.diversity_every_epochs:
                     self.measure_diversity()  # Δ at initialisation: where the bound starts
+                if self.config.snapshot_every_epochs:
+                    self.snapshot_step()  # w at epoch 0
             while not self.limit_reached():
                 flags = self.train_step(stop.requested, self.time_exceeded())
                 if self.diverged():
@@ -209,6 +218,8 @@ class Trainer:
                     break
             if self.status == "complete" and self.last_eval_iteration != self.iteration:
                 self.evaluate_step()
+            if self.status == "complete" and self.config.final_probes:
+                self.probe_step()
         except NonFiniteLossError as exc:
             # the per-example engines refuse non-finite losses: that is divergence, not bad input
             if self.initial_loss is None:
@@ -228,6 +239,8 @@ class Trainer:
 
     def after_step(self) -> bool:
         """The cadenced steps after an iteration; True once every target is reached."""
+        if self.snapshot_due():
+            self.snapshot_step()
         if self.eval_due():
             self.evaluate_step()
             if self.all_targets_reached():
@@ -301,7 +314,7 @@ class Trainer:
         self, x: torch.Tensor, y: torch.Tensor, scale: float
     ) -> tuple[list[torch.Tensor], float, list[float]]:
         """This rank's gradients (already scaled), its loss sum, and what the monitor needs."""
-        if self.config.mechanism_granularity == "example" and self.mechanism.name != "none":
+        if self.config.mechanism_granularity == "example" and not self.mechanism.is_identity:
             losses, grads = example_gradients(
                 self.mechanism, self.model, x, y, self.loss_fn, scale, self.generator
             )
@@ -393,6 +406,46 @@ class Trainer:
         self.timer.totals["diversity"] += time.perf_counter() - started
         return float(report.diversity)
 
+    def snapshot_step(self) -> None:
+        """Keep the flat trainable parameters (float32, on the CPU) at this iteration. Rank 0
+        only: every rank holds the same weights, and rank 0's result is the one kept."""
+        if self.ctx.is_main and (not self.snapshots or self.snapshots[-1][0] != self.iteration):
+            self.snapshots.append((self.iteration, self.sampler.epoch, self.flat_weights()))
+        every = self.config.snapshot_every_epochs
+        while every and self.next_snapshot_epoch <= self.sampler.epoch + _EPS:
+            self.next_snapshot_epoch += every
+
+    def flat_weights(self) -> np.ndarray:
+        """The trainable parameters in ``model.parameters()`` order, one float32 vector."""
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32)
+                              for p in self.params])
+        return flat.numpy()
+
+    def probe_step(self) -> None:
+        """The final probes at w* (train/probes.py), after training: not training time. A
+        probe that raises leaves the run complete, without its values, and says so in the
+        message (under several ranks it raises, as any error does)."""
+        from batchbound.train.probes import FinalState, run_probes
+
+        state = FinalState(
+            model=self.model,
+            x=self.data.x_train,
+            y=self.data.y_train,
+            loss_fn=self.loss_fn,
+            ctx=self.ctx,
+            config=self.config,
+            batch_size=self.batch_size,
+            lr=self.strategy.lr(self.config.lr, self.batch_size, self.sampler.epoch),
+        )
+        try:
+            self.probe_values, self.probe_seconds = run_probes(self.config.final_probes, state)
+        except Exception as exc:
+            if self.ctx.distributed:
+                raise
+            note = f"final probes failed: {type(exc).__name__}: {exc}"
+            self.message = f"{self.message}; {note}" if self.message else note
+
     def adapt_batch_size(self) -> None:
         """B = clip(⌊δ·n·Δ̂⌋ + 1, min, max), or with pick=time the B of least time per unit
         of progress; Δ̂ from the online monitor or an exact measure. The seconds this takes
@@ -470,6 +523,9 @@ class Trainer:
     def diversity_due(self) -> bool:
         return self.sampler.epoch + _EPS >= self.next_diversity_epoch
 
+    def snapshot_due(self) -> bool:
+        return self.sampler.epoch + _EPS >= self.next_snapshot_epoch
+
     def adapt_due(self) -> bool:
         return self.policy.adaptive and self.iteration % self.policy.every == 0
 
@@ -502,11 +558,20 @@ class Trainer:
             "seconds": self.train_seconds,
             "batch_size": self.batch_size,
             "lr": self.lr,
+            **self.probe_values,
         }
         timings = self.timer.summary(self.ctx.world_size)
         timings["train_seconds"] = self.train_seconds
         for extra in ("eval", "diversity", "checkpoint"):
             timings[f"{extra}_seconds"] = self.timer.totals.get(extra, 0.0)
+        if self.probe_seconds:
+            timings["probe_seconds"] = sum(self.probe_seconds.values())
+            timings["probes"] = dict(self.probe_seconds)
+        snapshots = [(epoch, weights) for _, epoch, weights in self.snapshots]
+        if self.config.snapshot_every_epochs and self.ctx.is_main and (
+            not self.snapshots or self.snapshots[-1][0] != self.iteration
+        ):  # the run's last point; not kept in self.snapshots, so a resume cannot repeat it
+            snapshots.append((self.sampler.epoch, self.flat_weights()))
         return RunResult(
             config=self.config,
             config_hash=self.config.config_hash(),
@@ -523,6 +588,7 @@ class Trainer:
                 "torch": torch.__version__,
                 "n_train": self.n,
             },
+            snapshots=snapshots,
         )
 
     # ---------------------------------------------------------------- checkpoints
@@ -535,6 +601,8 @@ class Trainer:
         "last_batch_loss",
         "next_eval_epoch",
         "next_diversity_epoch",
+        "next_snapshot_epoch",
+        "snapshots",
         "last_eval_iteration",
         "metrics",
         "curves",
@@ -593,5 +661,7 @@ class Trainer:
         self.targets = [TargetResult(**t) for t in saved["targets"]]
         for name, value in saved["state"].items():
             setattr(self, name, value)
+        if not self.ctx.is_main:
+            self.snapshots = []  # rank 0 keeps them (snapshot_step)
         self.status, self.message = "complete", ""
         set_rng_state(saved["rng"])

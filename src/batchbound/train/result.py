@@ -12,19 +12,29 @@ the study store keeps. Metrics written by the trainer:
 
 ``seconds`` is training wall time: evaluation, exact diversity and checkpoints are excluded,
 so time-to-target compares training alone.
+
+``snapshots`` (with ``snapshot_every_epochs``) is a list of ``(epoch, weights)``: the flat
+trainable parameters in ``model.parameters()`` order, float32 numpy arrays on the CPU. In
+``to_dict()`` they are ``{"epochs": [...], "dtype": "float32", "data": [base64 of each
+array's little-endian bytes]}`` under the key ``snapshots``, present only when there are any.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from batchbound.errors import BatchboundError
 from batchbound.train.config import TrainConfig
 
 STATUSES = ("complete", "diverged", "failed", "stopped")
 CURVE_COLUMNS = ("iteration", "epoch", "seconds", "metric", "value")
+SNAPSHOT_DTYPE = "<f4"  # float32, little-endian: the bytes behind the base64 and the store's BLOBs
 
 
 @dataclass
@@ -52,6 +62,7 @@ class RunResult:
     final: dict[str, Any] = field(default_factory=dict)
     message: str = ""  # why the run ended (diverged at ..., error text, signal)
     environment: dict[str, Any] = field(default_factory=dict)  # world size, device, versions
+    snapshots: list[tuple[float, Any]] = field(default_factory=list)  # (epoch, flat weights)
 
     def curve(self, metric: str) -> list[tuple[int, float, float, float]]:
         """Rows ``(iteration, epoch, seconds, value)`` of one metric, in order."""
@@ -63,8 +74,15 @@ class RunResult:
 
         return pd.DataFrame(self.curves, columns=list(CURVE_COLUMNS))
 
+    def snapshot_matrix(self) -> tuple[np.ndarray, np.ndarray]:
+        """(epochs, shape (k,); weights, shape (k, d) float32): the snapshots stacked."""
+        epochs = np.array([e for e, _ in self.snapshots], dtype=np.float64)
+        if not self.snapshots:
+            return epochs, np.zeros((0, 0), dtype=np.float32)
+        return epochs, np.stack([_weights(w) for _, w in self.snapshots])
+
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "config": self.config.to_dict(),
             "config_hash": self.config_hash,
             "status": self.status,
@@ -78,6 +96,9 @@ class RunResult:
             "message": self.message,
             "environment": self.environment,
         }
+        if self.snapshots:
+            out["snapshots"] = encode_snapshots(self.snapshots)
+        return out
 
     def summary(self) -> dict[str, Any]:
         """What ``batchbound train --json`` prints: status, targets, final metrics, hash."""
@@ -107,11 +128,41 @@ class RunResult:
             final={k: _from_json_float(v) for k, v in data.get("final", {}).items()},
             message=data.get("message", ""),
             environment=dict(data.get("environment", {})),
+            snapshots=decode_snapshots(data["snapshots"]) if data.get("snapshots") else [],
         )
 
     @classmethod
     def from_json(cls, text: str) -> RunResult:
         return cls.from_dict(json.loads(text))
+
+
+def _weights(value: Any) -> np.ndarray:
+    """A snapshot as a flat float32 numpy array (from a tensor or an array)."""
+    if hasattr(value, "detach"):
+        value = value.detach().to("cpu").float().numpy()
+    return np.asarray(value, dtype=np.float32).reshape(-1)
+
+
+def encode_snapshots(snapshots: list[tuple[float, Any]]) -> dict[str, Any]:
+    """``{"epochs": [...], "dtype": "float32", "data": [base64, ...]}``: compact JSON."""
+    return {
+        "epochs": [float(e) for e, _ in snapshots],
+        "dtype": "float32",
+        "data": [
+            base64.b64encode(_weights(w).astype(SNAPSHOT_DTYPE).tobytes()).decode("ascii")
+            for _, w in snapshots
+        ],
+    }
+
+
+def decode_snapshots(data: dict[str, Any]) -> list[tuple[float, np.ndarray]]:
+    """The inverse of ``encode_snapshots``: (epoch, float32 array) pairs."""
+    if data.get("dtype", "float32") != "float32":
+        raise BatchboundError(f"snapshots of dtype {data.get('dtype')!r}; expected float32")
+    return [
+        (float(e), np.frombuffer(base64.b64decode(b), dtype=SNAPSHOT_DTYPE).astype(np.float32))
+        for e, b in zip(data["epochs"], data["data"], strict=True)
+    ]
 
 
 def _json_float(value: Any) -> Any:
