@@ -5,7 +5,7 @@ imports below are the complete list, so adding a claim means one function in one
 new paper: one module and one line here). ``registry.py`` holds the verdict rules.
 """
 
-from batchbound.study.claims import diversity, inefficiency, noise_scale, width
+from batchbound.study.claims import diversity, inefficiency, noise_scale, slides, width
 from batchbound.study.claims.registry import (
     CLAIMS,
     CONTRADICTED,
@@ -33,5 +33,6 @@ __all__ = [
     "inefficiency",
     "noise_scale",
     "register_claim",
+    "slides",
     "width",
 ]

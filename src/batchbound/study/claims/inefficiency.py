@@ -16,6 +16,7 @@ from batchbound.study.claims.registry import (
     Context,
     Finding,
     all_models,
+    correlation,
     directional,
     fmt,
     one_run_note,
@@ -159,3 +160,49 @@ def speedup_shape_depends_on_architecture(context: Context) -> Finding:
             + "; ".join(parts) + "."
             + one_run_note(context))
     return Finding(SOURCE, claim, directional(context, apart, False), text)
+
+
+def _per_strategy(context: Context, column: str, sign: int, claim: str, name: str,
+                  strategies: list[str] | None = None, diverged_as: float | None = None
+                  ) -> Finding:
+    """A rank correlation of B with a per-run end-of-training value, per strategy; the
+    verdict holds for every strategy tested. ``diverged_as`` replaces a diverged run's
+    value (else it keeps what it recorded, NaN when its weights are not finite)."""
+    from batchbound.study.experiments.generalization import per_cell_draws
+
+    runs = context.sections["generalization"].data["runs"]
+    if column not in runs:
+        return Finding(SOURCE, claim, UNTESTABLE, f"the runs did not record {name}")
+    if diverged_as is not None:
+        runs = runs.assign(**{column: runs[column].mask(runs["status"] == "diverged",
+                                                        diverged_as)})
+    found = []
+    for strategy in strategies or sorted(runs["strategy"].unique()):
+        cells = per_cell_draws(runs, column, strategy)
+        found.append((strategy, correlation(context, SOURCE, claim,
+                                            {k: b for k, (b, _) in cells.items()},
+                                            {k: d for k, (_, d) in cells.items()},
+                                            sign, "B", name)))
+    verdict = all_models([f.verdict for _, f in found])
+    return Finding(SOURCE, claim, verdict,
+                   " ".join(f"{s}: {f.evidence}" for s, f in found))
+
+
+@register_claim(SOURCE, needs=("section:generalization",))
+def test_accuracy_falls_with_batch(context: Context) -> Finding:
+    return _per_strategy(context, "final_test_acc", -1,
+                         "After the same number of epochs, test accuracy falls as the batch "
+                         "grows, under every learning-rate strategy [Table 2].", "test accuracy")
+
+
+@register_claim(SOURCE, needs=("section:generalization",))
+def linear_error_grows_with_batch(context: Context) -> Finding:
+    runs = context.sections["generalization"].data["runs"]
+    scaled = sorted(s for s in runs["strategy"].unique() if str(s).startswith("lsr"))
+    claim = ("Under the linear scaling rule, the error of the linear approximation of the loss "
+             "along one step from the final weights grows with the batch size [Figure 2 "
+             "right]; a diverged run counts as an unbounded error (ranked last).")
+    if not scaled:
+        return Finding(SOURCE, claim, UNTESTABLE, "the study has no LSR runs")
+    return _per_strategy(context, "final_linear_error", +1, claim, "linear-approx. error",
+                         scaled, diverged_as=math.inf)

@@ -2,7 +2,7 @@
 registry (``registry.py``): the imports below are the complete list, so a new experiment is
 one module and one line here."""
 
-from batchbound.study.experiments import architectures, replication
+from batchbound.study.experiments import architectures, generalization, replication, timing
 from batchbound.study.experiments.registry import (
     EXPERIMENTS,
     Section,
@@ -10,5 +10,5 @@ from batchbound.study.experiments.registry import (
     sections,
 )
 
-__all__ = ["EXPERIMENTS", "Section", "architectures", "register_experiment", "replication",
-           "sections"]
+__all__ = ["EXPERIMENTS", "Section", "architectures", "generalization", "register_experiment",
+           "replication", "sections", "timing"]

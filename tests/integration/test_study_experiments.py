@@ -1,0 +1,140 @@
+"""The papers' experiment sections on tiny real studies: each section appears exactly when
+the study's data supports it, its tables hold what the runs recorded, and its claims carry
+a verdict inside the section of report.html."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from batchbound.study import report as R
+from batchbound.study.experiments.replication import loss_ratios, replication_factor
+from batchbound.study.experiments.timing import best_batches, seconds_to_targets
+from batchbound.study.runner import run_study
+from batchbound.study.spec import study_from_dict
+from batchbound.study.store import Store
+
+VERDICTS = ("supported", "contradicted", "inconclusive", "not testable")
+
+
+def run(tmp_path, name, data, models, sizes, **train):
+    spec = study_from_dict({
+        "study": {"name": name},
+        "data": {"datasets": data},
+        "models": {"specs": models},
+        "batches": {"sizes": sizes},
+        "lr": {"grid": [0.3], "tuning": "none"},
+        "train": {"targets": {"train_acc": 0.8}, "max_epochs": 2, "repeats": 2,
+                  "eval_every_epochs": 0.5, "checkpoint_every_epochs": None, **train},
+    })
+    store = tmp_path / f"{name}.sqlite"
+    outcome = run_study(spec, store, jobs=0, progress=False)
+    assert outcome.failed == 0
+    with Store(store) as s:
+        return R.analyze(s.frames(name), s.study_spec(name)), store
+
+
+def keys(a):
+    return [s.key for s in a.sections]
+
+
+def test_replication_factor_reads_the_transform():
+    assert replication_factor("digits") == 1
+    assert replication_factor("digits | replicate(r=4)") == 4
+    assert replication_factor("digits | subset(fraction=0.5)") is None
+
+
+@pytest.fixture(scope="module")
+def replication(tmp_path_factory):
+    data = ["digits", *[{"dataset": "digits", "transform": f"replicate(r={r})"}
+                        for r in (2, 4)]]
+    return run(tmp_path_factory.mktemp("rep"), "rep", data, ["fc(depth=1,width=16)"],
+               [16, 128], stop_at_targets=False)
+
+
+def test_replication_section_and_loss_ratio(replication):
+    a, _ = replication
+    assert keys(a) == ["replication"]
+    section = a.sections[0]
+    table = section.tables[0][1]
+    assert list(table["r"]) == [1, 2, 4]
+    # the loss ratio is each seed's L(B=128)/L(B=16) at the same pass, from the curves
+    ratios = loss_ratios(a, 16, 128)
+    runs = a.frames["runs"]
+    curves = a.frames["curves"]
+    pick = runs[(runs["role"] == "final") & (runs["data"] == "digits") & (runs["seed"] == 0)]
+    loss = {int(r.batch_size): curves[(curves["key"] == r.key)
+                                      & (curves["metric"] == "train_loss")]
+            for r in pick.itertuples()}
+    at_one = {b: float(np.interp(1.0, c["epoch"], c["value"])) for b, c in loss.items()}
+    mine = ratios[(ratios["data"] == "digits") & (ratios["seed"] == 0)
+                  & np.isclose(ratios["passes"], 1.0)]["ratio"].iloc[0]
+    assert mine == pytest.approx(at_one[128] / at_one[16], rel=1e-9)
+    found = [f for f in R.claims(a) if f.section == "replication"]
+    assert {f.claim.split(":")[0][:20] for f in found} and all(f.verdict in VERDICTS
+                                                              for f in found)
+    assert len(found) == 2
+
+
+def test_replication_report_html_holds_the_section(replication, tmp_path):
+    _, store = replication
+    paths = R.write_report(store, "rep", tmp_path / "report", max_workers=1)
+    page = paths.html.read_text()
+    start = page.index("<section id='replication'>")
+    block = page[start:page.index("</section>", start)]
+    assert "replication_loss_ratio" in block and "<table>" in block
+    assert any(f"class='{c}'" in block for c in ("supported", "not", "inconclusive"))
+    assert (tmp_path / "report" / "figures" / "replication_loss_ratio.png").stat().st_size > 0
+    assert "## Data replication [diversity]" in paths.markdown.read_text()
+
+
+def test_plain_study_has_no_sections(tmp_path):
+    a, _ = run(tmp_path, "plain", ["digits"], ["fc(depth=1,width=16)"], [16, 64])
+    assert keys(a) == []
+    assert not [f for f in R.claims(a) if f.section]
+
+
+def test_architectures_section_needs_two_families(tmp_path):
+    a, _ = run(tmp_path, "arch", ["digits"],
+               ["fc(depth=1,width=16)", "cnn1d(width=4,depth=2)"], [16, 32, 64])
+    assert keys(a) == ["architectures"]
+    table = a.sections[0].tables[0][1]
+    assert len(table) == 2 and "s(64)" in table
+    found = {f.claim[:30]: f for f in R.claims(a)}
+    assert any(f.section == "architectures" for f in found.values())
+    # widths of different families are not compared
+    assert not any("Wider" in c for c in found)
+
+
+def test_generalization_section_reads_the_probes(tmp_path):
+    a, _ = run(tmp_path, "gen", ["digits"], ["fc(depth=1,width=16)"], [16, 64, 256],
+               stop_at_targets=False, final_probes=["osg", "linear_error"],
+               diversity_every_epochs=None)
+    assert keys(a) == ["generalization"]
+    table = a.sections[0].tables[0][1]
+    finals = a.frames["runs"][a.frames["runs"]["role"] == "final"]
+    osg = [json.loads(t)["osg_mean"] for t in finals[finals["batch_size"] == 64]["final_json"]]
+    row = table[table["batch_size"] == 64].iloc[0]
+    assert row["E[OSG] mean"] == pytest.approx(np.mean(osg))
+    assert row["runs"] == 2
+    sections = {f.section for f in R.claims(a)}
+    assert "generalization" in sections
+
+
+def test_timing_picks_the_fastest_batch_per_setting(tmp_path):
+    a, _ = run(tmp_path, "time", ["digits"], ["fc(depth=1,width=16)"], [16, 64],
+               mechanisms=["none", "dropconnect(p=0.5)"], targets={"train_acc": [0.5, 0.7]})
+    times = seconds_to_targets(a)
+    target, best = best_batches(times, a.targets)
+    assert target in a.targets and set(best) == {"none", "dropconnect(p=0.5)"}
+    for mechanism, batch in best.items():
+        part = times[(times["mechanism"] == mechanism) & (times["target"] == target)]
+        medians = part.groupby("batch_size")["seconds"].median()
+        assert medians[batch] == medians.min() and math.isfinite(medians[batch])
+    assert "timing" in keys(a)
+    table = a.sections[keys(a).index("timing")].tables[0][1]
+    assert list(table["setting"]) == ["none", "dropconnect(p=0.5)"]
+    assert f"gain % {a.targets[0]}" in table
