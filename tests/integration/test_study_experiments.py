@@ -138,3 +138,31 @@ def test_timing_picks_the_fastest_batch_per_setting(tmp_path):
     table = a.sections[keys(a).index("timing")].tables[0][1]
     assert list(table["setting"]) == ["none", "dropconnect(p=0.5)"]
     assert f"gain % {a.targets[0]}" in table
+
+
+def test_stability_distances_from_the_snapshots(tmp_path):
+    data = [{"dataset": "digits", "transform": f"neighbour_pair(side={s})"} for s in (0, 1)]
+    a, store = run(tmp_path, "stab", data, ["fc(depth=1,width=16)"], [16, 256],
+                   stop_at_targets=False, snapshot_every_epochs=1)
+    assert not a.snapshots  # analyze() alone is given no snapshots: no section
+    paths = R.write_report(store, "stab", tmp_path / "report", max_workers=1)
+    b = paths.analysis
+    assert keys(b) == ["stability"]
+    runs = b.frames["runs"]
+    final = runs[(runs["role"] == "final") & (runs["batch_size"] == 16) & (runs["seed"] == 0)]
+    (_, w0), (_, w1) = (b.snapshots[k] for k in final.sort_values("data")["key"])
+    w, v = w0[-1].astype(np.float64), w1[-1].astype(np.float64)
+    expected = math.sqrt(((w - v) ** 2).sum() / ((w**2).sum() + (v**2).sum()))
+    assert expected > 0
+    draws = b.sections[0].data["distance"][16]
+    assert draws[0] == pytest.approx(np.mean([expected, _last_distance(b, 16, 1)]))
+    assert "<section id='stability'>" in paths.html.read_text()
+
+
+def _last_distance(b, batch, seed):
+    runs = b.frames["runs"]
+    final = runs[(runs["role"] == "final") & (runs["batch_size"] == batch)
+                 & (runs["seed"] == seed)]
+    (_, w0), (_, w1) = (b.snapshots[k] for k in final.sort_values("data")["key"])
+    w, v = w0[-1].astype(np.float64), w1[-1].astype(np.float64)
+    return math.sqrt(((w - v) ** 2).sum() / ((w**2).sum() + (v**2).sum()))

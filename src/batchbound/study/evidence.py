@@ -52,11 +52,23 @@ def _medians(values: np.ndarray, draws: int, rng: np.random.Generator) -> np.nda
     return np.concatenate([[np.median(values)], np.median(values[picks], axis=1)])
 
 
+def bootstrap(values: np.ndarray, statistic: Callable[[np.ndarray], float] = np.mean,
+              draws: int = DRAWS, rng: np.random.Generator | None = None) -> np.ndarray:
+    """``statistic`` of ``values`` (row 0) and of each bootstrap draw of them (NaN when
+    empty): the same resampling as the cells', for a quantity measured once per run."""
+    rng = rng if rng is not None else np.random.default_rng(0)
+    values = np.asarray(values, float)
+    if not len(values):
+        return np.full(draws + 1, math.nan)
+    picks = rng.integers(0, len(values), size=(draws, len(values)))
+    return np.array([statistic(values), *[statistic(values[p]) for p in picks]])
+
+
 def means(values: np.ndarray, draws: int = DRAWS, rng: np.random.Generator | None = None
           ) -> np.ndarray:
-    """The mean of ``values`` (row 0) and of each bootstrap draw of them (NaN when empty):
-    the same resampling as the cells', for a quantity measured once per run."""
+    """``bootstrap`` of the mean, vectorised."""
     rng = rng if rng is not None else np.random.default_rng(0)
+    values = np.asarray(values, float)
     if not len(values):
         return np.full(draws + 1, math.nan)
     picks = rng.integers(0, len(values), size=(draws, len(values)))

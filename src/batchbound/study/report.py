@@ -73,9 +73,11 @@ class StudyAnalysis:
     by_target: pd.DataFrame = field(default_factory=pd.DataFrame)
     shapes: pd.DataFrame = field(default_factory=pd.DataFrame)
     sections: list[Section] = field(default_factory=list)  # the papers' other experiments
+    snapshots: dict[str, Any] = field(default_factory=dict)  # Store.snapshots of the runs
 
 
-def analyze(frames: dict[str, pd.DataFrame], spec: dict[str, Any]) -> StudyAnalysis:
+def analyze(frames: dict[str, pd.DataFrame], spec: dict[str, Any],
+            snapshots: dict[str, Any] | None = None) -> StudyAnalysis:
     frames = {**frames, "runs": A.short_strategies(frames["runs"])}
     runs = frames["runs"]
     train = spec.get("train", {})
@@ -107,6 +109,7 @@ def analyze(frames: dict[str, pd.DataFrame], spec: dict[str, Any]) -> StudyAnaly
         if len(targets) > 1 else pd.DataFrame(),
     )
     out.shapes = shape_table(out)
+    out.snapshots = snapshots or {}
     out.sections = sections(out)
     return out
 
@@ -448,9 +451,11 @@ def write_report(store_path: str | Path, study: str | None, out_dir: str | Path,
                 raise BatchboundError(f"{store_path} holds studies {names}; name one")
             study = names[0]
         spec, frames = store.study_spec(study), store.frames(study)
+        kept = frames.get("snapshots", pd.DataFrame())
+        snapshots = store.snapshots(list(kept["key"].unique())) if len(kept) else {}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    a = analyze(frames, spec)
+    a = analyze(frames, spec, snapshots)
     figure_paths = render_figures(a, out / "figures")
     found = claims(a)
     workers = workers_table(store_path, study, a.per_run, max_workers)

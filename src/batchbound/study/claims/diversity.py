@@ -73,3 +73,21 @@ def mechanism_saves_time(context: Context) -> Finding:
     return Finding(SOURCE, claim, all_models(verdicts),
                    "; ".join(parts) + " (95 % bootstrap intervals over seeds)."
                    + one_run_note(context))
+
+
+@register_claim(SOURCE, needs=("section:stability",))
+def larger_batch_less_stable(context: Context) -> Finding:
+    claim = ("Larger batches are less stable: the normalised distance between the models "
+             "trained on neighbouring data sets, at the end, grows with B [Figure 3a].")
+    draws = context.sections["stability"].data["distance"]
+    return correlation(context, SOURCE, claim, {f"B={b}": float(b) for b in draws},
+                       {f"B={b}": d for b, d in draws.items()}, +1, "B", "distance")
+
+
+@register_claim(SOURCE, needs=("section:stability",))
+def larger_batch_wider_test_spread(context: Context) -> Finding:
+    claim = ("Larger batches vary more in how they generalise: the standard deviation of the "
+             "final test accuracy over runs grows with B [Figure 3b/c].")
+    draws = context.sections["stability"].data["spread"]
+    return correlation(context, SOURCE, claim, {f"B={b}": float(b) for b in draws},
+                       {f"B={b}": d for b, d in draws.items()}, +1, "B", "test-accuracy sd")

@@ -2,7 +2,13 @@
 registry (``registry.py``): the imports below are the complete list, so a new experiment is
 one module and one line here."""
 
-from batchbound.study.experiments import architectures, generalization, replication, timing
+from batchbound.study.experiments import (
+    architectures,
+    generalization,
+    replication,
+    stability,
+    timing,
+)
 from batchbound.study.experiments.registry import (
     EXPERIMENTS,
     Section,
@@ -11,4 +17,4 @@ from batchbound.study.experiments.registry import (
 )
 
 __all__ = ["EXPERIMENTS", "Section", "architectures", "generalization", "register_experiment",
-           "replication", "sections", "timing"]
+           "replication", "sections", "stability", "timing"]
