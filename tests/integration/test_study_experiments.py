@@ -166,3 +166,31 @@ def _last_distance(b, batch, seed):
     (_, w0), (_, w1) = (b.snapshots[k] for k in final.sort_values("data")["key"])
     w, v = w0[-1].astype(np.float64), w1[-1].astype(np.float64)
     return math.sqrt(((w - v) ** 2).sum() / ((w**2).sum() + (v**2).sum()))
+
+
+def test_theory_section_for_linear_networks(tmp_path):
+    spec = study_from_dict({
+        "study": {"name": "lin"},
+        "data": {"datasets": ["synthetic-linear(n=256,d=16,outputs=1,depth=2,width=8)"]},
+        "models": {"specs": [f"linear(depth={d},width={k},init=normal,init_std=0.1)"
+                             for d, k in ((1, 4), (1, 16), (3, 16))]},
+        "batches": {"sizes": [16, 64]},
+        "lr": {"grid": [0.01], "tuning": "none"},
+        "train": {"targets": {"train_loss": 0.5}, "max_epochs": 1, "repeats": 2,
+                  "eval_every_epochs": 0.5, "diversity_every_epochs": 0.5,
+                  "checkpoint_every_epochs": None},
+    })
+    outcome = run_study(spec, tmp_path / "lin.sqlite", jobs=0, progress=False)
+    assert outcome.failed == 0
+    with Store(tmp_path / "lin.sqlite") as s:
+        a = R.analyze(s.frames("lin"), s.study_spec("lin"))
+    assert keys(a) == ["theory"]
+    table = a.sections[0].tables[0][1]
+    from batchbound.theory import linear_network_rho_bound
+
+    row = table[(table["depth"] == 3) & (table["width"] == 16)].iloc[0]
+    assert row["Theorem 3 bound"] == pytest.approx(linear_network_rho_bound(16, [16] * 3))
+    along = a.along[a.along["model_label"] == row["model_label"]]
+    first = along.sort_values("epoch").groupby("key").first()["batch_bound"].mean()
+    assert row["n·Δ at init"] == pytest.approx(first)
+    assert any(f.section == "theory" for f in R.claims(a))

@@ -8,7 +8,10 @@ By default the budget counts weights only, as seed 000 does; ``count_biases=true
 solver count the L·K + d_out biases too. (Seed 000's *theory* writes L for the number of weight
 matrices, i.e. our depth + 1.)
 
-``linear`` is seed 000's deep linear network: no activations and no biases.
+``linear`` is seed 000's deep linear network: no activations and no biases. Its ``init`` option
+picks the weights' distribution: ``default`` is PyTorch's (``nn.Linear``'s Kaiming-uniform,
+std 1/√(3·fan_in)); ``normal`` draws every weight i.i.d. from N(0, init_std²), init_std = 1 by
+default, Theorem 3's setting. Both are seeded by the model seed (``build_model(seed=...)``).
 """
 
 from __future__ import annotations
@@ -16,11 +19,19 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 from batchbound.errors import BatchboundError
 from batchbound.models.layers import ModelShape, activation, tag
-from batchbound.models.options import flag, one_of_width_params, parameter_budget, positive_int
+from batchbound.models.options import (
+    choice,
+    flag,
+    one_of_width_params,
+    parameter_budget,
+    positive_float,
+    positive_int,
+)
 from batchbound.models.registry import register_family
 from batchbound.spec import Spec
 
@@ -126,6 +137,22 @@ def fully_connected(
     return tag(model, ModelShape("fc", depth, width, str(resolved)))
 
 
+LINEAR_INITS = ("default", "normal")
+
+
+def _linear_init(init: object, init_std: object) -> tuple[str, float | None]:
+    """Validate ``init`` and ``init_std``; init_std belongs to ``normal`` only (1.0 if omitted)."""
+    init = choice("linear", "init", init, LINEAR_INITS)
+    if init == "default":
+        if init_std is not None:
+            raise BatchboundError(
+                "linear: init_std applies to init=normal only (init=default is PyTorch's "
+                "initialisation, whose scale is set by fan-in)"
+            )
+        return init, None
+    return init, 1.0 if init_std is None else positive_float("linear", "init_std", init_std)
+
+
 @register_family("linear")
 def deep_linear(
     input_shape: Sequence[int],
@@ -133,10 +160,27 @@ def deep_linear(
     depth: int = 2,
     width: int | None = None,
     params: int | None = None,
+    init: str = "default",
+    init_std: float | None = None,
 ) -> nn.Module:
-    """Seed 000's deep linear network: ``depth`` hidden linear layers, no biases."""
+    """Seed 000's deep linear network: ``depth`` hidden linear layers, no biases.
+
+    ``init=normal`` redraws every weight i.i.d. N(0, init_std²) (init_std = 1: Theorem 3)
+    after PyTorch's default initialisation, from the same generator, so a seed fixes them.
+    """
+    init, std = _linear_init(init, init_std)
     d_in = math.prod(input_shape)
     depth, width = _resolve_width("linear", d_in, num_outputs, depth, width, params, False)
-    resolved = Spec("linear", {"depth": depth, "width": width} if depth else {"depth": 0})
+    options: dict[str, object] = {"depth": depth, "width": width} if depth else {"depth": 0}
+    if init != "default":
+        options["init"] = init
+        if std != 1.0:
+            options["init_std"] = std
+    resolved = Spec("linear", options)
     model = nn.Sequential(*_stack(d_in, width, depth, num_outputs, "linear", bias=False))
+    if init == "normal":
+        with torch.no_grad():
+            for layer in model.modules():
+                if isinstance(layer, nn.Linear):
+                    layer.weight.normal_(0.0, std)
     return tag(model, ModelShape("linear", depth, width, str(resolved)))

@@ -112,3 +112,14 @@ def largest_batch_grows_with_diversity(context: Context) -> Finding:
     return correlation(context, SOURCE, f"The largest batch within E = {context.budget:g} "
                        f"epochs grows with gradient diversity Δ ({context.delta_how}) "
                        "(Figure 2c).", delta, largest, +1, "Δ", "largest B")
+
+
+@register_claim(SOURCE, needs=("section:theory",))
+def theorem3_orders_shapes(context: Context) -> Finding:
+    claim = ("Theorem 3: for linear networks on Gaussian data the bound n·Δ at initialisation "
+             "follows the theorem's ρ bound across shapes (wider larger, deeper smaller).")
+    at_init = context.sections["theory"].data["at_init"]
+    bounds = {n: b for n, (b, _) in at_init.items() if math.isfinite(b)}
+    return correlation(context, SOURCE, claim, bounds,
+                       {n: draws for n, (_, draws) in at_init.items()}, +1,
+                       "Theorem 3 bound", "measured n·Δ at init")

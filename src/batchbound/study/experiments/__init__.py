@@ -7,6 +7,7 @@ from batchbound.study.experiments import (
     generalization,
     replication,
     stability,
+    theory,
     timing,
 )
 from batchbound.study.experiments.registry import (
@@ -17,4 +18,4 @@ from batchbound.study.experiments.registry import (
 )
 
 __all__ = ["EXPERIMENTS", "Section", "architectures", "generalization", "register_experiment",
-           "replication", "sections", "stability", "timing"]
+           "replication", "sections", "stability", "theory", "timing"]
