@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from batchbound.errors import BatchboundError
+from batchbound.study.spec import preset_names
 
 DEFAULT_ROOT = Path("runs")
 
@@ -23,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Batch-size studies: a TOML spec names data sets, model shapes (or a family "
         "sweep at fixed parameter count), batch sizes, the learning-rate strategy, grid and "
         "tuning rule, targets, epochs and seeds. FILE is a path or a packaged preset name "
-        "(width-depth-digits, strategies-digits). See docs/study.md.")
+        f"({', '.join(preset_names())}). See docs/study.md.")
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
 
     plan = sub.add_parser("plan", help="print the runs a spec implies, with a cost estimate")

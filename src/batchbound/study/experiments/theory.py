@@ -79,8 +79,9 @@ def theory(a: Any) -> Section | None:
         key="theory", title="Deep linear networks against Theorem 3", source="width",
         text=(f"Linear networks on Gaussian inputs (d = {d}); the theorem's ρ bound per shape "
               "(L = depth + 1 weight matrices of width K) beside the measured n·Δ at "
-              "initialisation (each run's first measurement, the theorem's setting: N(0,1) "
-              "weights when the models use init=normal) and averaged over training."),
+              "initialisation (each run's first measurement, the theorem's setting when the "
+              "models use init=normal: N(0, init_std²) weights, the N(0,1) setting up to a "
+              "common scale of student and teacher) and averaged over training."),
         tables=[("Per shape: measured n·Δ and Theorem 3's bound", table)],
         figures=[("theory_bound", "Measured n·Δ at initialisation against Theorem 3's lower "
                   "bound per shape [width, Theorem 3 and Figure 2].", draw)],
