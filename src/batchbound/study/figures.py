@@ -17,7 +17,6 @@ import numpy as np
 from batchbound.study import analysis as A
 
 Figure = tuple[str, str, Callable[[Any], None]]
-WIDE = ("loss_contour", "stability", "generalization")  # the figures with two panels
 NOT_REACHED = ("Grey: not reached within max_epochs; red: every run diverged; "
                "'div k/n': k of the cell's n runs diverged.")
 
@@ -109,7 +108,7 @@ def render_figures(a: Any, directory: Path) -> list[tuple[str, str, Path]]:
         stale.unlink()
     out = []
     for stem, caption, draw in [*figures(a), *[f for s in a.sections for f in s.figures]]:
-        wide = stem in WIDE
+        wide = stem == "loss_contour"
         fig = plt.figure(figsize=(11 if wide else 6.4, 4.6), dpi=110)
         try:
             draw(fig)

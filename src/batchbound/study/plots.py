@@ -31,7 +31,7 @@ def _groups(frame: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     return out
 
 
-def _log2_batch_axis(ax: Axes, batches: list[int] | np.ndarray) -> None:
+def log2_batch_axis(ax: Axes, batches: list[int] | np.ndarray) -> None:
     ax.set_xscale("log", base=2)
     batches = sorted({int(b) for b in batches})
     ax.set_xticks(batches)
@@ -155,7 +155,7 @@ def epochs_vs_batch(ax: Axes, summary: pd.DataFrame, budget: float | None = None
         ax.axhline(budget, color="grey", ls=":", lw=1)
         ax.text(0.01, 0.99, "at max epochs: open ▲ not reached, red ✕ diverged",
                 transform=ax.transAxes, va="top", fontsize=7, color="grey")
-    _log2_batch_axis(ax, summary["batch_size"].unique())
+    log2_batch_axis(ax, summary["batch_size"].unique())
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(PLAIN)
     ax.yaxis.set_minor_formatter(PLAIN)
@@ -180,7 +180,7 @@ def speedup_curves(ax: Axes, speedups: pd.DataFrame, title: str = "speedup") -> 
     m0 = speedups["batch_size"].min()
     batches = np.array(sorted(speedups["batch_size"].unique()), float)
     ax.plot(batches, batches / m0, "k--", lw=1, label="linear ideal m/m0")
-    _log2_batch_axis(ax, batches)
+    log2_batch_axis(ax, batches)
     ax.set_yscale("log", base=2)
     ax.yaxis.set_major_formatter(PLAIN)
     ax.set_ylabel("speedup s(m; m0) = k(m0)/k(m) (log2)")
@@ -215,7 +215,7 @@ def loss_contour(ax: Axes, surface: pd.DataFrame, title: str = "",
     filled = ax.contourf(batches, grid, np.ma.masked_invalid(z), levels=levels,
                          cmap="viridis_r")
     ax.figure.colorbar(filled, ax=ax, label="log10 training loss", format="%.2f")
-    _log2_batch_axis(ax, batches)
+    log2_batch_axis(ax, batches)
     ax.set_yscale("log")
     ax.set_ylabel("iterations (log)")
     ax.set_title(title or "training loss over (B, iterations)")

@@ -313,7 +313,7 @@ def markdown(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, Pa
     lines += ["## The papers' claims", "", VERDICT_RULE, ""]
     for c in found:
         lines.append(f"- **{c.verdict}** {_cite(c.source)}: {c.claim} {c.evidence}")
-    shown = {stem for s in a.sections for stem, _, _ in s.figures}
+    in_sections = {stem for s in a.sections for stem, _, _ in s.figures}
     for section in a.sections:
         lines += ["", f"## {section.title} {_cite(section.source)}", "", section.text, ""]
         for stem, caption, path in figure_paths:
@@ -325,7 +325,7 @@ def markdown(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, Pa
                   for c in found if c.section == section.key]
     lines += ["", "## Figures", ""]
     for stem, caption, path in figure_paths:
-        if stem not in shown:
+        if stem not in in_sections:
             lines += [f"![{stem}](figures/{path.name}) {caption}", ""]
     lines += ["## References", "", *[f"- [{k}] {v}" for k, v in REFERENCES.items()]]
     return "\n".join(lines) + "\n"
@@ -398,7 +398,7 @@ def html_page(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, P
               "</small></p><ul>"]
     parts += [verdict(c) for c in found]
     parts.append("</ul>")
-    own = {stem for s in a.sections for stem, _, _ in s.figures}
+    in_sections = {stem for s in a.sections for stem, _, _ in s.figures}
     for section in a.sections:
         stems = {f[0] for f in section.figures}
         parts += [f"<section id='{e(section.key)}'><h2>{e(section.title)} "
@@ -409,7 +409,7 @@ def html_page(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, P
         mine = [verdict(c) for c in found if c.section == section.key]
         parts += [f"<ul>{''.join(mine)}</ul>" if mine else "", "</section>"]
     parts.append("<h2>Figures</h2>")
-    parts += [figure(*f) for f in figure_paths if f[0] not in own]
+    parts += [figure(*f) for f in figure_paths if f[0] not in in_sections]
     parts += ["<h2>Tables</h2><h3>Epochs to target per model and B (η: the tuned step size; "
               "censored: stopped short of the target; diverged: left out of fits)</h3>",
               table(a.epochs),

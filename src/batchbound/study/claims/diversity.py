@@ -9,6 +9,7 @@ import numpy as np
 from batchbound.study.claims.registry import (
     Context,
     Finding,
+    against_batch,
     all_models,
     correlation,
     directional,
@@ -79,15 +80,13 @@ def mechanism_saves_time(context: Context) -> Finding:
 def larger_batch_less_stable(context: Context) -> Finding:
     claim = ("Larger batches are less stable: the normalised distance between the models "
              "trained on neighbouring data sets, at the end, grows with B [Figure 3a].")
-    draws = context.sections["stability"].data["distance"]
-    return correlation(context, SOURCE, claim, {f"B={b}": float(b) for b in draws},
-                       {f"B={b}": d for b, d in draws.items()}, +1, "B", "distance")
+    return against_batch(context, SOURCE, claim, context.sections["stability"].data["distance"],
+                         +1, "distance")
 
 
 @register_claim(SOURCE, needs=("section:stability",))
 def larger_batch_wider_test_spread(context: Context) -> Finding:
     claim = ("Larger batches vary more in how they generalise: the standard deviation of the "
              "final test accuracy over runs grows with B [Figure 3b/c].")
-    draws = context.sections["stability"].data["spread"]
-    return correlation(context, SOURCE, claim, {f"B={b}": float(b) for b in draws},
-                       {f"B={b}": d for b, d in draws.items()}, +1, "B", "test-accuracy sd")
+    return against_batch(context, SOURCE, claim, context.sections["stability"].data["spread"],
+                         +1, "test-accuracy sd")

@@ -15,8 +15,8 @@ from batchbound.study.claims.registry import (
     UNTESTABLE,
     Context,
     Finding,
+    against_batch,
     all_models,
-    correlation,
     directional,
     fmt,
     one_run_note,
@@ -24,6 +24,7 @@ from batchbound.study.claims.registry import (
     span,
 )
 from batchbound.study.evidence import LEVEL, Model, interval
+from batchbound.study.experiments.generalization import per_cell_draws
 
 SOURCE = "inefficiency"
 LINEAR, STAGNANT = 0.8, 0.1  # the regimes' α thresholds (analysis.speedup)
@@ -168,8 +169,6 @@ def _per_strategy(context: Context, column: str, sign: int, claim: str, name: st
     """A rank correlation of B with a per-run end-of-training value, per strategy; the
     verdict holds for every strategy tested. ``diverged_as`` replaces a diverged run's
     value (else it keeps what it recorded, NaN when its weights are not finite)."""
-    from batchbound.study.experiments.generalization import per_cell_draws
-
     runs = context.sections["generalization"].data["runs"]
     if column not in runs:
         return Finding(SOURCE, claim, UNTESTABLE, f"the runs did not record {name}")
@@ -178,11 +177,9 @@ def _per_strategy(context: Context, column: str, sign: int, claim: str, name: st
                                                         diverged_as)})
     found = []
     for strategy in strategies or sorted(runs["strategy"].unique()):
-        cells = per_cell_draws(runs, column, strategy)
-        found.append((strategy, correlation(context, SOURCE, claim,
-                                            {k: b for k, (b, _) in cells.items()},
-                                            {k: d for k, (_, d) in cells.items()},
-                                            sign, "B", name)))
+        found.append((strategy, against_batch(context, SOURCE, claim,
+                                              per_cell_draws(runs, column, strategy), sign,
+                                              name)))
     verdict = all_models([f.verdict for _, f in found])
     return Finding(SOURCE, claim, verdict,
                    " ".join(f"{s}: {f.evidence}" for s, f in found))

@@ -142,6 +142,14 @@ def correlation(context: Context, source: str, claim: str, x: dict[str, float],
     return Finding(source, claim, directional(context, near > 0 and p <= 0.05, far < 0), text)
 
 
+def against_batch(context: Context, source: str, claim: str, draws: dict[int, np.ndarray],
+                  sign: int, y_name: str) -> Finding:
+    """``correlation`` of the batch size with a per-batch quantity given as bootstrap draws
+    (row 0 the data), e.g. a mean over the seeds of each batch size."""
+    return correlation(context, source, claim, {f"B={b}": float(b) for b in draws},
+                       {f"B={b}": d for b, d in draws.items()}, sign, "B", y_name)
+
+
 def directional(context: Context, supported: bool, contradicted: bool) -> str:
     """The verdict from an interval test, inconclusive when the draws cannot spread."""
     if context.evidence.one_run and (supported or contradicted):

@@ -3,15 +3,14 @@ norms at the end of training, E[OSG], grow with the batch size (its ImageNet tab
 
 from __future__ import annotations
 
-from batchbound.study.claims.registry import Context, Finding, correlation, register_claim
+from batchbound.study.claims.registry import Context, Finding, against_batch, register_claim
+from batchbound.study.experiments.generalization import per_cell_draws
 
 SOURCE = "slides"
 
 
 @register_claim(SOURCE, needs=("section:generalization",))
 def osg_grows_with_batch(context: Context) -> Finding:
-    from batchbound.study.experiments.generalization import per_cell_draws
-
     claim = ("At the end of training, the mean squared one-sample gradient norm E[OSG] grows "
              "with the batch size.")
     runs = context.sections["generalization"].data["runs"]
@@ -19,7 +18,6 @@ def osg_grows_with_batch(context: Context) -> Finding:
         return Finding(SOURCE, claim, "not testable", "the runs did not record E[OSG]")
     strategies = sorted(runs["strategy"].unique())
     first = strategies[0]  # the base learning rate when present: one η for every B
-    cells = per_cell_draws(runs, "final_osg_mean", first)
-    finding = correlation(context, SOURCE, claim, {k: b for k, (b, _) in cells.items()},
-                          {k: d for k, (_, d) in cells.items()}, +1, "B", "E[OSG]")
+    finding = against_batch(context, SOURCE, claim,
+                            per_cell_draws(runs, "final_osg_mean", first), +1, "E[OSG]")
     return Finding(SOURCE, claim, finding.verdict, f"{first}: {finding.evidence}")

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from batchbound.study.evidence import means
 from batchbound.study.experiments.frames import finals
 from batchbound.study.experiments.registry import Section, register_experiment
 
@@ -29,7 +30,7 @@ def generalization(a: Any) -> Section | None:
     probes = [c for c in ("final_linear_error", "final_osg_mean") if c in runs]
     if not probes or runs[probes].notna().sum().sum() == 0:
         return None
-    from batchbound.study.plots import _log2_batch_axis
+    from batchbound.study.plots import log2_batch_axis
 
     columns = [c for c in PROBES if c in runs]
     cells = runs.groupby(["strategy", "batch_size"])
@@ -41,6 +42,7 @@ def generalization(a: Any) -> Section | None:
     epochs = a.spec.get("train", {}).get("max_epochs")
 
     def draw(fig: Any) -> None:
+        fig.set_size_inches(11, 4.6)  # two panels
         left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
         for i, (strategy, part) in enumerate(table.groupby("strategy")):
             part, color = part.sort_values("batch_size"), f"C{i}"  # one colour per strategy
@@ -58,7 +60,7 @@ def generalization(a: Any) -> Section | None:
             left.scatter(dead["batch_size"], [0.0] * len(dead), marker="x", color="red",
                          zorder=5, label=f"{strategy}: runs diverged" if len(dead) else None)
         for ax in (left, right):
-            _log2_batch_axis(ax, sorted(table["batch_size"].unique()))
+            log2_batch_axis(ax, sorted(table["batch_size"].unique()))
             ax.legend(fontsize=8)
         left.set_ylabel("test accuracy at the end")
         left.set_title(f"test accuracy after {epochs:g} epochs" if epochs else "test accuracy")
@@ -84,10 +86,8 @@ def generalization(a: Any) -> Section | None:
 
 
 def per_cell_draws(runs: pd.DataFrame, column: str, strategy: str | None = None
-                   ) -> dict[str, tuple[float, np.ndarray]]:
-    """{"B=64": (64, bootstrap means over seeds)} for one strategy's cells (the claims')."""
-    from batchbound.study.evidence import means
-
+                   ) -> dict[int, np.ndarray]:
+    """{64: bootstrap means over seeds} for one strategy's cells (what the claims test)."""
     part = runs if strategy is None else runs[runs["strategy"] == strategy]
-    return {f"B={int(b)}": (float(b), means(cell[column].dropna().to_numpy(float)))
+    return {int(b): means(cell[column].dropna().to_numpy(float))
             for b, cell in part.groupby("batch_size") if cell[column].notna().any()}

@@ -41,12 +41,12 @@ def loss_ratios(a: Any, small: int, large: int) -> pd.DataFrame:
     grid = np.arange(PASS_STEP, top + 1e-9, PASS_STEP)
     curves = curve_on_grid(a, runs["key"], "train_loss", grid)
     rows = []
-    for (data, _seed), part in runs.groupby(["data", "seed"]):
+    for (data, seed), part in runs.groupby(["data", "seed"]):
         by_batch = dict(zip(part["batch_size"], part["key"], strict=False))
         if small in by_batch and large in by_batch and by_batch[small] in curves.index \
                 and by_batch[large] in curves.index:
             ratio = curves.loc[by_batch[large]] / curves.loc[by_batch[small]]
-            rows += [(data, _seed, p, v) for p, v in ratio.items() if np.isfinite(v) and v > 0]
+            rows += [(data, seed, p, v) for p, v in ratio.items() if np.isfinite(v) and v > 0]
     return pd.DataFrame(rows, columns=["data", "seed", "passes", "ratio"])
 
 

@@ -81,6 +81,7 @@ def stability(a: Any) -> Section | None:
               for b, part in cells}
 
     def draw(fig: Any) -> None:
+        fig.set_size_inches(11, 4.6)  # two panels
         left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
         for batch, part in curve.groupby("batch_size"):
             left.plot(part["epoch"], part["distance"], marker=".", label=f"B = {batch}")
