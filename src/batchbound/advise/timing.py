@@ -23,11 +23,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import tomllib
 import torch
@@ -35,7 +33,8 @@ import torch
 from batchbound.data import Dataset
 from batchbound.errors import BatchboundError
 from batchbound.train.config import TrainConfig
-from batchbound.train.distributed import DistContext, free_port, resolve_device
+from batchbound.train.distributed import free_port
+from batchbound.train.loop import time_steps
 
 OVERLAPS = ("none", "backward")
 
@@ -151,37 +150,13 @@ def time_compute(config: TrainConfig, data: Dataset, sizes: Sequence[int], threa
                  budget_s: float = 0.2) -> ComputeCurve:
     """The trainer's step timed at each micro-batch size (median of repeats, at least 3 and
     about ``budget_s`` seconds each), with ``threads`` torch threads, on a throwaway model."""
-    from batchbound.train.loop import Trainer
-
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        timed = config.replace(workers=1, lr=1e-9, online_diversity="off",
-                               diversity_every_epochs=None, batch_policy="fixed", targets=())
-        trainer = Trainer(timed, DistContext(device=resolve_device(config.device)), dataset=data)
-        trainer.initial_loss = 1.0
-        steps, forwards = [], []
-        for m in sizes:
-            trainer.batch_size = m
-            steps.append(_median_seconds(lambda: trainer.train_step(False, False), budget_s))
-            x, y = trainer.data.x_train[:m], trainer.data.y_train[:m]
-            forwards.append(_median_seconds(
-                lambda x=x, y=y: trainer.loss_fn(trainer.model(x), y).sum(), budget_s))
+        steps, forwards = time_steps(config, data, sizes, budget_s)
         return ComputeCurve(tuple(sizes), tuple(steps), tuple(forwards))
     finally:
         torch.set_num_threads(previous)
-
-
-def _median_seconds(fn: Any, budget_s: float) -> float:
-    fn()  # warm-up
-    times: list[float] = []
-    spent = 0.0
-    while len(times) < 3 or (spent < budget_s and len(times) < 200):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-        spent += times[-1]
-    return statistics.median(times)
 
 
 def time_workers(config: TrainConfig, workers: int, sizes: Sequence[int], threads: int,

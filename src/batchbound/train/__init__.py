@@ -26,7 +26,7 @@ __all__ = [
 
 
 def train(config: TrainConfig, **kwargs: Any) -> RunResult:
-    """Train per ``config`` (see batchbound.train.loop.train for the keyword options)."""
-    from batchbound.train.loop import train as _train
+    """Train per ``config`` (see batchbound.train.launch.train for the keyword options)."""
+    from batchbound.train.launch import train as _train
 
     return _train(config, **kwargs)

@@ -1,10 +1,12 @@
-"""``--workers P`` on one machine: spawn P processes that form a process group on loopback.
+"""How a run starts: ``train()`` runs in this process (alone, or as a rank of an existing or
+torchrun process group), or spawns P local processes for ``--workers P``.
 
-The parent loads and validates the data first (bad input fails before any process starts),
-hands it to the workers through torch.multiprocessing's shared memory, picks a free port,
-and waits. Rank 0 writes the RunResult to a temporary file the parent reads back. SIGINT or
-SIGTERM to the parent is forwarded to the workers as SIGTERM, so they checkpoint and stop
-together. Each worker gets ⌊cores/P⌋ intra-op threads so P workers do not oversubscribe.
+With P local processes, the parent loads and validates the data first (bad input fails
+before any process starts), hands it to the workers through torch.multiprocessing's shared
+memory, picks a free port, and waits. Rank 0 writes the RunResult to a temporary file the
+parent reads back. SIGINT or SIGTERM to the parent is forwarded to the workers as SIGTERM,
+so they checkpoint and stop together. Each worker gets ⌊cores/P⌋ intra-op threads so P
+workers do not oversubscribe.
 """
 
 from __future__ import annotations
@@ -20,9 +22,35 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from batchbound.data import Dataset, apply_transform, load_dataset
+from batchbound.errors import BatchboundError
 from batchbound.train.config import TrainConfig
-from batchbound.train.distributed import free_port, resolve_device, teardown
+from batchbound.train.distributed import env_world_size, free_port, resolve_device, teardown
+from batchbound.train.loop import train_in_group
 from batchbound.train.result import RunResult
+
+
+def train(
+    config: TrainConfig,
+    *,
+    dataset: Dataset | None = None,
+    checkpoint_path: str | Path | None = None,
+    resume: bool = False,
+    progress: bool = False,
+) -> RunResult:
+    """Train per ``config``; return the RunResult (on every rank; rank 0 is the one to keep).
+
+    ``dataset``: an already loaded Dataset instead of ``config.dataset`` (the transform is
+    still applied). ``checkpoint_path``: where checkpoints go (periodic with
+    ``config.checkpoint_every``, and on SIGTERM/SIGINT). ``resume``: continue from it.
+    With ``config.workers > 1`` and no process group, P local processes are spawned (gloo on
+    CPU, NCCL on CUDA); under torchrun the environment's group is joined.
+    """
+    if resume and checkpoint_path is None:
+        raise BatchboundError("resume needs a checkpoint path")
+    options = {"checkpoint_path": checkpoint_path, "resume": resume, "progress": progress}
+    if config.workers > 1 and env_world_size() == 1 and not dist.is_initialized():
+        return launch_local(config, dataset=dataset, **options)
+    return train_in_group(config, dataset=dataset, **options)
 
 
 def launch_local(
@@ -76,8 +104,6 @@ def _worker(
     out: str,
     options: dict[str, Any],
 ) -> None:
-    from batchbound.train.loop import train
-
     config = TrainConfig.from_dict(config_dict)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -95,7 +121,7 @@ def _worker(
     )
     finished = False
     try:
-        result = train(config, dataset=data, **options)
+        result = train_in_group(config, dataset=data, **options)
         if rank == 0:
             tmp = Path(out + ".tmp")
             tmp.write_text(result.to_json())

@@ -38,7 +38,7 @@ from batchbound.train.config import TrainConfig
 from batchbound.train.distributed import (
     DistContext,
     all_reduce_sum,
-    env_world_size,
+    resolve_device,
     setup,
     shard,
     teardown,
@@ -48,12 +48,12 @@ from batchbound.train.mechanisms import apply_to_worker, example_gradients
 from batchbound.train.monitor import OnlineMonitor
 from batchbound.train.progress import Progress
 from batchbound.train.result import RunResult, TargetResult
-from batchbound.train.timing import PhaseTimer
+from batchbound.train.timing import PhaseTimer, median_seconds
 
 _EPS = 1e-9  # epoch comparisons: samples_seen / n is exact, but sums of fractions are not
 
 
-def train(
+def train_in_group(
     config: TrainConfig,
     *,
     dataset: Dataset | None = None,
@@ -61,26 +61,11 @@ def train(
     resume: bool = False,
     progress: bool = False,
 ) -> RunResult:
-    """Train per ``config``; return the RunResult (on every rank; rank 0 is the one to keep).
-
-    ``dataset``: an already loaded Dataset instead of ``config.dataset`` (the transform is
-    still applied). ``checkpoint_path``: where checkpoints go (periodic with
-    ``config.checkpoint_every``, and on SIGTERM/SIGINT). ``resume``: continue from it.
-    With ``config.workers > 1`` and no process group, P local processes are spawned (gloo on
-    CPU, NCCL on CUDA); under torchrun the environment's group is joined.
-    """
+    """Train in this process: alone, or as one rank of the process group that is already
+    initialised or that torchrun's environment describes. ``batchbound.train.train`` decides
+    whether to spawn local processes first (launch.py) and calls this in each."""
     if resume and checkpoint_path is None:
         raise BatchboundError("resume needs a checkpoint path")
-    if config.workers > 1 and env_world_size() == 1 and not torch.distributed.is_initialized():
-        from batchbound.train.launch import launch_local
-
-        return launch_local(
-            config,
-            dataset=dataset,
-            checkpoint_path=checkpoint_path,
-            resume=resume,
-            progress=progress,
-        )
     owns_group = not torch.distributed.is_initialized()  # setup() may create it (torchrun)
     ctx = setup(config.device)
     finished = False
@@ -99,6 +84,25 @@ def train(
     finally:
         if owns_group:  # leave a group we created; a caller's own group is theirs to close
             teardown(synchronise=finished)
+
+
+def time_steps(
+    config: TrainConfig, data: Dataset, sizes: list[int] | tuple[int, ...], budget_s: float = 0.2
+) -> tuple[list[float], list[float]]:
+    """Seconds of the trainer's step, and of the forward pass alone, at each micro-batch size
+    (median of repeats, about ``budget_s`` each), on one process with a throwaway model."""
+    timed = config.replace(workers=1, lr=1e-9, online_diversity="off",
+                           diversity_every_epochs=None, batch_policy="fixed", targets=())
+    trainer = Trainer(timed, DistContext(device=resolve_device(config.device)), dataset=data)
+    trainer.initial_loss = 1.0
+    steps, forwards = [], []
+    for m in sizes:
+        trainer.batch_size = m
+        steps.append(median_seconds(lambda: trainer.train_step(False, False), budget_s))
+        x, y = trainer.data.x_train[:m], trainer.data.y_train[:m]
+        forwards.append(median_seconds(
+            lambda x=x, y=y: trainer.loss_fn(trainer.model(x), y).sum(), budget_s))
+    return steps, forwards
 
 
 def _scaled(grad: torch.Tensor, scale: float, param: torch.Tensor) -> torch.Tensor:
@@ -471,16 +475,16 @@ class Trainer:
         machine's step at ⌈B/P⌉ examples, timed once, plus the all-reduce as this run has
         measured it so far; averaged over ranks so that every rank picks the same B."""
         if self._step_cost is None:
-            from batchbound.advise.timing import time_compute
-
             workers = self.ctx.world_size
             candidates = self.policy.candidates(workers)
             micro = [math.ceil(b / workers) for b in candidates]
+            sizes = sorted(set(micro))
             with torch.random.fork_rng(devices=[]):  # the throwaway model reseeds torch
-                curve = time_compute(self.config.replace(transform=None), self.data,
-                                     sorted(set(micro)), torch.get_num_threads(), budget_s=0.02)
+                steps, _ = time_steps(self.config.replace(transform=None), self.data, sizes,
+                                      budget_s=0.02)
+            step = dict(zip(sizes, steps, strict=True))
             communication = self.timer.totals["communication"] / max(self.timer.iterations, 1)
-            seconds = torch.tensor([curve.step(m) + communication for m in micro],
+            seconds = torch.tensor([step[m] + communication for m in micro],
                                    dtype=torch.float64, device=self.ctx.device)
             all_reduce_sum(seconds)
             table = dict(zip(candidates, (seconds / workers).tolist(), strict=True))

@@ -7,7 +7,9 @@ Totals are kept, not per-iteration lists, so timing costs O(1) memory.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -73,3 +75,17 @@ class PhaseTimer:
         )
         out["samples_per_second"] = self.samples / busy if busy > 0 else 0.0
         return out
+
+
+def median_seconds(fn: Callable[[], Any], budget_s: float) -> float:
+    """Median wall time of ``fn()`` after one warm-up call: at least 3 calls, more while
+    under ``budget_s`` seconds in all (at most 200)."""
+    fn()
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < 3 or (spent < budget_s and len(times) < 200):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+        spent += times[-1]
+    return statistics.median(times)
