@@ -182,3 +182,36 @@ def test_sigterm_stops_workers_with_a_checkpoint_then_resume(tmp_path) -> None:
     done = json.loads(resumed.stdout)
     assert done["status"] == "complete" and done["final"]["epochs"] == pytest.approx(40, abs=0.02)
     assert done["config_hash"] == stopped["config_hash"]
+
+
+
+# a valid non-default command-line value for each TrainConfig field whose type alone does not
+# give one
+SAMPLE_VALUES = {
+    "dataset": "digits", "data_dir": "/tmp", "transform": "subset(n=100)",
+    "model": "fc(depth=1,params=800)", "loss": "mse", "strategy": "srsr(base_batch=16)",
+    "mechanism": "sgld(sigma=0.1)", "batch_policy": "fixed", "device": "cpu",
+    "final_probes": "osg", "workers": "1", "momentum": "0.5", "divergence_factor": "3",
+    "online_diversity": "norms", "mechanism_granularity": "example",
+}
+
+
+def test_every_config_field_has_a_flag_that_sets_it() -> None:
+    """The flags are generated from TrainConfig: each field is settable, with its type."""
+    import argparse
+    import dataclasses
+
+    from batchbound.cli.train import build_config, register
+    from batchbound.train import TrainConfig
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    for field in dataclasses.fields(TrainConfig):
+        if field.name in ("targets", "stop_at_targets"):  # --target-*, --no-stop-at-targets
+            continue
+        flags = field.metadata.get("flags") or (f"--{field.name.replace('_', '-')}",)
+        choices = field.metadata.get("choices")
+        value = SAMPLE_VALUES.get(field.name) or (choices[-1] if choices else "3")
+        got = getattr(build_config(parser.parse_args(["train", flags[0], value])), field.name)
+        expected = (value,) if isinstance(got, tuple) else type(got)(value)
+        assert got == expected, field.name

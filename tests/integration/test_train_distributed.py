@@ -50,6 +50,18 @@ def test_two_workers_match_one(tmp_path) -> None:
     assert two.timings["communication_seconds"] > 0
 
 
+def test_two_workers_with_micro_batches_match_one(tmp_path) -> None:
+    """17/16 examples per rank in micro-steps of 5 (4 micro-batches each): the same weights as
+    one process with the whole batch, and two_batch estimates from the 8 micro-batches."""
+    train(CONFIG, checkpoint_path=tmp_path / "one.ckpt")
+    two = train(CONFIG.replace(workers=2, micro_batch=5, online_diversity="two_batch"),
+                checkpoint_path=tmp_path / "two.ckpt")
+    assert two.status == "complete"
+    a, b = final_parameters(tmp_path / "one.ckpt"), final_parameters(tmp_path / "two.ckpt")
+    assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
+    assert len(two.curve("online_batch_bound")) == 15
+
+
 @pytest.mark.slow
 def test_two_workers_with_mechanism_monitor_and_adaptive_batch(tmp_path) -> None:
     """Everything that talks across ranks at once: a worker mechanism, the two-batch monitor,

@@ -54,7 +54,7 @@ def test_two_batch_mode_from_worker_gradients() -> None:
             [g[:32].sum(0) * scale for g in per.values()],
             [g[32:].sum(0) * scale for g in per.values()],
         ]
-        extras = [sum(monitor.local_extras(h, scale, 32)[0] for h in halves)]
+        extras = [sum(monitor.small_batch_sq(h, scale, 32) for h in halves)]
         total = [a + b for a, b in zip(*halves, strict=True)]
         out = monitor.update(total, scale, extras, batch)
     assert out["online_batch_bound"] == pytest.approx(exact_bound(), rel=0.3)

@@ -5,51 +5,18 @@ seconds to each target (``--json``: one JSON object on stdout)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+import typing
 from typing import Any
 
 from batchbound.cli.common import add_data_arguments
 from batchbound.config import load_toml
 from batchbound.errors import BatchboundError
-from batchbound.train import RunResult, TrainConfig, target_list, train
-from batchbound.train.probes import PROBES
-
-# CLI flag dest -> TrainConfig field, for flags that map one to one
-_FIELDS = {
-    "dataset": "dataset",
-    "data_dir": "data_dir",
-    "transform": "transform",
-    "model": "model",
-    "loss": "loss",
-    "batch_size": "batch_size",
-    "lr": "lr",
-    "strategy": "strategy",
-    "momentum": "momentum",
-    "weight_decay": "weight_decay",
-    "convention": "convention",
-    "sampling": "sampling",
-    "seed": "seed",
-    "workers": "workers",
-    "max_epochs": "max_epochs",
-    "max_iterations": "max_iterations",
-    "max_seconds": "max_seconds",
-    "eval_every_epochs": "eval_every_epochs",
-    "eval_every_iterations": "eval_every_iterations",
-    "eval_subset": "eval_subset",
-    "divergence_factor": "divergence_factor",
-    "diversity_every_epochs": "diversity_every_epochs",
-    "online_diversity": "online_diversity",
-    "mechanism": "mechanism",
-    "granularity": "mechanism_granularity",
-    "batch_policy": "batch_policy",
-    "checkpoint_every": "checkpoint_every",
-    "device": "device",
-    "dtype": "dtype",
-    "snapshot_every_epochs": "snapshot_every_epochs",
-    "final_probes": "final_probes",
-}
+from batchbound.train import TARGET_METRICS, RunResult, TrainConfig, target_list, train
+from batchbound.train.config import GROUPS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -66,40 +33,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--config", help="a TOML file with TrainConfig fields")
     add_data_arguments(parser)
     parser.set_defaults(dataset=None)  # unset: the --config file's, else TrainConfig's digits
-    parser.add_argument("--transform", help="data transform spec, e.g. 'replicate(r=4)'")
-    parser.add_argument("--model", help="model spec, e.g. 'fc(depth=2,params=4000)'")
-    parser.add_argument(
-        "--loss", choices=["cross_entropy", "mse"], help="per-example loss; default by task"
-    )
-    opt = parser.add_argument_group("optimiser")
-    opt.add_argument("--batch-size", "-B", type=int, help="global batch size B (default 64)")
-    opt.add_argument("--lr", type=float, help="base learning rate η0 (default 0.1)")
-    opt.add_argument(
-        "--strategy",
-        help="blr | lsr(base_batch=m0,warmup_epochs=W) | "
-        "srsr(base_batch=m0,warmup_epochs=W), optional decay=step|cosine",
-    )
-    opt.add_argument("--momentum", type=float, help="SGD momentum (default 0)")
-    opt.add_argument("--weight-decay", type=float, help="L2 weight decay (default 0)")
-    opt.add_argument(
-        "--convention",
-        choices=["mean", "sum"],
-        help="mean: w -= γ·mean g_i (default); sum: w -= γ·Σg_i (the seeds')",
-    )
-    opt.add_argument(
-        "--sampling",
-        choices=["epoch", "replacement"],
-        help="epoch: permutations (default); replacement: i.i.d. uniform",
-    )
-    opt.add_argument("--seed", type=int, help="seed for model, sampler and mechanisms (default 0)")
-    opt.add_argument(
-        "--workers",
-        "-P",
-        type=int,
-        help="local worker processes (default 1; under torchrun: WORLD_SIZE)",
-    )
-    stop = parser.add_argument_group("targets and limits")
-    for metric in ("train_acc", "train_loss", "test_acc", "test_loss"):
+    groups = {name: parser.add_argument_group(title) for name, title in GROUPS.items()}
+    add_config_flags(groups)
+    stop = groups["stopping"]
+    for metric in TARGET_METRICS:
         stop.add_argument(
             f"--target-{metric.replace('_', '-')}",
             dest=f"target_{metric}",
@@ -114,61 +51,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="keep training after every target is reached",
     )
-    stop.add_argument("--max-epochs", type=float, help="epoch limit (default 100)")
-    stop.add_argument("--max-iterations", type=int, help="iteration limit")
-    stop.add_argument("--max-seconds", type=float, help="training wall-time limit")
-    stop.add_argument(
-        "--divergence-factor",
-        type=float,
-        help="diverged when the batch loss exceeds this × initial loss (default 10)",
-    )
-    ev = parser.add_argument_group("evaluation and monitoring")
-    ev.add_argument(
-        "--eval-every-epochs", type=float, help="evaluate every this many epochs (default 0.5)"
-    )
-    ev.add_argument("--eval-every-iterations", type=int, help="evaluate every k iterations")
-    ev.add_argument("--eval-subset", type=int, help="train metrics on this many fixed examples")
-    ev.add_argument(
-        "--diversity-every-epochs",
-        type=float,
-        help="measure the exact Δ and n·Δ every this many epochs",
-    )
-    ev.add_argument(
-        "--online-diversity",
-        choices=["off", "norms", "two_batch"],
-        help="cheap per-iteration diversity estimate (default off)",
-    )
-    ev.add_argument(
-        "--snapshot-every-epochs",
-        type=float,
-        help="keep the flat weights (float32) at epoch 0, every this many epochs and at the end",
-    )
-    ev.add_argument(
-        "--final-probes",
-        nargs="+",
-        metavar="PROBE",
-        help=f"measure at the final weights: {' | '.join(PROBES)} (several allowed)",
-    )
-    mech = parser.add_argument_group("mechanisms and batch policy")
-    mech.add_argument(
-        "--mechanism", help="none | dropconnect(p=..) | sgld(sigma=..) | quantization"
-    )
-    mech.add_argument(
-        "--granularity",
-        choices=["example", "worker"],
-        help="example: per-example gradients (exact, costly); worker (default)",
-    )
-    mech.add_argument(
-        "--batch-policy",
-        help="fixed | adaptive(delta=..,min=..,max=..,every=..[,source=online][,pick=time])",
-    )
-    run = parser.add_argument_group("running")
+    run = parser.add_argument_group("output")
     run.add_argument("--checkpoint", help="checkpoint file (written periodically and on SIGTERM)")
-    run.add_argument("--checkpoint-every", type=int, help="iterations between checkpoints")
     run.add_argument("--resume", action="store_true", help="continue from --checkpoint")
-    run.add_argument("--device", help="auto (cuda if available) | cpu | cuda")
-    run.add_argument("--dtype", choices=["float32", "float64"], help="default float32")
     run.add_argument("--output", "-o", help="write the full RunResult (curves, timings) as JSON")
+    run.add_argument("--tensorboard", metavar="DIR",
+                     help="write every curve as TensorBoard scalars into DIR")
     run.add_argument(
         "--json",
         action="store_true",
@@ -178,18 +66,47 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_command)
 
 
+def add_config_flags(groups: dict[str, Any]) -> None:
+    """One flag per TrainConfig field, from the field's metadata (group, help, flags,
+    choices, metavar), its type and its default; ``dest`` is the field name."""
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        meta = f.metadata
+        flags = meta.get("flags", (f"--{f.name.replace('_', '-')}",))
+        if not flags:
+            continue  # set another way (--dataset, --target-*, --no-stop-at-targets)
+        kind, many = _flag_type(hints[f.name])
+        default = "" if f.default in (None, ()) else f" (default {f.default})"
+        groups[meta["group"]].add_argument(
+            *flags,
+            dest=f.name,
+            type=kind,
+            nargs="+" if many else None,
+            choices=meta.get("choices"),
+            metavar=meta.get("metavar"),
+            help=meta["help"] + default,
+        )
+
+
+def _flag_type(hint: Any) -> tuple[type, bool]:
+    """(the argparse type, whether the field is a list) for ``int | None``, ``float``,
+    ``str``, ``tuple[str, ...]``."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is tuple:
+        return args[0], True
+    kind = args[0] if args else hint
+    if kind not in (int, float, str):
+        raise TypeError(f"no CLI flag type for {hint!r}")
+    return kind, False
+
+
 def build_config(args: argparse.Namespace) -> TrainConfig:
     values: dict[str, Any] = load_toml(args.config) if args.config else {}
-    for dest, name in _FIELDS.items():
-        value = getattr(args, dest, None)
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(args, f.name, None)
         if value is not None:
-            values[name] = value
-    targets = target_list(
-        **{
-            m: getattr(args, f"target_{m}")
-            for m in ("train_acc", "train_loss", "test_acc", "test_loss")
-        }
-    )
+            values[f.name] = value
+    targets = target_list(**{m: getattr(args, f"target_{m}") for m in TARGET_METRICS})
     if targets:
         values["targets"] = targets
     if args.no_stop_at_targets:

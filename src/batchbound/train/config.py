@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from batchbound.config import config_hash, to_plain
@@ -32,7 +32,7 @@ NOT_HASHED = ("data_dir",)
 # Fields added after stores keyed runs by config_hash(): hashed only when they differ from
 # their default, so a config that leaves them alone keeps the key it had before they existed
 # (and finds its stored runs and checkpoints). A new field goes here, not into the hash.
-HASHED_WHEN_SET = ("snapshot_every_epochs", "final_probes")
+HASHED_WHEN_SET = ("snapshot_every_epochs", "final_probes", "micro_batch")
 
 
 @dataclass(frozen=True)
@@ -67,49 +67,102 @@ class Target:
         return value <= self.threshold
 
 
+def option(default: Any, group: str, help: str, **cli: Any) -> Any:
+    """A TrainConfig field with its group and help: ``batchbound train``'s flags, their help
+    and their defaults are generated from these (cli/train.py). ``cli`` holds argparse
+    extras: ``flags`` (the option strings, default ``--field-name``), ``choices``,
+    ``metavar``, or ``flags=()`` for a field the CLI sets another way."""
+    return field(default=default, metadata={"group": group, "help": help, **cli})
+
+
+# The groups, in the order --help shows them.
+GROUPS = {
+    "data": "what is trained on",
+    "optimisation": "the optimiser",
+    "stopping": "targets and limits",
+    "evaluation": "evaluation and monitoring",
+    "mechanisms": "mechanisms and batch policy",
+    "execution": "where and how it runs",
+    "records": "kept for later analyses",
+}
+
+
 @dataclass(frozen=True)
 class TrainConfig:
+    """Everything that defines a run, in flat fields (a stored run's dict and its hash do
+    not depend on the grouping); each field's group and help are in its metadata."""
+
     # what is trained on
-    dataset: str = "digits"
-    transform: str | None = None  # a transform spec for batchbound.data.apply_transform
-    data_dir: str | None = None  # where user files live; not part of the hash
-    model: str = "fc(depth=2,params=4000)"
-    loss: str | None = None  # None: cross_entropy for classification, mse for regression
+    dataset: str = option("digits", "data", "data set spec (see `batchbound data list`)",
+                          flags=())
+    transform: str | None = option(None, "data", "data transform spec, e.g. 'replicate(r=4)'")
+    data_dir: str | None = option(None, "data", "where user files live (not hashed)", flags=())
+    model: str = option("fc(depth=2,params=4000)", "data", "model spec (see `batchbound models`)")
+    loss: str | None = option(None, "data", "per-example loss; default by the data's task: "
+                              "cross_entropy, mse, or sequence_cross_entropy for text")
     # the optimiser
-    batch_size: int = 64  # the global batch B, split across workers
-    lr: float = 0.1  # η0, the base learning rate the strategy scales
-    strategy: str = "blr"
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    convention: str = "mean"  # mean: w -= γ·(1/B)Σg_i ; sum (the seeds'): w -= γ·Σg_i
-    sampling: str = "epoch"  # epoch: permutations without replacement; replacement: i.i.d.
-    seed: int = 0
-    workers: int = 1
+    batch_size: int = option(64, "optimisation", "global batch size B, split across workers",
+                             flags=("--batch-size", "-B"))
+    lr: float = option(0.1, "optimisation", "base learning rate η0, which the strategy scales")
+    strategy: str = option("blr", "optimisation",
+                           "blr | lsr(base_batch=m0,warmup_epochs=W) | "
+                           "srsr(base_batch=m0,warmup_epochs=W), optional decay=step|cosine")
+    momentum: float = option(0.0, "optimisation", "SGD momentum")
+    weight_decay: float = option(0.0, "optimisation", "L2 weight decay")
+    convention: str = option("mean", "optimisation",
+                             "mean: w -= γ·(1/B)Σg_i; sum: w -= γ·Σg_i (the seeds')",
+                             choices=CONVENTIONS)
+    sampling: str = option("epoch", "optimisation",
+                           "epoch: permutations without replacement; replacement: i.i.d.",
+                           choices=SAMPLINGS)
+    seed: int = option(0, "optimisation", "seed for the model, the sampler and mechanisms")
+    workers: int = option(1, "execution", "worker processes P (under torchrun: WORLD_SIZE)",
+                          flags=("--workers", "-P"))
+    micro_batch: int | None = option(
+        None, "execution", "examples per micro-step: each worker accumulates its share of B "
+        "in ⌈B/(P·m)⌉ micro-steps before the one all-reduce (exact; memory no longer limits "
+        "B; gives two_batch micro-batches on one process)", metavar="M")
     # stopping
-    targets: tuple[Target, ...] = ()
-    stop_at_targets: bool = True  # stop once every target is reached
-    max_epochs: float | None = 100.0
-    max_iterations: int | None = None
-    max_seconds: float | None = None
-    divergence_factor: float | None = 10.0  # batch loss > factor × initial loss: diverged
+    targets: tuple[Target, ...] = option((), "stopping", "targets", flags=())
+    stop_at_targets: bool = option(True, "stopping", "stop once every target is reached",
+                                   flags=())
+    max_epochs: float | None = option(100.0, "stopping", "epoch limit")
+    max_iterations: int | None = option(None, "stopping", "iteration limit")
+    max_seconds: float | None = option(None, "stopping", "training wall-time limit")
+    divergence_factor: float | None = option(
+        10.0, "stopping", "diverged when the batch loss exceeds this × the initial loss")
     # evaluation
-    eval_every_epochs: float | None = 0.5
-    eval_every_iterations: int | None = None  # when set, replaces eval_every_epochs
-    eval_subset: int | None = None  # evaluate train metrics on this many fixed examples
-    eval_batch_size: int = 4096
+    eval_every_epochs: float | None = option(0.5, "evaluation", "evaluate every k epochs")
+    eval_every_iterations: int | None = option(
+        None, "evaluation", "evaluate every k iterations (replaces --eval-every-epochs)")
+    eval_subset: int | None = option(None, "evaluation",
+                                     "train metrics on this many fixed examples")
+    eval_batch_size: int = option(4096, "evaluation", "examples per evaluation chunk")
     # diversity
-    diversity_every_epochs: float | None = None  # exact Δ over the train set (seed 000: 10)
-    online_diversity: str = "off"  # off | norms | two_batch
-    mechanism: str = "none"  # none | dropconnect(p=..) | sgld(sigma=..) | quantization
-    mechanism_granularity: str = "worker"  # example (exact, costly) | worker
-    batch_policy: str = "fixed"  # fixed | adaptive(delta=..,min=..,max=..,every=..)
+    diversity_every_epochs: float | None = option(
+        None, "evaluation", "measure the exact Δ and n·Δ every k epochs (seed 000: 10)")
+    online_diversity: str = option(
+        "off", "evaluation", "per-iteration estimate of Δ: norms (per-example norms from the "
+        "step's backward) | two_batch (small-batch against global gradients)",
+        choices=ONLINE_MODES)
+    mechanism: str = option("none", "mechanisms",
+                            "none | dropconnect(p=..) | sgld(sigma=..) | quantization")
+    mechanism_granularity: str = option(
+        "worker", "mechanisms", "example: per-example gradients (exact, costly); worker",
+        flags=("--granularity",), choices=GRANULARITIES)
+    batch_policy: str = option(
+        "fixed", "mechanisms",
+        "fixed | adaptive(delta=..,min=..,max=..,every=..[,source=online][,pick=time])")
     # bookkeeping
-    checkpoint_every: int | None = None  # iterations between periodic checkpoints
-    device: str = "auto"  # auto: cuda when available
-    dtype: str = "float32"
+    checkpoint_every: int | None = option(None, "execution",
+                                          "iterations between periodic checkpoints")
+    device: str = option("auto", "execution", "auto (cuda when available) | cpu | cuda[:i]")
+    dtype: str = option("float32", "execution", "parameter and data dtype", choices=DTYPES)
     # kept for later analyses (both in HASHED_WHEN_SET)
-    snapshot_every_epochs: float | None = None  # flat weights at 0, every k epochs, the end
-    final_probes: tuple[str, ...] = ()  # measurements at w* (train/probes.py: osg, ...)
+    snapshot_every_epochs: float | None = option(
+        None, "records", "keep the flat weights at epoch 0, every k epochs and at the end")
+    final_probes: tuple[str, ...] = option(
+        (), "records", f"measure at the final weights: {' | '.join(PROBES)}", metavar="PROBE")
 
     def __post_init__(self) -> None:
         targets = tuple(_target(t) for t in self.targets)
@@ -141,7 +194,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise BatchboundError(f"{name} must be > 0 (or unset), got {value}")
-        for name in ("max_iterations", "eval_every_iterations", "eval_subset", "checkpoint_every"):
+        for name in ("max_iterations", "eval_every_iterations", "eval_subset", "checkpoint_every",
+                     "micro_batch"):
             value = getattr(self, name)
             if value is not None:
                 _positive_int(name, value)
@@ -166,8 +220,11 @@ class TrainConfig:
                 "combined with a mechanism; measure a mechanism's Δ with "
                 "diversity_every_epochs or batchbound.diversity.mechanisms"
             )
-        if self.online_diversity == "two_batch" and self.workers < 2:
-            raise BatchboundError("online_diversity=two_batch needs workers >= 2")
+        if self.online_diversity == "two_batch" and self.workers < 2 and (
+                self.micro_batch is None or self.micro_batch >= self.batch_size):
+            raise BatchboundError(
+                "online_diversity=two_batch needs at least two small batches per step: "
+                "workers >= 2, or micro_batch below batch_size")
         policy = self.parsed_batch_policy()
         if policy.adaptive and policy.source == "online" and self.online_diversity == "off":
             raise BatchboundError(
@@ -196,13 +253,21 @@ class TrainConfig:
             raise BatchboundError(
                 f"batch size {self.batch_size} is larger than the training set ({n} examples)"
             )
-        if dataset.task != "classification":
+        # accuracy: of labels (classification) or of next tokens (text); regression has none
+        if dataset.task not in ("classification", "text"):
             bad = [t.name for t in self.targets if t.metric.endswith("_acc")]
             if bad:
                 raise BatchboundError(
                     f"target {', '.join(bad)} needs accuracy, which a {dataset.task} task does "
                     "not have; use train_loss or test_loss targets"
                 )
+        text_loss = "sequence_cross_entropy"
+        if self.loss is not None and (self.loss == text_loss) != (dataset.task == "text"):
+            raise BatchboundError(
+                f"loss {self.loss!r} does not fit a {dataset.task} task; "
+                + (f"text needs {text_loss} (the default)" if dataset.task == "text"
+                   else f"{text_loss} is for text data sets")
+            )
         if dataset.n_test == 0 and any(t.metric.startswith("test_") for t in self.targets):
             raise BatchboundError(f"data set {dataset.name!r} has no test split for a test target")
         if self.eval_subset is not None and self.eval_subset > n:

@@ -154,7 +154,8 @@ class Trainer:
         # mechanism draws differ per rank (independent workers) and are checkpointed
         self.generator = torch.Generator(device=ctx.device)
         self.generator.manual_seed(config.seed * 1_000_003 + 7919 * (ctx.rank + 1))
-        self.monitor = OnlineMonitor(config.online_diversity, self.n, ctx, config.sampling)
+        self.monitor = OnlineMonitor(config.online_diversity, self.n, ctx, config.sampling,
+                                     config.micro_batch)
         self.prepared_stats: PreparedStats | None = None  # made on the first monitored step
 
         subset = config.eval_subset
@@ -278,9 +279,7 @@ class Trainer:
         timer.lap("data")
 
         scale = 1.0 / batch if self.config.convention == "mean" else 1.0
-        grads, loss_sum, monitor_extras = self.compute_gradients(x, y, scale)
-        if self.monitor.mode == "two_batch":
-            monitor_extras = self.monitor.local_extras(grads, scale, len(local))
+        grads, loss_sum, monitor_extras = self.accumulate_gradients(x, y, scale)
         if self.config.mechanism_granularity == "worker":
             apply_to_worker(self.mechanism, grads, scale, self.generator)
         timer.lap("compute")
@@ -313,6 +312,35 @@ class Trainer:
             batch,
         )
         return {"stop": extras_sum[1] > 0, "time": extras_sum[2] > 0}
+
+    def accumulate_gradients(
+        self, x: torch.Tensor, y: torch.Tensor, scale: float
+    ) -> tuple[list[torch.Tensor], float, list[float]]:
+        """This rank's share in micro-batches of ``micro_batch`` examples (one pass without
+        it): their gradients summed, set as ``.grad`` and returned, with the loss sum and the
+        monitor's extras. Each micro-batch's backward starts from no gradient, so the sum
+        is formed here once per micro-batch, as autograd's own accumulation would."""
+        chunks = list(zip(x.split(self.config.micro_batch), y.split(self.config.micro_batch),
+                          strict=True)) if self.config.micro_batch else [(x, y)]
+        two_batch = self.monitor.mode == "two_batch"
+        total: list[torch.Tensor] | None = None
+        loss_sum, extras, small_sq = 0.0, [0.0], 0.0
+        for xs, ys in chunks:
+            grads, loss, more = self.compute_gradients(xs, ys, scale)
+            if two_batch:
+                small_sq += self.monitor.small_batch_sq(grads, scale, len(xs))
+            if total is None:
+                total, extras = grads, more
+            else:
+                for t, g in zip(total, grads, strict=True):
+                    t.add_(g)
+                extras = [a + b for a, b in zip(extras, more, strict=True)]
+            loss_sum += loss
+        assert total is not None
+        if len(chunks) > 1:
+            for p, g in zip(self.params, total, strict=True):
+                p.grad = g
+        return total, loss_sum, [small_sq] if two_batch else extras
 
     def compute_gradients(
         self, x: torch.Tensor, y: torch.Tensor, scale: float

@@ -10,8 +10,10 @@ Modes (``TrainConfig.online_diversity``):
   S_B = Σ_{i∈B}‖g_i‖² (summed over ranks) and T_B = ‖Σ_{i∈B} g_i‖² (from the all-reduced
   gradient) update the estimator. Cost: the hooks' extra work in every backward; measured
   by benchmarks/train.py.
-- ``two_batch``: McCandlish et al.'s two-batch-size estimator from each worker's local mean
-  gradient (small batches) and the global mean (the big one). No per-example work, P ≥ 2.
+- ``two_batch``: McCandlish et al.'s two-batch-size estimator from the mean gradients of the
+  small batches (each worker's micro-batches, or its whole share without ``micro_batch``) and
+  the global mean (the big one). No per-example work; needs at least two small batches per
+  step: P ≥ 2 workers, or ``micro_batch`` below the global batch on one process.
 
 Each iteration records ``online_diversity`` (Δ̂) and ``online_batch_bound`` (n·Δ̂).
 """
@@ -29,12 +31,14 @@ from batchbound.train.distributed import DistContext, shard_sizes
 
 
 class OnlineMonitor:
-    def __init__(self, mode: str, n: int, ctx: DistContext, sampling: str = "epoch") -> None:
-        self.mode, self.n, self.ctx = mode, n, ctx
-        if mode == "two_batch" and ctx.world_size < 2:
+    def __init__(self, mode: str, n: int, ctx: DistContext, sampling: str = "epoch",
+                 micro_batch: int | None = None) -> None:
+        self.mode, self.n, self.ctx, self.micro_batch = mode, n, ctx, micro_batch
+        if mode == "two_batch" and ctx.world_size < 2 and micro_batch is None:
             raise BatchboundError(
-                "online_diversity=two_batch compares per-worker and global gradients: it needs "
-                "at least 2 workers (use norms on one process)"
+                "online_diversity=two_batch compares small-batch and global gradients: it needs "
+                "at least 2 workers, or micro_batch below the batch size on one process (or "
+                "use norms)"
             )
         scheme = "without_replacement" if sampling == "epoch" else "with_replacement"
         self.estimator = OnlineDiversity(n=n, sampling=scheme) if mode != "off" else None
@@ -47,14 +51,21 @@ class OnlineMonitor:
     def needs_norms(self) -> bool:
         return self.mode == "norms"
 
-    def local_extras(
-        self, grads: list[torch.Tensor], scale: float, local_batch: int
-    ) -> list[float]:
-        """two_batch: ‖G_k‖² of this worker's mean gradient (summed over ranks by the caller)."""
-        if self.mode != "two_batch":
-            return []
-        factor = 1.0 / (scale * local_batch)  # grads hold scale·Σg_i over local_batch examples
-        return [squared_norm(grads) * factor**2]
+    def small_batch_sq(self, grads: list[torch.Tensor], scale: float, size: int) -> float:
+        """two_batch: ‖G_k‖² of one small batch's mean gradient, from ``grads`` holding
+        scale·Σg_i over its ``size`` examples. The loop sums these over the rank's small
+        batches and the all-reduce over ranks."""
+        factor = 1.0 / (scale * size)
+        return squared_norm(grads) * factor**2
+
+    def small_batch_sizes(self, batch: int) -> list[int]:
+        """Every small batch of a step at global batch ``batch``: each rank's share, split
+        into micro-batches of ``micro_batch`` (the last one smaller)."""
+        sizes = []
+        for share in shard_sizes(batch, self.ctx.world_size):
+            step = self.micro_batch or share
+            sizes += [min(step, share - start) for start in range(0, share, step)]
+        return sizes
 
     def update(
         self, grads: list[torch.Tensor], scale: float, extras: list[float], batch: int
@@ -69,8 +80,8 @@ class OnlineMonitor:
             if batch >= 2:
                 self.estimator.update_from_norms(extras[0], total_sq, batch)
         else:
-            sizes = shard_sizes(batch, self.ctx.world_size)
-            small_sq = extras[0] / self.ctx.world_size
+            sizes = self.small_batch_sizes(batch)
+            small_sq = extras[0] / len(sizes)
             harmonic = len(sizes) / sum(1.0 / b for b in sizes)
             if harmonic < batch:
                 self.estimator.update_two_batch(small_sq, harmonic, total_sq / batch**2, batch)
