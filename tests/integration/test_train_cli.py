@@ -215,3 +215,28 @@ def test_every_config_field_has_a_flag_that_sets_it() -> None:
         got = getattr(build_config(parser.parse_args(["train", flags[0], value])), field.name)
         expected = (value,) if isinstance(got, tuple) else type(got)(value)
         assert got == expected, field.name
+
+
+def test_tensorboard_flag_writes_event_files_tensorboard_reads(tmp_path, capsys) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logdir = tmp_path / "tb"
+    code = main(["train", "--max-iterations", "6", "--eval-every-iterations", "3",
+                 "--online-diversity", "two_batch", "--micro-batch", "16", "--no-progress",
+                 "--tensorboard", str(logdir)])
+    assert code == 0
+    events = EventAccumulator(str(logdir))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    losses = events.Scalars(next(t for t in tags if t.endswith("batch_loss")))
+    assert [e.step for e in losses] == [1, 2, 3, 4, 5, 6]
+    assert any("online_batch_bound" in t for t in tags)
+
+
+def test_tensorboard_directory_is_checked_before_training(tmp_path, capsys) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    code = main([*ARGS, "--tensorboard", str(blocker / "tb")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "cannot write TensorBoard files" in err and "epoch" not in err

@@ -17,6 +17,7 @@ from batchbound.config import load_toml
 from batchbound.errors import BatchboundError
 from batchbound.train import TARGET_METRICS, RunResult, TrainConfig, target_list, train
 from batchbound.train.config import GROUPS
+from batchbound.train.tensorboard import check_logdir, write_run
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -121,6 +122,8 @@ def run_command(args: argparse.Namespace) -> int:
     config = build_config(args)
     if args.resume and not args.checkpoint:
         raise BatchboundError("--resume needs --checkpoint PATH")
+    if args.tensorboard:  # a bad directory fails now, not after the training
+        check_logdir(args.tensorboard)
     result = train(
         config,
         checkpoint_path=args.checkpoint,
@@ -132,6 +135,8 @@ def run_command(args: argparse.Namespace) -> int:
     if args.output:
         with open(args.output, "w") as fh:
             fh.write(result.to_json(indent=1))
+    if args.tensorboard:
+        write_run(result, args.tensorboard)
     if args.json:
         print(json.dumps(result.summary(), allow_nan=False))
     else:
