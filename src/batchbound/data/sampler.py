@@ -44,11 +44,15 @@ class BatchSampler:
         return self.samples_seen / self.n
 
     def next_indices(self, batch_size: int) -> torch.Tensor:
-        """The next ``batch_size`` indices as an int64 tensor (any size >= 1, may exceed n)."""
+        """The next ``batch_size`` indices as an int64 tensor (any size >= 1, may exceed n).
+        Read-only: it may be a view of the epoch's permutation."""
         batch_size = int(batch_size)
         if batch_size < 1:
             raise BatchboundError(f"BatchSampler: batch_size must be >= 1, got {batch_size}")
         self.samples_seen += batch_size
+        if self._perm is not None and self._pos + batch_size <= self.n:  # the usual step
+            start, self._pos = self._pos, self._pos + batch_size
+            return self._perm[start : self._pos]
         if self.replacement:
             return torch.randint(self.n, (batch_size,), generator=self._generator)
         pieces = []
@@ -61,7 +65,7 @@ class BatchSampler:
             pieces.append(self._perm[self._pos : self._pos + take])
             self._pos += take
             needed -= take
-        return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def state_dict(self) -> dict[str, Any]:
         return {

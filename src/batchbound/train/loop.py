@@ -320,12 +320,16 @@ class Trainer:
         it): their gradients summed, set as ``.grad`` and returned, with the loss sum and the
         monitor's extras. Each micro-batch's backward starts from no gradient, so the sum
         is formed here once per micro-batch, as autograd's own accumulation would."""
-        chunks = list(zip(x.split(self.config.micro_batch), y.split(self.config.micro_batch),
-                          strict=True)) if self.config.micro_batch else [(x, y)]
         two_batch = self.monitor.mode == "two_batch"
+        if not self.config.micro_batch:  # the usual step: one pass
+            grads, loss_sum, extras = self.compute_gradients(x, y, scale)
+            if two_batch:
+                extras = [self.monitor.small_batch_sq(grads, scale, len(x))]
+            return grads, loss_sum, extras
         total: list[torch.Tensor] | None = None
         loss_sum, extras, small_sq = 0.0, [0.0], 0.0
-        for xs, ys in chunks:
+        for xs, ys in zip(x.split(self.config.micro_batch), y.split(self.config.micro_batch),
+                          strict=True):
             grads, loss, more = self.compute_gradients(xs, ys, scale)
             if two_batch:
                 small_sq += self.monitor.small_batch_sq(grads, scale, len(xs))
@@ -337,9 +341,8 @@ class Trainer:
                 extras = [a + b for a, b in zip(extras, more, strict=True)]
             loss_sum += loss
         assert total is not None
-        if len(chunks) > 1:
-            for p, g in zip(self.params, total, strict=True):
-                p.grad = g
+        for p, g in zip(self.params, total, strict=True):
+            p.grad = g
         return total, loss_sum, [small_sq] if two_batch else extras
 
     def compute_gradients(
