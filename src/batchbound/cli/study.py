@@ -44,6 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--trainer", default=None,
                      help="module:function executing one run; default: batchbound's trainer")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--tensorboard", type=Path, metavar="DIR", default=None,
+                     help="write each finished run as TensorBoard scalars into DIR/<run>/ "
+                     "(runs finished earlier too); view with `tensorboard --logdir DIR`")
     _add_data_dir(run)
     run.set_defaults(func=cmd_run)
 
@@ -107,13 +110,19 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.jobs is not None and args.jobs < 0:
         raise BatchboundError(f"--jobs must be >= 0, got {args.jobs}")
+    if args.tensorboard is not None:  # before planning: no run starts into a bad DIR
+        from batchbound.train.tensorboard import check_logdir
+
+        check_logdir(args.tensorboard)
     _use_data_dir(args)
     spec = load_study(args.file)
     store = args.store or default_store(spec.name)
     outcome = run_study(spec, store, args.jobs, trainer=args.trainer or DEFAULT_TRAINER,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, tensorboard=args.tensorboard)
     print(f"study {spec.name}: {outcome.executed} runs executed, {outcome.skipped} already "
           f"done, {outcome.failed} failed; store {store}", file=sys.stderr)
+    if args.tensorboard is not None:
+        print(f"TensorBoard: tensorboard --logdir {args.tensorboard}", file=sys.stderr)
     return 1 if outcome.failed else 0
 
 

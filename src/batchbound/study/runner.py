@@ -5,6 +5,11 @@ finished (complete, diverged, stopped) is never submitted again, and a run left 
 or ``failed`` by an earlier, killed study is resubmitted, resuming from its checkpoint when
 one exists. A cell's final runs are submitted as soon as that cell's tuning runs are in, so
 the pool stays busy across the two phases.
+
+With ``tensorboard=DIR`` every finished run is also written to ``DIR/<run name>/`` from its
+stored record (batchbound.train.tensorboard): as it finishes, and, for runs an earlier
+invocation finished, when this one finds them done and their directory lacks a complete
+write, so DIR is whole after a resumed study.
 """
 
 from __future__ import annotations
@@ -88,10 +93,13 @@ class _Progress:
 def run_study(spec: StudySpec, store_path: str | Path, jobs: int | None = None, *,
               trainer: str = DEFAULT_TRAINER, progress: bool = True,
               executor: Executor | None = None,
-              on_plan: Callable[[Plan], None] | None = None) -> StudyOutcome:
-    """Run (or finish) ``spec`` into the store at ``store_path``. ``jobs=0`` runs inline."""
+              on_plan: Callable[[Plan], None] | None = None,
+              tensorboard: str | Path | None = None) -> StudyOutcome:
+    """Run (or finish) ``spec`` into the store at ``store_path``. ``jobs=0`` runs inline;
+    ``tensorboard``: a directory that gets one TensorBoard run per finished run."""
     clock = time.perf_counter()
     store_path = Path(store_path)
+    board = None if tensorboard is None else _TensorBoardRuns(tensorboard)
     plan = make_plan(spec)
     if on_plan is not None:
         on_plan(plan)
@@ -157,6 +165,8 @@ def run_study(spec: StudySpec, store_path: str | Path, jobs: int | None = None, 
             """Account for runs found finished, and release cells whose tuning is done."""
             for run in runs:
                 outcome.skipped += 1
+                if board is not None:
+                    board.write(store, run, fresh=False)
                 bar.advance(run, None, skipped=True)
                 complete_tuning(run)
 
@@ -181,7 +191,10 @@ def run_study(spec: StudySpec, store_path: str | Path, jobs: int | None = None, 
                 tick = time.perf_counter()
                 _record(store, result, outcome)
                 store_seconds += time.perf_counter() - tick
-                for run in submitted.pop(result.key):
+                runs = submitted.pop(result.key)
+                if board is not None and result.result is not None:
+                    board.write(store, runs[0], fresh=True)
+                for run in runs:
                     bar.advance(run, result.result, skipped=False)
                     complete_tuning(run)
                 if result.result is not None and result.result.get("status") in FINISHED:
@@ -190,6 +203,8 @@ def run_study(spec: StudySpec, store_path: str | Path, jobs: int | None = None, 
             bar.close()
             executor.close()
     outcome.seconds["store"] = store_seconds
+    if board is not None:
+        outcome.seconds["tensorboard"] = board.seconds
     outcome.seconds["total"] = time.perf_counter() - clock
     return outcome
 
@@ -203,3 +218,29 @@ def _record(store: Store, result: Outcome, outcome: StudyOutcome) -> None:
         outcome.executed += 1
         if result.result.get("status") == "failed":
             outcome.failed += 1
+
+
+class _TensorBoardRuns:
+    """Writes finished runs as TensorBoard event files, one directory per run key."""
+
+    def __init__(self, root: str | Path) -> None:
+        from batchbound.train import tensorboard  # only studies that ask need the trainer
+
+        self.tb = tensorboard
+        self.root = tensorboard.check_logdir(root)
+        self.seconds = 0.0
+
+    def write(self, store: Store, run: PlannedRun, fresh: bool) -> None:
+        """``fresh``: the run just finished, so rewrite; otherwise only fill a gap."""
+        directory = self.root / self.tb.run_name(run.labels(), run.key)
+        if not fresh and self.tb.written_key(directory) == run.key:
+            return
+        tick = time.perf_counter()
+        result, finished = store.run_result(run.key)
+        try:
+            self.tb.write_run(result, directory, finished_at=finished)
+        except OSError as exc:  # a view of the store: the study goes on, a rerun fills it in
+            print(f"TensorBoard: could not write {directory}: {exc}; `study run` again "
+                  "writes it", file=sys.stderr)
+        self.seconds += time.perf_counter() - tick
+

@@ -25,6 +25,8 @@ import numpy as np
 import pandas as pd
 
 from batchbound.errors import BatchboundError
+from batchbound.train.config import TrainConfig
+from batchbound.train.result import RunResult, TargetResult
 
 SCHEMA_VERSION = 1
 FINISHED = ("complete", "diverged", "stopped")  # a rerun skips these; failed runs are retried
@@ -286,6 +288,33 @@ class Store:
             f"SELECT {_SNAPSHOT_INDEX} FROM snapshots WHERE key IN (SELECT key FROM study_runs "
             "WHERE study=?) ORDER BY rowid", self.db, params=(study,))
         return frames
+
+    def run_result(self, key: str) -> tuple[RunResult, float | None]:
+        """(RunResult, finished time) rebuilt from the store's record of one run: curves and
+        Δ rows in iteration order, NaN where the store kept NULL."""
+        config, status, final, error, finished = self.db.execute(
+            "SELECT config_json, status, final_json, error, finished FROM runs WHERE key=?",
+            (key,)).fetchone()
+        rows = [row for table in ("curves", "diversity") for row in self.db.execute(
+            f"SELECT iteration, epoch, seconds, metric, value FROM {table} WHERE key=? "
+            "ORDER BY rowid", (key,))]
+        rows.sort(key=lambda row: row[0])  # stable: each metric keeps its stored order
+
+        def number(value: Any) -> float:
+            return math.nan if value is None else float(value)
+
+        targets = [TargetResult(name, metric, number(threshold), bool(reached), iteration,
+                                epoch, seconds)
+                   for name, metric, threshold, reached, iteration, epoch, seconds
+                   in self.db.execute("SELECT name, metric, threshold, reached, iteration, "
+                                       "epoch, seconds FROM targets WHERE key=? ORDER BY rowid",
+                                       (key,))]
+        result = RunResult(
+            config=TrainConfig.from_dict(json.loads(config)), config_hash=key, status=status,
+            targets=targets,
+            curves=[(int(i), number(e), number(s), str(m), number(v)) for i, e, s, m, v in rows],
+            final=json.loads(final) if final else {}, message=error or "")
+        return result, finished
 
     def snapshots(self, keys: Iterable[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """key -> (epochs, shape (k,) float64; weights, shape (k, d) float32), in the order
