@@ -16,6 +16,9 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(PIP) --upgrade pip setuptools wheel
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[all]'
+	# backpack pulls PyPI's torchvision, a CUDA build whose ops fail to load beside the CPU
+	# torch; lightning and transformers import it when present, so it must not be there.
+	$(BIN)/python -m pip uninstall -y -q torchvision
 	touch $(STAMP)
 
 install: $(STAMP)

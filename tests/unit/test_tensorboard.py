@@ -160,9 +160,9 @@ def test_unwritable_logdir_is_one_line_error(tmp_path: Path) -> None:
 def test_missing_tensorboard_names_the_install(monkeypatch: pytest.MonkeyPatch,
                                                tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    with pytest.raises(BatchboundError, match="pip install tensorboard"):
+    with pytest.raises(BatchboundError, match=r"pip install .batchbound\[tensorboard\]."):
         tb.check_logdir(tmp_path)
-    with pytest.raises(BatchboundError, match="pip install tensorboard"):
+    with pytest.raises(BatchboundError, match=r"pip install .batchbound\[tensorboard\]."):
         tb.write_run(result(), tmp_path)
 
 

@@ -41,7 +41,7 @@ from typing import Any
 from batchbound.errors import BatchboundError
 from batchbound.train.result import RunResult
 
-INSTALL = "pip install tensorboard"
+INSTALL = "pip install 'batchbound[tensorboard]'"
 MARKER = "batchbound-run.json"
 EVENTS = "tfevents"  # what TensorBoard looks for in a file name
 

@@ -1,0 +1,293 @@
+"""What the integrations share: per-step two-batch numbers kept on the device, the
+micro-batch bookkeeping of gradient accumulation, per-parameter gradient hooks, the metric
+names, and importing an optional framework with an error that says what to install.
+
+**Units.** Micro-batch j of an optimizer step has b_j examples and mean gradient G_j. What
+reaches the parameters is h_j = S·c·w_j·G_j: S the AMP loss scale (1 without a scaler), c one
+constant for the whole step (1/k for a framework that divides the loss by the k accumulation
+steps, 1/N for a loss normalised by the step's N label tokens) and w_j a relative weight (1
+for a loss that is the micro-batch's mean, b_j for its sum). The accumulated gradient is
+A = Σ_j h_j, and A/(S·c·Σw) is a weighted mean of the examples' gradients with
+
+    E‖A/(S·c·Σw)‖² = C + (M2 − C)/B_eff,    B_eff = (Σ_j w_j)² / Σ_j (w_j²/b_j),
+
+while the micro-batches' E mean_j ‖G_j‖² = C + (M2 − C)·mean_j(1/b_j) (independent draws;
+OnlineDiversity's module docstring has C and M2). That is McCandlish et al.'s two-batch pair:
+the small batches are the micro-batches (size: their harmonic mean), the big one is A.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from batchbound.diversity.online import OnlineDiversity
+from batchbound.errors import BatchboundError
+
+PREFIX = "gradient_diversity/"
+REDUCTIONS = ("mean", "sum")
+Number = float | Tensor
+# Records waiting on the device; past this many they are folded (one sync) to bound memory.
+_MAX_PENDING = 64
+
+
+class MissingExtraError(BatchboundError, ImportError):
+    """An optional framework is not installed (or does not import)."""
+
+
+def require(module: str, extra: str) -> ModuleType:
+    """Import an optional framework, or say which extra installs it and why it failed."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and module.startswith(exc.name.split(".")[0]):
+            raise MissingExtraError(
+                f"{module} is not installed: pip install 'batchbound[{extra}]'"
+            ) from exc
+        raise MissingExtraError(f"importing {module} failed: {exc}") from exc
+    except Exception as exc:  # a dependency that is installed but broken
+        hint = ""
+        files = [frame.filename for frame in traceback.extract_tb(exc.__traceback__)]
+        if any("torchvision" in name for name in files):
+            hint = (" (a torchvision wheel built for another torch, e.g. a CUDA torchvision "
+                    "beside a CPU torch, breaks the import: uninstall torchvision or install "
+                    "the build that matches torch)")
+        raise MissingExtraError(f"importing {module} failed: {exc!r}{hint}") from exc
+
+
+def check_options(every: int, reduction: str, n: int | None) -> None:
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise BatchboundError(f"every must be a positive integer, got {every!r}")
+    if reduction not in REDUCTIONS:
+        raise BatchboundError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise BatchboundError(f"n must be a positive integer or None, got {n!r}")
+
+
+def dataset_size(loader: Any) -> int | None:
+    """len(loader.dataset) when the loader has a sized dataset (the training-set size n)."""
+    dataset = getattr(loader, "dataset", None)
+    try:
+        size = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    return size if size > 0 else None
+
+
+def diversity_metrics(monitor: OnlineDiversity) -> dict[str, float]:
+    """The logged numbers. The noise scale is batch_bound − 1, so its SE is batch_bound's;
+    diversity is batch_bound/n, so its SE is that over n. Without n (or before any step)
+    the diversity keys are left out, and so is an SE that is not defined yet (< 2 steps)."""
+    if monitor.steps == 0:
+        return {}
+    bound, se = monitor.batch_bound, monitor.batch_bound_se
+    values = {"batch_bound": bound, "batch_bound_se": se,
+              "noise_scale": monitor.noise_scale, "noise_scale_se": se}
+    if monitor.n is not None:
+        values["diversity"] = monitor.diversity
+        values["diversity_se"] = se / monitor.n
+    return {PREFIX + key: float(v) for key, v in values.items() if not math.isnan(v)}
+
+
+def check_loss_scale(scaler: Any) -> None:
+    """None, a positive number, or something with a GradScaler's ``scale``/``is_enabled``."""
+    if scaler is None:
+        return
+    if isinstance(scaler, (int, float)) and not isinstance(scaler, bool):
+        if not math.isfinite(scaler) or scaler <= 0:
+            raise BatchboundError(f"loss_scale must be a positive number, got {scaler!r}")
+        return
+    if not hasattr(scaler, "scale") or not hasattr(scaler, "is_enabled"):
+        raise BatchboundError(f"loss_scale must be a number or a torch.amp.GradScaler, got "
+                              f"{type(scaler).__name__}")
+
+
+def loss_scale_of(scaler: Any, device: torch.device) -> Number:
+    """The AMP loss scale now, as a tensor on ``device`` (no host sync), or 1.0 without an
+    enabled GradScaler. Read it before ``scaler.update()``: that is the scale the gradients
+    of this step carry."""
+    check_loss_scale(scaler)
+    if scaler is None:
+        return 1.0
+    if isinstance(scaler, (int, float)):
+        return float(scaler)
+    if not scaler.is_enabled():
+        return 1.0
+    return scaler.scale(torch.ones((), device=device, dtype=torch.float32)).double()
+
+
+def as_tensor(value: Number, device: torch.device) -> Tensor:
+    """A 0-dim float64 tensor on ``device``; a Python number becomes a fill, not a copy from
+    the host (which would wait for the device)."""
+    if isinstance(value, Tensor):
+        return value.reshape(()).to(dtype=torch.float64)
+    return torch.full((), float(value), dtype=torch.float64, device=device)
+
+
+class StepRecords:
+    """One row per optimizer step, [‖G_small‖², small size, ‖G_big‖², big size] as a
+    device tensor, folded into ``monitor`` with one host sync when asked (or every
+    ``_MAX_PENDING`` steps). Steps whose numbers are not finite (an AMP step the scaler
+    skipped for inf/NaN gradients) are counted in ``skipped``, never folded."""
+
+    def __init__(self, monitor: OnlineDiversity) -> None:
+        self.monitor = monitor
+        self.skipped = 0
+        self._pending: list[Tensor] = []
+
+    def add(self, row: Tensor) -> None:
+        self._pending.append(row.detach().reshape(4).to(torch.float64))
+        if len(self._pending) >= _MAX_PENDING:
+            self.fold()
+
+    def fold(self) -> OnlineDiversity:
+        if self._pending:
+            devices = {r.device for r in self._pending}
+            pending = self._pending if len(devices) == 1 else [r.cpu() for r in self._pending]
+            rows = torch.stack(pending).tolist()  # the one host sync
+            self._pending = []
+            for small, small_size, big, big_size in rows:
+                finite = all(math.isfinite(v) for v in (small, small_size, big, big_size))
+                if finite and 0 < small_size < big_size:
+                    self.monitor.update_two_batch(small, small_size, big, big_size)
+                else:
+                    self.skipped += 1
+        return self.monitor
+
+
+@dataclass
+class Window:
+    """The micro-batches of one optimizer step on this rank: sizes b_j and relative loss
+    weights w_j (floats, or 0-dim tensors when they are counted on the device)."""
+
+    sizes: list[Number] = field(default_factory=list)
+    weights: list[Number] = field(default_factory=list)
+
+    def add(self, size: Number, weight: Number) -> None:
+        self.sizes.append(size)
+        self.weights.append(weight)
+
+    @property
+    def count(self) -> int:
+        return len(self.sizes)
+
+    def total_weight(self) -> Number:
+        return sum(self.weights)
+
+    def harmonic_size(self) -> Number:
+        return self.count / sum(1.0 / b for b in self.sizes)
+
+    def effective_size(self) -> Number:
+        """B_eff of the accumulated gradient (module docstring)."""
+        return self.total_weight() ** 2 / sum(
+            w * w / b for w, b in zip(self.weights, self.sizes, strict=True))
+
+
+class MicroBatchProbe:
+    """Per-parameter tensor hooks that see each micro-batch's gradient h_j before it is
+    added to ``.grad``: one squared norm per parameter per micro-batch, and ⟨.grad, h_j⟩
+    with what ``.grad`` already holds, so that
+
+        ‖A‖² = Σ_j ‖h_j‖² + 2 Σ_j ⟨A_{j−1}, h_j⟩
+
+    is the accumulated gradient's squared norm as backward produced it: before DDP averages
+    it, a GradScaler unscales it or a clipper shrinks it, whenever the framework lets a
+    callback look. The numbers stay on the device; ``.grad`` is never written.
+
+    ``start(size, weight)`` opens a micro-batch and ``stop()`` closes it; ``record(c, S)``
+    turns the step's micro-batches into a StepRecords row (None with fewer than two)."""
+
+    def __init__(self, params: Iterable[nn.Parameter]) -> None:
+        self.window = Window()
+        self._norms: list[Tensor] = []  # this micro-batch: ‖h‖ per parameter
+        self._dots: list[Tensor] = []  # this step: ⟨A_{j−1}, h_j⟩ per parameter and j
+        self._micro: list[Tensor] = []  # this step: Σ_params ‖h_j‖² per micro-batch
+        self._open = False
+        self._handles: list[RemovableHandle] = [
+            p.register_hook(self._hook_for(p)) for p in params if p.requires_grad
+        ]
+        if not self._handles:
+            raise BatchboundError("the model has no trainable parameters to watch")
+
+    def _hook_for(self, param: nn.Parameter) -> Callable[[Tensor], None]:
+        acc = torch.promote_types(param.dtype, torch.float32)
+
+        def hook(grad: Tensor) -> None:
+            if grad.is_sparse:
+                raise BatchboundError("sparse gradients (nn.Embedding(sparse=True)) are not "
+                                      "supported by the diversity callbacks")
+            if not self._open:
+                return  # a backward outside the training step the callback follows
+            with torch.no_grad():
+                self._norms.append(torch.linalg.vector_norm(grad, dtype=acc))
+                before = param.grad
+                if before is not None:
+                    self._dots.append(torch.dot(before.reshape(-1).to(acc),
+                                                grad.reshape(-1).to(acc)))
+
+        return hook
+
+    def start(self, size: Number, weight: Number) -> None:
+        self.stop()
+        self.window.add(size, weight)
+        self._open = True
+
+    def stop(self) -> None:
+        """Close the open micro-batch; one that saw no gradient is dropped from the step (its
+        examples contributed nothing to A)."""
+        if not self._open:
+            return
+        self._open = False
+        if self._norms:
+            self._micro.append(_sum64(self._norms, square=True))
+            self._norms = []
+        else:
+            self.window.sizes.pop()
+            self.window.weights.pop()
+
+    def record(self, constant: Number, scale: Number) -> Tensor | None:
+        """The step's row: the micro-batches' mean ‖G_j‖² against A's, in the units of the
+        examples' mean gradient (``constant`` is c, ``scale`` S; module docstring)."""
+        self.stop()
+        window, micro, dots = self.window, self._micro, self._dots
+        self.window, self._micro, self._dots = Window(), [], []
+        if window.count < 2:
+            return None
+        device = micro[0].device
+        s2 = as_tensor(scale, device) ** 2
+        c = as_tensor(constant, device)
+        small = sum(m / as_tensor(w, device) ** 2 for m, w in zip(micro, window.weights,
+                                                                   strict=True))
+        small = small / (window.count * c * c * s2)
+        total = torch.stack(micro).sum() + 2 * (_sum64(dots) if dots else 0)
+        big = total / (c * as_tensor(window.total_weight(), device)) ** 2 / s2
+        return torch.stack([small, as_tensor(window.harmonic_size(), device), big,
+                            as_tensor(window.effective_size(), device)])
+
+    def reset(self) -> None:
+        """Forget a partly seen step (e.g. when a step is abandoned)."""
+        self._open = False
+        self.window, self._norms, self._micro, self._dots = Window(), [], [], []
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _sum64(values: list[Tensor], *, square: bool = False) -> Tensor:
+    """Σ v (or Σ v²) in float64 over 0-dim tensors, one stack when they share a dtype."""
+    if len({v.dtype for v in values}) == 1:
+        stacked = torch.stack(values).double()
+    else:
+        stacked = torch.stack([v.double() for v in values])
+    return (stacked.square() if square else stacked).sum()

@@ -1,0 +1,195 @@
+"""``DiversityCallback`` for a Lightning ``Trainer``: the online batch-size bound n·Δ, the
+noise scale and Δ, logged every ``every`` optimizer steps through the trainer's own loggers,
+with no change to the LightningModule.
+
+    trainer = L.Trainer(accumulate_grad_batches=4, callbacks=[DiversityCallback()])
+
+Where the two batch sizes of McCandlish et al.'s estimator come from (no per-example work):
+
+- **DDP with P ≥ 2 ranks** (``strategy="ddp"``/``"ddp_spawn"``): the callback registers
+  batchbound.integrations.ddp's communication hook on the DDP-wrapped model at train start;
+  each rank's local gradient (accumulated over its micro-batches) is the small batch, DDP's
+  average the big one, and the ranks' local norms travel inside the gradient all-reduce.
+  Every rank holds the same global estimate; rank 0 logs it.
+- **One process, accumulate_grad_batches = k ≥ 2**: tensor hooks on the parameters see each
+  micro-batch's gradient before it is added to ``.grad`` (one norm, and one dot product with
+  ``.grad``, per parameter per micro-batch); the micro-batches are the small batches, their
+  accumulated sum the big one. Lightning divides each micro-batch's loss by k, which is
+  undone here.
+
+Anything else (one process without accumulation, FSDP/DeepSpeed, manual optimisation) is
+refused at train start with a BatchboundError. ``reduction`` says whether
+``training_step``'s loss is the mean (default) or the sum over its batch; the batch size is
+Lightning's own ``extract_batch_size``. A 16-mixed GradScaler's loss scale is undone (bf16
+has none), and steps the scaler skips for inf/NaN gradients are not folded in. n (for Δ) is
+``len(train_dataloader.dataset)`` unless given; without it only batch_bound and noise_scale
+are logged. With ``ddp_spawn`` the numbers live in the spawned processes: read them from the
+logger.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from batchbound.diversity.online import OnlineDiversity
+from batchbound.errors import BatchboundError
+from batchbound.integrations.common import (
+    MicroBatchProbe,
+    StepRecords,
+    Window,
+    check_options,
+    dataset_size,
+    diversity_metrics,
+    loss_scale_of,
+    require,
+)
+from batchbound.integrations.ddp import GNSHookState, gns_hook, gns_hook_state
+
+L = require("lightning.pytorch", "lightning")
+_data = require("lightning.pytorch.utilities.data", "lightning")
+
+
+class DiversityCallback(L.Callback):
+    """Logs ``gradient_diversity/{batch_bound,noise_scale,diversity}`` and their ``_se``
+    every ``every`` optimizer steps; ``monitor`` is the OnlineDiversity behind them and
+    ``metrics`` the last values logged."""
+
+    def __init__(
+        self,
+        every: int = 50,
+        *,
+        n: int | None = None,
+        reduction: str = "mean",
+        decay: float | None = 0.95,
+        sampling: str = "without_replacement",
+    ) -> None:
+        check_options(every, reduction, n)
+        OnlineDiversity(n, decay=decay, sampling=sampling)  # validates decay and sampling
+        self.every, self.n, self.reduction = every, n, reduction
+        self.decay, self.sampling = decay, sampling
+        self.monitor: OnlineDiversity | None = None
+        self.metrics: dict[str, float] = {}
+        self.mode: str | None = None  # "ddp" or "accumulation" once training starts
+        self._records: StepRecords | None = None
+        self._probe: MicroBatchProbe | None = None
+        self._hook_state: GNSHookState | None = None
+        self._window = Window()
+        self._batch_size = 0
+        self._steps = 0
+        self._scaler: Any = None
+        self._restored: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ set-up
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not pl_module.automatic_optimization:
+            raise BatchboundError("DiversityCallback follows Lightning's automatic optimisation "
+                                  "(it undoes its 1/accumulate_grad_batches); manual "
+                                  "optimisation is not supported")
+        n = self.n if self.n is not None else dataset_size(trainer.train_dataloader)
+        self.monitor = OnlineDiversity(n, decay=self.decay, sampling=self.sampling)
+        if self._restored is not None:
+            self.monitor.load_state_dict(self._restored)
+        self._scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if trainer.world_size > 1:
+            model = trainer.strategy.model
+            if not isinstance(model, DistributedDataParallel):
+                raise BatchboundError(
+                    f"DiversityCallback on {trainer.world_size} processes needs a DDP strategy "
+                    f"(the model wrapped in DistributedDataParallel), got "
+                    f"{type(trainer.strategy).__name__}")
+            self._hook_state = gns_hook_state(self.monitor, 1, loss_scale=self._scaler)
+            try:
+                model.register_comm_hook(self._hook_state, gns_hook)
+            except RuntimeError as exc:
+                raise BatchboundError(f"DiversityCallback could not register its DDP "
+                                      f"communication hook ({exc}); a DDP model takes one hook, "
+                                      "so drop the strategy's ddp_comm_hook") from exc
+            self._records, self.mode = self._hook_state.records, "ddp"
+        elif trainer.accumulate_grad_batches >= 2:
+            self._probe = MicroBatchProbe(pl_module.parameters())
+            self._records, self.mode = StepRecords(self.monitor), "accumulation"
+        else:
+            raise BatchboundError(
+                "DiversityCallback compares small and big batches that training already has: it "
+                "needs DDP with ≥ 2 ranks (Trainer(strategy='ddp', devices=2)) or "
+                "accumulate_grad_batches ≥ 2; for one process without accumulation use "
+                "batchbound.diversity.watch in your own step")
+
+    # ------------------------------------------------------------------- a step
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch_size = _data.extract_batch_size(batch)
+
+    def on_before_backward(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
+    ) -> None:
+        b = float(self._batch_size)
+        weight = 1.0 if self.reduction == "mean" else b
+        if self._probe is not None:
+            self._probe.start(b, weight)
+        elif self._hook_state is not None:
+            self._window.add(b, weight)
+            self._hook_state.set_window(
+                self._window.total_weight() / trainer.accumulate_grad_batches,
+                self._window.effective_size())
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._probe is not None:
+            self._probe.stop()
+
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
+    ) -> None:
+        if self._records is None:
+            return
+        if self._probe is not None:
+            row = self._probe.record(1.0 / trainer.accumulate_grad_batches,
+                                     loss_scale_of(self._scaler, pl_module.device))
+            if row is not None:
+                self._records.add(row)
+        elif self._hook_state is not None:
+            self._hook_state.end_step()
+            self._window = Window()
+        self._steps += 1
+        if self._steps % self.every == 0:
+            self._log(trainer)
+
+    def _log(self, trainer: L.Trainer) -> None:
+        assert self._records is not None
+        self.metrics = diversity_metrics(self._records.fold())
+        if self.metrics and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(self.metrics, step=trainer.global_step)
+
+    # ------------------------------------------------------------------ the end
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._records is not None:
+            self._records.fold()
+        self._remove()
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        self._remove()
+
+    def _remove(self) -> None:
+        if self._probe is not None:
+            self._probe.remove()
+            self._probe = None
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._records is not None:
+            self._records.fold()
+        return {"monitor": self.monitor.state_dict()} if self.monitor is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = state_dict.get("monitor")
+        if self.monitor is not None and self._restored is not None:
+            self.monitor.load_state_dict(self._restored)

@@ -1,0 +1,248 @@
+"""``DiversityCallback`` for a Hugging Face ``Trainer``: the online batch-size bound n·Δ, the
+noise scale and Δ, logged every ``every`` optimizer steps with the Trainer's own logs (into
+``trainer.state.log_history``), with no change to the model.
+
+    trainer = Trainer(model=model, args=TrainingArguments(..., gradient_accumulation_steps=4),
+                      train_dataset=train_set, callbacks=[DiversityCallback()])
+
+**Where the numbers come from.** With gradient_accumulation_steps = k ≥ 2, tensor hooks on the
+parameters see each micro-batch's gradient before it is added to ``.grad`` (one norm and one
+dot product with ``.grad`` per parameter per micro-batch, kept on the device; one host sync
+per ``every`` steps): the micro-batches are McCandlish et al.'s small batches and their
+accumulated sum the big one, taken before the Trainer clips or unscales it. The Trainer's
+own normalisation is undone:
+
+- a model that does not take ``num_items_in_batch`` (plain ``nn.Module``\\ s returning
+  ``{"loss": mean over the batch}``): each micro-batch's loss is divided by the number of
+  micro-batches in the step; examples are counted along dim 0 of the inputs
+  (``reduction="sum"`` if the model's loss is the batch's sum);
+- a model that does (Transformers' own models given ``labels``): its loss is a sum over
+  label tokens divided by the step's ``num_items_in_batch``, so the examples are **tokens**:
+  batch_bound and noise_scale are in tokens, and Δ (which needs n in tokens) is not logged.
+  Each micro-batch's weight is the number of tokens its loss sums over (``labels != -100``,
+  shifted for ``ForCausalLMLoss`` unless ``shift_labels`` is given), counted on the device;
+  the divisor is the Trainer's, whatever it counted. Other losses that take
+  ``num_items_in_batch`` are refused.
+
+An fp16 GradScaler's scale is undone (bf16 has none); steps with inf/NaN gradients, which the
+scaler skips, are not folded in. n is ``len(train_dataset)`` unless given.
+
+**Limits.** HF callbacks never see the DDP-wrapped model, so the communication hook of
+batchbound.integrations.ddp cannot be registered: under DDP each rank estimates from its own
+micro-batches (still unbiased, noisier than the global estimate; rank 0's is logged), and
+that needs k ≥ 2 too (with ``average_tokens_across_devices`` the Trainer's ×P is undone;
+tensor, context or sequence parallelism is not supported). A custom
+``compute_loss_func`` or a Trainer subclass that changes how the loss is normalised is not
+detected. Reporting integrations (``report_to``) run before user callbacks in the Trainer,
+so to have them record these keys add the callback with ``DiversityCallback().attach(trainer)``
+(it goes in front of them) instead of ``callbacks=[...]``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from batchbound.diversity.online import OnlineDiversity
+from batchbound.errors import BatchboundError
+from batchbound.integrations.common import (
+    MicroBatchProbe,
+    StepRecords,
+    check_options,
+    dataset_size,
+    diversity_metrics,
+    loss_scale_of,
+    require,
+)
+
+transformers = require("transformers", "hf")
+_losses = require("transformers.loss.loss_utils", "hf")
+
+_IGNORE = -100  # the label the Trainer (and its models' losses) ignore
+# Losses Σ cross-entropy over label tokens / num_items_in_batch, by which tokens they sum.
+_TOKEN_LOSSES = {
+    rule: [getattr(_losses, name) for name in names if hasattr(_losses, name)]
+    for rule, names in (("shifted", ("ForCausalLMLoss",)),
+                        ("all", ("ForMaskedLMLoss", "ForTokenClassification")))
+}
+
+
+class DiversityCallback(transformers.TrainerCallback):
+    """Adds ``gradient_diversity/{batch_bound,noise_scale,diversity}`` and their ``_se`` to the
+    Trainer's logs every ``every`` optimizer steps; ``monitor`` is the OnlineDiversity behind
+    them and ``metrics`` the last values."""
+
+    def __init__(
+        self,
+        every: int = 50,
+        *,
+        n: int | None = None,
+        reduction: str = "mean",
+        decay: float | None = 0.95,
+        sampling: str = "without_replacement",
+    ) -> None:
+        check_options(every, reduction, n)
+        OnlineDiversity(n, decay=decay, sampling=sampling)  # validates decay and sampling
+        self.every, self.n, self.reduction = every, n, reduction
+        self.decay, self.sampling = decay, sampling
+        self.monitor: OnlineDiversity | None = None
+        self.metrics: dict[str, float] = {}
+        self.unit = "examples"  # or "tokens", once the first training forward shows it
+        self._attached = False
+        self._records: StepRecords | None = None
+        self._probe: MicroBatchProbe | None = None
+        self._forward: RemovableHandle | None = None
+        self._scaler: Any = None
+        self._world = 1
+        self._device = torch.device("cpu")
+        self._forwards = 0  # micro-batches in this step
+        self._items: Any = None  # num_items_in_batch of this step (token-normalised losses)
+        self._token_rule: str | None = None  # "shifted" (causal LM) or "all" label tokens
+        self._token_factor = 1.0
+        self._pending: dict[str, float] = {}
+
+    def attach(self, trainer: Any) -> DiversityCallback:
+        """Add this callback ahead of the Trainer's reporting integrations (TensorBoard, W&B,
+        ...), so that they record its keys too; returns self."""
+        callbacks = trainer.callback_handler.callbacks
+        flow = [i for i, cb in enumerate(callbacks)
+                if isinstance(cb, transformers.DefaultFlowCallback)]
+        callbacks.insert(flow[0] + 1 if flow else 0, self)
+        self._attached = True
+        return self
+
+    # ------------------------------------------------------------------ set-up
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
+                       optimizer: Any = None, train_dataloader: Any = None,
+                       **kwargs: Any) -> None:
+        if args.gradient_accumulation_steps < 2:
+            raise BatchboundError(
+                "DiversityCallback compares micro-batches with the step they add up to: it needs "
+                "gradient_accumulation_steps ≥ 2 (HF callbacks cannot reach the DDP wrapper for "
+                "the communication hook; in your own DDP loop use "
+                "batchbound.integrations.ddp)")
+        if args.n_gpu > 1:
+            raise BatchboundError("DiversityCallback does not support torch.nn.DataParallel "
+                                  "(n_gpu > 1 in one process); launch one process per GPU")
+        if model is None:
+            raise BatchboundError("the Trainer passed no model to DiversityCallback")
+        self._world = args.world_size
+        averaged = getattr(args, "average_tokens_across_devices", False) and self._world > 1
+        self._token_factor = float(self._world) if averaged else 1.0
+        n = self.n if self.n is not None else dataset_size(train_dataloader)
+        self.monitor = OnlineDiversity(n, decay=self.decay, sampling=self.sampling)
+        self._records = StepRecords(self.monitor)
+        self._probe = MicroBatchProbe(model.parameters())
+        self._device = next(model.parameters()).device
+        self._forward = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        self._scaler = getattr(optimizer, "scaler", None)
+        report_to = [r for r in (args.report_to or []) if r != "none"]
+        if report_to and not self._attached:
+            warnings.warn(f"report_to={report_to} integrations run before callbacks passed to "
+                          "Trainer(callbacks=...), so they will not record gradient_diversity/*; "
+                          "use DiversityCallback().attach(trainer) instead", stacklevel=2)
+
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A training forward opens a micro-batch: its size and loss weight."""
+        if not module.training or not torch.is_grad_enabled():
+            return
+        assert self._probe is not None
+        self._forwards += 1
+        items = kwargs.get("num_items_in_batch")
+        if items is None:
+            b = float(_batch_size(args, kwargs))
+            self._probe.start(b, 1.0 if self.reduction == "mean" else b)
+            return
+        if self.unit != "tokens":  # n counts examples, not tokens: Δ is not defined here
+            self._use_tokens(module)
+        self._items = items
+        labels = kwargs.get("shift_labels")
+        if labels is None:
+            labels = kwargs.get("labels")
+            if labels is None:
+                raise BatchboundError("the model takes num_items_in_batch but got no labels")
+            if self._token_rule == "shifted":
+                labels = labels[..., 1:]
+        count = labels.ne(_IGNORE).sum().to(torch.float64)  # the items its loss sums over
+        self._probe.start(count, count)
+
+    def _use_tokens(self, module: nn.Module) -> None:
+        """The loss is Σ over label tokens / num_items_in_batch: know which tokens."""
+        loss = getattr(module, "loss_function", None)
+        self._token_rule = next((rule for rule, known in _TOKEN_LOSSES.items()
+                                 if any(loss is fn for fn in known)), None)
+        if self._token_rule is None:
+            raise BatchboundError(
+                f"the model takes num_items_in_batch, but its loss "
+                f"({getattr(loss, '__name__', type(module).__name__)}) is not one whose tokens "
+                "DiversityCallback can count (ForCausalLMLoss, ForMaskedLMLoss, "
+                "ForTokenClassification); give the model a loss that is its batch's mean")
+        self.unit = "tokens"
+        assert self._records is not None
+        self.monitor = OnlineDiversity(None, decay=self.decay, sampling=self.sampling)
+        self._records.monitor = self.monitor
+
+    # ------------------------------------------------------------------- a step
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._probe is None or self._records is None:
+            return
+        self._probe.stop()
+        forwards, self._forwards = self._forwards, 0
+        if self.unit == "tokens":
+            # each micro-batch: Σ over its tokens / N, times P when the Trainer averages
+            # tokens across ranks (it multiplies the loss by the number of processes)
+            items = self._items
+            total = items.to(torch.float64) if isinstance(items, Tensor) else float(items)
+            constant = self._token_factor / total
+        else:  # each micro-batch's loss divided by their number k
+            constant = 1.0 / max(forwards, 1)
+        row = self._probe.record(constant, loss_scale_of(self._scaler, self._device))
+        if row is not None:
+            self._records.add(row)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._records is None or state.global_step % self.every:
+            return
+        self.metrics = diversity_metrics(self._records.fold())
+        if self.metrics:
+            self._pending = dict(self.metrics)
+            control.should_log = True
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None,
+               **kwargs: Any) -> None:
+        if not self._pending or logs is None:
+            return
+        logs.update(self._pending)
+        history = state.log_history
+        if history and history[-1].get("step") == state.global_step:
+            history[-1].update(self._pending)  # the Trainer appended a copy before on_log
+        self._pending = {}
+
+    # ------------------------------------------------------------------ the end
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._records is not None:
+            self._records.fold()
+        if self._probe is not None:
+            self._probe.remove()
+            self._probe = None
+        if self._forward is not None:
+            self._forward.remove()
+            self._forward = None
+
+
+def _batch_size(args: tuple, kwargs: dict) -> int:
+    """Examples in a micro-batch: dim 0 of ``labels`` or else of the first tensor input."""
+    labels = kwargs.get("labels")
+    candidates = [labels] if isinstance(labels, Tensor) else []
+    candidates += [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]
+    for t in candidates:
+        if t.dim() > 0:
+            return int(t.shape[0])
+    raise BatchboundError("DiversityCallback needs a tensor input with the examples along dim 0")
