@@ -83,9 +83,12 @@ def test_two_batch_on_one_process_from_micro_batches() -> None:
 def test_two_batch_on_one_process_needs_micro_batches_below_b() -> None:
     with pytest.raises(BatchboundError, match="two small batches"):
         TrainConfig(online_diversity="two_batch")
-    with pytest.raises(BatchboundError, match="two small batches"):
-        TrainConfig(online_diversity="two_batch", batch_size=32, micro_batch=32)
     TrainConfig(online_diversity="two_batch", batch_size=32, micro_batch=8)
+
+
+def test_a_micro_batch_not_below_the_batch_is_refused() -> None:
+    with pytest.raises(BatchboundError, match="nothing to accumulate"):
+        TrainConfig(batch_size=32, micro_batch=32)
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])

@@ -9,7 +9,8 @@ from pathlib import Path
 from batchbound.errors import BatchboundError
 
 
-def add_data_arguments(parser: argparse.ArgumentParser, default: str | None = "digits") -> None:
+def add_data_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                       default: str | None = "digits") -> None:
     parser.add_argument(
         "--dataset",
         default=default,

@@ -32,9 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument("--config", help="a TOML file with TrainConfig fields")
-    add_data_arguments(parser)
-    parser.set_defaults(dataset=None)  # unset: the --config file's, else TrainConfig's digits
     groups = {name: parser.add_argument_group(title) for name, title in GROUPS.items()}
+    add_data_arguments(groups["data"])
+    parser.set_defaults(dataset=None)  # unset: the --config file's, else TrainConfig's digits
     add_config_flags(groups)
     stop = groups["stopping"]
     for metric in TARGET_METRICS:
@@ -45,7 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             nargs="+",
             action="extend",
             metavar="X",
-            help=f"stop once {metric} reaches X (several allowed: 0.9 0.95 0.99)",
+            help=f"stop once {metric} reaches X (several allowed"
+            + (": 0.9 0.95 0.99)" if metric.endswith("acc") else ")"),
         )
     stop.add_argument(
         "--no-stop-at-targets",
@@ -169,6 +170,9 @@ def print_human(result: RunResult, file: Any = None) -> None:
         f"last evaluation (iteration {when}): " + ", ".join(f"{k}={final[k]:.4f}" for k in shown),
         file=out,
     )
+    online = result.curve("online_batch_bound")
+    if online:
+        print(f"online n·Δ estimate (smoothed, last iteration): {online[-1][3]:.4g}", file=out)
     probed = [k for k in PROBE_KEYS if k in final]
     if probed:
         print("final probes: " + ", ".join(f"{k}={final[k]:.4g}" for k in probed), file=out)

@@ -140,7 +140,8 @@ class TrainConfig:
     eval_batch_size: int = option(4096, "evaluation", "examples per evaluation chunk")
     # diversity
     diversity_every_epochs: float | None = option(
-        None, "evaluation", "measure the exact Δ and n·Δ every k epochs (seed 000: 10)")
+        None, "evaluation", "measure the exact Δ and n·Δ over the whole train set every k "
+        "epochs (seed 000 uses 10)")
     online_diversity: str = option(
         "off", "evaluation", "per-iteration estimate of Δ: norms (per-example norms from the "
         "step's backward) | two_batch (small-batch against global gradients)",
@@ -148,7 +149,9 @@ class TrainConfig:
     mechanism: str = option("none", "mechanisms",
                             "none | dropconnect(p=..) | sgld(sigma=..) | quantization")
     mechanism_granularity: str = option(
-        "worker", "mechanisms", "example: per-example gradients (exact, costly); worker",
+        "worker", "mechanisms", "where the mechanism acts: example (on each example's "
+        "gradient, as seed 001's theory; exact, costly) | worker (on each worker's summed "
+        "gradient before the all-reduce, cheap)",
         flags=("--granularity",), choices=GRANULARITIES)
     batch_policy: str = option(
         "fixed", "mechanisms",
@@ -220,6 +223,11 @@ class TrainConfig:
                 "combined with a mechanism; measure a mechanism's Δ with "
                 "diversity_every_epochs or batchbound.diversity.mechanisms"
             )
+        if self.micro_batch is not None and self.micro_batch >= self.batch_size and (
+                not self.parsed_batch_policy().adaptive):
+            raise BatchboundError(
+                f"micro_batch {self.micro_batch} is not below batch_size {self.batch_size}: "
+                "there is nothing to accumulate; leave micro_batch unset")
         if self.online_diversity == "two_batch" and self.workers < 2 and (
                 self.micro_batch is None or self.micro_batch >= self.batch_size):
             raise BatchboundError(
@@ -279,6 +287,16 @@ class TrainConfig:
             from batchbound.diversity.losses import resolve_loss
 
             resolve_loss(self.loss, dataset.task)
+        # token models (gpt, lstm) read text, the others float features: say so before a
+        # dtype error in the first layer. Built on the meta device: no memory, no RNG.
+        import torch
+
+        from batchbound.models import build_model, model_shape
+        from batchbound.models.layers import check_task
+
+        with torch.device("meta"):
+            model = build_model(self.model, dataset.input_shape, dataset.num_outputs)
+        check_task(model_shape(model), dataset.task, dataset.name)
 
     # ---- serialisation ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
