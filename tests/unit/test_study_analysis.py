@@ -171,6 +171,21 @@ def test_loss_threshold_rule():
     assert hits.loc["a64", "epochs"] == 3.0 and bool(hits["reached"].all())
 
 
+def test_loss_threshold_is_nan_when_the_largest_batch_never_trained():
+    """An unstable largest batch (loss up, not 10× up: not diverged) puts the quartile above
+    the initial loss; every run would reach it at iteration 0 (k = 0, a division by zero in
+    the speedup). No threshold then, and no loss-threshold speedup."""
+    runs, curves, _ = curve_tables()
+    unstable = curves["key"].isin(["a64", "a64b"]) & (curves["iteration"] > 0)
+    curves.loc[unstable, "value"] = 30.0  # started at 4 and 5, then stuck at 30
+    thresholds = A.loss_threshold(runs, curves).set_index("model_label")["threshold"]
+    assert math.isnan(thresholds["A"]) and not math.isnan(thresholds["B"])
+    hits = A.per_run_to_loss(runs, curves, A.loss_threshold(runs, curves)).set_index("key")
+    assert not hits.loc[["a16", "a16b", "a64", "a64b"], "reached"].any()
+    speedups = A.speedup(A.summarize_to_target(hits.reset_index(), "iterations"))
+    assert set(speedups["model_label"]) == {"B"}
+
+
 def test_diversity_over_training_and_at_matched_loss():
     runs, curves, diversity = curve_tables()
     summary = A.diversity_summary(runs, diversity, curves).set_index("model_label")

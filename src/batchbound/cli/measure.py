@@ -14,6 +14,7 @@ from batchbound.cli.common import add_data_arguments, add_model_argument
 from batchbound.data import load_dataset
 from batchbound.diversity import ENGINES, LOSS_NAMES, measure
 from batchbound.models import build_model, count_parameters, model_shape
+from batchbound.models.layers import check_task
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -48,7 +49,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--loss",
         choices=LOSS_NAMES,
         default=None,
-        help="per-example loss; default cross_entropy for classification, mse for regression",
+        help="per-example loss; default cross_entropy for classification, mse for regression, "
+        "sequence_cross_entropy (a sequence's summed token losses) for text",
     )
     parser.add_argument(
         "--json",
@@ -60,6 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def measure_one(spec: str, dataset: Any, args: argparse.Namespace) -> dict[str, Any]:
     model = build_model(spec, dataset.input_shape, dataset.num_outputs, seed=args.seed)
+    check_task(model_shape(model), dataset.task, args.dataset)
     report = measure(
         model,
         dataset,

@@ -9,6 +9,8 @@ import torch
 
 CLASSIFICATION = "classification"
 REGRESSION = "regression"
+TEXT = "text"  # next-token prediction: (n, context) token ids in, (n, context) next tokens out
+TASKS = (CLASSIFICATION, REGRESSION, TEXT)
 
 
 @dataclass(frozen=True)
@@ -16,7 +18,9 @@ class Dataset:
     """Train/test tensors, already normalised.
 
     Classification labels are int64 of shape (n,); regression targets are float of shape
-    (n, outputs). ``transforms`` records, in order, every transform applied (for run configs).
+    (n, outputs); text inputs and targets are int64 token ids of shape (n, context), the
+    targets the inputs shifted by one token, and ``num_classes`` the vocabulary size.
+    ``transforms`` records, in order, every transform applied (for run configs).
     """
 
     name: str
@@ -44,17 +48,19 @@ class Dataset:
 
     @property
     def num_outputs(self) -> int:
-        """Width of the model's output layer: classes, or regression targets."""
-        if self.task == CLASSIFICATION:
+        """Width of the model's output layer: classes, vocabulary, or regression targets."""
+        if self.task in (CLASSIFICATION, TEXT):
             assert self.num_classes is not None
             return self.num_classes
         return int(self.y_train.shape[1]) if self.y_train.dim() > 1 else 1
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> Dataset:
-        """Move tensors to ``device``; ``dtype`` applies to inputs and regression targets."""
+        """Move tensors to ``device``; ``dtype`` applies to float inputs and regression targets
+        (token ids and class labels stay integers)."""
 
         def move(t: torch.Tensor, is_label: bool) -> torch.Tensor:
-            if dtype is not None and (not is_label or self.task == REGRESSION):
+            floating = t.is_floating_point()
+            if dtype is not None and floating and (not is_label or self.task == REGRESSION):
                 t = t.to(dtype)
             return t.to(device)
 

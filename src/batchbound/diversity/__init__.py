@@ -10,7 +10,13 @@ torch.func) are the building blocks for mechanisms, online estimators and the tr
 """
 
 from batchbound.diversity.differential import DifferentialReport, differential_diversity
-from batchbound.diversity.losses import LOSS_NAMES, cross_entropy, mse, resolve_loss
+from batchbound.diversity.losses import (
+    LOSS_NAMES,
+    cross_entropy,
+    mse,
+    resolve_loss,
+    sequence_cross_entropy,
+)
 from batchbound.diversity.measure import measure
 from batchbound.diversity.mechanisms import (
     MechanismReport,
@@ -61,6 +67,7 @@ __all__ = [
     "quantize",
     "quantize_group",
     "resolve_loss",
+    "sequence_cross_entropy",
     "sgld_noise",
     "watch",
 ]

@@ -18,8 +18,12 @@ from batchbound.errors import BatchboundError, NonFiniteLossError
 
 PerExampleLoss = Callable[[Tensor, Tensor], Tensor]
 
-LOSS_NAMES = ("cross_entropy", "mse")
-_DEFAULT_FOR_TASK = {"classification": "cross_entropy", "regression": "mse"}
+LOSS_NAMES = ("cross_entropy", "mse", "sequence_cross_entropy")
+_DEFAULT_FOR_TASK = {
+    "classification": "cross_entropy",
+    "regression": "mse",
+    "text": "sequence_cross_entropy",
+}
 
 
 def cross_entropy(outputs: Tensor, targets: Tensor) -> Tensor:
@@ -31,6 +35,8 @@ def cross_entropy(outputs: Tensor, targets: Tensor) -> Tensor:
     if outputs.dim() != 2:
         raise BatchboundError(
             f"cross_entropy needs outputs of shape (n, classes), got {tuple(outputs.shape)}"
+            + ("; per-token outputs (n, context, vocabulary) need loss='sequence_cross_entropy'"
+               if outputs.dim() == 3 else "")
         )
     n, classes = outputs.shape
     if targets.dtype.is_floating_point:
@@ -73,12 +79,47 @@ def mse(outputs: Tensor, targets: Tensor) -> Tensor:
     return diff.square().mean(dim=1)
 
 
-_BY_NAME: dict[str, PerExampleLoss] = {"cross_entropy": cross_entropy, "mse": mse}
+def sequence_cross_entropy(outputs: Tensor, targets: Tensor) -> Tensor:
+    """f_i = Σ_t −log softmax(outputs_it)[y_it]: the SUM of a sequence's token losses.
+
+    One example is one sequence, so Σ_i f_i is the loss summed over every token, the quantity
+    whose per-sequence gradients Δ is about. ``outputs`` is (n, context, vocabulary) logits,
+    ``targets`` (n, context) integer next tokens. The mean token loss is this / context.
+    """
+    if outputs.dim() != 3:
+        raise BatchboundError(
+            "sequence_cross_entropy needs outputs of shape (n, context, vocabulary), got "
+            f"{tuple(outputs.shape)}"
+        )
+    n, steps, vocabulary = outputs.shape
+    if targets.dtype.is_floating_point or tuple(targets.shape) != (n, steps):
+        raise BatchboundError(
+            f"sequence_cross_entropy needs integer next tokens of shape ({n}, {steps}), got "
+            f"{targets.dtype} {tuple(targets.shape)}"
+        )
+    try:
+        tokens = F.cross_entropy(
+            outputs.reshape(n * steps, vocabulary), targets.long().reshape(n * steps),
+            reduction="none",
+        )  # fmt: skip
+    except (IndexError, RuntimeError) as exc:  # out-of-range tokens (no check: vmap)
+        raise BatchboundError(
+            f"sequence_cross_entropy: tokens must be in [0, {vocabulary}): {exc}"
+        ) from None
+    return tokens.reshape(n, steps).sum(dim=1)
+
+
+_BY_NAME: dict[str, PerExampleLoss] = {
+    "cross_entropy": cross_entropy,
+    "mse": mse,
+    "sequence_cross_entropy": sequence_cross_entropy,
+}
 
 
 def resolve_loss(loss: str | PerExampleLoss | None, task: str | None = None) -> PerExampleLoss:
     """A per-example loss from a name, a callable, or (``loss=None``) the task's default:
-    cross-entropy for ``"classification"``, MSE for ``"regression"``.
+    cross-entropy for ``"classification"``, MSE for ``"regression"``, the summed token
+    cross-entropy of a sequence for ``"text"``.
 
     The result checks that it returns one finite-shaped value per example.
     """
@@ -86,7 +127,8 @@ def resolve_loss(loss: str | PerExampleLoss | None, task: str | None = None) -> 
         if task is None:
             raise BatchboundError(
                 "no loss given and no task to choose one from; pass loss='cross_entropy', "
-                "loss='mse' or a callable returning one loss per example"
+                "loss='mse', loss='sequence_cross_entropy' or a callable returning one loss "
+                "per example"
             )
         if task not in _DEFAULT_FOR_TASK:
             raise BatchboundError(

@@ -3,11 +3,22 @@
 >>> from batchbound.models import build_model
 >>> model = build_model("fc(depth=3,params=16000)", input_shape=(64,), num_outputs=10, seed=0)
 
-Families: fc, linear, lenet, resnet, vgg, mobilenetv2, alexnet, cnn1d. Each module below
-registers its family when imported; they are all imported here, in one place.
+Families: fc, linear, lenet, resnet, vgg, mobilenetv2, alexnet, cnn1d, and for text gpt and
+lstm. Each module below registers its family when imported; they are all imported here, in
+one place.
 """
 
-from batchbound.models import alexnet, cnn1d, fc, lenet, mobilenet, resnet, vgg  # registers
+from batchbound.models import (  # registers
+    alexnet,
+    cnn1d,
+    fc,
+    gpt,
+    lenet,
+    lstm,
+    mobilenet,
+    resnet,
+    vgg,
+)
 from batchbound.models.describe import LayerRow, ModelDescription, describe_model, model_shape
 from batchbound.models.fc import budget_count, solve_width, weight_count
 from batchbound.models.layers import ModelShape
@@ -36,7 +47,9 @@ __all__ = [
     "family_sweep",
     "fc",
     "get_family",
+    "gpt",
     "lenet",
+    "lstm",
     "mobilenet",
     "model_shape",
     "parse_depths",

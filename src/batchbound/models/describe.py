@@ -2,7 +2,8 @@
 
 ``describe_model`` builds the model on the meta device (shapes without memory, so a spec of
 any size can be described), runs one dummy batch through it in eval mode with forward hooks
-on every leaf module to record output shapes, and reads the family's shape record.
+on every leaf module to record output shapes, and reads the family's shape record (token
+models get an int64 batch).
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ def describe_model(
     for name, module in model.named_modules():
         if name and not list(module.children()):
             def record(mod: nn.Module, inputs: Any, output: Any, name: str = name) -> None:
+                if isinstance(output, (tuple, list)):  # nn.LSTM: (output, (h, c))
+                    output = output[0]
                 rows.append(LayerRow(
                     name, type(mod).__name__, list(output.shape[1:]),
                     sum(p.numel() for p in mod.parameters()),
@@ -93,7 +96,8 @@ def describe_model(
     model.eval()
     try:
         with torch.no_grad():
-            model(torch.zeros(2, *input_shape, device="meta"))
+            dtype = torch.long if shape.tokens else torch.get_default_dtype()
+            model(torch.zeros(2, *input_shape, device="meta", dtype=dtype))
     finally:
         for handle in handles:
             handle.remove()

@@ -59,12 +59,30 @@ class ModelShape:
     weight layers on the main path for the convolutional families (ResNet-18 has 18).
     ``width`` is the family's width option after any budget was solved. ``resolved`` is a spec
     that rebuilds the same architecture without a budget, e.g. ``fc(depth=4,width=26)``.
+    ``tokens``: the model reads int64 token ids (gpt, lstm), not float features.
     """
 
     family: str
     depth: int
     width: int | float
     resolved: str
+    tokens: bool = False
+
+
+def check_task(shape: ModelShape | None, task: str, data: str) -> None:
+    """Refuse a token model on feature data and a feature model on text (task ``"text"``),
+    in one line, before a dtype error deep in the first layer. Untagged models pass."""
+    if shape is None or shape.tokens == (task == "text"):
+        return
+    if shape.tokens:
+        raise BatchboundError(
+            f"{shape.family} reads token ids, but {data} is a {task} set of features; use a "
+            "text data set such as fortunes or text(path=FILE)"
+        )
+    raise BatchboundError(
+        f"{shape.family} reads float features, but {data} is a text set of token ids; use a "
+        "language model such as gpt or lstm"
+    )
 
 
 def tag(model: nn.Module, shape: ModelShape) -> nn.Module:

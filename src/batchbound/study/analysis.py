@@ -362,19 +362,26 @@ def loss_threshold(runs: pd.DataFrame, curves: pd.DataFrame, metric: str = "trai
                    quantile: float = 0.25) -> pd.DataFrame:
     """Seed 003's threshold per model: the lower quartile of the ``metric`` values recorded
     by the final runs at that model's largest batch size, diverged runs left out (and the
-    largest batch with a run that did not diverge when every run there diverged)."""
+    largest batch with a run that did not diverge when every run there diverged). NaN when
+    that quartile is not below the loss those runs started from: an unstable largest batch
+    (loss up, not 10× up) gives a threshold the untrained model meets, which measures
+    nothing (and would make k(m) = 0)."""
     final = finals(runs)
     keys = model_keys(final)
     rows = []
     for group, everything in final.groupby(keys, sort=True, dropna=False):
         frame = everything[_not_diverged(everything)]
         largest = frame[frame["batch_size"] == frame["batch_size"].max()]["key"]
-        values = curves[(curves["key"].isin(largest)) & (curves["metric"] == metric)]["value"]
-        values = values[np.isfinite(values.astype(float))]
+        recorded = curves[(curves["key"].isin(largest)) & (curves["metric"] == metric)]
+        recorded = recorded[np.isfinite(recorded["value"].astype(float))]
+        values = recorded["value"]
+        starts = recorded.sort_values("iteration").groupby("key")["value"].first()
+        threshold = float(np.quantile(values, quantile)) if len(values) else math.nan
+        if len(starts) and not threshold < float(starts.min()):
+            threshold = math.nan
         group = group if isinstance(group, tuple) else (group,)
         rows.append({**dict(zip(keys, group, strict=True)),
-                     "threshold": float(np.quantile(values, quantile)) if len(values)
-                     else math.nan,
+                     "threshold": threshold,
                      "from_batch": float(frame["batch_size"].max()) if len(frame) else math.nan,
                      "diverged_left_out": int((~_not_diverged(everything)).sum())})
     return pd.DataFrame(rows)

@@ -54,6 +54,7 @@ class DataInfo:
     n_train: int
     input_shape: tuple[int, ...]
     d_out: int
+    task: str = "classification"
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def data_info(data: DataSpec) -> DataInfo:
     from batchbound.study.adapter import load_data
 
     ds = load_data(data)
-    return DataInfo(ds.n_train, tuple(int(s) for s in ds.input_shape), ds.num_outputs)
+    return DataInfo(ds.n_train, tuple(int(s) for s in ds.input_shape), ds.num_outputs, ds.task)
 
 
 MAX_BUDGET_ERROR = 0.1
@@ -223,6 +224,20 @@ class Plan:
         return sum(1 for _ in self.cells()) * len(self.spec.train.seeds)
 
 
+def _check_kinds(shapes: list[ModelShape], data: DataSpec, info: DataInfo) -> None:
+    """Token models (gpt, lstm) on text sets, the others on features: fail the plan, not
+    every run."""
+    import torch
+
+    from batchbound.models import build_model, model_shape
+    from batchbound.models.layers import check_task
+
+    for shape in shapes:
+        with torch.device("meta"):
+            model = build_model(shape.spec, info.input_shape, info.d_out)
+        check_task(model_shape(model), info.task, data.label)
+
+
 def make_plan(spec: StudySpec) -> Plan:
     infos, shapes = {}, {}
     for data in spec.data:
@@ -230,6 +245,7 @@ def make_plan(spec: StudySpec) -> Plan:
         _check_batches(spec, data, info)
         infos[data.label] = info
         shapes[data.label] = model_shapes(spec, info)
+        _check_kinds(shapes[data.label], data, info)
     return Plan(spec, shapes, infos)
 
 

@@ -11,6 +11,11 @@ from batchbound.diversity.losses import PerExampleLoss
 from batchbound.train.distributed import DistContext, all_reduce_sum
 
 
+def _is_sequence(outputs: torch.Tensor, y: torch.Tensor) -> bool:
+    """Next-token prediction: (n, T, V) logits against (n, T) integer tokens."""
+    return outputs.dim() == 3 and y.dim() == 2 and not y.is_floating_point()
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -21,27 +26,37 @@ def evaluate(
     chunk_size: int,
     classification: bool,
 ) -> dict[str, float]:
-    """Mean loss (and accuracy for classification) over (x, y).
+    """Mean loss per example, and accuracy where predictions are labels, over (x, y).
 
+    Classification: the fraction of examples whose argmax is the label. Text (a text task,
+    or any (n, T, V) output against (n, T) integer targets): the fraction of tokens whose
+    argmax is the next token, over all tokens, while the loss stays the mean per sequence
+    (for ``sequence_cross_entropy`` the summed token loss; divide by T for per-token).
     Rank r evaluates examples r, r+P, r+2P, ...; the sums are all-reduced, so every rank
-    returns the same numbers. Returns ``{"loss": ..., "acc": ...}`` (acc only when classifying).
+    returns the same numbers. Returns ``{"loss": ..., "acc": ...}`` (acc only when it has one).
     """
     was_training = model.training
     model.eval()
     mine = torch.arange(ctx.rank, x.shape[0], ctx.world_size, device=x.device)
-    sums = torch.zeros(3, dtype=torch.float64, device=x.device)  # loss, correct, count
+    # loss, correct predictions, examples, predictions, whether this rank saw sequences
+    sums = torch.zeros(5, dtype=torch.float64, device=x.device)
     for start in range(0, len(mine), chunk_size):
         idx = mine[start : start + chunk_size]
         outputs = model(x[idx])
         sums[0] += loss_fn(outputs, y[idx]).double().sum()
-        if classification:
+        if _is_sequence(outputs, y):
+            sums[1] += (outputs.argmax(dim=-1) == y[idx]).sum()
+            sums[3] += y[idx].numel()
+            sums[4] = 1
+        elif classification:
             sums[1] += (outputs.argmax(dim=1) == y[idx]).sum()
+            sums[3] += len(idx)
         sums[2] += len(idx)
     all_reduce_sum(sums)
     model.train(was_training)
-    count = float(sums[2])
+    count, predictions = float(sums[2]), float(sums[3])
     loss = float(sums[0]) / count if count else math.nan
     out = {"loss": loss}
-    if classification:
-        out["acc"] = float(sums[1]) / count if count else math.nan
+    if classification or sums[4] > 0:
+        out["acc"] = float(sums[1]) / predictions if predictions else math.nan
     return out

@@ -130,7 +130,7 @@ class Trainer:
         dtype = getattr(torch, config.dtype)
         self.data = data.to(ctx.device, dtype)
         self.n = data.n_train
-        self.classification = data.task == "classification"
+        self.classification = data.task in ("classification", "text")  # has an accuracy
         self.loss_fn = resolve_loss(config.loss, data.task)
         self.strategy = config.parsed_strategy()
         self.mechanism = config.parsed_mechanism()
