@@ -157,6 +157,7 @@ class Trainer:
         self.monitor = OnlineMonitor(config.online_diversity, self.n, ctx, config.sampling,
                                      config.micro_batch)
         self.prepared_stats: PreparedStats | None = None  # made on the first monitored step
+        self._backward_seed: tuple[float, torch.Tensor] | None = None  # (scale, tensor), reused
 
         subset = config.eval_subset
         if subset is not None and subset < self.n:
@@ -280,7 +281,7 @@ class Trainer:
 
         scale = 1.0 / batch if self.config.convention == "mean" else 1.0
         grads, loss_sum, monitor_extras = self.accumulate_gradients(x, y, scale)
-        if self.config.mechanism_granularity == "worker":
+        if self.config.mechanism_granularity == "worker" and not self.mechanism.is_identity:
             apply_to_worker(self.mechanism, grads, scale, self.generator)
         timer.lap("compute")
 
@@ -303,14 +304,15 @@ class Trainer:
             timer.totals["monitor"] += time.perf_counter() - t0
             if self.policy.adaptive and self.policy.source == "online":  # the policy's input
                 self.train_seconds += time.perf_counter() - t0
-        self.progress.update(
-            self.sampler.epoch,
-            self.iteration,
-            self.last_batch_loss,
-            self.metrics.get("train_acc"),
-            timer.samples / max(self.train_seconds, 1e-12),
-            batch,
-        )
+        if self.progress.enabled:
+            self.progress.update(
+                self.sampler.epoch,
+                self.iteration,
+                self.last_batch_loss,
+                self.metrics.get("train_acc"),
+                timer.samples / max(self.train_seconds, 1e-12),
+                batch,
+            )
         return {"stop": extras_sum[1] > 0, "time": extras_sum[2] > 0}
 
     def accumulate_gradients(
@@ -371,7 +373,9 @@ class Trainer:
         total = self.loss_fn(self.model(x), y).sum()
         # seeding backward with `scale` equals (total·scale).backward() bit for bit, without
         # the extra multiply and its autograd node (~40 µs a step on a small model)
-        total.backward(torch.full_like(total, scale))
+        if self._backward_seed is None or self._backward_seed[0] != scale:
+            self._backward_seed = (scale, torch.full_like(total, scale))
+        total.backward(self._backward_seed[1])
         return [p.grad for p in self.params], total.item(), []
 
     def all_reduce(self, grads: list[torch.Tensor], extras: list[float]) -> tuple[list[float], int]:

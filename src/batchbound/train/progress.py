@@ -22,6 +22,10 @@ class Progress:
             bar_format="{l_bar}{bar}| {n:.2f}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
         )
 
+    @property
+    def enabled(self) -> bool:
+        return not self.bar.disable
+
     def update(
         self,
         epoch: float,
