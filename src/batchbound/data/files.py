@@ -12,14 +12,19 @@ usual constants (MNIST 0.1307/0.3081, CIFAR-10 (0.4914, 0.4822, 0.4465)/(0.2470,
 
 from __future__ import annotations
 
+import math
+import zipfile
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
+from numpy.lib.npyio import NpzFile
 
 from batchbound.data.dataset import CLASSIFICATION, REGRESSION, Dataset
-from batchbound.data.formats import read_cifar_batch, read_idx, read_svmlight
+from batchbound.data.formats import one_line, read_cifar_batch, read_idx, read_svmlight
 from batchbound.data.registry import MissingCheck, register_dataset
 from batchbound.data.splits import split_indices
 from batchbound.errors import BatchboundError
@@ -119,6 +124,11 @@ def _idx_dataset(
                 f"got shape {images.shape}"
             )
     for labels, path in ((y_tr, found[1]), (y_te, found[3])):
+        if labels.ndim != 1 or labels.dtype.kind not in "iu":
+            raise BatchboundError(
+                f"{path}: expected a 1-d array of integer labels, got {labels.dtype} of shape "
+                f"{labels.shape}"
+            )
         if labels.size == 0:
             raise BatchboundError(f"{path}: no labels")
         low, high = int(labels.min()) - label_offset, int(labels.max()) - label_offset
@@ -222,11 +232,12 @@ def _cifar_check(name: str) -> MissingCheck:
 
 def _load_cifar(data_dir: Path, name: str, label_key: bytes) -> Dataset:
     _, train_names, test_names, _, classes = CIFAR[name]
+    classes = 20 if label_key == b"coarse_labels" else classes
     dirs = _cifar_dirs(data_dir, name)
     found = find_files(dirs, train_names + test_names, ())
     if found is None:
         raise missing_error(name, _cifar_check(name)(data_dir) or "")
-    parts = [read_cifar_batch(p, label_key) for p in found]
+    parts = [read_cifar_batch(p, label_key, classes) for p in found]
     n_tr = len(train_names)
     x_tr = np.concatenate([p[0] for p in parts[:n_tr]]).astype(np.float32) / 255.0
     x_te = np.concatenate([p[0] for p in parts[n_tr:]]).astype(np.float32) / 255.0
@@ -243,7 +254,7 @@ def _load_cifar(data_dir: Path, name: str, label_key: bytes) -> Dataset:
         y_train=labels[0],
         x_test=x_test,
         y_test=labels[1],
-        num_classes=classes if label_key != b"coarse_labels" else 20,
+        num_classes=classes,
         source=f"{name} python batches in {found[0].parent}",
         meta={
             "files": [str(p) for p in found],
@@ -293,12 +304,21 @@ def resolve_user_file(data_dir: Path, path: object, label: str, option: str) -> 
     )
 
 
+MIN_EXAMPLES = 2  # a batch size to choose needs at least two training examples
+
+
 def _labels(
     y_train: np.ndarray, y_test: np.ndarray, task: str, label: str
 ) -> tuple[str, torch.Tensor, torch.Tensor, int | None, list | None]:
     """Classification when every label is integral (mapped to 0..K-1 in sorted order),
     else regression with targets of shape (n, outputs)."""
-    both = np.concatenate([y_train.reshape(len(y_train), -1), y_test.reshape(len(y_test), -1)])
+    flat = [y.reshape(len(y), -1) for y in (y_train, y_test)]
+    if flat[0].shape[1] != flat[1].shape[1]:
+        raise BatchboundError(
+            f"{label}: training targets have {flat[0].shape[1]} columns, test targets "
+            f"{flat[1].shape[1]}"
+        )
+    both = np.concatenate(flat)
     integral = both.shape[1] == 1 and np.all(np.equal(np.mod(both, 1), 0))
     if task == "auto":
         task = CLASSIFICATION if integral else REGRESSION
@@ -312,9 +332,7 @@ def _labels(
         )
         return task, tr, te, len(values), values.tolist()
     if task == REGRESSION:
-        tr, te = (
-            torch.from_numpy(y.reshape(len(y), -1).astype(np.float32)) for y in (y_train, y_test)
-        )
+        tr, te = (torch.from_numpy(y.astype(np.float32)) for y in flat)
         return task, tr, te, None, None
     raise BatchboundError(f"{label}: task must be auto, classification or regression, got {task!r}")
 
@@ -323,17 +341,31 @@ def _from_arrays(
     name: str, x: np.ndarray, y: np.ndarray, x_test: np.ndarray | None, y_test: np.ndarray | None,
     task: str, test_fraction: float, split_seed: int, source: str, meta: dict,
 ) -> Dataset:  # fmt: skip
+    """The data set of numeric arrays read from a user's file(s); ``load_dataset``'s
+    ``check_dataset`` then refuses non-finite values and inconsistent shapes."""
+    if len(x) < MIN_EXAMPLES:
+        raise BatchboundError(
+            f"{name}: {source} has {len(x)} training example(s); need at least {MIN_EXAMPLES}"
+        )
     if x_test is None or y_test is None:
         train_idx, test_idx = split_indices(len(y), test_fraction, split_seed)
+        if len(train_idx) < MIN_EXAMPLES:
+            raise BatchboundError(
+                f"{name}: test_fraction={test_fraction} leaves {len(train_idx)} of {len(y)} "
+                f"examples for training; need at least {MIN_EXAMPLES}"
+            )
         x, y, x_test, y_test = x[train_idx], y[train_idx], x[test_idx], y[test_idx]
         meta = {**meta, "split": f"test_fraction={test_fraction},split_seed={split_seed}"}
-    task, y_tr, y_te, classes, values = _labels(y, y_test, task, name)
+    # NaN, inf and values past float32 are refused by check_dataset in one line; numpy's
+    # warnings about them would only add lines to the error
+    with np.errstate(over="ignore", invalid="ignore"):
+        task, y_tr, y_te, classes, values = _labels(y, y_test, task, name)
+        x_train, x_te = (torch.from_numpy(np.asarray(a, dtype=np.float32)) for a in (x, x_test))
     if values is not None:
         meta = {**meta, "label_values": values}
     return Dataset(
         name=name, task=task,
-        x_train=torch.from_numpy(np.asarray(x, dtype=np.float32)), y_train=y_tr,
-        x_test=torch.from_numpy(np.asarray(x_test, dtype=np.float32)), y_test=y_te,
+        x_train=x_train, y_train=y_tr, x_test=x_te, y_test=y_te,
         num_classes=classes, source=source, meta=meta,
     )  # fmt: skip
 
@@ -410,6 +442,78 @@ def load_gisette(data_dir: Path) -> Dataset:
     )
 
 
+NPZ_KEYS = ("x", "y", "x_test", "y_test")
+# what a broken zip archive or .npy member raises while numpy reads it
+_NPZ_ERRORS = (ValueError, EOFError, OSError, MemoryError, zipfile.BadZipFile, zlib.error)
+
+
+def read_npz(file: Path) -> dict[str, np.ndarray]:
+    """x, y and (both or neither) x_test, y_test of an .npz archive, each checked to be a
+    numeric array with one row per example. Nothing is unpickled (``allow_pickle=False``)."""
+    try:
+        with open(file, "rb") as handle:  # ours to close: np.load leaks its own on a bad zip
+            arrays = _npz_arrays(handle, file)
+    except OSError as exc:  # opening it; a broken archive is caught where it is read
+        raise BatchboundError(f"npz: cannot read {file}: {one_line(exc)}") from None
+    for xs, ys in (("x", "y"), ("x_test", "y_test")):
+        if xs in arrays and len(arrays[xs]) != len(arrays[ys]):
+            raise BatchboundError(
+                f"npz: {xs} has {len(arrays[xs])} rows but {ys} has {len(arrays[ys])}"
+            )
+    return arrays
+
+
+def _npz_arrays(handle: BinaryIO, file: Path) -> dict[str, np.ndarray]:
+    try:
+        archive = np.load(handle, allow_pickle=False)
+    except _NPZ_ERRORS as exc:
+        raise BatchboundError(
+            f"npz: {file} is not a readable .npz archive: {one_line(exc)}"
+        ) from None
+    if not isinstance(archive, NpzFile):
+        raise BatchboundError(
+            f"npz: {file} holds a single array (.npy), not an .npz archive; write one with "
+            "np.savez(FILE, x=..., y=...)"
+        )
+    with archive:
+        for key in ("x", "y"):
+            if key not in archive.files:
+                raise BatchboundError(
+                    f"npz: {file} has no array {key!r} (has {sorted(archive.files)}); "
+                    "expected x, y and optionally x_test, y_test"
+                )
+        if ("x_test" in archive.files) != ("y_test" in archive.files):
+            raise BatchboundError(f"npz: {file} must have both x_test and y_test, or neither")
+        return {key: _npz_array(archive, key, file) for key in NPZ_KEYS if key in archive.files}
+
+
+def _npz_array(archive: NpzFile, key: str, file: Path) -> np.ndarray:
+    try:
+        array = archive[key]
+    except _NPZ_ERRORS as exc:  # object arrays too: they would need unpickling
+        raise BatchboundError(
+            f"npz: {file}: array {key!r} cannot be read: {one_line(exc)}"
+        ) from None
+    if not isinstance(array, np.ndarray):  # a zip member that is not a .npy file
+        raise BatchboundError(f"npz: {file}: {key!r} is not a .npy array")
+    if array.dtype.kind not in "biuf":
+        hint = "; map class names to integers first" if array.dtype.kind in "SU" else ""
+        raise BatchboundError(
+            f"npz: {key} in {file} has dtype {array.dtype}; needs real numbers (bool, integer "
+            f"or float){hint}"
+        )
+    if array.ndim == 0:
+        raise BatchboundError(
+            f"npz: {key} in {file} is a single value (0-d); needs one row per example"
+        )
+    if key.startswith("x") and (array.ndim < 2 or math.prod(array.shape[1:]) == 0):
+        raise BatchboundError(
+            f"npz: {key} in {file} has shape {array.shape}; needs (n, features...), one row of "
+            "at least one feature per example (a single feature: x.reshape(-1, 1))"
+        )
+    return array
+
+
 @register_dataset(
     "npz", source="your .npz file", embedded=False,
     description="npz(path=FILE[,task=...]) with arrays x, y and optionally x_test, y_test "
@@ -420,21 +524,7 @@ def load_npz(
     split_seed: int = 0,
 ) -> Dataset:  # fmt: skip
     file = resolve_user_file(data_dir, path, "npz", "path")
-    with np.load(file, allow_pickle=False) as archive:
-        arrays = {key: archive[key] for key in archive.files}
-    for key in ("x", "y"):
-        if key not in arrays:
-            raise BatchboundError(
-                f"npz: {file} has no array {key!r} (has {sorted(arrays)}); "
-                "expected x, y and optionally x_test, y_test"
-            )
-    if ("x_test" in arrays) != ("y_test" in arrays):
-        raise BatchboundError(f"npz: {file} must have both x_test and y_test, or neither")
-    for xs, ys in (("x", "y"), ("x_test", "y_test")):
-        if xs in arrays and len(arrays[xs]) != len(arrays[ys]):
-            raise BatchboundError(
-                f"npz: {xs} has {len(arrays[xs])} rows but {ys} has {len(arrays[ys])}"
-            )
+    arrays = read_npz(file)
     return _from_arrays(
         "npz",
         arrays["x"],

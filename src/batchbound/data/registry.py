@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from batchbound.data.dataset import Dataset
+from batchbound.data.dataset import Dataset, check_dataset
 from batchbound.errors import BatchboundError
 from batchbound.spec import parse_spec
 
@@ -132,7 +132,8 @@ def load_dataset(spec: str, data_dir: str | Path | None = None) -> Dataset:
             raise BatchboundError(
                 f"data set {parsed.name!r}: option {key} must be {names}, got {value!r}"
             )
-    return entry.loader(resolve_data_dir(data_dir), **parsed.kwargs)
+    # every set passes one check, whatever its loader: the rooms after data can rely on it
+    return check_dataset(entry.loader(resolve_data_dir(data_dir), **parsed.kwargs))
 
 
 def _scalar_types(hint: object) -> tuple[type, ...]:

@@ -249,6 +249,8 @@ def load_text(
     except UnicodeDecodeError as exc:
         raise BatchboundError(f"text: {file} is not UTF-8 text ({exc.reason} at byte "
                               f"{exc.start})") from None
+    except OSError as exc:
+        raise BatchboundError(f"text: cannot read {file}: {exc.strerror or exc}") from None
     paragraphs = [p.strip("\n") + "\n" for p in _PARAGRAPH_SEPARATOR.split(clean(raw))]
     documents = [p for p in paragraphs if p.strip()]
     return text_dataset(

@@ -4,13 +4,21 @@ A checkpoint is one ``torch.save`` file written to ``<path>.tmp`` and moved into
 ``os.replace``, so a crash mid-write leaves the previous checkpoint intact. It holds what
 the trainer hands it (model, optimizer, sampler, generators, metrics so far) plus the
 global RNG states of torch (CPU and CUDA), numpy and Python's ``random``.
+
+Only tensors and plain containers (dict, list, tuple, str, numbers, None) are stored, so a
+checkpoint is read back with ``torch.load(weights_only=True)``: a file handed to ``--resume``
+can build tensors and nothing else, never run code. ``storable`` turns numpy arrays into
+tensors and numpy scalars into Python numbers on save; the two numpy values the trainer
+needs back (numpy's RNG key, the weight snapshots) are turned back on load.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import signal
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -33,26 +41,85 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    name, key, *rest = state["numpy"]  # the key was stored as a tensor
+    np.random.set_state((name, np.asarray(key, dtype=np.uint32), *rest))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def storable(value: Any) -> Any:
+    """``value`` with numpy arrays as tensors and numpy scalars as Python numbers, so that
+    ``torch.load(weights_only=True)`` reads it back. A container with nothing to convert is
+    returned as it is (a model's state dict keeps its type and version metadata)."""
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.copy())
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        items = {key: storable(item) for key, item in value.items()}
+        unchanged = all(items[key] is item for key, item in value.items())
+        return value if unchanged else items
+    if isinstance(value, (list, tuple)):
+        converted = [storable(item) for item in value]
+        if all(new is old for new, old in zip(converted, value, strict=True)):
+            return value
+        return tuple(converted) if isinstance(value, tuple) else converted
+    return value
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save({**state, "rng": rng_state()}, tmp)
+    torch.save(storable({**state, "rng": rng_state()}), tmp)
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
+def _why_unreadable(exc: Exception) -> str:
+    """A one-line reason for a failed ``torch.load`` (torch's own messages run to many lines
+    and suggest ``weights_only=False``): the global a crafted pickle asked for, else the
+    weights-only unpickler's complaint, else the first line of the error."""
+    text = str(exc)
+    asked = re.search(r"GLOBAL ([\w.]+)", text)
+    if asked:
+        return f"it refers to {asked.group(1)}; a checkpoint holds only tensors and plain data"
+    detail = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
+    if detail:
+        return f"it holds more than tensors and plain data: {detail.group(1)[:200]}"
+    first = re.split(r"(?<=\.)\s", text.strip())[0][:200]  # its first sentence
+    reason = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return f"unreadable, truncated or not written by torch.save: {reason}"
+
+
+def load_checkpoint(path: str | Path, config_hash: str | None = None) -> dict[str, Any]:
+    """The checkpoint at ``path``, read with ``weights_only=True`` (nothing in it can run).
+    Refused with a ``BatchboundError`` when unreadable (truncated, garbage, a pickle of
+    anything but tensors and plain data) and, given ``config_hash``, when it belongs to
+    another configuration: checked here, before the caller applies anything from it."""
     path = Path(path)
     if not path.exists():
         raise BatchboundError(f"no checkpoint to resume from at {path}")
-    # weights_only=False: the file holds numpy/python RNG states; it is our own file.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        with warnings.catch_warnings():  # torch warns about odd pickles; we refuse them anyway
+            warnings.simplefilter("ignore")
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # every way a file fails to unpickle safely, the same answer
+        raise BatchboundError(
+            f"{path} is not a batchbound checkpoint ({_why_unreadable(exc)})"
+        ) from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("config_hash"), str) or (
+        not isinstance(saved.get("rng"), dict)
+    ):
+        raise BatchboundError(
+            f"{path} is not a batchbound checkpoint (no config hash and RNG states in it)"
+        )
+    if config_hash is not None and saved["config_hash"] != config_hash:
+        raise BatchboundError(
+            f"checkpoint {path} is for config {saved['config_hash']}, not {config_hash}; "
+            "resume with the same configuration"
+        )
+    return saved
 
 
 class StopFlag:

@@ -680,27 +680,32 @@ class Trainer:
         from batchbound.train.checkpoint import set_rng_state
 
         assert self.checkpoint_path is not None
-        saved = load_checkpoint(self.checkpoint_path)
-        if saved["config_hash"] != self.config.config_hash():
+        # refused there, before anything is applied, unless it is this config's checkpoint
+        saved = load_checkpoint(self.checkpoint_path, self.config.config_hash())
+        try:
+            if len(saved["generators"]) != self.ctx.world_size:
+                raise BatchboundError(
+                    f"checkpoint was written by {len(saved['generators'])} workers, "
+                    f"this run has {self.ctx.world_size}"
+                )
+            self.model.load_state_dict(saved["model"])
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.sampler.load_state_dict(saved["sampler"])
+            self.generator.set_state(saved["generators"][self.ctx.rank])
+            self.monitor.load_state_dict(saved["monitor"])
+            self.timer.load_state_dict(saved["timer"])
+            self.targets = [TargetResult(**t) for t in saved["targets"]]
+            for name in self._STATE:  # only the run state's names, whatever the file holds
+                setattr(self, name, saved["state"][name])
+            # saved as tensors (a checkpoint holds no numpy); the trainer keeps numpy arrays
+            self.snapshots = [(i, e, w.numpy()) for i, e, w in self.snapshots]
+            set_rng_state(saved["rng"])
+        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
+            reason = " ".join(str(exc).split())[:200]
             raise BatchboundError(
-                f"checkpoint {self.checkpoint_path} is for config {saved['config_hash']}, "
-                f"not {self.config.config_hash()}; resume with the same configuration"
-            )
-        if len(saved["generators"]) != self.ctx.world_size:
-            raise BatchboundError(
-                f"checkpoint was written by {len(saved['generators'])} workers, "
-                f"this run has {self.ctx.world_size}"
-            )
-        self.model.load_state_dict(saved["model"])
-        self.optimizer.load_state_dict(saved["optimizer"])
-        self.sampler.load_state_dict(saved["sampler"])
-        self.generator.set_state(saved["generators"][self.ctx.rank])
-        self.monitor.load_state_dict(saved["monitor"])
-        self.timer.load_state_dict(saved["timer"])
-        self.targets = [TargetResult(**t) for t in saved["targets"]]
-        for name, value in saved["state"].items():
-            setattr(self, name, value)
+                f"checkpoint {self.checkpoint_path} does not fit this run "
+                f"({type(exc).__name__}: {reason})"
+            ) from None
         if not self.ctx.is_main:
             self.snapshots = []  # rank 0 keeps them (snapshot_step)
         self.status, self.message = "complete", ""
-        set_rng_state(saved["rng"])
