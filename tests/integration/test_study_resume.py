@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from study_processes import TRAINER, finish, log_entries, start_study
 
 from batchbound.study.store import Store
 
@@ -35,28 +36,6 @@ max_epochs = 6
 diversity_every_epochs = 1
 repeats = 2
 """
-TRAINER = "simulated_trainer:execute"
-
-
-def run_cli(spec: Path, store: Path, log: Path, sleep: float, jobs: int = 0) -> subprocess.Popen:
-    env = {**os.environ, "BATCHBOUND_SIM_LOG": str(log), "BATCHBOUND_SIM_SLEEP": str(sleep)}
-    return subprocess.Popen(
-        [sys.executable, "-m", "batchbound", "study", "run", str(spec), "--store", str(store),
-         "--jobs", str(jobs), "--trainer", TRAINER, "--no-progress"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-
-
-def finish(proc: subprocess.Popen) -> str:
-    """Wait for a runner, close its pipes, assert it succeeded; returns its stderr."""
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err.decode()
-    return err.decode()
-
-
-def log_entries(log: Path) -> list[tuple[str, int]]:
-    if not log.exists():
-        return []
-    return [(line.split()[0], int(line.split()[1])) for line in log.read_text().splitlines()]
 
 
 def tables(store_path: Path) -> dict[str, pd.DataFrame]:
@@ -75,7 +54,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     spec = tmp_path / "spec.toml"
     spec.write_text(SPEC)
     store, log = tmp_path / "killed.sqlite", tmp_path / "killed.log"
-    proc = run_cli(spec, store, log, sleep=0.15, jobs=1)  # a pool: its worker dies too
+    proc = start_study(spec, store, log, sleep=0.15, jobs=1)  # a pool: its worker dies too
     deadline = time.time() + 120
     # wait until some runs have finished and another is part-way (has a checkpoint)
     while time.time() < deadline:
@@ -95,7 +74,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     assert finished and interrupted, "the kill should land mid-study"
     before = len(log_entries(log))
 
-    finish(run_cli(spec, store, log, sleep=0.0))
+    finish(start_study(spec, store, log, sleep=0.0))
     after = log_entries(log)[before:]
     redone = {key for key, _ in after} & finished
     assert not redone, f"finished runs executed again: {redone}"
@@ -103,13 +82,13 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     assert resumed and set(resumed) <= interrupted  # part-done runs resumed from checkpoints
 
     clean_store, clean_log = tmp_path / "clean.sqlite", tmp_path / "clean.log"
-    finish(run_cli(spec, clean_store, clean_log, sleep=0.0))
+    finish(start_study(spec, clean_store, clean_log, sleep=0.0))
     killed_tables, clean_tables = tables(store), tables(clean_store)
     for name, frame in clean_tables.items():
         pd.testing.assert_frame_equal(killed_tables[name], frame, check_dtype=False)
     # each run executed exactly once in the clean study; a third run changes nothing
     assert len(log_entries(clean_log)) == len({k for k, _ in log_entries(clean_log)})
-    err = finish(run_cli(spec, clean_store, clean_log, sleep=0.0))
+    err = finish(start_study(spec, clean_store, clean_log, sleep=0.0))
     assert len(log_entries(clean_log)) == len({k for k, _ in log_entries(clean_log)})
     assert "0 runs executed" in err
 

@@ -8,7 +8,8 @@ best value slows progress, and each seed perturbs r by a few percent. Δ is meas
 ``diversity_every_epochs`` epochs.
 
 It checkpoints after every simulated epoch (sleeping ``$BATCHBOUND_SIM_SLEEP`` seconds per
-epoch, default 0) and resumes from the checkpoint, and appends "key resumed?" to
+epoch, default 0) and resumes from the checkpoint; sent SIGTERM or SIGINT it checkpoints and
+returns status ``stopped``, as the real trainer does, and appends "key resumed?" to
 ``$BATCHBOUND_SIM_LOG`` when set, so tests can see which runs executed and kill a study mid-run.
 With ``$BATCHBOUND_SIM_CRASH_LR`` set, a run with that η kills its own process (os._exit).
 Lives under tests/ so that no report can be made from it by accident; tests select it with
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from batchbound.spec import parse_spec
+from batchbound.train.checkpoint import StopFlag
 
 L0, BEST_LR, R0 = 2.3, 0.1, 0.02
 
@@ -78,6 +80,7 @@ def execute(fields: dict[str, Any], checkpoint_dir: Path, resume: bool,
         state = json.loads(checkpoint.read_text())
     t, rows, targets = state["iteration"], state["curves"], state["targets"]
     status = "complete"
+    stop = StopFlag().install()
     while t <= last:
         epoch, seconds = t / per_epoch, t * 1e-3
         loss = L0 * math.exp(-r * t)
@@ -108,6 +111,10 @@ def execute(fields: dict[str, Any], checkpoint_dir: Path, resume: bool,
             checkpoint.write_text(json.dumps({"iteration": t, "curves": rows,
                                               "targets": targets}))
             time.sleep(sleep)
+            if stop.requested:
+                status = "stopped"
+                break
+    stop.close()
     return {
         "config": dict(fields),
         "config_hash": key,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 # each room may import itself and the rooms before it
-ROOMS = ["errors", "spec", "config", "theory", "data", "models", "diversity", "train",
-         "advise", "study", "integrations", "cli"]
+ROOMS = ["errors", "lifetime", "spec", "config", "theory", "data", "models", "diversity",
+         "train", "advise", "study", "integrations", "cli"]
 # The one known exception: ``advise --from-study`` reads a study's store and analysis, while
 # the study report's workers table calls advise. Not a module cycle; listed so that no new
 # backward import slips in unnoticed.

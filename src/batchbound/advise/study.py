@@ -106,7 +106,7 @@ def load_study_source(store_path: str | Path, study: str | None = None,
 
     if not Path(store_path).is_file():
         raise BatchboundError(f"study store {store_path} does not exist")
-    with Store(store_path) as store:
+    with Store(store_path, readonly=True) as store:
         names = store.studies()
         if study is None:
             if len(names) != 1:

@@ -27,9 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import tomllib
 import torch
 
+from batchbound.config import load_toml
 from batchbound.data import Dataset
 from batchbound.errors import BatchboundError
 from batchbound.train.config import TrainConfig
@@ -94,12 +94,7 @@ def ring_allreduce_seconds(workers: int, payload_bytes: int, latency_s: float,
 
 def load_cluster(path: str | Path) -> Cluster:
     """Read and check a cluster file; a one-line BatchboundError names what is wrong."""
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise BatchboundError(f"cluster file {path} does not exist") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise BatchboundError(f"cluster file {path} is not valid TOML: {exc}") from None
+    data = load_toml(path, "cluster file")
     allowed = {"network": {"bandwidth_gbytes_per_s", "latency_us"}, "cluster": {"max_workers"},
                "device": {"examples_per_second", "max_micro_batch"}}
     for table, keys in data.items():

@@ -9,6 +9,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from batchbound import __version__
 from batchbound.errors import BatchboundError
@@ -17,8 +18,32 @@ from batchbound.errors import BatchboundError
 COMMANDS = ["measure", "data", "models", "train", "advise", "study", "report", "demo"]
 
 
+class BadArguments(SystemExit):
+    """argparse's error, already printed: SystemExit(2) to any caller but ``main``, which
+    returns 2 as for every other error."""
+
+
+class Parser(argparse.ArgumentParser):
+    """Every batchbound parser (subcommands inherit the class): argparse's own errors, a bad
+    number or a missing argument, are one line like every other error, not the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        command = " ".join(self.prog.split()[:2])  # "batchbound study", as BatchboundErrors
+        print(f"{command}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise BadArguments(2)
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: Any = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras and self.get_default("func") is not None:
+            # a subcommand's leftovers are its own: name it, not the top-level parser
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="batchbound",
         description=(
             "Measure gradient diversity Δ(w) and the batch-size bound B = n·Δ(w), train "
@@ -33,7 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except BadArguments:
+        return 2
     try:
         return int(args.func(args) or 0)
     except BatchboundError as exc:

@@ -13,7 +13,7 @@ from batchbound.advise import advise, advise_from_study
 from batchbound.advise.figure import plot_advice
 from batchbound.advise.iterations import STRATEGIES
 from batchbound.advise.timing import OVERLAPS
-from batchbound.cli.common import add_data_arguments, add_model_argument, check_writable
+from batchbound.cli.common import add_data_arguments, add_model_argument, writable_file
 from batchbound.errors import BatchboundError
 from batchbound.train import TrainConfig, target_list
 
@@ -77,7 +77,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="the pilot's epoch limit (default 100)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    parser.add_argument("--figure", metavar="PNG", help="write time to target against P here")
+    parser.add_argument("--figure", metavar="PNG", type=writable_file,
+                        help="write time to target against P here")
     parser.add_argument("--json", action="store_true", help="print the advice as JSON")
     parser.set_defaults(func=run_command)
 
@@ -85,8 +86,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_command(args: argparse.Namespace) -> int:
     targets = target_list(**{m: getattr(args, f"target_{m}")
                              for m in ("train_acc", "train_loss", "test_acc", "test_loss")})
-    if args.figure:
-        check_writable(args.figure)
     if args.from_study and args.probe:
         raise BatchboundError("--probe branches a pilot; it does not apply to --from-study")
     config = TrainConfig(dataset=args.dataset, data_dir=args.data_dir, model=args.model,

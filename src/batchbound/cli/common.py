@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
+import functools
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from batchbound.errors import BatchboundError
@@ -41,11 +43,79 @@ def add_model_argument(
     )
 
 
-def check_writable(path: str) -> None:
-    """Fail before any work when an output file cannot be written (its folder missing or
-    read-only)."""
-    folder = Path(path).expanduser().resolve().parent
-    if not folder.is_dir():
-        raise BatchboundError(f"cannot write {path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise BatchboundError(f"cannot write {path}: folder {folder} is not writable")
+def output_file(path: str | Path, *, make_folders: bool = False) -> Path:
+    """Fail before any work when a file cannot be written at ``path``: a folder there, a
+    missing folder (unless ``make_folders``: the writer creates it) or a read-only one, so
+    a result is never lost after the work is done. Returns the path."""
+    target = _path(path)
+    if target.is_dir():
+        raise BatchboundError(f"cannot write {path}: it is a directory; give a file path")
+    _writable_folder(path, target.parent, make_folders)
+    return target
+
+
+def output_dir(path: str | Path) -> Path:
+    """Fail before any work when ``path`` cannot become a folder of outputs (the writer
+    creates it and its parents). Returns the path."""
+    target = _path(path)
+    if target.exists() and not target.is_dir():
+        raise BatchboundError(f"cannot write into {path}: it is a file, not a directory")
+    _writable_folder(path, target, make_folders=True)
+    return target
+
+
+def _path(path: str | Path) -> Path:
+    if "\0" in str(path):
+        raise BatchboundError(f"bad path {str(path)!r}: it contains a NUL byte")
+    return Path(path).expanduser()
+
+
+def _writable_folder(path: str | Path, folder: Path, make_folders: bool) -> None:
+    """``folder`` exists (or, with ``make_folders``, its nearest existing ancestor does) and
+    a file can be created in it. Probed by creating one: permission bits lie to root and
+    on read-only mounts."""
+    existing = folder.absolute()
+    while make_folders and not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        missing = "is not a directory" if existing.exists() else "does not exist"
+        raise BatchboundError(f"cannot write {path}: {existing} {missing}")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise BatchboundError(f"cannot write {path}: {existing} is not writable "
+                              f"({exc.strerror or exc})") from None
+
+
+def count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum`` (``--jobs``, ``--outputs``)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _argument(check: Callable[[str], Path]) -> Callable[[str], Path]:
+    """An argparse type from a path check: the path is checked as it is parsed, before any
+    work, and its error is argparse's one line."""
+
+    def parse(text: str) -> Path:
+        try:
+            return check(text)
+        except BatchboundError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+writable_file = _argument(output_file)
+# an output file whose writer creates its folders (a checkpoint)
+creatable_file = _argument(functools.partial(output_file, make_folders=True))

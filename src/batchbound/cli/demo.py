@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from batchbound.cli.common import count, output_dir, output_file
+
 PRESET = "width-depth-digits"
 
 
@@ -25,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="SQLite store; default runs/<study>/study.sqlite")
     parser.add_argument("--out", type=Path, default=None,
                         help="report directory; default runs/<study>/report")
-    parser.add_argument("--jobs", type=int, default=None,
+    parser.add_argument("--jobs", type=count(0), default=None,
                         help="parallel runs; default one per core")
     parser.add_argument("--fresh", action="store_true", help="delete the store first")
     parser.add_argument("--trainer", default=None, help=argparse.SUPPRESS)
@@ -52,7 +54,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     spec = load_study(args.preset)
-    store = args.store or default_store(spec.name)
+    # the outputs first: a bad one fails before the store is deleted or a run starts
+    store = output_file(args.store or default_store(spec.name), make_folders=True)
+    out = output_dir(args.out or DEFAULT_ROOT / spec.name / "report")
     if args.fresh:
         for path in (store, Path(f"{store}-wal"), Path(f"{store}-shm")):
             path.unlink(missing_ok=True)
@@ -60,7 +64,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"demo: study {spec.name} → {store}", file=sys.stderr)
     outcome = run_study(spec, store, args.jobs, trainer=args.trainer or DEFAULT_TRAINER)
     trained = time.perf_counter()
-    paths = write_report(store, spec.name, args.out or DEFAULT_ROOT / spec.name / "report")
+    paths = write_report(store, spec.name, out)
     a = paths.analysis
     # stdout is the summary alone (the README shows it verbatim); paths and timing: stderr
     print(f"report: {paths.html}\nsummary: {paths.markdown}", file=sys.stderr)

@@ -8,7 +8,7 @@ import inspect
 import json
 from typing import Any
 
-from batchbound.cli.common import add_data_arguments
+from batchbound.cli.common import add_data_arguments, count
 from batchbound.errors import BatchboundError
 from batchbound.models import (
     block_sweep,
@@ -72,7 +72,7 @@ def _add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_arguments(parser)
     parser.add_argument("--input-shape", default=None,
                         help="input shape instead of a data set, e.g. 1,28,28 (needs --outputs)")
-    parser.add_argument("--outputs", type=int, default=None,
+    parser.add_argument("--outputs", type=count(1), default=None,
                         help="number of outputs (classes) when --input-shape is given")
     parser.add_argument("--json", action="store_true", help="print JSON on stdout")
 
@@ -86,7 +86,10 @@ def data_shape(args: argparse.Namespace) -> tuple[tuple[int, ...], int, str]:
         try:
             shape = tuple(int(s) for s in args.input_shape.split(","))
         except ValueError:
-            raise BatchboundError(f"bad --input-shape {args.input_shape!r}; e.g. 1,28,28") from None
+            shape = ()
+        if not shape or min(shape) < 1:  # a zero or negative size is no input at all
+            raise BatchboundError(f"bad --input-shape {args.input_shape!r}: sizes >= 1, e.g. "
+                                  "1,28,28")
         return shape, args.outputs, f"input {args.input_shape}"
     from batchbound.data import get_entry, load_dataset
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from batchbound.cli.common import output_dir
 from batchbound.errors import BatchboundError
 
 
@@ -24,27 +25,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def study_name(text: str) -> str:
-    """A study name, or the name inside a spec file / preset."""
-    from batchbound.study.spec import load_study
+    """The name inside a spec file or preset, else ``text`` itself as a study's name: it
+    names the folder runs/<name>/, so '..' or 'a/b' is refused, never joined into a path."""
+    from batchbound.study.spec import check_study_name, load_study, resolve_study_path
 
     try:
-        return load_study(text).name
-    except BatchboundError:
-        return text
+        path = resolve_study_path(text)
+    except BatchboundError:  # not a file or preset: a name
+        return check_study_name(text)
+    return load_study(path).name  # a file that is there: its errors are the answer
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from batchbound.cli.study import DEFAULT_ROOT, default_store
-    from batchbound.study.report import write_report
+    from batchbound.study.report import unfinished, write_report
 
     name = study_name(args.study)
     store = args.store or default_store(name)
     if not store.exists():
         raise BatchboundError(f"no store at {store}; run `batchbound study run` first or pass "
                               "--store")
-    paths = write_report(store, name, args.out or DEFAULT_ROOT / name / "report")
+    out = output_dir(args.out or DEFAULT_ROOT / name / "report")
+    paths = write_report(store, name, out)
     print(paths.html)
     print(paths.markdown)
+    warning = unfinished(paths.analysis)
+    if warning:  # rendered, and says so at the top; a script sees no result
+        print(f"report: {warning}", file=sys.stderr)
+        return 1
     if paths.failed:  # the report says so at the top; the exit status says so to scripts
         print(f"report: {paths.failed} runs of {name} failed and are left out; rerun "
               "`batchbound study run` to retry them", file=sys.stderr)

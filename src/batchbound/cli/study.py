@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from batchbound.cli.common import count, output_dir, output_file
 from batchbound.errors import BatchboundError
 from batchbound.study.spec import preset_names
 
@@ -35,14 +36,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     run = sub.add_parser("run", help="run (or resume) a study into its SQLite store",
                          description="Runs every planned run not yet finished in the store, "
-                         "with a pool of local processes. Safe to rerun and to kill: finished "
-                         "runs are skipped, interrupted runs resume from their checkpoints.")
+                         "with a pool of local processes or on Ray. Safe to rerun and to kill: "
+                         "finished runs are skipped, interrupted and stopped runs resume from "
+                         "their checkpoints, and the workers stop with the runner. One runner "
+                         "per store: a second one on the same store is refused.")
     run.add_argument("file", help="study TOML file or preset name")
     run.add_argument("--store", type=Path, help="SQLite store; default runs/<study>/study.sqlite")
-    run.add_argument("--jobs", type=int, default=None,
+    run.add_argument("--jobs", type=count(0), default=None,
                      help="parallel runs (default: one per core; 0: inline in this process)")
     run.add_argument("--trainer", default=None,
                      help="module:function executing one run; default: batchbound's trainer")
+    run.add_argument("--executor", choices=("local", "ray"), default="local",
+                     help="where runs execute: a pool of local processes (default), or Ray "
+                     "tasks on a local Ray instance or the cluster at --address "
+                     "(pip install 'batchbound[ray]')")
+    run.add_argument("--address", default=None, metavar="ADDR",
+                     help="with --executor ray: the cluster to join ('auto', or HOST:PORT of "
+                     "the head node); default: start a local Ray instance with --jobs CPUs")
+    run.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
+                     help="where runs keep their checkpoints; default <store>-checkpoints "
+                     "beside the store. On a Ray cluster of several machines, a folder every "
+                     "node mounts at the same path")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--tensorboard", type=Path, metavar="DIR", default=None,
                      help="write each finished run as TensorBoard scalars into DIR/<run>/ "
@@ -105,25 +119,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from batchbound.study.adapter import DEFAULT_TRAINER
+    from batchbound.study.executor import make_executor
     from batchbound.study.runner import run_study
     from batchbound.study.spec import load_study
 
-    if args.jobs is not None and args.jobs < 0:
-        raise BatchboundError(f"--jobs must be >= 0, got {args.jobs}")
     if args.tensorboard is not None:  # before planning: no run starts into a bad DIR
         from batchbound.train.tensorboard import check_logdir
 
         check_logdir(args.tensorboard)
     _use_data_dir(args)
     spec = load_study(args.file)
-    store = args.store or default_store(spec.name)
+    # the outputs before any run: a result is never lost for want of a place to write it
+    store = output_file(args.store or default_store(spec.name), make_folders=True)
+    if args.checkpoint_dir is not None:
+        output_dir(args.checkpoint_dir)
+    if args.address is not None and args.executor != "ray":
+        raise BatchboundError("--address is for --executor ray")
+    executor = make_executor(args.jobs, args.executor,
+                             **({"address": args.address} if args.executor == "ray" else {}))
     outcome = run_study(spec, store, args.jobs, trainer=args.trainer or DEFAULT_TRAINER,
-                        progress=not args.no_progress, tensorboard=args.tensorboard)
+                        progress=not args.no_progress, tensorboard=args.tensorboard,
+                        executor=executor, checkpoints=args.checkpoint_dir)
+    stopped = f", {outcome.stopped} stopped (a rerun resumes them)" if outcome.stopped else ""
     print(f"study {spec.name}: {outcome.executed} runs executed, {outcome.skipped} already "
-          f"done, {outcome.failed} failed; store {store}", file=sys.stderr)
+          f"done, {outcome.failed} failed{stopped}; store {store}", file=sys.stderr)
     if args.tensorboard is not None:
         print(f"TensorBoard: tensorboard --logdir {args.tensorboard}", file=sys.stderr)
-    return 1 if outcome.failed else 0
+    return 1 if outcome.failed or outcome.stopped else 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -131,8 +153,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if not args.store.exists():
         raise BatchboundError(f"no store at {args.store}")
-    out = args.out or args.store.parent / "export"
-    with Store(args.store) as store:
+    out = output_dir(args.out or args.store.parent / "export")
+    with Store(args.store, readonly=True) as store:
         paths = export(store, out, args.format, args.study)
     for path in paths:
         print(path)

@@ -12,7 +12,7 @@ import sys
 import typing
 from typing import Any
 
-from batchbound.cli.common import add_data_arguments
+from batchbound.cli.common import add_data_arguments, creatable_file, writable_file
 from batchbound.config import load_toml
 from batchbound.errors import BatchboundError
 from batchbound.train import TARGET_METRICS, RunResult, TrainConfig, target_list, train
@@ -54,9 +54,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="keep training after every target is reached",
     )
     run = parser.add_argument_group("output")
-    run.add_argument("--checkpoint", help="checkpoint file (written periodically and on SIGTERM)")
+    run.add_argument("--checkpoint", type=creatable_file,
+                     help="checkpoint file (written periodically and on SIGTERM)")
     run.add_argument("--resume", action="store_true", help="continue from --checkpoint")
-    run.add_argument("--output", "-o", help="write the full RunResult (curves, timings) as JSON")
+    run.add_argument("--output", "-o", type=writable_file,
+                     help="write the full RunResult (curves, timings) as JSON")
     run.add_argument("--tensorboard", metavar="DIR",
                      help="write every curve as TensorBoard scalars into DIR")
     run.add_argument(
@@ -103,7 +105,7 @@ def _flag_type(hint: Any) -> tuple[type, bool]:
 
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
-    values: dict[str, Any] = load_toml(args.config) if args.config else {}
+    values: dict[str, Any] = load_toml(args.config, "config file") if args.config else {}
     for f in dataclasses.fields(TrainConfig):
         value = getattr(args, f.name, None)
         if value is not None:

@@ -24,6 +24,7 @@ from batchbound.models.fc import budget_count, solve_width, weight_count
 from batchbound.models.layers import ModelShape
 from batchbound.models.registry import (
     build_model,
+    check_fits,
     count_parameters,
     family_names,
     get_family,
@@ -40,6 +41,7 @@ __all__ = [
     "block_sweep",
     "budget_count",
     "build_model",
+    "check_fits",
     "cnn1d",
     "count_parameters",
     "describe_model",

@@ -19,6 +19,7 @@ from batchbound.errors import BatchboundError
 from batchbound.models.layers import ModelShape, tag
 from batchbound.models.options import (
     closest_integer,
+    layer_count,
     meta_parameter_count,
     one_of_width_params,
     parameter_budget,
@@ -57,7 +58,7 @@ def cnn1d(
 ) -> nn.Module:
     """``depth`` stride-2 Conv1d layers of ``width`` channels (default 25) and a Linear."""
     one_of_width_params("cnn1d", width, params)
-    depth = positive_int("cnn1d", "depth", depth)
+    depth = layer_count("cnn1d", "depth", depth)
     shape = tuple(int(s) for s in input_shape)
     if len(shape) not in (1, 2):
         raise BatchboundError(

@@ -27,6 +27,7 @@ from batchbound.models.layers import ModelShape, activation, tag
 from batchbound.models.options import (
     choice,
     flag,
+    layer_count,
     one_of_width_params,
     parameter_budget,
     positive_float,
@@ -85,7 +86,7 @@ def _resolve_width(
     params: object,
     count_biases: bool,
 ) -> tuple[int, int]:
-    depth = positive_int(family, "depth (hidden layers)", depth, minimum=0)
+    depth = layer_count(family, "depth (hidden layers)", depth, minimum=0)
     one_of_width_params(family, width, params)
     if depth == 0:
         if width is not None:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from batchbound.errors import BatchboundError
 from batchbound.models.layers import ModelShape, tag
-from batchbound.models.options import flag, positive_int
+from batchbound.models.options import flag, layer_count, positive_int
 from batchbound.models.registry import register_family
 from batchbound.spec import Spec
 
@@ -136,7 +136,7 @@ def gpt(
     tie: bool = True,
 ) -> nn.Module:
     """nanoGPT-like causal transformer on token ids; context from the data, output = vocabulary."""
-    depth = positive_int("gpt", "depth", depth)
+    depth = layer_count("gpt", "depth", depth)
     width = positive_int("gpt", "width", width)
     heads = positive_int("gpt", "heads", heads)
     tie = flag("gpt", "tie", tie)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from batchbound.errors import BatchboundError
 from batchbound.models.gpt import check_tokens, token_input
 from batchbound.models.layers import ModelShape, tag
-from batchbound.models.options import flag, positive_int
+from batchbound.models.options import flag, layer_count, positive_int
 from batchbound.models.registry import register_family
 from batchbound.spec import Spec
 
@@ -55,7 +55,7 @@ def lstm(
     tie: bool = False,
 ) -> nn.Module:
     """Embedding → nn.LSTM(layers, hidden) → linear decoder; output = vocabulary per token."""
-    layers = positive_int("lstm", "layers", layers)
+    layers = layer_count("lstm", "layers", layers)
     hidden = positive_int("lstm", "hidden", hidden)
     emb = hidden if emb is None else positive_int("lstm", "emb", emb)
     tie = flag("lstm", "tie", tie)

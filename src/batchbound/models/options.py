@@ -15,11 +15,25 @@ from torch import nn
 
 from batchbound.errors import BatchboundError
 
+# Bounds on every integer option: a size past MAX_SIZE overflows torch's shape arithmetic
+# before any memory check can run, and a network of more than MAX_LAYERS layers takes
+# minutes just to construct.
+MAX_SIZE = 2**31 - 1
+MAX_LAYERS = 1000
 
-def positive_int(family: str, key: str, value: Any, minimum: int = 1) -> int:
+
+def positive_int(family: str, key: str, value: Any, minimum: int = 1,
+                 maximum: int = MAX_SIZE) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise BatchboundError(f"{family}: {key} must be an integer >= {minimum}, got {value!r}")
+    if value > maximum:
+        raise BatchboundError(f"{family}: {key} must be at most {maximum:,}, got {value:,}")
     return value
+
+
+def layer_count(family: str, key: str, value: Any, minimum: int = 1) -> int:
+    """A number of layers (a depth, blocks in a chunk): at most MAX_LAYERS."""
+    return positive_int(family, key, value, minimum, MAX_LAYERS)
 
 
 def parameter_budget(family: str, value: Any) -> int:
@@ -30,6 +44,9 @@ def parameter_budget(family: str, value: Any) -> int:
         raise BatchboundError(
             f"{family}: params (the parameter budget) must be a whole number >= 1, got {value!r}"
         )
+    if value > MAX_SIZE**2:  # no width solves it without overflowing torch's sizes
+        raise BatchboundError(f"{family}: params (the parameter budget) must be at most "
+                              f"{MAX_SIZE**2:.3g}, got {value:.3g}")
     return value
 
 
@@ -53,12 +70,18 @@ def choice(family: str, key: str, value: Any, choices: Sequence[str]) -> str:
     return str(value)
 
 
-def int_list(family: str, key: str, value: Any, minimum: int = 1) -> list[int]:
-    """A list of integers >= minimum (a bare integer is a list of one)."""
+def int_list(family: str, key: str, value: Any, minimum: int = 1,
+             maximum: int = MAX_SIZE) -> list[int]:
+    """A list of at most MAX_LAYERS integers in [minimum, maximum] (a bare integer is a list
+    of one)."""
     items = [value] if isinstance(value, int) and not isinstance(value, bool) else value
     if not isinstance(items, (list, tuple)):
         raise BatchboundError(f"{family}: {key} must be a list such as [2,2,2,2], got {value!r}")
-    return [positive_int(family, f"each entry of {key}", item, minimum) for item in items]
+    if len(items) > MAX_LAYERS:
+        raise BatchboundError(f"{family}: {key} has {len(items):,} entries; at most "
+                              f"{MAX_LAYERS:,}")
+    return [positive_int(family, f"each entry of {key}", item, minimum, maximum)
+            for item in items]
 
 
 def one_of_width_params(family: str, width: Any, params: Any) -> None:

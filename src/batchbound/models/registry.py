@@ -8,7 +8,9 @@ with ``@register_family("name")``. Unknown keys and bad values raise BatchboundE
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -59,11 +61,44 @@ def build_model(
             f"model {parsed.name!r} has no option {', '.join(map(repr, unknown))}; "
             f"options: {', '.join(options)}"
         )
+    if torch.get_default_device().type != "meta":
+        # a real build: count on the meta device first (no memory, no RNG drawn), so a model
+        # that cannot fit is refused with its size instead of hanging in the allocator
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            check_fits(parsed, builder(tuple(input_shape), num_outputs, **parsed.kwargs))
     if seed is None:
         return builder(tuple(input_shape), num_outputs, **parsed.kwargs)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return builder(tuple(input_shape), num_outputs, **parsed.kwargs)
+
+
+def memory_bytes() -> int | None:
+    """This machine's memory, or its container's limit when lower; None when unknown."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
+def check_fits(spec: str | Spec, model: nn.Module, bytes_per_value: int = 4) -> None:
+    """Refuse a model (built on any device, meta included) whose weights and their gradients
+    alone exceed this machine's memory: it could never be trained or measured here."""
+    memory = memory_bytes()
+    params = sum(p.numel() for p in model.parameters())
+    values = 2 * params + sum(b.numel() for b in model.buffers())
+    if memory is None or values * bytes_per_value <= memory:
+        return
+    raise BatchboundError(
+        f"model {spec} has {params:,} parameters: {values * bytes_per_value / 1e9:,.1f} GB for "
+        f"its weights and gradients ({bytes_per_value} bytes each), more than this machine's "
+        f"{memory / 1e9:.1f} GB of memory; choose a smaller width or depth"
+    )
 
 
 def count_parameters(model: nn.Module, include_biases: bool = True) -> int:

@@ -32,6 +32,7 @@ from batchbound.models.layers import (
     tag,
 )
 from batchbound.models.options import (
+    MAX_LAYERS,
     choice,
     closest_integer,
     int_list,
@@ -113,7 +114,7 @@ def resnet(
 ) -> nn.Module:
     """ResNet with ``blocks`` per chunk; ``width`` filters in the first chunk (default 64)."""
     one_of_width_params("resnet", width, params)
-    blocks = int_list("resnet", "blocks", blocks)
+    blocks = int_list("resnet", "blocks", blocks, maximum=MAX_LAYERS)
     if not blocks:
         raise BatchboundError("resnet: blocks needs at least one chunk, e.g. [2,2,2,2]")
     norm = choice("resnet", "norm", norm, NORMS)

@@ -27,6 +27,7 @@ from torch import nn
 from batchbound.errors import BatchboundError
 from batchbound.models.fc import budget_count, solve_width
 from batchbound.models.options import (
+    MAX_LAYERS,
     closest_integer,
     int_list,
     meta_parameter_count,
@@ -91,7 +92,7 @@ def family_sweep(
             f"count_biases applies to fc only: {family} budgets "
             + ("have no biases" if family == "linear" else "count every parameter")
         )
-    depth_list = int_list(family, "depths", list(depths), minimum=0)
+    depth_list = int_list(family, "depths", list(depths), minimum=0, maximum=MAX_LAYERS)
     options = dict(options or {})
     fixed = {"params", "head"} if family in ("lenet", "resnet") else {
         "depth", "width", "params", "count_biases"}
@@ -188,11 +189,13 @@ def parse_depths(text: str) -> list[int]:
                 first, last = (int(x) for x in part.split("-"))
                 if last < first:
                     raise ValueError
-                depths.extend(range(first, last + 1))
             else:
-                depths.append(int(part))
+                first = last = int(part)
         except ValueError:
             raise BatchboundError(
                 f"bad depths {text!r}: give a range like 1-10 or a list like 1,2,4,8"
             ) from None
+        if last > MAX_LAYERS:  # before the list: 1-100000000 is never built
+            raise BatchboundError(f"bad depths {text!r}: a depth is at most {MAX_LAYERS:,}")
+        depths.extend(range(first, last + 1))
     return depths

@@ -1,15 +1,24 @@
-"""Executors: where runs execute. The runner only needs ``submit`` and ``completed``.
+"""Executors: where runs execute. The runner only needs ``submit`` and ``completed`` (and
+``close`` at the end).
 
 ``LocalPool`` runs jobs in a pool of spawned local processes (one per core by default); every
 run, in a pool or inline, computes on one torch thread, so results do not depend on the
 machine's cores or on ``OMP_NUM_THREADS``. ``Inline`` runs them one by one in this process, for
-tests and debugging. A cluster engine replaces both by implementing the same two methods:
-runs are independent, and a job carries everything it needs (config fields, checkpoint
-directory, resume flag, the trainer's import name).
+tests and debugging. ``RayExecutor`` (ray_executor.py) runs each job as a Ray task. Runs are
+independent, and a job carries everything it needs (config fields, checkpoint directory,
+resume flag, the trainer's import name). Executors start their workers on the first
+``submit``, so a runner refused by the store's lock starts nothing.
+
+Workers die with the runner, whatever ends it: pool workers watch their parent
+(batchbound/lifetime.py) and stop at a checkpoint when it is gone; ``close`` with jobs still
+outstanding (an error, Ctrl-C) sends them SIGTERM, so they checkpoint and stop, and kills any
+that has not exited ``STOP_GRACE_SECONDS`` later.
 """
 
 from __future__ import annotations
 
+import importlib
+import multiprocessing
 import os
 import sys
 import time
@@ -23,6 +32,10 @@ from importlib.machinery import ModuleSpec
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Protocol
+
+from batchbound.errors import BatchboundError
+
+STOP_GRACE_SECONDS = 30.0  # a stopped worker's time to write its checkpoint
 
 
 @dataclass(frozen=True)
@@ -116,7 +129,10 @@ class Inline:
 def _init_worker(threads: int) -> None:
     import torch
 
+    from batchbound.lifetime import die_with_parent
+
     torch.set_num_threads(threads)
+    die_with_parent()
 
 
 def default_jobs() -> int:
@@ -129,9 +145,11 @@ class LocalPool:
     retries them), the study goes on, and the pool is rebuilt for the jobs submitted next."""
 
     def __init__(self, jobs: int | None = None) -> None:
+        if jobs is not None and jobs < 1:
+            raise BatchboundError(f"jobs must be at least 1 (0 runs inline), got {jobs}")
         self.jobs = jobs or default_jobs()
         self.threads = RUN_THREADS
-        self.pool = self._new_pool()
+        self.pool: ProcessPoolExecutor | None = None  # started by the first submit
         self.pending: dict[Future[Outcome], Job] = {}
 
     def _new_pool(self) -> ProcessPoolExecutor:
@@ -140,6 +158,8 @@ class LocalPool:
 
     def submit(self, job: Job) -> None:
         with _main_not_rerun():  # workers start inside submit
+            if self.pool is None:
+                self.pool = self._new_pool()
             try:
                 future = self.pool.submit(run_job, job)
             except BrokenProcessPool:
@@ -159,9 +179,42 @@ class LocalPool:
                     yield Outcome(job.key, None, f"worker process died: {exc!r}", 0.0)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.pool is None:
+            return
+        if not self.pending:  # every job is in: the workers exit when told
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            return
+        # abandoned mid-study: stop the runs at a checkpoint (their store records stay
+        # `running`, which the next invocation resumes), then make sure nothing is left
+        workers = multiprocessing.active_children()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for process in workers:
+            process.terminate()
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for process in workers:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+        self.pending.clear()
 
 
-def make_executor(jobs: int | None) -> Executor:
-    """``jobs=0``: inline in this process; otherwise a local pool of ``jobs`` processes."""
-    return Inline() if jobs == 0 else LocalPool(jobs)
+# Executors by name: a module and the class in it, imported when chosen (Ray is optional).
+EXECUTORS = {
+    "local": "batchbound.study.executor:LocalPool",
+    "inline": "batchbound.study.executor:Inline",
+    "ray": "batchbound.study.ray_executor:RayExecutor",
+}
+
+
+def make_executor(jobs: int | None, kind: str = "local", **options: Any) -> Executor:
+    """``kind`` from EXECUTORS; ``jobs=0`` runs inline (local only); ``options`` go to the
+    executor (Ray: ``address``)."""
+    if kind not in EXECUTORS:
+        raise BatchboundError(f"unknown executor {kind!r}; choose from {', '.join(EXECUTORS)}")
+    if kind == "local" and jobs == 0:
+        kind = "inline"
+    module, _, name = EXECUTORS[kind].partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    if kind == "inline":
+        return cls(**options)
+    return cls(jobs, **options)

@@ -225,17 +225,18 @@ class Plan:
 
 
 def _check_kinds(shapes: list[ModelShape], data: DataSpec, info: DataInfo) -> None:
-    """Token models (gpt, lstm) on text sets, the others on features: fail the plan, not
-    every run."""
+    """Token models (gpt, lstm) on text sets, the others on features, and models that fit
+    in memory: fail the plan, not every run."""
     import torch
 
-    from batchbound.models import build_model, model_shape
+    from batchbound.models import build_model, check_fits, model_shape
     from batchbound.models.layers import check_task
 
     for shape in shapes:
         with torch.device("meta"):
             model = build_model(shape.spec, info.input_shape, info.d_out)
         check_task(model_shape(model), info.task, data.label)
+        check_fits(shape.spec, model)  # a model too big for memory fails the plan
 
 
 def make_plan(spec: StudySpec) -> Plan:

@@ -20,6 +20,8 @@ import os
 import platform
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from batchbound.errors import BatchboundError
 from batchbound.study import analysis as A
 from batchbound.study.answer import GLOSSARY, answer_table, sentence
 from batchbound.study.claims import (
@@ -43,7 +46,7 @@ from batchbound.study.evidence import Evidence
 from batchbound.study.experiments import Section, sections
 from batchbound.study.figures import render_figures
 from batchbound.study.references import REFERENCES
-from batchbound.study.store import Store
+from batchbound.study.store import FINISHED, Store
 from batchbound.study.workers import workers_table
 
 __all__ = ["CONTRADICTED", "INCONCLUSIVE", "SUPPORTED", "UNTESTABLE", "analyze", "claims",
@@ -255,6 +258,17 @@ def critical_text(a: StudyAnalysis) -> str:
     return f"B_crit = {row['b_crit']:.0f} ({spread}; {', '.join(notes)}){flag}"
 
 
+def unfinished(a: StudyAnalysis) -> str | None:
+    """The report's warning when no run has finished (all failed, pending or stopped):
+    every table is then empty, which must not read as "no batch size reaches the target"."""
+    runs = a.frames["runs"]
+    if runs["status"].isin(FINISHED).any():
+        return None
+    held = ", ".join(f"{n} {status}" for status, n in runs["status"].value_counts().items())
+    return (f"No run has finished yet ({held}): nothing below is measured; run `batchbound "
+            "study run` to finish the study.")
+
+
 def run_counts(a: StudyAnalysis) -> tuple[str, int]:
     """"final complete: 71, final diverged: 13, …" and the number of failed runs."""
     runs = a.frames["runs"]
@@ -294,6 +308,7 @@ def markdown(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, Pa
     answer = answer_table(a, workers)
     shown = workers.astype(object).fillna("") if workers is not None else None
     lines = [f"## Answer — study {study}", "",
+             *([f"**{unfinished(a)}**", ""] if unfinished(a) else []),
              *([f"**{failed} runs failed**: every number below leaves them out; rerun the "
                 "study to retry them.", ""] if failed else []),
              *[sentence(row, target) + "\n" for _, row in answer.iterrows()],
@@ -377,6 +392,8 @@ def html_page(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, P
              f"</title><style>{CSS}</style></head><body>",
              f"<h1>Study {e(study)}</h1><p>{e(a.spec.get('description', ''))}</p>",
              "<section id='answer'><h2>Answer</h2>",
+             *([f"<p class='failed'><b>{e(unfinished(a) or '')}</b></p>"] if unfinished(a)
+               else []),
              *([f"<p class='failed'><b>{failed} runs failed</b>: every number below leaves "
                 "them out; rerun the study to retry them.</p>"] if failed else []),
              *[f"<p>{_bold(sentence(row, target))}</p>" for _, row in answer.iterrows()],
@@ -442,26 +459,40 @@ def write_report(store_path: str | Path, study: str | None, out_dir: str | Path,
                  max_workers: int | None = None) -> ReportPaths:
     """Analyse ``study`` in the store (the only one when None) and write the report; its
     workers table goes up to ``max_workers`` (this machine's cores by default)."""
-    with Store(store_path) as store:
+    with Store(store_path, readonly=True) as store:
         if study is None:
             names = store.studies()
             if len(names) != 1:
-                from batchbound.errors import BatchboundError
-
                 raise BatchboundError(f"{store_path} holds studies {names}; name one")
             study = names[0]
         spec, frames = store.study_spec(study), store.frames(study)
         kept = frames.get("snapshots", pd.DataFrame())
         snapshots = store.snapshots(list(kept["key"].unique())) if len(kept) else {}
+    if frames["runs"].empty:  # nothing to analyse: the tables would have no columns
+        raise BatchboundError(f"study {study} has no runs in {store_path}: nothing to report; "
+                              "run `batchbound study run` first")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    with _writing(out):  # an unwritable folder fails now, before the analyses
+        out.mkdir(parents=True, exist_ok=True)
     a = analyze(frames, spec, snapshots)
-    figure_paths = render_figures(a, out / "figures")
     found = claims(a)
     workers = workers_table(store_path, study, a.per_run, max_workers)
-    (out / "summary.md").write_text(markdown(a, study, figure_paths, found, workers))
-    (out / "report.html").write_text(html_page(a, study, figure_paths, found, environment(),
-                                               workers))
-    shape_summary(a).to_csv(out / "shapes.csv", index=False)
+    with _writing(out):  # the folder deleted or made read-only meanwhile: one clear line
+        figure_paths = render_figures(a, out / "figures")
+        (out / "summary.md").write_text(markdown(a, study, figure_paths, found, workers))
+        (out / "report.html").write_text(html_page(a, study, figure_paths, found,
+                                                   environment(), workers))
+        shape_summary(a).to_csv(out / "shapes.csv", index=False)
     return ReportPaths(out / "report.html", out / "summary.md",
                        [p for _, _, p in figure_paths], a, run_counts(a)[1])
+
+
+@contextmanager
+def _writing(out: Path) -> Iterator[None]:
+    """A failed write of the report's files as one BatchboundError naming the folder."""
+    try:
+        yield
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise BatchboundError(f"cannot write the report to {out}: "
+                              f"{exc.strerror or exc}{where}") from None

@@ -1,15 +1,22 @@
 """Execute a study: tune, then train the finals, recording every run in the store.
 
-Idempotent and resumable. Runs are keyed by config hash; a run whose stored status is
-finished (complete, diverged, stopped) is never submitted again, and a run left ``running``
-or ``failed`` by an earlier, killed study is resubmitted, resuming from its checkpoint when
-one exists. A cell's final runs are submitted as soon as that cell's tuning runs are in, so
-the pool stays busy across the two phases.
+The runner is a state machine over runs, and its rules live in ``RunStates`` alone:
 
-With ``tensorboard=DIR`` every finished run is also written to ``DIR/<run name>/`` from its
-stored record (batchbound.train.tensorboard): as it finishes, and, for runs an earlier
-invocation finished, when this one finds them done and their directory lacks a complete
-write, so DIR is whole after a resumed study.
+    pending ──submit──▶ running ──▶ complete | diverged      finished: never run again
+                          │   └──▶ stopped                  resumable: its checkpoint is kept
+                          └──────▶ failed                   retried by the next invocation
+
+A run left ``running`` by a runner that died, and a ``stopped`` run (its worker was sent
+SIGTERM or SIGINT: the trainer checkpointed and returned), are resumed from their checkpoint by
+the next ``study run``; ``failed`` runs are retried (from a checkpoint when they left one).
+Only finished runs lose their checkpoint. One runner at a time per store: a second one is
+refused (``Store.exclusive``), so no run executes twice. The executor's workers die with the
+runner whatever kills it (executor.py).
+
+A cell's final runs are submitted as soon as that cell's tuning runs are in, so the workers
+stay busy across the two phases. With ``tensorboard=DIR`` every finished run is also written to
+``DIR/<run name>/`` from its stored record (batchbound.train.tensorboard), and runs finished by
+an earlier invocation are written when their directory lacks a complete write.
 """
 
 from __future__ import annotations
@@ -18,16 +25,18 @@ import shutil
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from batchbound.errors import BatchboundError
 from batchbound.study.adapter import DEFAULT_TRAINER
 from batchbound.study.executor import Executor, Job, Outcome, make_executor
-from batchbound.study.plan import FINAL, TUNE, Plan, PlannedRun, make_plan
+from batchbound.study.plan import FINAL, TUNE, Cell, Plan, PlannedRun, make_plan
 from batchbound.study.spec import StudySpec
 from batchbound.study.store import FINISHED, Store
 from batchbound.study.tuning import choose_step_sizes, final_loss
@@ -41,12 +50,76 @@ class StudyOutcome:
     executed: int = 0
     skipped: int = 0
     failed: int = 0
+    stopped: int = 0
     chosen: dict[Any, float] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)  # plan, store, train wall
 
 
 def checkpoint_root(store_path: Path) -> Path:
     return store_path.with_name(store_path.stem + "-checkpoints")
+
+
+# A run's store status -> the statuses it may move to.
+TRANSITIONS: dict[str, tuple[str, ...]] = {
+    "pending": ("running",),
+    "running": ("complete", "diverged", "stopped", "failed"),
+    "stopped": ("running",),  # resumable: its checkpoint is kept
+    "failed": ("running",),  # retried, from a checkpoint when it left one
+    "complete": (),
+    "diverged": (),
+}
+
+
+class RunStates:
+    """Where each run is, and the transitions allowed: the runner's rules in one place."""
+
+    def __init__(self, store: Store, checkpoints: Path) -> None:
+        self.store, self.checkpoints = store, checkpoints
+        self.in_flight: dict[str, list[PlannedRun]] = {}  # key -> the planned runs it serves
+
+    def checkpoint_dir(self, key: str) -> Path:
+        return self.checkpoints / key
+
+    def partition(self, runs: Iterable[PlannedRun]) -> tuple[list[PlannedRun], list[PlannedRun]]:
+        """(to submit, already finished). A run already in flight (the same config as a
+        tuning run reused as a final) joins it and is in neither list. Any status but a
+        finished one is resumable: ``running`` ones were left by a runner that died, since
+        this runner holds the store's lock."""
+        runs = list(runs)
+        statuses = self.store.statuses(r.key for r in runs)
+        submit, done = [], []
+        for run in runs:
+            if statuses.get(run.key) in FINISHED:
+                done.append(run)
+            elif run.key in self.in_flight:
+                self.in_flight[run.key].append(run)
+            else:
+                self.in_flight[run.key] = [run]
+                submit.append(run)
+        return submit, done
+
+    def start(self, run: PlannedRun, trainer: str) -> Job:
+        """running: the job to submit, resuming when the run left a checkpoint."""
+        self.store.mark_running(run.key)
+        directory = self.checkpoint_dir(run.key)
+        resume = directory.exists() and any(directory.iterdir())
+        return Job(run.key, dict(run.fields), directory.absolute(), resume, trainer)
+
+    def finish(self, outcome: Outcome) -> tuple[str, list[PlannedRun]]:
+        """running -> the outcome's status, recorded; returns it and the runs it served.
+        The checkpoint goes only with a finished run: a stopped or failed one resumes."""
+        if outcome.result is None:
+            self.store.mark_failed(outcome.key, outcome.error or "unknown error")
+            status = "failed"
+        else:
+            status = str(outcome.result.get("status", "complete"))
+            if status not in TRANSITIONS["running"]:
+                raise BatchboundError(f"run {outcome.key}: the trainer returned status "
+                                      f"{status!r}")
+            self.store.record_result(outcome.key, outcome.result, outcome.wall_seconds)
+        if status in FINISHED:
+            shutil.rmtree(self.checkpoint_dir(outcome.key), ignore_errors=True)
+        return status, self.in_flight.pop(outcome.key)
 
 
 def _summary_row(store: Store, run: PlannedRun, cell: Any) -> dict[str, Any]:
@@ -72,7 +145,7 @@ class _Progress:
             self.bar = tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True)
         self.best: tuple[float, str] | None = None
 
-    def advance(self, run: PlannedRun, result: dict[str, Any] | None, skipped: bool) -> None:
+    def advance(self, run: PlannedRun, result: dict[str, Any] | None) -> None:
         if result and run.role == FINAL:
             targets = result.get("targets") or []
             if targets and targets[0].get("reached"):
@@ -90,134 +163,145 @@ class _Progress:
             self.bar.close()
 
 
+class StudyRunner:
+    """One invocation of a study over a store it holds exclusively."""
+
+    def __init__(self, spec: StudySpec, plan: Plan, store: Store, executor: Executor,
+                 outcome: StudyOutcome, *, trainer: str, checkpoints: Path,
+                 board: _TensorBoardRuns | None, progress: bool) -> None:
+        self.spec, self.plan, self.store, self.executor = spec, plan, store, executor
+        self.outcome, self.trainer, self.board = outcome, trainer, board
+        self.states = RunStates(store, checkpoints)
+        self.bar = _Progress(outcome.total, progress)
+        self.store_seconds = 0.0
+        self.tuning = plan.tuning_runs()
+        self.cell_runs: dict[Cell, list[PlannedRun]] = defaultdict(list)
+        for run in self.tuning:
+            self.cell_runs[run.group()].append(run)
+        # a cell's finals are released once none of its tuning runs is outstanding
+        self.waiting = {cell: {r.key for r in runs} for cell, runs in self.cell_runs.items()}
+
+    @contextmanager
+    def _store_time(self) -> Iterator[None]:
+        tick = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.store_seconds += time.perf_counter() - tick
+
+    def register(self) -> None:
+        spec, plan = self.spec, self.plan
+        with self._store_time():
+            self.store.register_study(spec.name, spec.to_dict())
+            points = {(data.label, shape.spec, batch, seed, mechanism, strategy)
+                      for data, shape, batch, mechanism, strategy in plan.cells()
+                      for seed in spec.train.seeds}
+            self.store.prune(spec.name, {r.key for r in self.tuning}, points)
+            self.store.register_runs(spec.name, [(r.key, TUNE, dict(r.fields), r.labels())
+                                                 for r in self.tuning])
+
+    def run(self) -> None:
+        self.register()
+        try:
+            if self.spec.lr.tuning == "none":
+                finals = self.plan.final_runs({})
+                with self._store_time():
+                    self.store.register_runs(self.spec.name, [
+                        (r.key, FINAL, dict(r.fields), r.labels()) for r in finals])
+                self.launch(finals)
+            else:
+                self.launch(self.tuning)
+            for result in self.executor.completed():
+                self.on_outcome(result)
+        finally:
+            self.bar.close()
+            self.executor.close()
+
+    def launch(self, runs: list[PlannedRun]) -> None:
+        """Submit the runs not finished yet; account for the finished ones."""
+        with self._store_time():
+            submit, done = self.states.partition(runs)
+            jobs = [self.states.start(run, self.trainer) for run in submit]
+        for job in jobs:
+            self.executor.submit(job)
+        for run in done:
+            self.outcome.skipped += 1
+            if self.board is not None:
+                self.board.write(self.store, run, fresh=False)
+            self.bar.advance(run, None)
+            self.tuning_settled(run)
+
+    def on_outcome(self, result: Outcome) -> None:
+        with self._store_time():
+            status, runs = self.states.finish(result)
+        if status == "failed":
+            self.outcome.failed += 1
+        elif status == "stopped":
+            self.outcome.stopped += 1
+        if result.result is not None:
+            self.outcome.executed += 1
+            if self.board is not None and status != "stopped":
+                self.board.write(self.store, runs[0], fresh=True)
+        for run in runs:
+            self.bar.advance(run, result.result)
+            self.tuning_settled(run)
+
+    def tuning_settled(self, run: PlannedRun) -> None:
+        """A tuning run is in (finished, failed or stopped): release its cell's finals when
+        it was the last. A cell with a stopped or failed run chooses from the ones it has;
+        the next invocation reruns those and chooses again (``Store.replace_finals``)."""
+        if run.role != TUNE:
+            return
+        cell = run.group()
+        self.waiting[cell].discard(run.key)
+        if not self.waiting[cell]:
+            del self.waiting[cell]
+            self.launch(self.finals_for(cell))
+
+    def finals_for(self, cell: Cell) -> list[PlannedRun]:
+        with self._store_time():
+            summary = pd.DataFrame([_summary_row(self.store, r, cell)
+                                    for r in self.cell_runs[cell]])
+            chosen = choose_step_sizes(summary, self.spec.lr.tuning)
+            self.outcome.chosen.update(chosen)
+            finals = self.plan.final_runs(chosen, only_cell=cell)
+            self.store.replace_finals(self.spec.name, [(r.key, dict(r.fields), r.labels())
+                                                       for r in finals])
+        return finals
+
+
 def run_study(spec: StudySpec, store_path: str | Path, jobs: int | None = None, *,
               trainer: str = DEFAULT_TRAINER, progress: bool = True,
               executor: Executor | None = None,
               on_plan: Callable[[Plan], None] | None = None,
-              tensorboard: str | Path | None = None) -> StudyOutcome:
-    """Run (or finish) ``spec`` into the store at ``store_path``. ``jobs=0`` runs inline;
-    ``tensorboard``: a directory that gets one TensorBoard run per finished run."""
+              tensorboard: str | Path | None = None,
+              checkpoints: str | Path | None = None) -> StudyOutcome:
+    """Run (or finish) ``spec`` into the store at ``store_path``. ``jobs=0`` runs inline.
+
+    ``executor``: where runs execute (default: a local pool of ``jobs`` processes; executors
+    start their workers on the first submit, after the store's lock is held). ``tensorboard``:
+    a directory that gets one TensorBoard run per finished run. ``checkpoints``: where runs
+    keep their checkpoints (default ``<store>-checkpoints`` beside the store; every worker
+    must reach it)."""
     clock = time.perf_counter()
     store_path = Path(store_path)
     board = None if tensorboard is None else _TensorBoardRuns(tensorboard)
-    plan = make_plan(spec)
-    if on_plan is not None:
-        on_plan(plan)
-    tuning = plan.tuning_runs()
-    outcome = StudyOutcome(spec.name, store_path, total=len(tuning) + plan.final_count())
-    outcome.seconds["plan"] = time.perf_counter() - clock
-    store_seconds = 0.0
-    executor = executor or make_executor(jobs)
-    bar = _Progress(outcome.total, progress)
-    ckpt_root = checkpoint_root(store_path)
-    # Tuning cells: which tuning runs decide which η (by final-run cell lookup key).
-    cell_runs: dict[Any, list[PlannedRun]] = defaultdict(list)
-    for run in tuning:
-        cell_runs[run.group()].append(run)
-    waiting = {cell: {r.key for r in runs} for cell, runs in cell_runs.items()}
-    submitted: dict[str, list[PlannedRun]] = {}
-
-    with Store(store_path) as store:
-        tick = time.perf_counter()
-        store.register_study(spec.name, spec.to_dict())
-        points = {(data.label, shape.spec, batch, seed, mechanism, strategy)
-                  for data, shape, batch, mechanism, strategy in plan.cells()
-                  for seed in spec.train.seeds}
-        store.prune(spec.name, {r.key for r in tuning}, points)
-        store.register_runs(spec.name, [(r.key, TUNE, dict(r.fields), r.labels())
-                                        for r in tuning])
-        store_seconds += time.perf_counter() - tick
-
-        def launch(runs: list[PlannedRun]) -> list[PlannedRun]:
-            """Submit runs not finished yet; return the ones already finished."""
-            nonlocal store_seconds
-            tick = time.perf_counter()
-            statuses = store.statuses(r.key for r in runs)
-            done = []
-            for run in runs:
-                if statuses.get(run.key) in FINISHED:
-                    done.append(run)
-                    continue
-                if run.key in submitted:  # the same config twice (a tune run reused as final)
-                    submitted[run.key].append(run)
-                    continue
-                submitted[run.key] = [run]
-                directory = ckpt_root / run.key
-                store.mark_running(run.key)
-                executor.submit(Job(run.key, dict(run.fields), directory,
-                                    directory.exists() and any(directory.iterdir()), trainer))
-            store_seconds += time.perf_counter() - tick
-            return done
-
-        def finals_for(cell: Any) -> list[PlannedRun]:
-            nonlocal store_seconds
-            tick = time.perf_counter()
-            summary = pd.DataFrame([_summary_row(store, r, cell) for r in cell_runs[cell]])
-            chosen = choose_step_sizes(summary, spec.lr.tuning)
-            outcome.chosen.update(chosen)
-            finals = plan.final_runs(chosen, only_cell=cell)
-            store.replace_finals(spec.name, [(r.key, dict(r.fields), r.labels())
-                                             for r in finals])
-            store_seconds += time.perf_counter() - tick
-            return finals
-
-        def settle(runs: list[PlannedRun]) -> None:
-            """Account for runs found finished, and release cells whose tuning is done."""
-            for run in runs:
-                outcome.skipped += 1
-                if board is not None:
-                    board.write(store, run, fresh=False)
-                bar.advance(run, None, skipped=True)
-                complete_tuning(run)
-
-        def complete_tuning(run: PlannedRun) -> None:
-            if run.role != TUNE:
-                return
-            cell = run.group()
-            waiting[cell].discard(run.key)
-            if not waiting[cell]:
-                del waiting[cell]
-                settle(launch(finals_for(cell)))
-
-        try:
-            if spec.lr.tuning == "none":
-                finals = plan.final_runs({})
-                store.register_runs(spec.name, [(r.key, FINAL, dict(r.fields), r.labels())
-                                                for r in finals])
-                settle(launch(finals))
-            else:
-                settle(launch(tuning))
-            for result in executor.completed():
-                tick = time.perf_counter()
-                _record(store, result, outcome)
-                store_seconds += time.perf_counter() - tick
-                runs = submitted.pop(result.key)
-                if board is not None and result.result is not None:
-                    board.write(store, runs[0], fresh=True)
-                for run in runs:
-                    bar.advance(run, result.result, skipped=False)
-                    complete_tuning(run)
-                if result.result is not None and result.result.get("status") in FINISHED:
-                    shutil.rmtree(ckpt_root / result.key, ignore_errors=True)
-        finally:
-            bar.close()
-            executor.close()
-    outcome.seconds["store"] = store_seconds
+    with Store(store_path) as store, store.exclusive():  # refused before any planning
+        plan = make_plan(spec)
+        if on_plan is not None:
+            on_plan(plan)
+        outcome = StudyOutcome(spec.name, store_path,
+                               total=len(plan.tuning_runs()) + plan.final_count())
+        outcome.seconds["plan"] = time.perf_counter() - clock
+        root = Path(checkpoints) if checkpoints else checkpoint_root(store_path)
+        runner = StudyRunner(spec, plan, store, executor or make_executor(jobs), outcome,
+                             trainer=trainer, checkpoints=root, board=board, progress=progress)
+        runner.run()
+    outcome.seconds["store"] = runner.store_seconds
     if board is not None:
         outcome.seconds["tensorboard"] = board.seconds
     outcome.seconds["total"] = time.perf_counter() - clock
     return outcome
-
-
-def _record(store: Store, result: Outcome, outcome: StudyOutcome) -> None:
-    if result.result is None:
-        store.mark_failed(result.key, result.error or "unknown error")
-        outcome.failed += 1
-    else:
-        store.record_result(result.key, result.result, result.wall_seconds)
-        outcome.executed += 1
-        if result.result.get("status") == "failed":
-            outcome.failed += 1
 
 
 class _TensorBoardRuns:
@@ -243,4 +327,3 @@ class _TensorBoardRuns:
             print(f"TensorBoard: could not write {directory}: {exc}; `study run` again "
                   "writes it", file=sys.stderr)
         self.seconds += time.perf_counter() - tick
-

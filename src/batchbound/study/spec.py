@@ -8,14 +8,15 @@ naming the key (``[batches] sizes: ...``) before any run starts. See ``docs/stud
 
 from __future__ import annotations
 
-import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchbound.config import load_toml, to_plain
+from batchbound.config import check_types, load_toml, to_plain
 from batchbound.errors import BatchboundError
 from batchbound.spec import parse_spec
+from batchbound.train.config import TrainConfig
 
 TUNING_RULES = {
     "lowest_loss_2_epochs": "seed 000: train every η for tune_epochs (2) epochs, keep the lowest "
@@ -28,13 +29,28 @@ STRATEGIES = ("blr", "lsr", "srsr")
 # each_batch: tune η per batch size (seed 000). base_batch: tune η0 at the smallest batch size
 # only and let the strategy scale it (seed 003's BLR/LSR/SRSR comparison).
 TUNE_AT = ("each_batch", "base_batch")
-CONVENTIONS = ("mean", "sum")
-SAMPLINGS = ("epoch", "replacement")
 TARGET_METRICS = ("train_acc", "test_acc", "train_loss", "test_loss")
+
+
+# A study's name is a folder (runs/<name>/): one path component, never '.', '..' or hidden.
+STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
 def _fail(section: str, key: str, problem: str) -> BatchboundError:
     return BatchboundError(f"study spec [{section}] {key}: {problem}")
+
+
+def _check_types(section: str, obj: Any) -> None:
+    """Every field against its annotation, before any check does arithmetic with it."""
+    check_types(obj, lambda key, problem: _fail(section, key, problem))
+
+
+def check_study_name(name: Any) -> str:
+    """``name`` if it can name a study's folder; else BatchboundError."""
+    if not isinstance(name, str) or not STUDY_NAME.fullmatch(name):
+        raise _fail("study", "name", "need 1-100 letters, digits, '-', '_' or '.', starting "
+                    f"with a letter or digit (it names the study's folder), got {name!r}")
+    return name
 
 
 def _check_keys(section: str, table: dict[str, Any], allowed: set[str]) -> None:
@@ -54,6 +70,7 @@ class DataSpec:
     transform: str | None = None
 
     def __post_init__(self) -> None:
+        _check_types("data", self)
         parse_spec(self.dataset)
         if self.transform is not None:
             parse_spec(self.transform)
@@ -74,6 +91,7 @@ class ModelsSpec:
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        _check_types("models", self)
         sweep = self.family is not None
         if bool(self.specs) == sweep:
             raise _fail("models", "specs/family", "give either specs = [...] or a family sweep "
@@ -84,7 +102,7 @@ class ModelsSpec:
             if self.params is None or self.params < 1:
                 raise _fail("models", "params", f"a family sweep needs params >= 1, got "
                             f"{self.params!r}")
-            if not self.depths or any(not isinstance(d, int) or d < 0 for d in self.depths):
+            if not self.depths or any(d < 0 for d in self.depths):
                 raise _fail("models", "depths", f"need a list of integers >= 0, got "
                             f"{list(self.depths)!r}")
             if len(set(self.depths)) != len(self.depths):
@@ -103,6 +121,7 @@ class LRSpec:
     tune_at: str = "each_batch"
 
     def __post_init__(self) -> None:
+        _check_types("lr", self)
         if self.tune_at not in TUNE_AT:
             raise _fail("lr", "tune_at", f"choose from {', '.join(TUNE_AT)}")
         if not self.strategies or len(set(self.strategies)) != len(self.strategies):
@@ -112,7 +131,7 @@ class LRSpec:
             if name not in STRATEGIES:
                 raise _fail("lr", "strategy", f"unknown strategy {name!r}; choose from "
                             f"{', '.join(STRATEGIES)} (e.g. 'lsr(base_batch=32,warmup_epochs=2)')")
-        if not self.grid or any(not (isinstance(x, (int, float)) and x > 0) for x in self.grid):
+        if not self.grid or any(not x > 0 for x in self.grid):
             raise _fail("lr", "grid", f"need a non-empty list of step sizes > 0, got "
                         f"{list(self.grid)!r}")
         if len(set(self.grid)) != len(self.grid):
@@ -152,42 +171,44 @@ class TrainSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        _check_types("train", self)
         if not self.targets:
             raise _fail("train", "targets", "need at least one target, e.g. {train_acc = 0.95}")
-        for metric, threshold in self.targets:
+        for metric, _ in self.targets:
             if metric not in TARGET_METRICS:
                 raise _fail("train", "targets", f"unknown metric {metric!r}; choose from "
                             f"{', '.join(TARGET_METRICS)}")
-            if not math.isfinite(threshold):
-                raise _fail("train", "targets", f"threshold for {metric} must be finite")
-        positive = {"max_epochs": self.max_epochs, "eval_every_epochs": self.eval_every_epochs}
-        for key, value in positive.items():
-            if not value > 0:
-                raise _fail("train", key, f"must be > 0, got {value!r}")
-        if self.epochs_budget is not None and not 0 < self.epochs_budget <= self.max_epochs:
-            raise _fail("train", "epochs_budget", f"must be in (0, max_epochs], got "
-                        f"{self.epochs_budget!r}")
-        if self.diversity_every_epochs is not None and not self.diversity_every_epochs > 0:
-            raise _fail("train", "diversity_every_epochs", "must be > 0 (or omitted for none)")
-        if self.checkpoint_every_epochs is not None and not self.checkpoint_every_epochs > 0:
-            raise _fail("train", "checkpoint_every_epochs", "must be > 0 (or omitted)")
-        if self.convention not in CONVENTIONS:
-            raise _fail("train", "convention", f"choose from {', '.join(CONVENTIONS)}")
-        if self.sampling not in SAMPLINGS:
-            raise _fail("train", "sampling", f"choose from {', '.join(SAMPLINGS)}")
         if self.workers < 1:
             raise _fail("train", "workers", f"must be >= 1, got {self.workers!r}")
         if self.repeats < 1:
             raise _fail("train", "repeats", f"must be >= 1, got {self.repeats!r}")
         if not self.mechanisms:
             raise _fail("train", "mechanisms", "need at least one, e.g. ['none']")
-        for text in self.mechanisms:
-            parse_spec(text)
-        if self.snapshot_every_epochs is not None and not self.snapshot_every_epochs > 0:
-            raise _fail("train", "snapshot_every_epochs", "must be > 0 (or omitted for none)")
-        if any(not isinstance(p, str) for p in self.final_probes):
-            raise _fail("train", "final_probes", f"need a list of probe names, got "
-                        f"{list(self.final_probes)!r}")
+        self._check_with_trainer()
+        if self.epochs_budget is not None and not 0 < self.epochs_budget <= self.max_epochs:
+            raise _fail("train", "epochs_budget", f"must be in (0, max_epochs], got "
+                        f"{self.epochs_budget!r}")
+        if self.checkpoint_every_epochs is not None and not self.checkpoint_every_epochs > 0:
+            raise _fail("train", "checkpoint_every_epochs", "must be > 0 (or omitted)")
+
+    def _check_with_trainer(self) -> None:
+        """The values every run's TrainConfig gets are checked by TrainConfig itself (limits,
+        cadences, target ranges, momentum, convention, probes, mechanisms), once, now, and
+        not only when a run starts."""
+        for mechanism in self.mechanisms:
+            try:
+                TrainConfig(targets=self.targets, max_epochs=self.max_epochs,
+                            momentum=self.momentum, weight_decay=self.weight_decay,
+                            convention=self.convention, sampling=self.sampling,
+                            eval_every_epochs=self.eval_every_epochs,
+                            diversity_every_epochs=self.diversity_every_epochs,
+                            mechanism=mechanism,
+                            mechanism_granularity=self.mechanism_granularity,
+                            workers=self.workers, batch_size=self.workers,
+                            snapshot_every_epochs=self.snapshot_every_epochs,
+                            final_probes=self.final_probes, seed=self.seed)
+            except BatchboundError as exc:
+                raise BatchboundError(f"study spec [train]: {exc}") from None
 
     @property
     def budget(self) -> float:
@@ -209,15 +230,15 @@ class StudySpec:
     description: str = ""
 
     def __post_init__(self) -> None:
-        if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
-            raise _fail("study", "name", f"need letters, digits, '-', '_' or '.', got "
-                        f"{self.name!r}")
+        check_study_name(self.name)
+        if not isinstance(self.description, str):
+            raise _fail("study", "description", f"expected a string, got {self.description!r}")
         if not self.data:
             raise _fail("data", "datasets", "need at least one data set")
         sizes = self.batch_sizes
         if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1
                             for b in sizes):
-            raise _fail("batches", "sizes", f"need integers >= 1, got {list(sizes)!r}")
+            raise _fail("batches", "sizes", f"need a list of integers >= 1, got {sizes!r}")
         labels = [d.label for d in self.data]
         if len(set(labels)) != len(labels):
             raise _fail("data", "datasets", "the same data set is listed twice")
@@ -235,12 +256,13 @@ def _batch_sizes(table: dict[str, Any]) -> tuple[int, ...]:
     if "sizes" in table:
         if "min" in table or "max" in table:
             raise _fail("batches", "sizes", "give sizes = [...] or min/max powers of two, not both")
-        return tuple(table["sizes"])
+        return _list("batches", "sizes", table["sizes"])
     if "min" not in table or "max" not in table:
         raise _fail("batches", "sizes", "give sizes = [...] or min = 2^a and max = 2^b")
     low, high = table["min"], table["max"]
     for key, value in (("min", low), ("max", high)):
-        if not isinstance(value, int) or value < 1 or value & (value - 1):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1 or (
+                value & (value - 1)):
             raise _fail("batches", key, f"must be a power of two, got {value!r}")
     if low > high:
         raise _fail("batches", "min", f"min {low} is above max {high}")
@@ -270,11 +292,33 @@ def _targets(value: Any) -> tuple[tuple[str, float], ...]:
 def _lr(table: dict[str, Any]) -> LRSpec:
     """``strategy`` is one spec string or a list (a grid dimension, for comparisons)."""
     table = dict(table)
-    strategy = table.pop("strategy", "blr")
-    strategies = (strategy,) if isinstance(strategy, str) else tuple(strategy)
+    strategies = _strings("lr", "strategy", table.pop("strategy", "blr"))
     if "grid" in table:
-        table["grid"] = tuple(table["grid"])
+        table["grid"] = _list("lr", "grid", table["grid"])
     return LRSpec(strategies=strategies, **table)
+
+
+def _list(section: str, key: str, value: Any) -> tuple[Any, ...]:
+    """A TOML array as a tuple; anything else (a string is iterable too) is refused here."""
+    if not isinstance(value, list):
+        raise _fail(section, key, f"expected a list, e.g. [1, 2], got {value!r}")
+    return tuple(value)
+
+
+def _strings(section: str, key: str, value: Any) -> tuple[Any, ...]:
+    """Spec strings: one string or a list of them."""
+    return (value,) if isinstance(value, str) else _list(section, key, value)
+
+
+def _table(section: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise BatchboundError(f"study spec [{section}]: expected a table, got {value!r}")
+    return dict(value)
+
+
+def _params(value: Any) -> Any:
+    """A parameter budget; TOML reads 4e3 as a float, which means the integer 4000."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def _data(entry: Any) -> DataSpec:
@@ -294,55 +338,45 @@ def study_from_dict(raw: dict[str, Any]) -> StudySpec:
     for section in ("study", "data", "models", "batches"):
         if section not in raw:
             raise BatchboundError(f"study spec: missing section [{section}]")
-    study = dict(raw["study"])
+    study = _table("study", raw["study"])
     _check_keys("study", study, {"name", "description"})
-    data = dict(raw["data"])
+    data = _table("data", raw["data"])
     _check_keys("data", data, {"datasets"})
     datasets = data.get("datasets")
     if not isinstance(datasets, list) or not datasets:
         raise _fail("data", "datasets", "need a list of data set specs, e.g. ['digits'] or "
                     "[{dataset = 'digits', transform = 'replicate(k=2)'}]")
-    models = dict(raw["models"])
+    models = _table("models", raw["models"])
     _check_keys("models", models, {"specs", "family", "params", "depths", "options"})
-    lr = dict(raw.get("lr", {}))
+    lr = _table("lr", raw.get("lr", {}))
     _check_keys("lr", lr, {"strategy", "grid", "tuning", "tune_epochs", "tune_seeds", "tune_at"})
-    train = dict(raw.get("train", {}))
+    train = _table("train", raw.get("train", {}))
     _check_keys("train", train, {f for f in TrainSpec.__dataclass_fields__})
     if "targets" in train:
         train["targets"] = _targets(train["targets"])
     for key in ("mechanisms", "final_probes"):
         if key in train:
-            train[key] = tuple(train[key])
-    try:
-        return StudySpec(
-            name=study.get("name", ""),
-            description=study.get("description", ""),
-            data=tuple(_data(d) for d in datasets),
-            models=ModelsSpec(
-                specs=tuple(models.get("specs", ())),
-                family=models.get("family"),
-                params=models.get("params"),
-                depths=tuple(models.get("depths", ())),
-                options=dict(models.get("options", {})),
-            ),
-            batch_sizes=_batch_sizes(dict(raw["batches"])),
-            lr=_lr(lr),
-            train=TrainSpec(**train),
-        )
-    except TypeError as exc:  # a wrong value type reaching a dataclass
-        raise BatchboundError(f"study spec: {exc}") from None
+            train[key] = _strings("train", key, train[key])
+    return StudySpec(
+        name=study.get("name", ""),
+        description=study.get("description", ""),
+        data=tuple(_data(d) for d in datasets),
+        models=ModelsSpec(
+            specs=_strings("models", "specs", models.get("specs", [])),
+            family=models.get("family"),
+            params=_params(models.get("params")),
+            depths=_list("models", "depths", models.get("depths", [])),
+            options=models.get("options", {}),
+        ),
+        batch_sizes=_batch_sizes(_table("batches", raw["batches"])),
+        lr=_lr(lr),
+        train=TrainSpec(**train),
+    )
 
 
 def load_study(path: str | Path) -> StudySpec:
     """Read a study TOML file, or a packaged preset by name (see ``preset_names()``)."""
-    path = resolve_study_path(path)
-    try:
-        raw = load_toml(path)
-    except OSError as exc:
-        raise BatchboundError(f"cannot read study spec {path}: {exc}") from None
-    except ValueError as exc:
-        raise BatchboundError(f"study spec {path} is not valid TOML: {exc}") from None
-    return study_from_dict(raw)
+    return study_from_dict(load_toml(resolve_study_path(path), "study spec"))
 
 
 def _presets_dir() -> Path:
@@ -356,11 +390,13 @@ def preset_names() -> list[str]:
 def resolve_study_path(path: str | Path) -> Path:
     """A file path, or the name of a packaged preset (``width-depth-digits``)."""
     candidate = Path(path)
-    if candidate.exists():
+    if candidate.exists() and not candidate.is_dir():
         return candidate
     preset = _presets_dir() / f"{path}.toml"
-    if preset.exists():
+    if STUDY_NAME.fullmatch(str(path)) and preset.exists():  # a name, never ../x
         return preset
+    if candidate.is_dir():
+        raise BatchboundError(f"study spec {path} is a directory, not a TOML file")
     raise BatchboundError(
         f"no study file {str(path)!r} and no preset of that name; presets: "
         f"{', '.join(preset_names()) or 'none'}"

@@ -13,11 +13,14 @@ in docs/store.md.
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import math
+import os
 import sqlite3
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +32,8 @@ from batchbound.train.config import TrainConfig
 from batchbound.train.result import RunResult, TargetResult
 
 SCHEMA_VERSION = 1
-FINISHED = ("complete", "diverged", "stopped")  # a rerun skips these; failed runs are retried
-STATUSES = ("pending", "running", *FINISHED, "failed")
+FINISHED = ("complete", "diverged")  # a rerun skips these; stopped ones resume, failed retry
+STATUSES = ("pending", "running", *FINISHED, "stopped", "failed")
 LABELS = ("data", "model", "model_label", "depth", "width", "params", "batch_size", "lr",
           "seed", "mechanism", "strategy", "n_train")
 # Curve metrics that are gradient-diversity measurements go to their own table.
@@ -124,21 +127,87 @@ def snapshot_rows(snapshots: Any) -> list[tuple[float, bytes]]:
 class Store:
     """A study results database. Use as a context manager or call ``close()``."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, readonly: bool = False) -> None:
+        """Open (or create) the store at ``path``; ``readonly`` opens an existing one for
+        reading only (reports, exports), which also works on read-only files and folders."""
         self.path = Path(path)
+        self.readonly = readonly
+        try:
+            self.db = self._connect()
+            self._check_schema()
+        except sqlite3.DatabaseError as exc:
+            raise BatchboundError(_explain(self.path, exc, readonly)) from None
+
+    def _connect(self) -> sqlite3.Connection:
+        if self.path.is_dir():
+            raise BatchboundError(f"store {self.path} is a directory; give a file path "
+                                  "(for example runs/study.sqlite)")
+        if self.readonly:
+            if not self.path.is_file():
+                raise BatchboundError(f"no store at {self.path}")
+            uri = self.path.absolute().as_uri()
+            try:
+                db = sqlite3.connect(f"{uri}?mode=ro", uri=True, isolation_level=None)
+                db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            except sqlite3.OperationalError:  # a WAL file in a read-only folder: no -shm
+                db = sqlite3.connect(f"{uri}?immutable=1", uri=True, isolation_level=None)
+            return db
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.path, isolation_level=None, timeout=60)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.execute("PRAGMA foreign_keys=ON")
-        self.db.executescript(SCHEMA)  # idempotent: every statement is IF NOT EXISTS
-        with self.transaction():
-            row = self.db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
-            if row is None:
-                self.db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-            elif int(row[0]) != SCHEMA_VERSION:
-                raise BatchboundError(f"store {self.path} has schema {row[0]}; this batchbound "
-                                      f"reads schema {SCHEMA_VERSION}")
+        db = sqlite3.connect(self.path, isolation_level=None, timeout=60)
+        self._refuse_foreign(db)  # never add our tables to someone else's database
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("PRAGMA foreign_keys=ON")
+        db.executescript(SCHEMA)  # idempotent: every statement is IF NOT EXISTS
+        return db
+
+    def _refuse_foreign(self, db: sqlite3.Connection) -> None:
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if (tables or self.readonly) and "meta" not in tables:
+            db.close()
+            listed = f"its tables: {', '.join(sorted(tables)[:6])}" if tables else "empty"
+            raise BatchboundError(f"{self.path} is an SQLite database but not a batchbound "
+                                  f"store ({listed}); give another store path")
+
+    def _check_schema(self) -> None:
+        if self.readonly:
+            self._refuse_foreign(self.db)
+        row = self.db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+        if row is None and not self.readonly:
+            with self.transaction():
+                self.db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)",
+                                (str(SCHEMA_VERSION),))
+        elif row is None or row[0] != str(SCHEMA_VERSION):
+            found = "no schema" if row is None else f"schema {row[0]!r}"
+            raise BatchboundError(f"store {self.path} has {found}; this batchbound reads "
+                                  f"schema {SCHEMA_VERSION}")
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the store for one runner: a second ``study run`` on the same store is refused
+        (both would execute the same runs). The lock is an advisory ``flock`` on
+        ``<store>.lock``; the kernel drops it when the holder dies, however it dies."""
+        lock_path = self.path.with_name(self.path.name + ".lock")
+        try:
+            handle = lock_path.open("a+")
+        except OSError as exc:
+            raise BatchboundError(f"cannot create the store's lock file {lock_path}: "
+                                  f"{exc.strerror}") from None
+        with handle:  # closing it releases the lock
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                handle.seek(0)
+                holder = handle.read().strip() or "unknown"
+                raise BatchboundError(
+                    f"store {self.path} is in use by another `study run` (pid {holder}); one "
+                    "runner per store, so that no run executes twice: wait for it, or stop "
+                    "it (a rerun resumes)") from None
+            handle.seek(0)
+            handle.truncate()
+            handle.write(str(os.getpid()))
+            handle.flush()
+            yield
 
     def close(self) -> None:
         self.db.close()
@@ -219,7 +288,7 @@ class Store:
     def record_result(self, key: str, result: Mapping[str, Any], wall_seconds: float) -> None:
         """Write a finished run's whole result atomically (replacing any partial record)."""
         status = result.get("status", "complete")
-        if status not in FINISHED and status != "failed":
+        if status not in (*FINISHED, "stopped", "failed"):
             raise BatchboundError(f"run {key}: unexpected status {status!r}")
         curves, diversity = [], []
         for iteration, epoch, seconds, metric, value in curve_rows(result.get("curves", [])):
@@ -339,6 +408,18 @@ class Store:
         if name == "snapshots":  # the weights are BLOBs: Store.snapshots(keys) reads them
             return pd.read_sql_query(f"SELECT {_SNAPSHOT_INDEX} FROM snapshots", self.db)
         return pd.read_sql_query(f"SELECT * FROM {name}", self.db)
+
+
+def _explain(path: Path, exc: sqlite3.DatabaseError, readonly: bool) -> str:
+    """One line for a store SQLite cannot use: not a database, read-only, locked, full."""
+    text = str(exc)
+    if "not a database" in text or "malformed" in text:
+        return f"{path} is not a batchbound store (not a valid SQLite database: {text})"
+    if "readonly" in text or "unable to open" in text:
+        where = "" if readonly else " for writing"
+        return (f"cannot open the store {path}{where} ({text}); check the permissions of the "
+                "file and its folder")
+    return f"store {path}: {text}"
 
 
 def _flat(timings: Any, prefix: str = "") -> list[tuple[str, float]]:

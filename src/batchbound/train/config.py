@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchbound.config import config_hash, to_plain
+from batchbound.config import check_types, config_hash, to_plain
 from batchbound.errors import BatchboundError
 from batchbound.train.adaptive import BatchPolicy, parse_batch_policy
 from batchbound.train.mechanisms import GRANULARITIES, Mechanism, parse_mechanism
@@ -24,6 +25,7 @@ CONVENTIONS = ("mean", "sum")
 SAMPLINGS = ("epoch", "replacement")
 ONLINE_MODES = ("off", "norms", "two_batch")
 DEVICES = ("auto", "cpu", "cuda")
+DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")  # cuda:i picks a GPU; nothing else parses
 DTYPES = ("float32", "float64")
 # metric -> direction: a target is reached when the metric is >= (acc) or <= (loss) threshold
 TARGET_METRICS = {"train_acc": ">=", "train_loss": "<=", "test_acc": ">=", "test_loss": "<="}
@@ -43,16 +45,21 @@ class Target:
     threshold: float
 
     def __post_init__(self) -> None:
-        if self.metric not in TARGET_METRICS:
+        if not isinstance(self.metric, str) or self.metric not in TARGET_METRICS:
             raise BatchboundError(
                 f"unknown target metric {self.metric!r}; choose from {', '.join(TARGET_METRICS)}"
             )
-        if not math.isfinite(self.threshold):
-            raise BatchboundError(f"target {self.metric} threshold must be finite")
+        check_types(self, lambda _, problem: BatchboundError(
+            f"target {self.metric} threshold: {problem}"))
         if self.metric.endswith("_acc") and not 0 < self.threshold <= 1:
             raise BatchboundError(
                 f"target {self.metric} is a fraction in (0, 1], got {self.threshold} "
                 "(write 0.95, not 95)"
+            )
+        if self.metric.endswith("_loss") and self.threshold < 0:  # never reached
+            raise BatchboundError(
+                f"target {self.metric} must be >= 0 (a loss is never negative), got "
+                f"{self.threshold}"
             )
 
     @property
@@ -168,9 +175,14 @@ class TrainConfig:
         (), "records", f"measure at the final weights: {' | '.join(PROBES)}", metavar="PROBE")
 
     def __post_init__(self) -> None:
+        if not isinstance(self.targets, (list, tuple)):
+            raise BatchboundError(f"targets is a list of {{metric, threshold}}, got "
+                                  f"{self.targets!r}")
         targets = tuple(_target(t) for t in self.targets)
         object.__setattr__(self, "targets", targets)
         object.__setattr__(self, "final_probes", _probes(self.final_probes))
+        # every field against its annotation first (a file's "64" or NaN), then the ranges
+        check_types(self, lambda name, problem: BatchboundError(f"{name}: {problem}"))
         _positive_int("batch_size", self.batch_size)
         _positive_int("workers", self.workers)
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
@@ -184,7 +196,9 @@ class TrainConfig:
         _choice("sampling", self.sampling, SAMPLINGS)
         _choice("online_diversity", self.online_diversity, ONLINE_MODES)
         _choice("mechanism_granularity", self.mechanism_granularity, GRANULARITIES)
-        _choice("device", self.device.split(":")[0], DEVICES)
+        if not DEVICE.fullmatch(self.device):
+            raise BatchboundError(f"unknown device {self.device!r}; choose from "
+                                  f"{', '.join(DEVICES)} or cuda:i (a GPU's index)")
         _choice("dtype", self.dtype, DTYPES)
         if not 0 <= self.momentum < 1:
             raise BatchboundError(f"momentum must be in [0, 1), got {self.momentum}")
@@ -291,12 +305,39 @@ class TrainConfig:
         # dtype error in the first layer. Built on the meta device: no memory, no RNG.
         import torch
 
-        from batchbound.models import build_model, model_shape
+        from batchbound.models import build_model, check_fits, model_shape
         from batchbound.models.layers import check_task
 
         with torch.device("meta"):
             model = build_model(self.model, dataset.input_shape, dataset.num_outputs)
         check_task(model_shape(model), dataset.task, dataset.name)
+        width = 8 if self.dtype == "float64" else 4
+        check_fits(self.model, model, width)
+        self._check_activations(dataset, width)
+
+    def _check_activations(self, dataset: Any, bytes_per_value: int) -> None:
+        """The largest layer output, for the most examples ever in memory at once (an
+        evaluation chunk, a worker's step), is a lower bound on what the run needs: refuse a
+        run that cannot fit now, not at its first evaluation."""
+        from batchbound.models import describe_model
+        from batchbound.models.registry import memory_bytes
+
+        memory = memory_bytes()
+        layers = describe_model(self.model, dataset.input_shape, dataset.num_outputs).layers
+        largest = max((math.prod(row.output_shape) for row in layers), default=0)
+        evaluated = max(dataset.n_test, self.eval_subset or dataset.n_train)
+        chunk = min(self.eval_batch_size, evaluated)
+        step = self.micro_batch or -(-self.batch_size // self.workers)
+        need = largest * max(chunk, step) * bytes_per_value
+        if memory is None or need <= memory:
+            return
+        what, lower = (("an evaluation chunk", "eval_batch_size") if chunk >= step
+                       else ("a worker's step", "batch_size, or set micro_batch"))
+        raise BatchboundError(
+            f"model {self.model}: {what} of {max(chunk, step):,} examples holds a layer output "
+            f"of {largest:,} values per example, {need / 1e9:,.1f} GB, more than this "
+            f"machine's {memory / 1e9:.1f} GB of memory; lower {lower}"
+        )
 
     # ---- serialisation ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -332,9 +373,14 @@ def _target(value: Any) -> Target:
     if isinstance(value, Target):
         return value
     if isinstance(value, dict):
+        if set(value) != {"metric", "threshold"}:
+            raise BatchboundError(f"a target is {{metric, threshold}}, got {value!r}")
         return Target(**value)
     if isinstance(value, (list, tuple)) and len(value) == 2:
-        return Target(str(value[0]), float(value[1]))
+        metric, threshold = value
+        if isinstance(threshold, (int, float)) and not isinstance(threshold, bool):
+            threshold = float(threshold)
+        return Target(metric, threshold)
     raise BatchboundError(f"a target is {{metric, threshold}}, got {value!r}")
 
 

@@ -83,9 +83,9 @@ def check_logdir(path: str | Path) -> Path:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
             pass
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
         raise BatchboundError(f"cannot write TensorBoard files to {path}: "
-                              f"{exc.strerror or exc}") from None
+                              f"{getattr(exc, 'strerror', None) or exc}") from None
     return path
 
 

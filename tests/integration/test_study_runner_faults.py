@@ -1,0 +1,219 @@
+"""The runner under faults: a stopped run resumes, a killed runner leaves no process behind,
+a second runner on the same store is refused, and a store SQLite cannot use is a one-line
+error. Uses the closed-form simulated trainer (real processes, real store, real checkpoints)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from bad_input import BAD_INPUT, refused
+from study_processes import TRAINER, alive, descendants, finish, log_entries, start_study
+
+from batchbound.study.store import Store
+
+SPEC = """
+[study]
+name = "faults"
+[data]
+datasets = ["digits"]
+[models]
+family = "fc"
+params = 2000
+depths = [1, 2]
+[batches]
+sizes = [64, 256]
+[lr]
+grid = [0.1]
+tuning = "none"
+[train]
+targets = { train_acc = 0.99 }
+max_epochs = 6
+repeats = 1
+"""
+
+
+def wait_for(condition, proc: subprocess.Popen, seconds: float = 120) -> None:
+    deadline = time.time() + seconds
+    while not condition():
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def spec(tmp_path: Path) -> Path:
+    path = tmp_path / "spec.toml"
+    path.write_text(SPEC)
+    return path
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_runner_leaves_no_process_behind(tmp_path, spec, sig):
+    store, log = tmp_path / "s.sqlite", tmp_path / "log"
+    proc = start_study(spec, store, log, sleep=0.3, jobs=2)
+    # both pool workers busy, each in a run with a checkpoint
+    wait_for(lambda: len(list((tmp_path / "s-checkpoints").glob("*/state.json"))) >= 2, proc)
+    family = descendants(proc.pid)
+    assert len(family) >= 2
+    os.kill(proc.pid, sig)  # the runner alone, as `kill` or the OOM killer would
+    proc.communicate(timeout=30)
+    deadline = time.time() + 10
+    while alive(family) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not alive(family), f"still alive 10 s after {sig.name}: {alive(family)}"
+    # and the rerun finishes everything, resuming the interrupted runs
+    before = len(log_entries(log))
+    finish(start_study(spec, store, log, sleep=0.0, jobs=2))
+    assert any(resumed for _, resumed in log_entries(log)[before:])
+    with Store(store) as s:
+        assert {st for (st,) in s.db.execute("SELECT status FROM runs")} == {"complete"}
+
+
+def test_a_stopped_run_resumes(tmp_path, spec):
+    """A pool worker sent SIGTERM stops its run at a checkpoint; the run is `stopped`, keeps
+    its checkpoint, and the next invocation resumes it instead of skipping it."""
+    store, log = tmp_path / "s.sqlite", tmp_path / "log"
+    proc = start_study(spec, store, log, sleep=0.3, jobs=1)
+    wait_for(lambda: list((tmp_path / "s-checkpoints").glob("*/state.json")), proc)
+    workers = descendants(proc.pid)
+    for pid in workers:
+        os.kill(pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "1 stopped (a rerun resumes them)" in err.decode()
+    with Store(store) as s:
+        stopped = [k for k, st in s.db.execute("SELECT key, status FROM runs")
+                   if st == "stopped"]
+    assert len(stopped) == 1
+    assert (tmp_path / "s-checkpoints" / stopped[0] / "state.json").exists()
+
+    before = len(log_entries(log))
+    finish(start_study(spec, store, log, sleep=0.0, jobs=2))
+    assert (stopped[0], 1) in log_entries(log)[before:]  # resumed, from its checkpoint
+    with Store(store) as s:
+        assert s.status(stopped[0]) == "complete"
+    assert not (tmp_path / "s-checkpoints" / stopped[0]).exists()
+
+
+def test_a_second_runner_on_the_same_store_is_refused(tmp_path, spec, capsys):
+    store = tmp_path / "s.sqlite"
+    with Store(store) as held, held.exclusive():
+        line = refused(["study", "run", str(spec), "--store", str(store), "--jobs", "0",
+                        "--trainer", TRAINER, "--no-progress"],
+                       r"in use by another `study run` \(pid \d+\)", capsys)
+    assert str(store) in line
+    with Store(store) as s:  # the refused runner touched nothing
+        assert s.db.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 0
+
+
+def test_the_lock_dies_with_its_holder(tmp_path, spec):
+    store, log = tmp_path / "s.sqlite", tmp_path / "log"
+    proc = start_study(spec, store, log, sleep=0.3, jobs=1)
+    wait_for(lambda: log_entries(log), proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    with Store(store) as s, s.exclusive():  # free again: nothing to clean up by hand
+        pass
+
+
+# ---------------------------------------------- stores SQLite cannot use: one line, exit 2
+
+
+def _corrupt(path: Path) -> None:
+    path.write_bytes(b"this is not a database\x00" * 100)
+
+
+def _foreign(path: Path) -> None:
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE invoices (id INTEGER, amount REAL)")
+
+
+def _other_schema(path: Path) -> None:
+    with Store(path) as s:
+        s.db.execute("UPDATE meta SET value='99' WHERE key='schema'")
+
+
+def _truncated(path: Path) -> None:
+    with Store(path):
+        pass
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 3] + b"\xff" * 100)
+
+
+STORES = {
+    "not a database": (_corrupt, r"is not a batchbound store \(not a valid SQLite"),
+    "a foreign database": (_foreign, r"SQLite database but not a batchbound store.*invoices"),
+    "another schema": (_other_schema, r"has schema '99'; this batchbound reads schema 1"),
+    "a damaged database": (_truncated, r"not a batchbound store|malformed"),
+    "a directory": (lambda p: p.mkdir(), r"is a directory"),
+}
+
+
+@BAD_INPUT
+@pytest.mark.parametrize("case", list(STORES))
+@pytest.mark.parametrize("command", ["run", "report", "export"])
+def test_a_store_sqlite_cannot_use(tmp_path, spec, capsys, case, command):
+    make, match = STORES[case]
+    store = tmp_path / "s.sqlite"
+    make(store)
+    before = store.read_bytes() if store.is_file() else None
+    argv = {"run": ["study", "run", str(spec), "--store", str(store), "--jobs", "0",
+                    "--trainer", TRAINER, "--no-progress"],
+            "report": ["report", "faults", "--store", str(store), "--out", str(tmp_path / "r")],
+            "export": ["study", "export", str(store), "--out", str(tmp_path / "e")]}[command]
+    refused(argv, match, capsys)
+    if before is not None:
+        assert store.read_bytes() == before  # refused without writing to it
+
+
+def _as_unprivileged(argv: list[str]) -> list[str]:
+    """Root ignores file permissions: run the command as `nobody` then (needs setpriv)."""
+    if os.geteuid() != 0:
+        return argv
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: permissions cannot be tested")
+    return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv]
+
+
+@BAD_INPUT
+def test_a_read_only_store_refuses_a_run_and_still_reports(tmp_path, spec):
+    from batchbound.study.runner import run_study
+    from batchbound.study.spec import load_study
+
+    shared = Path(tempfile.mkdtemp(prefix="batchbound-ro-"))  # tmp_path is private to root
+    try:
+        store = shared / "ro" / "s.sqlite"
+        run_study(load_study(spec), store, jobs=0, progress=False, trainer=TRAINER)
+        (shared / "spec.toml").write_text(SPEC)
+        os.chmod(store, 0o444)
+        os.chmod(store.parent, 0o555)
+        os.chmod(shared, 0o777)
+        cli = [sys.executable, "-m", "batchbound"]
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "HOME": str(shared),
+               "MPLCONFIGDIR": str(shared / "mpl")}
+        refused_run = subprocess.run(_as_unprivileged(
+            [*cli, "study", "run", str(shared / "spec.toml"), "--store", str(store), "--jobs",
+             "0", "--trainer", TRAINER, "--no-progress"]), capture_output=True, text=True,
+            env=env, cwd=shared, timeout=120)
+        lines = refused_run.stderr.strip().splitlines()
+        assert refused_run.returncode == 2 and len(lines) == 1, refused_run.stderr
+        assert re.search(r"cannot (open the store|create the store's lock file|write)", lines[0])
+        export = subprocess.run(_as_unprivileged(
+            [*cli, "study", "export", str(store), "--out", str(shared / "export")]),
+            capture_output=True, text=True, env=env, cwd=shared, timeout=120)
+        assert export.returncode == 0, export.stderr  # reading needs no write access
+        assert (shared / "export" / "runs.csv").exists()
+    finally:
+        for path in (shared, *shared.rglob("*")):
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        shutil.rmtree(shared)
