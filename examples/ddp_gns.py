@@ -3,6 +3,7 @@ hook (no extra collective): torchrun --standalone --nproc_per_node 2 examples/dd
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # before the group exists: docs/torchrun-abort.md
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from batchbound.diversity.mechanisms import quantize_group
 from batchbound.train.comm_hook import mechanism_hook, mechanism_hook_state
-from batchbound.train.distributed import free_port, teardown
+from batchbound.train.distributed import free_port, init_group, teardown
 
 pytestmark = pytest.mark.distributed
 
@@ -32,8 +32,9 @@ def ddp_grads(model: nn.Module, spec: str, x, y) -> list[torch.Tensor]:
 
 
 def worker(rank: int, port: int, queue) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+    # init_group, not dist.init_process_group: DDP pulls in torch._dynamo, whose imports
+    # would otherwise keep the group alive past teardown (docs/torchrun-abort.md)
+    init_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         torch.manual_seed(0)
         x, y = torch.randn(20, 6, dtype=torch.float64), torch.randint(0, 3, (20,))

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from batchbound.diversity.online import OnlineDiversity
 from batchbound.integrations.ddp import gns_hook, gns_hook_state
-from batchbound.train.distributed import free_port, teardown
+from batchbound.train.distributed import free_port, init_group, teardown
 
 pytestmark = pytest.mark.distributed
 
@@ -98,8 +98,9 @@ def run_case(rank: int, case: str) -> dict[str, float]:
 
 
 def worker(rank: int, port: int, queue) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+    # init_group, not dist.init_process_group: DDP pulls in torch._dynamo, whose imports
+    # would otherwise keep the group alive past teardown (docs/torchrun-abort.md)
+    init_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         out = {case: run_case(rank, case) for case in ("mean", "sum", "amp", "no_sync")}
         queue.put((rank, out))

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -95,9 +95,19 @@ def test_rescaled_dropconnect_has_the_same_diversity() -> None:
     assert ratio == pytest.approx(closed_form("dropconnect(p=0.6)", g), rel=0.03)
 
 
-@settings(max_examples=60, deadline=None)
+# Unit roundoff of float64.
+EPS64 = 2.0**-53
+
+
+# Derandomized: the same examples on every run (Hypothesis seeds from the test's name), so the
+# check cannot flake; the @example rows are the inputs that broke a flat rtol of 1e-12 (n·Δ far
+# above n, nearly cancelling gradients; d = 1 makes quantization's R equal S exactly).
+@settings(max_examples=200, deadline=None, derandomize=True)
 @given(n=st.integers(2, 8), d=st.integers(1, 6), seed=st.integers(0, 10_000),
        spread=st.floats(0.0, 3.0), p=st.floats(0.0, 0.99), sigma=st.floats(0.0, 2.0))
+@example(n=5, d=1, seed=5, spread=1.9365894076617605, p=0.0, sigma=1.0)  # Δ ≈ 136 000
+@example(n=8, d=1, seed=8, spread=0.6297404137998428, p=0.41335917899579705,
+         sigma=0.6297404137998428)  # Δ ≈ 16 900
 def test_theorem_7_mechanisms_raise_diversity_when_bound_below_n(n, d, seed, spread, p, sigma):
     gen = torch.Generator().manual_seed(seed)
     g = torch.randn(d, generator=gen, dtype=torch.float64) + spread * torch.randn(
@@ -105,9 +115,16 @@ def test_theorem_7_mechanisms_raise_diversity_when_bound_below_n(n, d, seed, spr
     S, T = float(g.square().sum()), float(g.sum(0).square().sum())
     base = S / T
     R = float((g.norm(dim=1) * g.abs().sum(1)).sum())
-    # The closed forms subtract S from T: their rounding error, relative to Δ, grows like
-    # eps·S/T (a nearly cancelling gradient sum makes T tiny and Δ large).
-    tol = 1e-12 * (1.0 + base)
+    # Rounding, not the theorem, sets the tolerance. The inequalities are tight (equality at
+    # p = 0, σ = 0, or R = S, e.g. d = 1), and where T < S the closed forms' denominators
+    # S + (1−p)(T−S) and T − S + R cancel: a sum of terms of size S that comes out ≈ T. Its
+    # absolute error is a few ulps of S (plus the rounding of S and R themselves, sums of
+    # n·d ≤ 48 terms that may differ by ~48 ulps where they are equal in exact arithmetic), so
+    # its relative error, and the value's, is c·ε·S/T = c·ε·Δ, with c ≤ 2·48 + a few. Hence
+    # tol = 256·ε·(1 + Δ); the largest ratio seen over 60 000 random cases is c ≈ 2.2. Where
+    # ε·Δ approaches 1 (T at the rounding level of S) the closed form has no correct digit left
+    # and the check rightly says nothing.
+    tol = 256 * EPS64 * (1.0 + base)
     for spec in (Mechanism("dropconnect", p=p), Mechanism("sgld", sigma=sigma),
                  Mechanism("quantization")):
         value = diversity_under(spec, S=S, T=T, n=n, d=d, R=R)

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
+import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,12 +56,36 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
         if not torch.cuda.is_available():
             raise BatchboundError("device 'cuda' requested but CUDA is not available")
         return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda":  # cuda:i: fail here, not in torch's first .to(device)
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.index is not None and device.index >= count:
+            raise BatchboundError(f"device {name!r} requested but this machine has "
+                                  f"{count} CUDA device(s)")
+    return device
 
 
 def env_world_size() -> int:
     """WORLD_SIZE from torchrun's environment (1 when not launched by torchrun)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_group(backend: str, **options: Any) -> None:
+    """``dist.init_process_group(backend, **options)``, with the torch modules that capture
+    the default group at import time imported first.
+
+    ``torch.distributed.nn.functional`` declares ``group=group.WORLD`` defaults, which bind
+    whatever group exists when it is imported; ``torch._dynamo`` imports it, and the first
+    ``torch.optim`` optimizer imports ``torch._dynamo``. Imported after the group exists, it
+    keeps the group alive past ``destroy_process_group``: the gloo worker threads then run
+    on into interpreter shutdown, and one that drops its last finished all-reduce there
+    (whose tensor holds a Python object) takes the GIL during finalisation and aborts the
+    process (SIGABRT, "terminate called without an active exception"; a few % of 2-rank
+    runs, docs/torchrun-abort.md). Imported first, the defaults bind None (the default
+    group, looked up at call time)."""
+    import torch.distributed.nn.functional  # noqa: F401  (import order is the point)
+
+    dist.init_process_group(backend=backend, **options)
 
 
 def setup(device: str) -> DistContext:
@@ -70,7 +97,7 @@ def setup(device: str) -> DistContext:
     if not dist.is_initialized() and env_world_size() > 1:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         target = resolve_device(device, local_rank)
-        dist.init_process_group(backend="nccl" if target.type == "cuda" else "gloo")
+        init_group("nccl" if target.type == "cuda" else "gloo")
     if not dist.is_initialized():
         return DistContext(device=resolve_device(device))
     local_rank = int(os.environ.get("LOCAL_RANK", str(dist.get_rank())))
@@ -110,18 +137,40 @@ def all_reduce_sum(buffer: torch.Tensor) -> None:
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
 
 
-def teardown(synchronise: bool = True) -> None:
-    """Leave the process group. With ``synchronise`` (every rank got here normally) a barrier
-    comes first, so no rank closes its gloo connections while a peer still has messages in
-    flight to it, which aborts the peer (SIGABRT, "terminate called without an active
-    exception"). After an error, pass False: a peer may never reach the barrier."""
+def teardown(synchronise: bool = True) -> bool:
+    """Leave the process group; True when it is gone (nothing in Python still holds it).
+
+    With ``synchronise`` (every rank got here normally) a barrier comes first, so that every
+    rank has finished its collectives before any closes its connections. After an error,
+    pass False: a peer may never reach the barrier.
+
+    ``destroy_process_group`` frees the group only when nothing else refers to it. Something
+    that still does (a module imported after ``init_process_group`` that bound it as a
+    default argument: see ``init_group``) keeps its gloo threads running into interpreter
+    shutdown, where they can abort the process; after a normal run that is warned about."""
     if not dist.is_initialized():
-        return
+        return True
+    try:
+        released: weakref.ref[Any] | None = weakref.ref(dist.group.WORLD)
+    except TypeError:  # None, or a group type without weak references: nothing to check
+        released = None
     try:
         if synchronise:
             dist.barrier()
     finally:
         dist.destroy_process_group()
+    if released is None or released() is None:
+        return True
+    if synchronise:  # after an error, the traceback's frames may still hold it: no news
+        warnings.warn(
+            "the torch.distributed process group is still referenced after "
+            "destroy_process_group (a module imported after init_process_group bound it, "
+            "e.g. as a default argument); its threads outlive it and may abort the process "
+            "at exit (docs/torchrun-abort.md)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return False
 
 
 def free_port() -> int:

@@ -23,8 +23,15 @@ import torch.multiprocessing as mp
 
 from batchbound.data import Dataset, apply_transform, load_dataset
 from batchbound.errors import BatchboundError
+from batchbound.lifetime import die_with_parent
 from batchbound.train.config import TrainConfig
-from batchbound.train.distributed import env_world_size, free_port, resolve_device, teardown
+from batchbound.train.distributed import (
+    env_world_size,
+    free_port,
+    init_group,
+    resolve_device,
+    teardown,
+)
 from batchbound.train.loop import train_in_group
 from batchbound.train.result import RunResult
 
@@ -104,6 +111,7 @@ def _worker(
     out: str,
     options: dict[str, Any],
 ) -> None:
+    die_with_parent()  # a rank whose launcher was killed stops at a checkpoint, then exits
     config = TrainConfig.from_dict(config_dict)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -114,11 +122,7 @@ def _worker(
     )
     torch.set_num_threads(threads)
     device = resolve_device(config.device, rank)
-    dist.init_process_group(
-        backend="nccl" if device.type == "cuda" else "gloo",
-        rank=rank,
-        world_size=config.workers,
-    )
+    init_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=config.workers)
     finished = False
     try:
         result = train_in_group(config, dataset=data, **options)
