@@ -649,3 +649,9 @@ def test_report_folder_made_read_only_while_the_report_is_written(
                 r"cannot write the report to .*Permission denied", capsys)
     finally:
         out.chmod(0o700)
+
+
+def test_more_local_workers_than_memory_can_start(capsys):
+    """`train --workers 1000` used to start 1000 processes; it is refused before the first."""
+    refused(["train", "--workers", "1000", "-B", "1000", "--dataset", "digits",
+             "--no-progress"], r"1000 local worker processes need about \d+ GB", capsys)

@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 from batchbound.data import Dataset, apply_transform, load_dataset
 from batchbound.errors import BatchboundError
 from batchbound.lifetime import die_with_parent
+from batchbound.models.registry import memory_bytes
 from batchbound.train.config import TrainConfig
 from batchbound.train.distributed import (
     env_world_size,
@@ -72,6 +73,7 @@ def launch_local(
     checked = apply_transform(data, config.transform, config.seed) if config.transform else data
     config.validate_against(checked)
     resolve_device(config.device)  # a missing CUDA fails here, not in P workers
+    _check_local_workers(config.workers)
     port = free_port()
     threads = max(1, (os.cpu_count() or 1) // config.workers)
     with tempfile.TemporaryDirectory(prefix="batchbound-") as tmp:
@@ -100,6 +102,21 @@ def launch_local(
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         return RunResult.from_json(out.read_text())
+
+
+# What one spawned worker costs before it holds any data: Python with torch imported.
+WORKER_BYTES = 300 * 2**20
+
+
+def _check_local_workers(workers: int) -> None:
+    """Refuse more local processes than this machine's memory can start (each imports
+    torch), before the first one is spawned."""
+    memory = memory_bytes()
+    if memory is not None and workers * WORKER_BYTES > memory:
+        raise BatchboundError(
+            f"{workers} local worker processes need about {workers * WORKER_BYTES / 2**30:.0f} "
+            f"GB (≈{WORKER_BYTES // 2**20} MB each with torch loaded); this machine has "
+            f"{memory / 2**30:.0f} GB: use fewer --workers, or torchrun across machines")
 
 
 def _worker(
