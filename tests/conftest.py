@@ -10,3 +10,9 @@ if SUPPORT not in sys.path:
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (SUPPORT, os.environ.get("PYTHONPATH")) if p
 )
+
+# The test process computes on the kernels every batchbound command pins (batchbound.kernels),
+# before any test computes a tensor, so in-process CLI calls can pin them too.
+from batchbound import kernels  # noqa: E402
+
+kernels.use()

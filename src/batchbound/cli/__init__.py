@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from batchbound import __version__
+from batchbound import __version__, kernels
 from batchbound.errors import BatchboundError
 
 # Subcommand modules, in the order `batchbound --help` lists them.
@@ -49,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
             "Measure gradient diversity Δ(w) and the batch-size bound B = n·Δ(w), train "
             "data-parallel at or under it, and run batch-size studies."
         ),
+        epilog=(
+            "Every command computes on portable CPU kernels, so the same command gives the "
+            "same numbers on any x86-64 processor; set BATCHBOUND_KERNELS=native for the "
+            "processor's fastest kernels (numbers may then differ between machines)."
+        ),
     )
     parser.add_argument("--version", action="version", version=f"batchbound {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -63,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BadArguments:
         return 2
     try:
+        kernels.use()  # before the first tensor: the same numbers on every x86-64 processor
         return int(args.func(args) or 0)
     except BatchboundError as exc:
         print(f"batchbound {args.command}: error: {exc}", file=sys.stderr)

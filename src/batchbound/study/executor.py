@@ -2,12 +2,13 @@
 ``close`` at the end).
 
 ``LocalPool`` runs jobs in a pool of spawned local processes (one per core by default); every
-run, in a pool or inline, computes on one torch thread, so results do not depend on the
-machine's cores or on ``OMP_NUM_THREADS``. ``Inline`` runs them one by one in this process, for
-tests and debugging. ``RayExecutor`` (ray_executor.py) runs each job as a Ray task. Runs are
-independent, and a job carries everything it needs (config fields, checkpoint directory,
-resume flag, the trainer's import name). Executors start their workers on the first
-``submit``, so a runner refused by the store's lock starts nothing.
+run, in a pool or inline, computes on one torch thread and on the kernels that
+``batchbound.kernels`` pins (portable unless $BATCHBOUND_KERNELS says native), so results do
+not depend on the machine's cores, its processor or ``OMP_NUM_THREADS``. ``Inline`` runs them
+one by one in this process, for tests and debugging. ``RayExecutor`` (ray_executor.py) runs
+each job as a Ray task. Runs are independent, and a job carries everything it needs (config
+fields, checkpoint directory, resume flag, the trainer's import name). Executors start their
+workers on the first ``submit``, so a runner refused by the store's lock starts nothing.
 
 Workers die with the runner, whatever ends it: pool workers watch their parent
 (batchbound/lifetime.py) and stop at a checkpoint when it is gone; ``close`` with jobs still
@@ -33,6 +34,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Protocol
 
+from batchbound import kernels
 from batchbound.errors import BatchboundError
 
 STOP_GRACE_SECONDS = 30.0  # a stopped worker's time to write its checkpoint
@@ -82,6 +84,7 @@ def run_job(job: Job) -> Outcome:
     threads = torch.get_num_threads()
     torch.set_num_threads(RUN_THREADS)
     try:
+        kernels.use()  # the kernels asked for ($BATCHBOUND_KERNELS, portable by default)
         result = resolve_trainer(job.trainer)(job.fields, job.checkpoint_dir, job.resume)
         return Outcome(job.key, result, None, time.perf_counter() - start)
     except Exception:  # a crashed run is a result (status failed), not a crashed study

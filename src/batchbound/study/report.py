@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from batchbound import kernels
 from batchbound.errors import BatchboundError
 from batchbound.study import analysis as A
 from batchbound.study.answer import GLOSSARY, answer_table, sentence
@@ -200,7 +201,7 @@ def environment() -> dict[str, str]:
     return {"batchbound": __version__, "python": platform.python_version(),
             "torch": torch.__version__, "numpy": numpy.__version__,
             "pandas": pd.__version__, "platform": platform.platform(), "cpu": cpu,
-            "cores": str(os.cpu_count()), "device": device,
+            "cores": str(os.cpu_count()), "device": device, "kernels": kernels.describe(),
             "generated": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from batchbound import kernels
 from batchbound.data import Dataset, apply_transform, load_dataset
 from batchbound.errors import BatchboundError
 from batchbound.lifetime import die_with_parent
@@ -129,6 +130,7 @@ def _worker(
     options: dict[str, Any],
 ) -> None:
     die_with_parent()  # a rank whose launcher was killed stops at a checkpoint, then exits
+    kernels.use()  # as the launcher asked ($BATCHBOUND_KERNELS, inherited)
     config = TrainConfig.from_dict(config_dict)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",

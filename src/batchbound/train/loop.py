@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from batchbound import kernels
 from batchbound.data import BatchSampler, Dataset, apply_transform, load_dataset
 from batchbound.diversity import PreparedStats, measure
 from batchbound.diversity.losses import resolve_loss
@@ -625,6 +626,7 @@ class Trainer:
                 "backend": self.ctx.backend,
                 "device": str(self.ctx.device),
                 "torch": torch.__version__,
+                "kernels": kernels.describe(),
                 "n_train": self.n,
             },
             snapshots=snapshots,

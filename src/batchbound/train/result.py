@@ -101,13 +101,15 @@ class RunResult:
         return out
 
     def summary(self) -> dict[str, Any]:
-        """What ``batchbound train --json`` prints: status, targets, final metrics, hash."""
+        """What ``batchbound train --json`` prints: status, targets, final metrics, hash, and
+        the kernels it computed with."""
         return {
             "status": self.status,
             "config_hash": self.config_hash,
             "targets": [t.to_dict() for t in self.targets],
             "final": {k: _json_float(v) for k, v in self.final.items()},
             "message": self.message,
+            "kernels": self.environment.get("kernels"),
         }
 
     def to_json(self, **kwargs: Any) -> str:
