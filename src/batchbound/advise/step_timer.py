@@ -25,10 +25,12 @@ WARMUP = 3
 
 
 def main(argv: list[str]) -> None:
+    from batchbound import kernels
     from batchbound.train.config import TrainConfig
     from batchbound.train.distributed import setup, teardown
     from batchbound.train.loop import Trainer
 
+    kernels.use()  # the kernels the timed training will run on ($BATCHBOUND_KERNELS)
     config_path, out, threads, repeats, *sizes = argv
     torch.set_num_threads(int(threads))
     config = TrainConfig.from_dict(json.loads(Path(config_path).read_text()))
