@@ -15,6 +15,7 @@ from batchbound.data import load_dataset
 from batchbound.diversity import ENGINES, LOSS_NAMES, measure
 from batchbound.models import build_model, count_parameters, model_shape
 from batchbound.models.layers import check_task
+from batchbound.models.user import untagged_shape
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -73,13 +74,14 @@ def measure_one(spec: str, dataset: Any, args: argparse.Namespace) -> dict[str, 
         progress=sys.stderr.isatty(),
     )
     shape = model_shape(model)
+    depth, width = (shape.depth, shape.width) if shape else untagged_shape(model)
     return {
         "model": spec,
         "dataset": args.dataset,
         "seed": args.seed,
         "params": count_parameters(model),
-        "depth": shape.depth if shape else None,
-        "width": shape.width if shape else None,
+        "depth": depth,
+        "width": width,
         **report.to_dict(),
     }
 

@@ -15,8 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchbound.errors import BatchboundError
 from batchbound.models.layers import ModelShape
 from batchbound.models.registry import build_model, count_parameters
+from batchbound.models.user import is_user_spec, untagged_shape
 from batchbound.spec import Spec, parse_spec
 
 
@@ -76,11 +78,14 @@ def model_shape(model: nn.Module) -> ModelShape | None:
 def describe_model(
     spec: str | Spec, input_shape: Sequence[int], num_outputs: int
 ) -> ModelDescription:
-    parsed = parse_spec(spec) if isinstance(spec, str) else spec
+    user = is_user_spec(spec)
+    parsed = None if user else parse_spec(spec) if isinstance(spec, str) else spec
     with torch.device("meta"):
-        model = build_model(parsed, input_shape, num_outputs)
+        model = build_model(str(spec) if user else parsed, input_shape, num_outputs)
     shape = model_shape(model)
-    assert shape is not None, f"family {parsed.name!r} did not tag its model"
+    if shape is None:  # a user's module, or a family that does not tag: read it off
+        depth, width = untagged_shape(model)
+        shape = ModelShape(family=str(spec), resolved=str(spec), depth=depth, width=width)
     rows: list[LayerRow] = []
     handles = []
     for name, module in model.named_modules():
@@ -96,15 +101,14 @@ def describe_model(
     model.eval()
     try:
         with torch.no_grad():
-            dtype = torch.long if shape.tokens else torch.get_default_dtype()
-            model(torch.zeros(2, *input_shape, device="meta", dtype=dtype))
+            _dummy_forward(model, input_shape, shape.tokens, user)
     finally:
         for handle in handles:
             handle.remove()
     weight_layers = sum(isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d)) for m in model.modules())
     return ModelDescription(
-        family=parsed.name,
-        spec=str(parsed),
+        family=shape.family,
+        spec=str(spec if parsed is None else parsed),
         resolved=shape.resolved,
         input_shape=list(input_shape),
         num_outputs=num_outputs,
@@ -115,3 +119,22 @@ def describe_model(
         weight_layers=weight_layers,
         layers=rows,
     )
+
+
+def _dummy_forward(model: nn.Module, input_shape: Sequence[int], tokens: bool,
+                   user: bool) -> None:
+    """Two examples of zeros through ``model``: int64 token ids for token models; a user's
+    model says nothing, so float features first and token ids when those fail."""
+    kinds = [torch.long] if tokens else [torch.get_default_dtype()]
+    if user:
+        kinds = [torch.get_default_dtype(), torch.long]
+    for kind in kinds:
+        try:
+            model(torch.zeros(2, *input_shape, device="meta", dtype=kind))
+            return
+        except Exception as exc:
+            if kind is kinds[-1]:
+                if not user:
+                    raise
+                raise BatchboundError(f"model {model.__class__.__name__} does not run on a "
+                                      f"batch of shape {(2, *input_shape)}: {exc}") from exc

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from batchbound.errors import BatchboundError
+from batchbound.models.user import build_user_model, is_user_spec
 from batchbound.spec import Spec, parse_spec
 
 Builder = Callable[..., nn.Module]
@@ -50,7 +51,15 @@ def build_model(
     num_outputs: int,
     seed: int | None = None,
 ) -> nn.Module:
-    """Build a model from its spec. With ``seed``, initialisation is reproducible."""
+    """Build a model from its spec: a family's (``fc(depth=2)``) or a user's factory
+    (``mymodels:small_cnn``, see user.py). With ``seed``, initialisation is reproducible."""
+    if is_user_spec(spec):
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            model = build_user_model(str(spec), input_shape, num_outputs, seed)
+        check_fits(spec, model)
+        return model
     parsed = parse_spec(spec) if isinstance(spec, str) else spec
     builder = get_family(parsed.name)
     options = [p for p in inspect.signature(builder).parameters

@@ -268,8 +268,9 @@ class TrainConfig:
         return parse_batch_policy(self.batch_policy)
 
     # ---- checks that need the data ---------------------------------------------------------
-    def validate_against(self, dataset: Any) -> None:
-        """Raise BatchboundError if this config cannot run on ``dataset`` (a Dataset)."""
+    def validate_against(self, dataset: Any, model_given: bool = False) -> None:
+        """Raise BatchboundError if this config cannot run on ``dataset`` (a Dataset).
+        ``model_given``: the caller trains a module of its own, not ``self.model``."""
         n = dataset.n_train
         if self.batch_size > n:
             raise BatchboundError(
@@ -307,7 +308,13 @@ class TrainConfig:
 
         from batchbound.models import build_model, check_fits, model_shape
         from batchbound.models.layers import check_task
+        from batchbound.models.user import is_user_spec, load_factory
 
+        if model_given:
+            return
+        if is_user_spec(self.model):  # a user's factory may not build on the meta device:
+            load_factory(self.model)  # it must import; the trainer's real build checks the rest
+            return
         with torch.device("meta"):
             model = build_model(self.model, dataset.input_shape, dataset.num_outputs)
         check_task(model_shape(model), dataset.task, dataset.name)

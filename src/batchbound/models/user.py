@@ -1,0 +1,92 @@
+"""A user's own model, named ``MODULE:CALLABLE`` (the convention of ``uvicorn app:app``).
+
+``mymodels:small_cnn`` imports ``mymodels`` from the current directory or PYTHONPATH and calls
+``small_cnn`` with whichever of ``input_shape``, ``num_outputs`` and ``seed`` its signature
+names (or with nothing). This imports and runs the user's own code, by intent: it is how a
+person brings their model to ``measure``, ``train`` and ``advise``. Data files never name a
+module; only a model spec given on the command line, in a config or from Python does.
+
+A user's model carries no family shape record; ``untagged_shape`` reads depth and width off
+its weight layers, as ``batchbound measure`` describes any module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from batchbound.errors import BatchboundError
+
+USER_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+ARGUMENTS = ("input_shape", "num_outputs", "seed")
+
+
+def is_user_spec(spec: object) -> bool:
+    """Whether ``spec`` names a user's factory (``module:callable``) rather than a family."""
+    return isinstance(spec, str) and USER_SPEC.fullmatch(spec.strip()) is not None
+
+
+def load_factory(spec: str) -> Any:
+    """The callable ``spec`` names, imported with the current directory on the path."""
+    module_name, _, attribute = spec.strip().partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: the user's folder first
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            raise BatchboundError(
+                f"model {spec}: no module {exc.name!r} in the current directory "
+                f"({os.getcwd()}) or on PYTHONPATH") from None
+        raise BatchboundError(f"model {spec}: importing {module_name} failed: {exc}") from exc
+    except Exception as exc:  # the user's module raised while importing
+        raise BatchboundError(
+            f"model {spec}: importing {module_name} raised {type(exc).__name__}: {exc}"
+        ) from exc
+    factory = getattr(module, attribute, None)
+    if factory is None or not callable(factory):
+        raise BatchboundError(f"model {spec}: {module_name} has no callable {attribute!r}")
+    return factory
+
+
+def build_user_model(spec: str, input_shape: Sequence[int], num_outputs: int,
+                     seed: int | None) -> nn.Module:
+    """Call the factory with the arguments its signature names; it must return a Module."""
+    factory = load_factory(spec)
+    given = {"input_shape": tuple(input_shape), "num_outputs": num_outputs, "seed": seed}
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    kwargs = {name: given[name] for name in ARGUMENTS if name in parameters}
+    try:
+        model = factory(**kwargs)
+    except Exception as exc:
+        raise BatchboundError(f"model {spec}: calling it with {sorted(kwargs) or 'nothing'} "
+                              f"raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(model, nn.Module):
+        raise BatchboundError(f"model {spec} returned a {type(model).__name__}, not a "
+                              "torch.nn.Module")
+    return model
+
+
+def weight_layers(model: nn.Module) -> list[nn.Module]:
+    """Linear and convolution modules, in registration order."""
+    kinds = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    return [m for m in model.modules() if isinstance(m, kinds)]
+
+
+def untagged_shape(model: nn.Module) -> tuple[int, int]:
+    """(depth, width) of any module: weight layers − 1, and the widest output of all but the
+    last weight layer (0 for a single layer)."""
+    layers = weight_layers(model)
+    widths = [getattr(m, "out_features", None) or getattr(m, "out_channels", 0)
+              for m in layers[:-1]]
+    return max(len(layers) - 1, 0), max(widths, default=0)

@@ -1,0 +1,95 @@
+"""A user's own model on the command line: ``--model MODULE:CALLABLE`` for measure, train,
+models describe and advise, imported from the current directory as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MODELS = '''
+import torch
+from torch import nn
+
+
+class SmallCNN(nn.Module):
+    """Written the way a user writes one: 8x8 digits as flat vectors, a conv, a head."""
+
+    def __init__(self, classes):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 6, 3, padding=1)
+        self.head = nn.Linear(6 * 4 * 4, classes)
+
+    def forward(self, x):
+        h = torch.relu(self.conv(x.view(-1, 1, 8, 8)))
+        return self.head(torch.max_pool2d(h, 2).flatten(1))
+
+
+def small_cnn(num_outputs):
+    return SmallCNN(num_outputs)
+
+
+def seeded(input_shape, num_outputs, seed):
+    torch.manual_seed(1000 + seed)
+    return nn.Sequential(nn.Linear(input_shape[0], 16), nn.Tanh(), nn.Linear(16, num_outputs))
+
+
+def no_arguments():
+    return nn.Sequential(nn.Linear(64, 10))
+
+
+def not_a_module():
+    return 3
+
+
+def raises():
+    raise ValueError("no GPU here")
+'''
+
+
+def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "batchbound", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture()
+def home(tmp_path: Path) -> Path:
+    (tmp_path / "mymodels.py").write_text(MODELS)
+    return tmp_path
+
+
+def test_measure_train_and_describe_take_a_factory_from_the_current_directory(home):
+    done = run(["measure", "--dataset", "digits", "--model", "mymodels:small_cnn", "--json"],
+               home)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["params"] == 6 * 9 + 6 + 96 * 10 + 10 and report["depth"] == 1
+    assert report["batch_bound"] > 1 and report["fallback_parameters"] == []
+    done = run(["train", "--dataset", "digits", "--model", "mymodels:seeded", "-B", "32",
+                "--lr", "0.1", "--max-epochs", "1", "--workers", "2", "--json"], home)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["status"] == "complete"
+    done = run(["models", "describe", "mymodels:no_arguments", "--dataset", "digits"], home)
+    assert done.returncode == 0 and "Linear" in done.stdout, done.stderr
+
+
+def test_the_seed_reaches_the_factory_and_fixes_the_initialisation(home):
+    outs = [run(["measure", "--dataset", "digits", "--model", "mymodels:seeded", "--seed", s,
+                 "--json"], home).stdout for s in ("0", "0", "1")]
+    values = [json.loads(o)["S"] for o in outs]
+    assert values[0] == values[1] != values[2]
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("nomodule:f", "no module 'nomodule'"),
+    ("mymodels:missing", "has no callable 'missing'"),
+    ("mymodels:not_a_module", "returned a int, not a torch.nn.Module"),
+    ("mymodels:raises", "raised ValueError: no GPU here"),
+])
+def test_a_bad_factory_is_one_line_and_exit_2(home, spec, words):
+    done = run(["measure", "--dataset", "digits", "--model", spec], home)
+    assert done.returncode == 2
+    assert words in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
