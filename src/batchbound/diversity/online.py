@@ -93,6 +93,7 @@ class OnlineDiversity:
             )
         self.n, self.decay, self.sampling = n, decay, sampling
         self.steps = 0
+        self.last: tuple[float, float] | None = None
         # Weighted sums over steps (EMA or equal weights): Σw, Σw², and Σw·x for
         # x in M2, C, M2², C², M2·C; the second moments give the standard error.
         self._sums = dict.fromkeys(_SUMS, 0.0)
@@ -105,6 +106,7 @@ class OnlineDiversity:
         if not (math.isfinite(m2) and math.isfinite(cross)):
             raise BatchboundError(f"non-finite diversity estimates: M2={m2}, C={cross}")
         self.steps += 1
+        self.last = (m2, cross)  # the raw step, for callers that keep their own windows
         keep = 1.0 - 1.0 / self.steps if self.decay is None else self.decay
         new = {"w": 1.0, "m": m2, "c": cross, "mm": m2 * m2, "cc": cross * cross,
                "mc": m2 * cross}
