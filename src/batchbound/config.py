@@ -10,6 +10,8 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
+import stat
 import sys
 import types
 import typing
@@ -48,24 +50,83 @@ def config_hash(obj: Any, length: int = 16) -> str:
     return hashlib.sha256(canonical_json(obj).encode()).hexdigest()[:length]
 
 
+# A config, a study spec or a cluster file is a few kilobytes of tables a person wrote.
+MAX_FILE_BYTES = 1 << 20
+MAX_NESTING = 32  # tables and arrays inside each other
+
+
 def load_toml(path: str | Path, what: str = "file") -> dict[str, Any]:
-    """The tables of a TOML file; a missing, unreadable or malformed file raises
-    BatchboundError naming ``what`` it is and the reason, never a raw OSError."""
+    """The tables of a TOML file; a missing, unreadable, malformed, oversized or too deeply
+    nested file, or one that is not a regular file (a FIFO, a device), raises BatchboundError
+    naming ``what`` it is and the reason, never a raw OSError, a hang or a RecursionError."""
+    text = read_small_file(path, what)
     try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
-    except IsADirectoryError:
-        raise BatchboundError(f"{what} {path} is a directory, not a file") from None
-    except FileNotFoundError:
-        raise BatchboundError(f"{what} {path} does not exist") from None
-    except OSError as exc:
-        raise BatchboundError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+        data = tomllib.loads(text.decode())
     except UnicodeDecodeError:
         raise BatchboundError(f"{what} {path} is not valid TOML: not UTF-8 text") from None
     except tomllib.TOMLDecodeError as exc:
         raise BatchboundError(f"{what} {path} is not valid TOML: {exc}") from None
-    except ValueError:  # open() refuses a path with a NUL byte
+    except RecursionError:
+        data = None
+    if data is None or _nesting(data) > MAX_NESTING:
+        raise BatchboundError(f"{what} {path} nests tables or arrays more than {MAX_NESTING} "
+                              "deep")
+    return data
+
+
+def read_small_file(path: str | Path, what: str, limit: int = MAX_FILE_BYTES) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes. Opened without blocking and
+    checked before reading, so a FIFO cannot hang the reader and /dev/zero cannot fill its
+    memory."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise BatchboundError(f"{what} {path} does not exist") from None
+    except OSError as exc:
+        raise BatchboundError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    except ValueError:  # a path with a NUL byte
         raise BatchboundError(f"{what} path {str(path)!r} contains a NUL byte") from None
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise BatchboundError(f"{what} {path} is a directory, not a file")
+        if not stat.S_ISREG(info.st_mode):
+            raise BatchboundError(f"{what} {path} is not a regular file (a "
+                                  f"{_file_kind(info.st_mode)}); give a file")
+        data = b""
+        if info.st_size <= limit:
+            with os.fdopen(os.dup(fd), "rb") as fh:
+                data = fh.read(limit + 1)
+        if info.st_size > limit or len(data) > limit:
+            raise BatchboundError(f"{what} {path} is larger than {limit // 1024} KiB "
+                                  f"({max(info.st_size, len(data)):,} bytes); a {what} is a "
+                                  "few kilobytes")
+        return data
+    except OSError as exc:
+        raise BatchboundError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"),
+             (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"))
+    return next((name for test, name in kinds if test(mode)), "special file")
+
+
+def _nesting(value: Any) -> int:
+    """How deep tables and arrays nest in parsed TOML (iteratively: no recursion limit)."""
+    deepest, todo = 0, [(value, 0)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, depth + 1)
+            if deepest > MAX_NESTING:
+                break
+            todo.extend((child, depth + 1) for child in item)
+    return deepest
 
 
 def dump_toml(data: dict[str, Any], path: str | Path) -> None:
@@ -83,6 +144,9 @@ def check_types(obj: Any, fail: Callable[[str, str], Exception]) -> None:
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if not _fits(value, hints[f.name]):
+            if _int(value) and not _int64(value):
+                raise fail(f.name, f"{value} does not fit in a 64-bit integer (at most "
+                           f"{INT64_MAX}), which the store and torch's generators use")
             raise fail(f.name, f"expected {_expected(hints[f.name])}, got {value!r}")
 
 
@@ -106,11 +170,22 @@ def _fits(value: Any, hint: Any) -> bool:
     if hint is bool:
         return isinstance(value, bool)
     if hint is int:  # True is an int to Python, never a count to a user
-        return isinstance(value, int) and not isinstance(value, bool)
+        return _int(value) and _int64(value)
     if hint is float:  # ints are numbers too; inf and NaN are never a setting
         return (isinstance(value, (int, float)) and not isinstance(value, bool)
                 and math.isfinite(value))
     return isinstance(value, hint)
+
+
+INT64_MAX = 2**63 - 1  # SQLite's integers, and torch's seeds
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int64(value: int) -> bool:
+    return -INT64_MAX - 1 <= value <= INT64_MAX
 
 
 _NAMES = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -654,4 +655,125 @@ def test_report_folder_made_read_only_while_the_report_is_written(
 def test_more_local_workers_than_memory_can_start(capsys):
     """`train --workers 1000` used to start 1000 processes; it is refused before the first."""
     refused(["train", "--workers", "1000", "-B", "1000", "--dataset", "digits",
-             "--no-progress"], r"1000 local worker processes need about \d+ GB", capsys)
+             "--no-progress"], r"1000 local worker processes need about [\d.]+ GB", capsys)
+
+
+# ------------------------------- 11. files and numbers that hung, recursed or overflowed
+
+DEEP_ARRAY = "a = " + "[" * 5000 + "]" * 5000 + "\n"  # RecursionError in the parser
+DEEP_KEYS = "a" + ".a" * 5000 + " = 1\n"  # parsed flat, nested 5000 deep after
+DEEP_TABLES = "x = " + "{a = " * 40 + "1" + "}" * 40 + "\n"
+
+
+def _special(tmp_path: Path, kind: str) -> str:
+    if kind == "fifo":  # opening one for reading waited for a writer forever
+        os.mkfifo(tmp_path / "fifo.toml")
+        return str(tmp_path / "fifo.toml")
+    if kind == "huge":
+        (tmp_path / "huge.toml").write_bytes(b"# padding\n" * 200_000)
+        return str(tmp_path / "huge.toml")
+    if kind.startswith("deep"):
+        text = {"deep array": DEEP_ARRAY, "deep keys": DEEP_KEYS, "deep tables": DEEP_TABLES}
+        (tmp_path / "deep.toml").write_text(text[kind])
+        return str(tmp_path / "deep.toml")
+    return "/dev/zero"  # read until memory ran out
+
+
+FILES = {
+    "fifo": r"is not a regular file \(a FIFO\); give a file",
+    "zero": r"/dev/zero is not a regular file \(a character device\)",
+    "huge": r"is larger than 1024 KiB \(2,000,000 bytes\)",
+    "deep array": r"nests tables or arrays more than 32 deep",
+    "deep keys": r"nests tables or arrays more than 32 deep",
+    "deep tables": r"nests tables or arrays more than 32 deep",
+}
+
+
+@pytest.mark.parametrize("kind", list(FILES))
+@pytest.mark.parametrize("command, what", [
+    (["train", "--config"], "config file"),
+    (["study", "plan"], "study spec"),
+    (["study", "run"], "study spec"),
+])
+def test_files_that_are_not_small_flat_regular_files(kind: str, command: list[str], what: str,
+                                                     tmp_path: Path, no_work,
+                                                     capsys) -> None:
+    path = _special(tmp_path, kind)
+    started = time.perf_counter()
+    refused([*command, path], rf"{what} .*{FILES[kind]}", capsys)
+    assert time.perf_counter() - started < 5  # refused fast, before any work
+
+
+@pytest.mark.parametrize("kind", list(FILES))
+def test_cluster_files_too(kind: str, tmp_path: Path) -> None:
+    """advise's cluster file goes through the same loader (called directly: advise's other
+    checks come first on its command line)."""
+    from batchbound.advise.timing import load_cluster
+    from batchbound.errors import BatchboundError
+
+    with pytest.raises(BatchboundError, match=rf"cluster file .*{FILES[kind]}"):
+        load_cluster(_special(tmp_path, kind))
+
+
+def test_a_fifo_config_does_not_hang_the_command(tmp_path: Path) -> None:
+    """As its own process: a FIFO opened for reading used to block in open() forever."""
+    refused_subprocess(["train", "--config", _special(tmp_path, "fifo")],
+                       r"is not a regular file \(a FIFO\)", timeout=60)
+
+
+INT64_MAX = 2**63 - 1
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["train", "--seed", str(INT64_MAX + 1), *QUICK],
+     r"seed: 9223372036854775808 does not fit in a 64-bit integer"),
+    (["train", "--seed", str(-(2**63) - 1), *QUICK], r"seed: .* does not fit in a 64-bit"),
+    (["train", "--max-iterations", str(2**64), "--no-progress"],
+     r"max_iterations: 18446744073709551616 does not fit in a 64-bit integer"),
+])
+def test_integers_beyond_64_bits(argv: list[str], match: str, no_work, capsys) -> None:
+    refused(argv, match, capsys)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"train.seed": str(INT64_MAX + 1)},
+     r"\[train\] seed: 9223372036854775808 does not fit in a 64-bit integer"),
+    ({"train.seed": str(INT64_MAX), "train.repeats": "2"},
+     r"\[train\] seed: seeds 9223372036854775807 to 9223372036854775808 do not fit"),
+    ({"train.repeats": "1000000000"},
+     r"plans 2,000,000,000 runs \(0 tuning \+ 2,000,000,000 final: 2 grid cells × "
+     r"1,000,000,000 repeats\); a study holds at most 100,000"),
+    ({"lr.grid": "[" + ", ".join(f"{i + 1}e-3" for i in range(400)) + "]",
+      "lr.tuning": '"lowest_loss_2_epochs"', "batches.sizes": "[" + ", ".join(
+          str(b) for b in range(1, 301)) + "]"},
+     r"plans 120,300 runs \(120,000 tuning \+ 300 final"),
+])
+def test_studies_too_big_to_plan(changes: dict, match: str, tmp_path: Path, no_work,
+                                 capsys) -> None:
+    started = time.perf_counter()
+    for command in ("plan", "run"):
+        refused(["study", command, spec_file(tmp_path, changes)], match, capsys)
+    assert time.perf_counter() - started < 5  # refused from the spec, nothing planned
+
+
+def test_a_seed_at_the_end_of_int64_trains(tmp_path: Path) -> None:
+    """The largest seed is accepted and trains (with a mechanism and a probe, whose
+    generators derive their own seeds from it): it used to overflow at run time."""
+    from batchbound.cli import main
+
+    assert main(["train", "--seed", str(INT64_MAX), "--mechanism", "dropconnect(p=0.1)",
+                 "--final-probes", "linear_error", "--output", str(tmp_path / "r.json"),
+                 *QUICK]) == 0
+
+
+def test_workers_are_checked_against_available_memory(monkeypatch, capsys) -> None:
+    """Memory that other jobs already use cannot start workers: the check reads what is
+    available now, not the machine's total."""
+    from batchbound.train import launch
+
+    monkeypatch.setattr(launch, "available_memory_bytes", lambda: 2**30)  # 1 GB free
+    refused(["train", "--workers", "4", "-B", "64", "--dataset", "digits", "--no-progress"],
+            r"4 local worker processes need about 1.2 GB .* 1.0 GB available now", capsys)
+    available = launch.available_memory_bytes()
+    assert available is not None and 0 < available <= os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+        "SC_PHYS_PAGES")

@@ -105,15 +105,53 @@ def test_a_stopped_run_resumes(tmp_path, spec):
     assert not (tmp_path / "s-checkpoints" / stopped[0]).exists()
 
 
-def test_a_second_runner_on_the_same_store_is_refused(tmp_path, spec, capsys):
+def _same_store(store: Path, how: str) -> Path:
+    """Another name for the store file: itself, a symlink, a hard link, or the path through a
+    symlinked folder (as a second mount path of one file system would be)."""
+    if how == "same path":
+        return store
+    other = store.parent / "other"
+    other.mkdir()
+    if how == "symlink":
+        (other / "link.sqlite").symlink_to(store)
+        return other / "link.sqlite"
+    if how == "hard link":
+        os.link(store, other / "hard.sqlite")
+        return other / "hard.sqlite"
+    (other / "folder").symlink_to(store.parent, target_is_directory=True)
+    return other / "folder" / store.name
+
+
+@pytest.mark.parametrize("how", ["same path", "symlink", "hard link", "symlinked folder"])
+def test_a_second_runner_on_the_same_store_is_refused(tmp_path, spec, capsys, how):
     store = tmp_path / "s.sqlite"
-    with Store(store) as held, held.exclusive():
-        line = refused(["study", "run", str(spec), "--store", str(store), "--jobs", "0",
+    with Store(store, exclusive=True):
+        name = _same_store(store, how)
+        line = refused(["study", "run", str(spec), "--store", str(name), "--jobs", "0",
                         "--trainer", TRAINER, "--no-progress"],
-                       r"in use by another `study run` \(pid \d+\)", capsys)
-    assert str(store) in line
+                       rf"in use by another `study run` \(pid {os.getpid()} on \S+\)", capsys)
+    assert str(name) in line
     with Store(store) as s:  # the refused runner touched nothing
         assert s.db.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 0
+
+
+def test_two_runners_under_two_names_execute_each_run_once(tmp_path, spec):
+    """Two `study run`s started together on one store under a hard link: one runs, the other
+    is refused; every run is executed once and recorded once."""
+    store, log = tmp_path / "s.sqlite", tmp_path / "log"
+    Store(store).close()
+    os.link(store, tmp_path / "hard.sqlite")
+    first = start_study(spec, store, log, sleep=0.2, jobs=1)
+    wait_for(lambda: log_entries(log), first)
+    second = start_study(spec, tmp_path / "hard.sqlite", log, sleep=0.2, jobs=1)
+    _, err = second.communicate(timeout=120)
+    assert second.returncode == 2 and "in use by another `study run`" in err.decode()
+    finish(first)
+    keys = [key for key, _ in log_entries(log)]
+    assert len(keys) == len(set(keys)) == 4
+    with Store(store) as s:
+        assert s.db.execute("SELECT status, COUNT(*) FROM runs GROUP BY status").fetchall() \
+            == [("complete", 4)]
 
 
 def test_the_lock_dies_with_its_holder(tmp_path, spec):
@@ -122,8 +160,7 @@ def test_the_lock_dies_with_its_holder(tmp_path, spec):
     wait_for(lambda: log_entries(log), proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=30)
-    with Store(store) as s, s.exclusive():  # free again: nothing to clean up by hand
-        pass
+    Store(store, exclusive=True).close()  # free again: nothing to clean up by hand
 
 
 # ---------------------------------------------- stores SQLite cannot use: one line, exit 2

@@ -9,9 +9,9 @@ The runner is a state machine over runs, and its rules live in ``RunStates`` alo
 A run left ``running`` by a runner that died, and a ``stopped`` run (its worker was sent
 SIGTERM or SIGINT: the trainer checkpointed and returned), are resumed from their checkpoint by
 the next ``study run``; ``failed`` runs are retried (from a checkpoint when they left one).
-Only finished runs lose their checkpoint. One runner at a time per store: a second one is
-refused (``Store.exclusive``), so no run executes twice. The executor's workers die with the
-runner whatever kills it (executor.py).
+Only finished runs lose their checkpoint. One runner at a time per store, under any of its
+names: a second one is refused (``Store(path, exclusive=True)``), so no run executes twice.
+The executor's workers die with the runner whatever kills it (executor.py).
 
 A cell's final runs are submitted as soon as that cell's tuning runs are in, so the workers
 stay busy across the two phases. With ``tensorboard=DIR`` every finished run is also written to
@@ -286,7 +286,7 @@ def run_study(spec: StudySpec, store_path: str | Path, jobs: int | None = None, 
     clock = time.perf_counter()
     store_path = Path(store_path)
     board = None if tensorboard is None else _TensorBoardRuns(tensorboard)
-    with Store(store_path) as store, store.exclusive():  # refused before any planning
+    with Store(store_path, exclusive=True) as store:  # refused before any planning
         plan = make_plan(spec)
         if on_plan is not None:
             on_plan(plan)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchbound.config import check_types, load_toml, to_plain
+from batchbound.config import INT64_MAX, check_types, load_toml, to_plain
 from batchbound.errors import BatchboundError
 from batchbound.spec import parse_spec
 from batchbound.train.config import TrainConfig
@@ -31,6 +31,9 @@ STRATEGIES = ("blr", "lsr", "srsr")
 TUNE_AT = ("each_batch", "base_batch")
 TARGET_METRICS = ("train_acc", "test_acc", "train_loss", "test_loss")
 
+
+# A plan is built in memory before any run starts: bigger sweeps are split into studies.
+MAX_RUNS = 100_000
 
 # A study's name is a folder (runs/<name>/): one path component, never '.', '..' or hidden.
 STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -182,6 +185,9 @@ class TrainSpec:
             raise _fail("train", "workers", f"must be >= 1, got {self.workers!r}")
         if self.repeats < 1:
             raise _fail("train", "repeats", f"must be >= 1, got {self.repeats!r}")
+        if self.seed + self.repeats - 1 > INT64_MAX:
+            raise _fail("train", "seed", f"seeds {self.seed} to {self.seed + self.repeats - 1} "
+                        f"do not fit in a 64-bit integer (at most {INT64_MAX})")
         if not self.mechanisms:
             raise _fail("train", "mechanisms", "need at least one, e.g. ['none']")
         self._check_with_trainer()
@@ -246,6 +252,28 @@ class StudySpec:
             raise _fail("batches", "sizes", "repeated batch size")
         if list(sizes) != sorted(sizes):
             raise _fail("batches", "sizes", "list them in increasing order")
+        tuning, final = self.run_count()
+        if tuning + final > MAX_RUNS:
+            raise BatchboundError(
+                f"study spec plans {tuning + final:,} runs ({tuning:,} tuning + {final:,} "
+                f"final: {self.cell_count():,} grid cells × {self.train.repeats:,} repeats); "
+                f"a study holds at most {MAX_RUNS:,}: fewer repeats, batch sizes, models or "
+                "step sizes, or split it into several studies")
+
+    def cell_count(self) -> int:
+        """Data sets × models × strategies × batch sizes × mechanisms."""
+        models = len(self.models.specs) or len(self.models.depths)
+        return (len(self.data) * models * len(self.lr.strategies) * len(self.batch_sizes)
+                * len(self.train.mechanisms))
+
+    def run_count(self) -> tuple[int, int]:
+        """(tuning runs, final runs) the plan will hold, counted without building it (a
+        final that repeats a tuning run's config is counted twice: an upper bound)."""
+        cells, lr = self.cell_count(), self.lr
+        tuned = cells // len(self.batch_sizes) if lr.tune_at == "base_batch" else cells
+        tuning = 0 if lr.tuning == "none" else tuned * len(lr.grid) * min(
+            lr.tune_seeds, self.train.repeats)
+        return tuning, cells * self.train.repeats
 
     def to_dict(self) -> dict[str, Any]:
         return to_plain(self)

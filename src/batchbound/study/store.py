@@ -17,10 +17,10 @@ import fcntl
 import json
 import math
 import os
+import socket
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -127,25 +127,86 @@ def snapshot_rows(snapshots: Any) -> list[tuple[float, bytes]]:
 class Store:
     """A study results database. Use as a context manager or call ``close()``."""
 
-    def __init__(self, path: str | Path, *, readonly: bool = False) -> None:
+    def __init__(self, path: str | Path, *, readonly: bool = False,
+                 exclusive: bool = False) -> None:
         """Open (or create) the store at ``path``; ``readonly`` opens an existing one for
-        reading only (reports, exports), which also works on read-only files and folders."""
+        reading only (reports, exports), which also works on read-only files and folders.
+        ``exclusive`` holds it for one runner until ``close()`` (see ``_hold``)."""
         self.path = Path(path)
         self.readonly = readonly
+        self._held: int | None = None  # the locked descriptor of the database file
+        if exclusive:
+            self._hold()
         try:
             self.db = self._connect()
             self._check_schema()
         except sqlite3.DatabaseError as exc:
+            self._release()
             raise BatchboundError(_explain(self.path, exc, readonly)) from None
+        except BaseException:
+            self._release()
+            raise
+        if exclusive:
+            with self.transaction():  # who holds it, for the runner that is refused
+                self.db.execute("INSERT OR REPLACE INTO meta VALUES ('runner', ?)",
+                                (f"pid {os.getpid()} on {socket.gethostname()}",))
+            # into the database file itself: SQLite keeps one write-ahead log per name, and
+            # a runner refused under a hard link reads the file without this name's log
+            self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    def _hold(self) -> None:
+        """One runner per store: an advisory ``flock`` on the database file itself, taken
+        before SQLite opens it and dropped by the kernel when the holder dies, however it
+        dies. It follows the file, not its name, so a store reached through a symlink, a
+        hard link or another mount path is the same store, and a second runner on it is
+        refused before it reads or writes anything (two would execute the same runs)."""
+        if self.path.is_dir():
+            raise BatchboundError(f"store {self.path} is a directory; give a file path "
+                                  "(for example runs/study.sqlite)")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:  # an empty file is a new SQLite database
+            fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise BatchboundError(f"cannot open the store {self.path}: "
+                                  f"{exc.strerror or exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise BatchboundError(
+                f"store {self.path} is in use by another `study run` ({self._holder()}); one "
+                "runner per store, so that no run executes twice: wait for it, or stop it (a "
+                "rerun resumes)") from None
+        self._held = fd
+
+    def _holder(self) -> str:
+        """The runner holding the store, as it wrote itself into ``meta``."""
+        try:
+            with Store(self.path, readonly=True) as peek:
+                row = peek.db.execute("SELECT value FROM meta WHERE key='runner'").fetchone()
+        except (BatchboundError, sqlite3.Error):
+            row = None
+        return row[0] if row else "a process that has not said who it is yet"
+
+    def _release(self) -> None:
+        """Drop the lock. The descriptor is closed only after SQLite's own: closing any
+        descriptor of a file drops this process's POSIX locks on it, which are SQLite's."""
+        if self._held is not None:
+            fcntl.flock(self._held, fcntl.LOCK_UN)
+            os.close(self._held)
+            self._held = None
 
     def _connect(self) -> sqlite3.Connection:
         if self.path.is_dir():
             raise BatchboundError(f"store {self.path} is a directory; give a file path "
                                   "(for example runs/study.sqlite)")
+        # SQLite names its write-ahead log after the path it is given: every symlink to one
+        # store must give the same one
+        real = self.path.resolve()
         if self.readonly:
             if not self.path.is_file():
                 raise BatchboundError(f"no store at {self.path}")
-            uri = self.path.absolute().as_uri()
+            uri = real.as_uri()
             try:
                 db = sqlite3.connect(f"{uri}?mode=ro", uri=True, isolation_level=None)
                 db.execute("SELECT count(*) FROM sqlite_master").fetchone()
@@ -153,7 +214,7 @@ class Store:
                 db = sqlite3.connect(f"{uri}?immutable=1", uri=True, isolation_level=None)
             return db
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(self.path, isolation_level=None, timeout=60)
+        db = sqlite3.connect(real, isolation_level=None, timeout=60)
         self._refuse_foreign(db)  # never add our tables to someone else's database
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
@@ -182,35 +243,9 @@ class Store:
             raise BatchboundError(f"store {self.path} has {found}; this batchbound reads "
                                   f"schema {SCHEMA_VERSION}")
 
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """Hold the store for one runner: a second ``study run`` on the same store is refused
-        (both would execute the same runs). The lock is an advisory ``flock`` on
-        ``<store>.lock``; the kernel drops it when the holder dies, however it dies."""
-        lock_path = self.path.with_name(self.path.name + ".lock")
-        try:
-            handle = lock_path.open("a+")
-        except OSError as exc:
-            raise BatchboundError(f"cannot create the store's lock file {lock_path}: "
-                                  f"{exc.strerror}") from None
-        with handle:  # closing it releases the lock
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                handle.seek(0)
-                holder = handle.read().strip() or "unknown"
-                raise BatchboundError(
-                    f"store {self.path} is in use by another `study run` (pid {holder}); one "
-                    "runner per store, so that no run executes twice: wait for it, or stop "
-                    "it (a rerun resumes)") from None
-            handle.seek(0)
-            handle.truncate()
-            handle.write(str(os.getpid()))
-            handle.flush()
-            yield
-
     def close(self) -> None:
         self.db.close()
+        self._release()
 
     def __enter__(self) -> Store:
         return self

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from batchbound.diversity.mechanisms import Mechanism, parse_mechanism
 from batchbound.errors import BatchboundError
-from batchbound.train.mechanisms import apply_to_worker
+from batchbound.train.mechanisms import apply_to_worker, worker_seed
 
 
 @dataclass
@@ -56,7 +56,7 @@ def mechanism_hook_state(
                               "process group (call init_process_group first)")
     rank = dist.get_rank(process_group)
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed * 1_000_003 + 7919 * (rank + 1))
+    generator.manual_seed(worker_seed(seed, rank))
     return MechanismHookState(parse_mechanism(mechanism), generator, process_group)
 
 

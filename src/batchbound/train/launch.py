@@ -25,7 +25,6 @@ from batchbound import kernels
 from batchbound.data import Dataset, apply_transform, load_dataset
 from batchbound.errors import BatchboundError
 from batchbound.lifetime import die_with_parent
-from batchbound.models.registry import memory_bytes
 from batchbound.train.config import TrainConfig
 from batchbound.train.distributed import (
     env_world_size,
@@ -110,14 +109,33 @@ WORKER_BYTES = 300 * 2**20
 
 
 def _check_local_workers(workers: int) -> None:
-    """Refuse more local processes than this machine's memory can start (each imports
-    torch), before the first one is spawned."""
-    memory = memory_bytes()
+    """Refuse more local processes than the memory free now can start (each imports
+    torch), before the first one is spawned: total memory says nothing on a machine other
+    jobs already fill."""
+    memory = available_memory_bytes()
     if memory is not None and workers * WORKER_BYTES > memory:
         raise BatchboundError(
-            f"{workers} local worker processes need about {workers * WORKER_BYTES / 2**30:.0f} "
+            f"{workers} local worker processes need about {workers * WORKER_BYTES / 2**30:.1f} "
             f"GB (≈{WORKER_BYTES // 2**20} MB each with torch loaded); this machine has "
-            f"{memory / 2**30:.0f} GB: use fewer --workers, or torchrun across machines")
+            f"{memory / 2**30:.1f} GB available now: use fewer --workers, or torchrun across "
+            "machines")
+
+
+def available_memory_bytes() -> int | None:
+    """Memory that can be allocated now without swapping: the kernel's MemAvailable, or
+    what is left under this container's limit when that is less; None when unknown."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        available = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024
+    except (OSError, IndexError, ValueError):
+        return None
+    try:
+        cgroup = Path("/sys/fs/cgroup")
+        limit = (cgroup / "memory.max").read_text().strip()
+        used = int((cgroup / "memory.current").read_text())
+    except (OSError, ValueError):
+        return available
+    return min(available, int(limit) - used) if limit.isdigit() else available
 
 
 def _worker(

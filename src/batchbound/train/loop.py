@@ -45,7 +45,7 @@ from batchbound.train.distributed import (
     teardown,
 )
 from batchbound.train.evaluate import evaluate
-from batchbound.train.mechanisms import apply_to_worker, example_gradients
+from batchbound.train.mechanisms import apply_to_worker, example_gradients, worker_seed
 from batchbound.train.monitor import OnlineMonitor
 from batchbound.train.progress import Progress
 from batchbound.train.result import RunResult, TargetResult
@@ -154,7 +154,7 @@ class Trainer:
         )
         # mechanism draws differ per rank (independent workers) and are checkpointed
         self.generator = torch.Generator(device=ctx.device)
-        self.generator.manual_seed(config.seed * 1_000_003 + 7919 * (ctx.rank + 1))
+        self.generator.manual_seed(worker_seed(config.seed, ctx.rank))
         self.monitor = OnlineMonitor(config.online_diversity, self.n, ctx, config.sampling,
                                      config.micro_batch)
         self.prepared_stats: PreparedStats | None = None  # made on the first monitored step

@@ -39,7 +39,16 @@ from batchbound.diversity.mechanisms import Mechanism, apply_mechanism, parse_me
 
 GRANULARITIES = ("example", "worker")
 
-__all__ = ["GRANULARITIES", "Mechanism", "apply_to_worker", "example_gradients", "parse_mechanism"]
+__all__ = ["GRANULARITIES", "Mechanism", "apply_to_worker", "example_gradients", "parse_mechanism",
+           "worker_seed"]
+
+
+def worker_seed(seed: int, rank: int) -> int:
+    """The seed of rank ``rank``'s mechanism draws (independent workers): reduced modulo
+    2^64 only when it would not fit torch's generator, so every int64 run seed works and
+    the usual seeds keep their draws."""
+    value = seed * 1_000_003 + 7919 * (rank + 1)
+    return value if -(2**63) <= value < 2**64 else value % 2**64
 
 
 def apply_to_worker(

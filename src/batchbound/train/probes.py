@@ -117,7 +117,7 @@ def probe_batches(n: int, batch_size: int, seed: int,
                   count: int = LINEAR_ERROR_BATCHES) -> list[Tensor]:
     """The probe's mini-batches: ``count`` draws of ``batch_size`` distinct indices out of n,
     from a CPU generator seeded by the run's seed (the same on every rank and every rerun)."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + _PROBE_SEED)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + _PROBE_SEED) % 2**64)
     return [torch.randperm(n, generator=gen)[:batch_size] for _ in range(count)]
 
 
