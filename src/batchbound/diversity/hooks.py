@@ -11,7 +11,10 @@ parameter whether the rules give its per-example gradients exactly:
    axis at all when the call's output is broadcast over the examples by an addition (a
    position embedding ``wpe(arange(T))``, whose per-example gradients are then read off the
    addition's output gradient);
-3. the rule does not decline the call's configuration.
+3. the call's rows are not chosen or moved by the data on this chunk (``rows.py``): a
+   forward that routes tokens to experts, unpads tokens or puts rows back by an index
+   computed from the examples has its affected calls refused, whatever their sizes;
+4. the rule does not decline the call's configuration.
 
 Backward pre-hooks on each call's output nodes hand the output gradients to the rule as
 soon as autograd computes them. A parameter used by one call gets that call's squared
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +51,7 @@ from batchbound.diversity.graph import (
     walk,
 )
 from batchbound.diversity.losses import PerExampleLoss, check_losses
+from batchbound.diversity.rows import RowTracker
 from batchbound.diversity.rules import (
     Call,
     PerExampleGrad,
@@ -177,11 +182,13 @@ class HooksPass:
         self._deferred: list[CallRecord] = []
         self._broadcasts: dict[tuple[str, int], _Broadcast] = {}
         self._handles: list[RemovableHandle] = []
+        self.rows: RowTracker | None = None  # set by ``forward`` (or by watch around its own)
 
     # -------------------------------------------------------------------- phases
 
     def forward(self, model: nn.Module, *args: Any) -> Any:
-        with self.recorder, self.recorder.recording():
+        self.rows = RowTracker(args) if self.layout is not None else None
+        with self.recorder, self.recorder.recording(), self.rows or nullcontext():
             return model(*args)
 
     def attach(self, roots: Sequence[Node], outputs: Sequence[Node] = ()) -> None:
@@ -197,8 +204,12 @@ class HooksPass:
                 self.reasons[name] = LOSS_USE
         owners: defaultdict[Node, list[CallRecord]] = defaultdict(list)
         why: dict[tuple[str, int], str] = {}
+        feeding = self.rows.feeding_moves() if self.rows is not None else set()
         for call in self.recorder.calls:
             reason = self._call_reason(call, users)
+            if reason is None and any(o.node in feeding for o in call.outputs):
+                reason = (f"its output's rows are then moved by the data (by "
+                          f"{self.rows.moved_by}), so they stop being the examples' own")
             if reason:
                 why[call.key] = reason
             outputs = [o.node for o in call.outputs]
@@ -267,6 +278,9 @@ class HooksPass:
         x, entry, n = call.main_input, call.entry, self.n
         if not isinstance(x, Tensor):
             return f"its argument {call.main!r} is a {type(x).__name__}, not a tensor"
+        if self.rows is not None and self.rows.reads_marked(list(call.inputs.values())):
+            return (f"its input's rows are chosen by the data (by {self.rows.moved_by}), so "
+                    "which example each row belongs to changes from chunk to chunk")
         if entry.example_axis is None and layout.axis is None:
             return self._find_broadcast(call, users)
         axis = layout.axis if entry.example_axis is None else entry.example_axis(call.module)

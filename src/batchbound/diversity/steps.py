@@ -29,6 +29,7 @@ from batchbound.diversity.losses import resolve_loss
 from batchbound.diversity.online import OnlineDiversity
 from batchbound.diversity.prepared import PreparedStats, describe
 from batchbound.diversity.probe import probe_layout, self_check, tolerance
+from batchbound.diversity.rows import RowTracker
 from batchbound.diversity.stats import check_model_mode, trainable_parameters
 from batchbound.errors import BatchboundError
 
@@ -160,6 +161,7 @@ class _Watched:
         self.run: HooksPass | None = None
         self.calls = 0
         self._inside = False  # the probe's own calls of the model
+        self._rows: RowTracker | None = None  # active during the model's forward
         self._handles: list[RemovableHandle] = []
 
     def __enter__(self) -> _Watched:
@@ -177,6 +179,7 @@ class _Watched:
     ) -> None:
         for handle in self._handles:
             handle.remove()
+        self._stop_rows()  # the model's forward raised before its end
         if self.run is not None:
             self.run.recorder.__exit__(None, None, None)
             if exc_type is not None:
@@ -206,6 +209,8 @@ class _Watched:
         self.run = HooksPass(self.plan, self.params, layout, int(x.shape[0]), fingerprint=True)
         self.run.recorder.__enter__()
         self.run.recorder.start()
+        self._rows = self.run.rows = RowTracker((args, kwargs))
+        self._rows.__enter__()
 
     def _check(self, x: Tensor, layout: Layout) -> None:
         """Once per model: the rules beside the per-example loop on a few examples, with a
@@ -222,9 +227,15 @@ class _Watched:
     def _after(self, model: nn.Module, args: tuple, output: Any) -> None:
         if self._inside or self.run is None:
             return
+        self._stop_rows()
         self.run.recorder.stop()
         roots = [t.grad_fn for t in flatten(output) if isinstance(t, Tensor) and t.grad_fn]
         self.run.attach(roots)
+
+    def _stop_rows(self) -> None:
+        if self._rows is not None:
+            self._rows.__exit__(None, None, None)
+            self._rows = None
 
     def finish(self) -> HooksPass | None:
         if self.run is not None:

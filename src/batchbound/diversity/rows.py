@@ -1,0 +1,134 @@
+"""Which example each row belongs to: rows selected or moved by the data, on every chunk.
+
+A layer rule reads row r of its call (along the example axis) as example r. The probe
+(``probe.py``) shows that the axis follows the batch size; it cannot show that the rows stay
+in example order when the forward pass chooses them from the data: tokens routed to an
+expert (``flat[where(route == e)]``), unpadded tokens (``fc(x[mask])``), rows put back with
+``out[idx] = ...``. Such a selection may hold exactly n rows on some chunk by coincidence.
+
+So the hooks forward runs under ``RowTracker``, a dispatch mode that sees every ATen
+operation and marks the tensors whose rows may belong to other examples than their
+position says. An operation *moves rows* when
+
+- torch tags it ``dynamic_output_shape`` (its output's size depends on the data: boolean
+  masks, ``nonzero``, ``unique``, ``masked_select``, ``repeat_interleave`` by a tensor), or
+- it is not pointwise and reads an integer or boolean tensor computed from the examples'
+  floating-point values or drawn at random (``argmax``, ``topk``'s indices, ``h > 0``,
+  ``randperm``) beside a tensor of such values: it uses data as positions into that tensor
+  (``index_select``, ``gather``, ``index_put``, ``scatter``, an embedding of data-chosen
+  indices), where a pointwise ``where`` or ``masked_fill`` only masks.
+
+Its outputs are marked, and so is everything computed from a marked tensor afterwards. The
+hooks engine refuses every call that reads a marked tensor, and every call whose output
+reaches (through the autograd graph) an operation that moves rows. Integer inputs of the
+model and what is computed from them alone, from shapes (``arange``) or from buffers are not
+such data: token ids and position ids index embeddings freely, a padding mask from the ids or
+a causal ``tril`` of a buffer chooses nothing. A sort
+of the examples themselves by value (``h.sort(dim=0)``) reorders rows without any index; it
+makes an example's loss depend on the others, which the first chunk's check against the
+per-example loop refuses. Nothing here is a list of models or layers: it follows torch's own
+tags, dtypes and the data flow of the chunk at hand.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from batchbound.diversity.graph import Node, is_accumulator
+
+_INDEX_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
+                           torch.int64})
+_KINDS: dict[Any, tuple[bool, bool, bool]] = {}  # op -> (dynamic shape, pointwise, random)
+
+
+def _kind(func: Any) -> tuple[bool, bool, bool]:
+    kind = _KINDS.get(func)
+    if kind is None:
+        tags = set(getattr(func, "tags", ()))
+        kind = _KINDS[func] = (torch.Tag.dynamic_output_shape in tags,
+                               torch.Tag.pointwise in tags,
+                               torch.Tag.nondeterministic_seeded in tags)
+    return kind
+
+
+def _tensors(values: Any, into: list[Tensor]) -> list[Tensor]:
+    for value in values:
+        if isinstance(value, Tensor):
+            into.append(value)
+        elif isinstance(value, (tuple, list)):
+            _tensors(value, into)
+    return into
+
+
+class RowTracker(TorchDispatchMode):
+    """See the module docstring. ``inputs``: the model's arguments (the examples);
+    ``moved_by``: the first row-moving operation, by name."""
+
+    def __init__(self, inputs: Any = ()) -> None:
+        super().__init__()
+        self.values: WeakIdKeyDictionary = WeakIdKeyDictionary()  # from examples' values
+        self.positions: WeakIdKeyDictionary = WeakIdKeyDictionary()  # indices from values
+        self.marked: WeakIdKeyDictionary = WeakIdKeyDictionary()  # rows may be moved
+        self.sources: list[Node] = []  # autograd nodes of what row-moving operations read
+        self.moved_by: str | None = None
+        for t in _tensors(inputs if isinstance(inputs, (tuple, list)) else (inputs,), []):
+            if t.is_floating_point():
+                self.values[t] = True
+
+    def _valued(self, t: Tensor) -> bool:
+        """Computed from the examples' floating-point values or from the weights."""
+        return t in self.values or (t.is_leaf and t.requires_grad)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = _tensors(kwargs.values(), _tensors(args, []))
+        outputs = _tensors(out if isinstance(out, (tuple, list)) else (out,), [])
+        dynamic, pointwise, random = _kind(func)
+        positions = [t in self.positions for t in inputs]
+        valued = [self._valued(t) for t in inputs]
+        moves = dynamic or (not pointwise and any(positions) and any(
+            v and not p for p, v in zip(positions, valued, strict=True)))
+        if moves:
+            self.moved_by = self.moved_by or str(func.overloadpacket.__name__)
+            self.sources.extend(t.grad_fn for t in inputs if t.grad_fn is not None)
+        if moves or any(self.is_marked(t) for t in inputs):
+            for t in outputs:
+                self._mark(t)
+        chosen = random or any(positions) or any(
+            v and t.is_floating_point() for t, v in zip(inputs, valued, strict=True))
+        if any(valued) or chosen:
+            for t in outputs:
+                self.values[t] = True
+                if chosen and t.dtype in _INDEX_DTYPES:
+                    self.positions[t] = True
+        return out
+
+    def _mark(self, t: Tensor) -> None:
+        self.marked[t] = True
+        if t._base is not None:  # a write through a view moves the base's rows too
+            self.marked[t._base] = True
+
+    def is_marked(self, t: Tensor) -> bool:
+        return t in self.marked or (t._base is not None and t._base in self.marked)
+
+    def reads_marked(self, values: Any) -> bool:
+        return any(self.is_marked(t) for t in _tensors(values, []))
+
+    def feeding_moves(self) -> set[Node]:
+        """Every autograd node upstream of what a row-moving operation read."""
+        seen: set[Node] = set()
+        stack = list(self.sources)
+        while stack:
+            node = stack.pop()
+            if node in seen or is_accumulator(node):
+                continue
+            seen.add(node)
+            stack.extend(child for child, _ in node.next_functions if child is not None)
+        return seen
