@@ -29,8 +29,9 @@ from batchbound.diversity.engines import (
 )
 from batchbound.diversity.graph import loss_users
 from batchbound.diversity.hooks import HookPlan, Layout, hooks_stats, output_nodes, plan_hooks
-from batchbound.diversity.losses import PerExampleLoss, check_finite, check_losses, resolve_loss
+from batchbound.diversity.losses import PerExampleLoss, check_losses, resolve_loss
 from batchbound.diversity.probe import (
+    COUPLED,
     INTERACTING,
     buffers_kept,
     check_rows,
@@ -137,8 +138,6 @@ class PreparedStats:
             if self.checked is None and any(m.training for m in self.model.modules()):
                 self._checked(self_check(self.model, x, y, self.loss_fn, self.plan,
                                          self.params, self.layout, self.plan.static_reasons()))
-            if self.checked and all(r == INTERACTING for r in self.checked.values()):
-                return self._whole_model_fallback(x, y, offset)
             return self._hooks(x, y, offset)
 
     def _probe(self, x: Tensor, y: Tensor, offset: int) -> None:
@@ -151,6 +150,8 @@ class PreparedStats:
             raise
 
     def _checked(self, reasons: dict[str, str]) -> None:
+        if INTERACTING in reasons.values():
+            raise BatchboundError(COUPLED)  # not cached: the model may be fixed and rerun
         self.checked = reasons
         assert self.layout is not None
         assert self.plan is not None
@@ -235,16 +236,6 @@ class PreparedStats:
                 f"{', '.join(sorted(wrong))} (a parameter reached outside its module's "
                 "attributes, through a closure or a plain list?)")
         self._vmap_checked = True
-
-    def _whole_model_fallback(self, x: Tensor, y: Tensor, offset: int) -> PerExampleStats:
-        """Examples that interact in a batch: each example's loss and gradient on its own."""
-        start = time.perf_counter()
-        names = list(self.params)
-        loop_only = loss_uses_parameters(self.model, x, y, self.loss_fn, self.params)
-        sq, sums, losses = self._fallback(x, y, names, offset, loop_only)
-        check_finite(losses, offset)
-        self._warn(self.checked, time.perf_counter() - start, None)
-        return PerExampleStats(losses, sq, sums, tuple(names))
 
     def _warn(self, reasons: dict[str, str], seconds: float, others: float | None) -> None:
         """Once per set of reasons: which parameters, why, by what, and at what cost."""

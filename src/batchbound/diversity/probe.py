@@ -43,7 +43,16 @@ from batchbound.diversity.stats import eval_mode, gradients
 PROBE_SIZES = (2, 3)
 INTERACTING = (
     "the examples interact within a batch (an example's loss changes with the other examples "
-    "in its batch), so one backward pass over a batch does not give per-example gradients"
+    "in its batch)"
+)
+COUPLED = (
+    INTERACTING + ": a statistic of the batch in the forward pass (h - h.mean(0), batch "
+    "normalisation in train mode) or a loss over the whole batch (a contrastive InfoNCE or "
+    "CLIP loss) couples them, so per-example gradients g_i = ∇f_i, and with them S, T and "
+    "Δ = S/T, are not defined. Ways out: for a statistic in the forward, running statistics "
+    "(measure in eval mode, as for BatchNorm); for a loss over the batch, the noise scale "
+    "without per-example gradients, from the gradients of separate batches "
+    "(OnlineDiversity.update_from_gradients, DiversityCallback, gns_hook)"
 )
 
 

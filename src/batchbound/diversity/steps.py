@@ -28,7 +28,13 @@ from batchbound.diversity.hooks import (
 from batchbound.diversity.losses import resolve_loss
 from batchbound.diversity.online import OnlineDiversity
 from batchbound.diversity.prepared import PreparedStats, describe
-from batchbound.diversity.probe import probe_layout, self_check, tolerance
+from batchbound.diversity.probe import (
+    COUPLED,
+    INTERACTING,
+    probe_layout,
+    self_check,
+    tolerance,
+)
 from batchbound.diversity.rows import RowTracker
 from batchbound.diversity.stats import check_model_mode, trainable_parameters
 from batchbound.errors import BatchboundError
@@ -219,6 +225,8 @@ class _Watched:
         y = torch.zeros(x.shape[0], device=x.device)
         reasons = self_check(self.model, x, y, _stand_in_loss, self.plan, self.params, layout,
                              self.plan.static_reasons())
+        if INTERACTING in reasons.values():
+            raise BatchboundError(f"watch(): {COUPLED}")
         if reasons:
             raise BatchboundError(f"watch() cannot compute these parameters' per-example "
                                   f"gradients exactly: {describe(reasons)}. Use "
