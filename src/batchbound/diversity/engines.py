@@ -21,7 +21,12 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from batchbound.diversity.losses import PerExampleLoss, check_finite, check_losses
-from batchbound.diversity.stats import PerExampleStats, gradients, trainable_parameters
+from batchbound.diversity.stats import (
+    PerExampleStats,
+    gradients,
+    norm_dtype,
+    trainable_parameters,
+)
 from batchbound.errors import BatchboundError
 
 # Per-example gradients held at once by vmap: examples × parameters ≤ this many numbers.
@@ -50,9 +55,10 @@ def loop_sq_norms(
     params = dict(model.named_parameters())
     tensors = [params[name] for name in names]
     n = x.shape[0]
-    sq_norms = {name: p.new_zeros(n) for name, p in zip(names, tensors, strict=True)}
-    grad_sum = {name: torch.zeros_like(p) for name, p in zip(names, tensors, strict=True)
-                } if sums else {}
+    sq_norms = {name: p.new_zeros(n, dtype=norm_dtype(p.dtype))
+                for name, p in zip(names, tensors, strict=True)}
+    grad_sum = {name: torch.zeros_like(p, dtype=norm_dtype(p.dtype))
+                for name, p in zip(names, tensors, strict=True)} if sums else {}
     losses = []
     for i in range(n):
         value = loss_fn(model(x[i : i + 1]), y[i : i + 1])
@@ -156,16 +162,17 @@ def vmap_sq_norms(
     chosen = {name: params[name].detach() for name in names}
     per_example = _per_example_fn(model, loss_fn, names)
     n = x.shape[0]
-    sq_norms = {name: p.new_zeros(n) for name, p in chosen.items()}
-    grad_sum = {name: torch.zeros_like(p) for name, p in chosen.items()}
+    sq_norms = {name: p.new_zeros(n, dtype=norm_dtype(p.dtype)) for name, p in chosen.items()}
+    grad_sum = {name: torch.zeros_like(p, dtype=norm_dtype(p.dtype)) for name, p in chosen.items()}
     losses = x.new_zeros(n, dtype=next(iter(chosen.values())).dtype)
     for part in _sub_chunks(n, sum(p.numel() for p in chosen.values())):
         with _dense_embeddings(model), _torch_func_errors():
             grads, values = per_example(chosen, x[part], y[part])
         losses[part] = values
         for name, g in grads.items():
-            sq_norms[name][part] = g.reshape(g.shape[0], -1).square().sum(dim=1)
-            grad_sum[name] += g.sum(dim=0)
+            sq_norms[name][part] = torch.linalg.vector_norm(
+                g.reshape(g.shape[0], -1), dim=1, dtype=sq_norms[name].dtype).square()
+            grad_sum[name] += g.sum(dim=0, dtype=grad_sum[name].dtype)
     return sq_norms, grad_sum, losses
 
 

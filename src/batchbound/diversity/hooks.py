@@ -60,7 +60,12 @@ from batchbound.diversity.rules import (
     project,
     rule_for,
 )
-from batchbound.diversity.stats import gradients, trainable_parameters
+from batchbound.diversity.stats import (
+    LOW_PRECISION,
+    gradients,
+    norm_dtype,
+    trainable_parameters,
+)
 from batchbound.errors import BatchboundError
 
 LOSS_USE = ("used by the loss function itself, outside the model's forward (only the "
@@ -259,7 +264,8 @@ class HooksPass:
         self._pending.clear()
         for name, p in self.params.items():
             if name not in self.reasons and name not in self.sq_norms:
-                self.sq_norms[name] = p.new_zeros(self.n)  # no use of it reached the loss
+                # no use of it reached the loss
+                self.sq_norms[name] = p.new_zeros(self.n, dtype=norm_dtype(p.dtype))
                 self.unused.add(name)
 
     def close(self) -> None:
@@ -366,6 +372,9 @@ class HooksPass:
             elif layout.axis:
                 inputs[main] = x.movedim(layout.axis, 0)
                 grads = [g.movedim(layout.axis, 0) for g in grads]
+        if self._dtype(call) in LOW_PRECISION:  # the rules compute norms in float32
+            inputs = {k: _widened(v) for k, v in inputs.items()}
+            grads = [_widened(g) for g in grads]
         forms = entry.rule(Call(call.module, inputs, grads, main))
         claims = self.plan.claims[call.prefix]
         for local, form in forms.items():
@@ -434,6 +443,15 @@ class HooksPass:
 
     def _device(self, call: CallRecord) -> torch.device:
         return next(iter(self.params.values())).device
+
+
+def _widened(value: Any) -> Any:
+    """Float16 and bfloat16 tensors in ``value`` (and in its tuples and lists) as float32."""
+    if isinstance(value, Tensor):
+        return value.float() if value.dtype in LOW_PRECISION else value
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        return type(value)(_widened(item) for item in value)
+    return value
 
 
 def _probe_vectors(p: Tensor) -> tuple[Tensor, Tensor]:

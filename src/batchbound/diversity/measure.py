@@ -8,8 +8,10 @@ every module's mode is restored afterwards; ``.grad`` fields are never touched.
 from __future__ import annotations
 
 import copy
+import math
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -24,7 +26,13 @@ from batchbound.diversity.distributed import all_reduce_sum, world_size
 from batchbound.diversity.losses import PerExampleLoss, loss_name, resolve_loss
 from batchbound.diversity.prepared import PreparedStats
 from batchbound.diversity.report import DiversityReport
-from batchbound.diversity.stats import ENGINES, eval_mode, trainable_parameters
+from batchbound.diversity.stats import (
+    ENGINES,
+    LOW_PRECISION,
+    eval_mode,
+    norm_dtype,
+    trainable_parameters,
+)
 from batchbound.errors import BatchboundError
 
 Data = Dataset | TorchDataset | DataLoader | tuple[Tensor, Tensor]
@@ -135,6 +143,16 @@ def measure(
     with measuring(model, dtype) as work:
         totals = _accumulate(work, chunks, n_known, loss_fn, engine, progress)
     dtype = _model_dtype(work)
+    extra: dict[str, object] = {"loss_name": loss_name(loss_fn), "fallback_parameters": []}
+    if dtype in LOW_PRECISION:
+        name = str(dtype).removeprefix("torch.")
+        extra["precision"] = (f"{name} gradients (unit roundoff {torch.finfo(dtype).eps / 2:.1e}), "
+                              "norms and sums accumulated in float32 and float64")
+        warnings.warn(
+            f"batchbound: the model computes in {name}, so its per-example gradients carry "
+            f"{name} rounding and S, T and Δ hold about {_digits(dtype)} significant digits "
+            "(norms and sums are accumulated in float32 and float64); dtype=torch.float64 "
+            "measures a float64 copy", stacklevel=2)
     names = list(trainable_parameters(work))
     count, loss_sum, per_param, grad_sum, fallback = totals
     reduced = all_reduce_sum([count, loss_sum, *per_param, *grad_sum])
@@ -153,8 +171,13 @@ def measure(
         engine=engine,
         dtype=str(dtype).removeprefix("torch."),
         world_size=world_size(),
-        extra={"loss_name": loss_name(loss_fn), "fallback_parameters": fallback},
+        extra={**extra, "fallback_parameters": fallback},
     )
+
+
+def _digits(dtype: torch.dtype) -> int:
+    """Significant decimal digits of a floating dtype's mantissa (bfloat16: 2, float16: 3)."""
+    return int(-math.log10(torch.finfo(dtype).eps))
 
 
 def _accumulate(
@@ -168,7 +191,8 @@ def _accumulate(
     """Sums over this rank's chunks, in float64 on the model's device: (n, Σ loss, per-parameter
     S, per-parameter Σg), and the parameters an exact fallback handled.
 
-    The gradient sum is gathered in the model's own dtype over blocks of ``BLOCK`` chunks
+    The gradient sum is gathered in the model's own dtype (float32 for float16 and bfloat16)
+    over blocks of ``BLOCK`` chunks
     (no less precise than one chunk of that many examples) and each block is added into
     float64: converting every chunk's gradient to float64 cost 5 % of a forward+backward."""
     from tqdm.auto import tqdm
@@ -179,7 +203,7 @@ def _accumulate(
     device, dtype, acc = first.device, first.dtype, torch.float64
     per_param = torch.zeros(len(params), dtype=acc, device=device)
     grad_sum = [torch.zeros(p.shape, dtype=acc, device=device) for p in params.values()]
-    block = [torch.zeros_like(p) for p in params.values()]
+    block = [torch.zeros_like(p, dtype=norm_dtype(p.dtype)) for p in params.values()]
     loss_sum = torch.zeros((), dtype=acc, device=device)
     seen, fallback, chunks_in_block = 0, set(), 0
     with tqdm(total=n_known, unit="ex", file=sys.stderr, disable=not progress, leave=False) as bar:

@@ -47,6 +47,7 @@ from batchbound.diversity.stats import (
     check_chunk,
     check_model_mode,
     gradients,
+    norm_dtype,
     trainable_parameters,
 )
 from batchbound.errors import BatchboundError
@@ -272,7 +273,8 @@ class PreparedStats:
             p = self.params[name]
             g = torch.zeros_like(p) if g is None else g.to_dense() if g.is_sparse else g
             grad_sum[name] = g
-            sq_norms[name] = g.square().sum().reshape(1)
+            norm = torch.linalg.vector_norm(g, dtype=norm_dtype(g.dtype))
+            sq_norms[name] = norm.square().reshape(1)
         return PerExampleStats(losses.detach(), sq_norms, grad_sum)
 
 

@@ -24,6 +24,13 @@ from torch import Tensor, nn
 from batchbound.errors import BatchboundError
 
 ENGINES = ("auto", "hooks", "vmap", "loop")
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What per-example norms and sums are computed in: float32 for a float16 or bfloat16
+    model (whose own gradients carry that rounding), the model's dtype otherwise."""
+    return torch.float32 if dtype in LOW_PRECISION else dtype
 
 
 @dataclass

@@ -66,7 +66,8 @@ def _unsupported(call: Call, n: int) -> str | None:
 def attention_rule(call: Call) -> dict[str, PerExampleGrad]:
     m, n, axis = call.module, call.input.shape[_batch_axis(call.module)], _batch_axis(call.module)
     names = _params(m)
-    params = {k: v.detach() for k, v in m.named_parameters() if k in names}
+    dtype = call.input.dtype  # float32 for a low-precision model: see hooks.HooksPass._run
+    params = {k: v.detach().to(dtype) for k, v in m.named_parameters() if k in names}
     options = {k: call.inputs[k] for k in _OPTIONS if k in call.inputs}
     mask = call.inputs.get("attn_mask")
     shared_mask = mask if not (isinstance(mask, Tensor) and mask.dim() == 3) else None

@@ -67,9 +67,9 @@ def _initial(call: Call, n: int, dtype: torch.dtype, device: torch.device) -> tu
 
 
 def _linear(x: Tensor, m: nn.Module, kind: str, suffix: str) -> Tensor:
-    out = x @ getattr(m, f"weight_{kind}{suffix}").detach().T
+    out = x @ getattr(m, f"weight_{kind}{suffix}").detach().to(x.dtype).T
     if m.bias:
-        out = out + getattr(m, f"bias_{kind}{suffix}").detach()
+        out = out + getattr(m, f"bias_{kind}{suffix}").detach().to(x.dtype)
     return out
 
 
@@ -102,7 +102,7 @@ def _step(m: nn.Module, d: _Direction, t: int, h: Tensor, c: Tensor) -> tuple[Te
         h = torch.sigmoid(o) * torch.tanh(c)
         if m.proj_size:
             d.m.append(h)
-            h = h @ getattr(m, f"weight_hr{d.suffix}").detach().T
+            h = h @ getattr(m, f"weight_hr{d.suffix}").detach().to(h.dtype).T
             d.h_proj.append(h)
         return h, c
     pre = gi + gh
