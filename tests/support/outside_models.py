@@ -8,6 +8,13 @@
 - ``LSTMLanguageModel``: a batch-first character LSTM LM.
 - ``MaskedEncoderClassifier``: nn.TransformerEncoder given a key padding mask.
 - ``resnet``: torchvision's BasicBlock and Bottleneck with downsample shortcuts.
+- ``SwitchMoE``: Switch Transformer's top-1 routing of tokens into ``nn.Linear`` experts, and
+  ``ExpertChoiceMoE``, where each expert picks its top tokens (an expert holds exactly n rows
+  when the context equals the number of experts).
+- ``UnpaddedTokenMLP`` (``fc(x[mask])``) and ``UnpaddingEncoder`` (Hugging Face's
+  ``unpad_input``: ``nonzero`` of the attention mask, the tokens gathered, padded back).
+- ``BatchCentered`` (``h - h.mean(0)`` in the forward) and ``ContrastiveTowers`` with
+  ``info_nce``, a CLIP loss over the batch: examples that interact.
 """
 
 from __future__ import annotations
@@ -261,3 +268,127 @@ def resnet(block: str = "basic") -> ResNet:
         for _ in range(3):
             model(torch.randn(8, 3, 16, 16))
     return model.eval()
+
+
+# ---------------------------------------------------------------- data-dependent rows
+
+
+class SwitchMoE(nn.Module):
+    """Switch Transformer's layer: every token goes to its top-1 expert, scaled by the gate."""
+
+    def __init__(self, d: int = 8, hidden: int = 16, experts: int = 4, classes: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, hidden)
+        self.router = nn.Linear(hidden, experts)
+        self.experts = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(experts))
+        self.out = nn.Linear(hidden, classes)
+
+    def forward(self, x: Tensor) -> Tensor:  # (n, T, d)
+        h = self.inp(x)
+        n, t, width = h.shape
+        flat = h.reshape(-1, width)
+        gate, route = self.router(flat).softmax(-1).max(-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            idx = torch.where(route == e)[0]
+            out[idx] = expert(flat[idx]) * gate[idx, None]
+        return self.out(out.reshape(n, t, width).mean(1))
+
+
+class ExpertChoiceMoE(nn.Module):
+    """Expert-choice routing: expert e takes its top n·T/E tokens (index_select, index_add)."""
+
+    def __init__(self, d: int = 6, experts: int = 3, classes: int = 3) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, experts)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(experts))
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: Tensor) -> Tensor:  # (n, T, d)
+        n, t, d = x.shape
+        flat = x.reshape(-1, d)
+        scores = self.router(flat).softmax(-1)
+        capacity = n * t // len(self.experts)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            weight, idx = scores[:, e].topk(capacity)
+            out = out.index_add(0, idx, expert(flat.index_select(0, idx)) * weight[:, None])
+        return self.head(out.reshape(n, t, d).sum(1))
+
+
+class UnpaddedTokenMLP(nn.Module):
+    """A token MLP on the real tokens only (all-zero rows are padding), scattered back."""
+
+    def __init__(self, d: int = 6, hidden: int = 10, classes: int = 3) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: Tensor) -> Tensor:  # (n, T, d)
+        mask = x.abs().sum(-1) > 0
+        tokens = torch.tanh(self.fc(x[mask]))
+        out = x.new_zeros(*mask.shape, tokens.shape[-1])
+        out[mask] = tokens
+        return self.head(out.sum(1))
+
+
+class UnpaddingEncoder(nn.Module):
+    """Hugging Face's unpad_input / pad_input around a token layer, by the ids' padding."""
+
+    def __init__(self, vocab: int = 20, d: int = 8, classes: int = 3) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.fc = nn.Linear(d, d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        n, t = ids.shape
+        indices = torch.nonzero((ids != 0).flatten(), as_tuple=False).flatten()
+        h = torch.relu(self.fc(self.emb(ids).reshape(n * t, -1)[indices]))
+        out = h.new_zeros(n * t, h.shape[-1])
+        out[indices] = h
+        return self.head(out.reshape(n, t, -1).sum(1))
+
+
+def padded(n: int, steps: int, d: int, seed: int = 0) -> Tensor:
+    """(n, steps, d) features with a random number of trailing all-zero (padding) rows."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, steps, d, generator=g)
+    lengths = torch.randint(1, steps + 1, (n,), generator=g)
+    for i, length in enumerate(lengths.tolist()):
+        x[i, length:] = 0
+    return x
+
+
+# ------------------------------------------------------------ examples that interact
+
+
+class BatchCentered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 7), nn.Linear(7, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        return self.b(torch.tanh(h - h.mean(0)))
+
+
+class ContrastiveTowers(nn.Module):
+    """CLIP's two towers: image and text features, unit-normalised, stacked as (n, 2, d)."""
+
+    def __init__(self, image: int = 6, text: int = 5, d: int = 4) -> None:
+        super().__init__()
+        self.image, self.text, self.split = nn.Linear(image, d), nn.Linear(text, d), image
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.stack([F.normalize(self.image(x[:, : self.split]), dim=-1),
+                            F.normalize(self.text(x[:, self.split :]), dim=-1)], dim=1)
+
+
+def info_nce(features: Tensor, _: Tensor) -> Tensor:
+    """CLIP's symmetric InfoNCE: example i's image against every text of the batch."""
+    image, text = features[:, 0], features[:, 1]
+    logits = 10.0 * image @ text.T
+    labels = torch.arange(len(image), device=image.device)
+    return (F.cross_entropy(logits, labels, reduction="none")
+            + F.cross_entropy(logits.T, labels, reduction="none")) / 2

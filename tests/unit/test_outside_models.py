@@ -9,10 +9,18 @@ import copy
 import pytest
 import torch
 from outside_models import (
+    BatchCentered,
+    ContrastiveTowers,
+    ExpertChoiceMoE,
     LSTMLanguageModel,
     MaskedEncoderClassifier,
     NanoGPT,
+    SwitchMoE,
+    UnpaddedTokenMLP,
+    UnpaddingEncoder,
     WordLanguageModel,
+    info_nce,
+    padded,
     resnet,
     sequence_loss,
 )
@@ -28,6 +36,7 @@ from batchbound.diversity import (
     per_example_stats,
     watch,
 )
+from batchbound.errors import BatchboundError
 
 
 def tokens(n: int, steps: int, vocab: int, seed: int = 0) -> tuple[Tensor, Tensor]:
@@ -121,8 +130,6 @@ def test_watch_on_nanogpt_reads_the_users_backward_exactly() -> None:
 
 
 def test_watch_refuses_a_regulariser_written_into_the_loss() -> None:
-    from batchbound.errors import BatchboundError
-
     torch.manual_seed(8)
     model = NanoGPT().double()
     x, y = tokens(6, 8, 40)
@@ -163,3 +170,112 @@ def test_parameters_no_example_reaches_have_zero_norms() -> None:
                               torch.randint(0, 2, (4,)), "cross_entropy", engine="hooks")
     assert float(stats.sq_norms["spare.weight"].abs().sum()) == 0.0
     assert float(stats.grad_sum["spare.bias"].abs().sum()) == 0.0
+
+
+# ------------------------------------- rows chosen by the data (issue 26): exact or refused
+
+MOVED = "rows are (chosen|then moved) by the data"
+
+
+def _exact_over_chunks(model: nn.Module, x: Tensor, y: Tensor, chunk: int) -> list[str]:
+    """measure() in chunks equals the float64 loop to 1e-9; returns the fallback parameters."""
+    model = model.double()
+    x = x.double() if x.is_floating_point() else x
+    exact = measure(model, (x, y), "cross_entropy", engine="loop")
+    with pytest.warns(UserWarning, match=MOVED):
+        got = measure(model, (x, y), "cross_entropy", chunk_size=chunk)
+    assert pytest.approx(exact.S, rel=1e-9) == got.S
+    assert pytest.approx(exact.T, rel=1e-9) == got.T
+    return got.extra["fallback_parameters"]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_switch_moe_is_exact_on_every_chunk(seed: int) -> None:
+    """Per-expert token counts equal the chunk size on some chunks by chance: before, the
+    experts' rules were trusted there (up to 3e-3 wrong); now the routed rows are refused."""
+    torch.manual_seed(seed)
+    x, y = torch.randn(12, 2, 8), torch.randint(0, 4, (12,))
+    fallback = _exact_over_chunks(SwitchMoE(), x, y, chunk=4)
+    assert {"experts.0.weight", "router.weight"} <= set(fallback)
+
+
+def test_expert_choice_moe_is_refused() -> None:
+    """Experts take their top n·T/E tokens of the batch, so tokens compete across examples:
+    an example routed alone is routed differently. Each expert holds exactly n rows here."""
+    torch.manual_seed(3)
+    x, y = torch.randn(12, 3, 6, dtype=torch.float64), torch.randint(0, 3, (12,))
+    for engine in ("auto", "hooks"):
+        with pytest.raises(BatchboundError, match=r"interact.*capacity"):
+            measure(ExpertChoiceMoE().double(), (x, y), "cross_entropy", chunk_size=4,
+                    engine=engine)
+
+
+def test_unpadded_token_mlp_is_exact() -> None:
+    torch.manual_seed(10)
+    fallback = _exact_over_chunks(UnpaddedTokenMLP(), padded(12, 5, 6), torch.randint(0, 3, (12,)),
+                                  chunk=4)
+    assert "fc.weight" in fallback
+
+
+def test_unpadding_encoder_is_exact() -> None:
+    torch.manual_seed(11)
+    ids = torch.randint(1, 20, (12, 5)) * (torch.rand(12, 5) > 0.3)
+    ids[:, 0] = 3  # every example keeps a token
+    assert "fc.weight" in _exact_over_chunks(UnpaddingEncoder(), ids, torch.randint(0, 3, (12,)),
+                                             chunk=4)
+
+
+def test_watch_refuses_routed_rows() -> None:
+    torch.manual_seed(12)
+    model = SwitchMoE().double()
+    x, y = torch.randn(6, 2, 8, dtype=torch.float64), torch.randint(0, 4, (6,))
+    with pytest.raises(BatchboundError, match="no layer rule|" + MOVED), \
+            watch(model, OnlineDiversity(100)):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+
+
+# -------------------------------------------- examples that interact (issue 26): refused
+
+
+def test_batch_centering_in_the_forward_is_refused() -> None:
+    torch.manual_seed(13)
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
+    for engine in ("auto", "hooks"):
+        with pytest.raises(BatchboundError, match=r"interact.*h - h\.mean\(0\).*running"):
+            measure(BatchCentered().double(), (x, y), "cross_entropy", engine=engine)
+
+
+def test_contrastive_loss_over_the_batch_is_refused() -> None:
+    """Each example alone has a 1×1 similarity matrix and zero loss: S = T = 0 and Δ = NaN
+    came back before, after a warning."""
+    torch.manual_seed(14)
+    x, y = torch.randn(8, 11, dtype=torch.float64), torch.zeros(8)
+    with pytest.raises(BatchboundError, match=r"interact.*contrastive.*update_from_gradients"):
+        measure(ContrastiveTowers().double(), (x, y), info_nce)
+
+
+# ------------------------------------------------------- low precision (issue 26)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["mlp", "nanogpt", "lstm"])
+def test_low_precision_models_state_their_precision(dtype: torch.dtype, name: str) -> None:
+    """Norms and sums in float32/float64: S and T within a few unit roundoffs of the float64
+    copy, and the report and a warning say what precision the numbers carry."""
+    torch.manual_seed(15)
+    if name == "mlp":
+        model: nn.Module = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
+        data, loss = (torch.randn(40, 10), torch.randint(0, 4, (40,))), "cross_entropy"
+    else:
+        model = NanoGPT() if name == "nanogpt" else LSTMLanguageModel()
+        data, loss = tokens(24, 8, 30), sequence_loss
+    model = model.to(dtype)
+    exact = measure(model, data, loss, dtype=torch.float64)
+    assert "precision" not in exact.extra
+    with pytest.warns(UserWarning, match=f"computes in {str(dtype)[6:]}.*dtype=torch.float64"):
+        got = measure(model, data, loss, chunk_size=8)
+    assert got.extra["precision"].startswith(str(dtype)[6:])
+    assert got.extra["fallback_parameters"] == []
+    roundoff = torch.finfo(dtype).eps / 2
+    assert pytest.approx(exact.S, rel=4 * roundoff) == got.S
+    assert pytest.approx(exact.T, rel=4 * roundoff) == got.T

@@ -47,8 +47,9 @@ INTERACTING = (
 )
 COUPLED = (
     INTERACTING + ": a statistic of the batch in the forward pass (h - h.mean(0), batch "
-    "normalisation in train mode) or a loss over the whole batch (a contrastive InfoNCE or "
-    "CLIP loss) couples them, so per-example gradients g_i = ∇f_i, and with them S, T and "
+    "normalisation in train mode), routing with a capacity shared by the batch (experts "
+    "choosing their tokens) or a loss over the whole batch (a contrastive InfoNCE or CLIP "
+    "loss) couples them, so per-example gradients g_i = ∇f_i, and with them S, T and "
     "Δ = S/T, are not defined. Ways out: for a statistic in the forward, running statistics "
     "(measure in eval mode, as for BatchNorm); for a loss over the batch, the noise scale "
     "without per-example gradients, from the gradients of separate batches "
