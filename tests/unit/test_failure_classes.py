@@ -266,7 +266,7 @@ def test_examples_that_interact_are_refused() -> None:
     torch.manual_seed(13)
     model, x, y = BatchMixing().double(), torch.randn(6, 4), torch.randint(0, 3, (6,))
     for engine in ("auto", "hooks"):
-        with pytest.raises(BatchboundError, match="examples interact within a batch.*Ways out"):
+        with pytest.raises(BatchboundError, match=r"examples interact within a batch.*Ways out"):
             per_example_stats(model, x.double(), y, "cross_entropy", engine=engine)
 
 
@@ -426,7 +426,7 @@ def test_examples_that_interact_only_in_train_mode_are_refused() -> None:
     x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
     model.double().train()
     before = [b.clone() for b in model.buffers()]
-    with pytest.raises(BatchboundError, match="interact.*running statistics"):
+    with pytest.raises(BatchboundError, match=r"interact.*running statistics"):
         per_example_stats(model, x.double(), y, "cross_entropy")
     # the checks' own forward passes leave the running statistics as they were
     assert all(torch.equal(a, b) for a, b in zip(before, model.buffers(), strict=True))
