@@ -22,16 +22,25 @@ def test_advise_json_on_this_machine(capsys: pytest.CaptureFixture[str], tmp_pat
     assert code == 0 and seconds < 60
     advice = json.loads(capsys.readouterr().out)
     assert advice["batch_bound"] > 1
-    assert [r["workers"] for r in advice["rows"]] == [1, 2]
+    best = [r for r in advice["rows"] if r["best"]]
+    assert [r["workers"] for r in best] == [1, 2]
+    assert {r["workers"] for r in advice["rows"]} == {1, 2}  # every candidate batch, each P
     for row in advice["rows"]:
+        low, high = row["iterations_interval"]
+        assert low <= row["iterations"] <= high
+        s_low, s_high = row["seconds_interval"]
+        assert s_low <= row["seconds_to_target"] <= s_high
         assert row["batch_size"] % row["workers"] == 0
         assert row["seconds_to_target"] == pytest.approx(
             row["iterations"] * row["seconds_per_iteration"])
         assert row["seconds_per_iteration"] == pytest.approx(
             row["compute_seconds"] + row["communication_seconds"])
-    assert advice["rows"][0]["communication_seconds"] == 0
-    assert advice["rows"][1]["communication_seconds"] > 0  # timed with gloo
-    assert set(advice["recommended"]) == {"workers", "batch_size", "lr"}
+    assert best[0]["communication_seconds"] == 0
+    assert best[1]["communication_seconds"] > 0  # timed with gloo
+    assert set(advice["recommended"]) == {"workers", "batch_size", "lr", "iterations",
+                                          "iterations_interval", "seconds_to_target",
+                                          "seconds_interval"}
+    assert advice["pilot"]["iterations"] > 0 and isinstance(advice["timing_reliable"], bool)
     assert "workers_stop_paying" in advice and "McCandlish" in advice["assumptions"]
     assert (tmp_path / "a.png").stat().st_size > 10_000
 
@@ -49,7 +58,7 @@ def test_advise_projects_to_a_cluster(capsys: pytest.CaptureFixture[str], tmp_pa
 
 
 @pytest.mark.parametrize("extra, message", [
-    ([], "needs a target"),
+    ([], "or a target"),
     (["--cluster", "/nonexistent.toml"], "does not exist"),
     (["--max-workers", "100000"], "cores"),
     (["--figure", "/nonexistent/dir/a.png"], "does not exist"),

@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from itertools import pairwise
+from typing import Any
 
 from batchbound.advise.timing import ComputeCurve
 
@@ -30,10 +31,17 @@ class Row:
     seconds_to_target: float
     speedup: float = 1.0
     efficiency: float = 1.0
+    iterations_interval: tuple[float, float] = (math.nan, math.nan)
+    seconds_interval: tuple[float, float] = (math.nan, math.nan)
+    best: bool = False  # the fastest batch for its worker count
 
-    def to_dict(self) -> dict[str, float | int | None]:
-        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                for k, v in asdict(self).items()}
+    def to_dict(self) -> dict[str, Any]:
+        def plain(v: Any) -> Any:
+            if isinstance(v, tuple):
+                return [plain(x) for x in v]
+            return None if isinstance(v, float) and not math.isfinite(v) else v
+
+        return {k: plain(v) for k, v in asdict(self).items()}
 
 
 def worker_counts(max_workers: int) -> list[int]:
@@ -55,23 +63,40 @@ def iteration_seconds(curve: ComputeCurve, workers: int, batch_size: int,
     return step + exposed, step, exposed
 
 
-def best_row(workers: int, n: int, max_micro_batch: int, curve: ComputeCurve,
-             communication: float, overlap: str, iterations: Callable[[int], float],
-             lr: Callable[[int], float]) -> Row | None:
-    """The batch B = P·m (m = 1, 2, 4, …) with the least predicted time; None when no
-    candidate fits (P > n) or none converges."""
-    best: Row | None = None
+def candidate_rows(workers: int, n: int, max_micro_batch: int, curve: ComputeCurve,
+                   communication: float, overlap: str, iterations: Callable[[int], float],
+                   lr: Callable[[int], float],
+                   interval: Callable[[int], tuple[float, float]] | None = None,
+                   timing_spread: float = 0.0) -> list[Row]:
+    """Every batch B = P·m (m = 1, 2, 4, …) within the micro-batch limit and n, the fastest
+    finite one marked ``best``. ``interval(B)``: the iterations' interval; the seconds'
+    interval widens it by the step timing's relative spread."""
+    rows = []
     micro = 1
     while micro <= max_micro_batch and workers * micro <= n:
         batch = workers * micro
         k = iterations(batch)
         per, compute, exposed = iteration_seconds(curve, workers, batch, communication, overlap)
-        row = Row(workers, batch, lr(batch), k, per, compute, exposed, k * per)
-        if math.isfinite(row.seconds_to_target) and (
-                best is None or row.seconds_to_target < best.seconds_to_target):
-            best = row
+        low, high = interval(batch) if interval is not None else (k, k)
+        rows.append(Row(workers, batch, lr(batch), k, per, compute, exposed, k * per,
+                        iterations_interval=(low, high),
+                        seconds_interval=(low * per * (1 - timing_spread),
+                                          high * per * (1 + timing_spread))))
         micro *= 2
-    return best
+    finite = [r for r in rows if math.isfinite(r.seconds_to_target)]
+    if finite:
+        min(finite, key=lambda r: r.seconds_to_target).best = True
+    return rows
+
+
+def best_row(workers: int, n: int, max_micro_batch: int, curve: ComputeCurve,
+             communication: float, overlap: str, iterations: Callable[[int], float],
+             lr: Callable[[int], float]) -> Row | None:
+    """The batch B = P·m (m = 1, 2, 4, …) with the least predicted time; None when no
+    candidate fits (P > n) or none converges."""
+    rows = candidate_rows(workers, n, max_micro_batch, curve, communication, overlap,
+                          iterations, lr)
+    return next((r for r in rows if r.best), None)
 
 
 def finish(rows: list[Row]) -> tuple[Row, int | None]:

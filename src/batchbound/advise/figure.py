@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt
 
 
 def plot_advice(advice: Any, path: str | Path) -> Path:
-    rows = advice.rows
+    rows = advice.best_rows
     workers = [r.workers for r in rows]
     seconds = [r.seconds_to_target for r in rows]
     fig, ax = plt.subplots(figsize=(6.4, 4.4))

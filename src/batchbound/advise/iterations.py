@@ -16,11 +16,13 @@ stands for p(x0, B0)/p(x, B) steps at B. Summed along the pilot, with B_noise(t)
 between the exact measurements, this gives k(B). The strategies (``STRATEGIES``; ``blr``,
 ``lsr`` and ``srsr`` are the trainer's, after warm-up):
 
-- ``noise``: s = (1 + B_lo/B0)/(1 + B_lo/B), B_lo the smallest B_noise along the pilot: the best
-  constant rate when B_noise is B_lo (McCandlish's ε_opt), and the largest one that is never
-  past the best rate at any pilot step (s grows with B_noise for B > B0), so no step is
-  predicted to overshoot. Where B_noise is B_lo, each step stands for
-  (1 + B_noise/B)/(1 + B_noise/B0) steps.
+- ``noise``: each pilot step stands for (1 + B_noise/B)/(1 + B_noise/B0) steps at B, McCandlish
+  et al.'s S(B)/S(B0) with the rate near its best at every step. The rate the rows give is
+  s = (1 + B_lo/B0)/(1 + B_lo/B), B_lo the smallest B_noise along the trajectory: the best
+  constant rate where B_noise is B_lo (McCandlish's ε_opt), never past the best rate at any
+  step (s grows with B_noise for B > B0). Checked against real runs (benchmarks/advise.py):
+  at that constant rate, runs took about as many steps as the tuned-rate relation predicts,
+  where the quadratic model's penalty for a constant rate overestimated them by 1.4–2×.
 - ``lsr``: s = B/B0 (linear scaling). Progress vanishes for B ≥ 2·B0 + B_noise: there the model
   predicts no convergence (k = ∞, marked), as linear scaling past the noise scale diverges.
 - ``srsr``: s = √(B/B0) (square-root scaling); past the model's best rate, as ``lsr``.
@@ -108,14 +110,19 @@ def steps_per_pilot_step(noise: float, b0: int, batch_size: int, scale: float) -
     return x0 / progress if progress > 0 else math.inf
 
 
-def predict_iterations(pilot: Pilot, batch_size: int, strategy: str = "noise") -> float:
+def predict_iterations(pilot: Pilot, batch_size: int, strategy: str = "noise",
+                       scale: float | None = None) -> float:
     """k(B): the pilot's steps, each weighted by ``steps_per_pilot_step``; at B = B0 this is
-    the pilot's own count. Fractional; inf when some step makes no progress."""
+    the pilot's own count. Fractional; inf when some step makes no progress. ``scale``: the
+    rate's s(B), when another trajectory than ``pilot`` set it."""
     if batch_size < 1:
         raise BatchboundError(f"batch size must be >= 1, got {batch_size}")
-    scale = lr_scale(strategy, batch_size, pilot)
+    scale = lr_scale(strategy, batch_size, pilot) if scale is None else scale
     total = 0.0
     for noise in pilot.noise_scales():
+        if strategy == "noise":  # the rate near its best at every step: S(B)/S(B0)
+            total += (1.0 + noise / batch_size) / (1.0 + noise / pilot.batch_size)
+            continue
         total += steps_per_pilot_step(noise, pilot.batch_size, batch_size, scale)
         if math.isinf(total):
             return math.inf

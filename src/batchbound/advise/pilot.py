@@ -1,10 +1,19 @@
-"""The pilot run at a small batch B0 (exact n·Δ along the way) and the branched probe.
+"""The pilot at a small batch B0, and the branched probe.
 
-The pilot trains to the target, measuring exact Δ every ``diversity_every_epochs``, and keeps
-the model's state at each measurement. The probe (Merrill et al. 2025, *Critical Batch Size
-Revisited*) branches short runs from some of those states at B0·2^k, each over the same
-number of examples, and reports the largest batch whose loss decrease keeps up with B0's:
-at least (1 − tolerance) of it, for that batch and every smaller one.
+The pilot trains the first fraction of the user's plan (or, given only a target, up to the
+target) with batchbound's trainer, and keeps, at every step, what the step's own cheap
+estimator of the noise scale gives (``ESTIMATORS``):
+
+- ``two_batch`` (default): McCandlish et al.'s two-batch estimate from the step's two
+  micro-batches of B0/2 (any model; no per-example work);
+- ``norms``: per-example squared norms from the layer rules in the step's own backward;
+- ``exact``: exact n·Δ over the whole training set every ``exact_every_epochs`` (costly: one
+  pass over the data each time; the old behaviour, kept as an option).
+
+The model's state is kept at a few iterations for the probe (Merrill et al. 2025, *Critical
+Batch Size Revisited*), which branches short runs from them at B0·2^k, each over the same
+number of examples, and reports the largest batch whose loss decrease keeps up with B0's: at
+least (1 − tolerance) of it, for that batch and every smaller one.
 """
 
 from __future__ import annotations
@@ -17,58 +26,144 @@ from typing import Any
 
 import torch
 
-from batchbound.advise.iterations import Pilot
+from batchbound.advise.trajectory import Segment, Step, segments
 from batchbound.data import Dataset
 from batchbound.errors import BatchboundError
 from batchbound.train.config import TrainConfig
 from batchbound.train.distributed import DistContext
-from batchbound.train.loop import Trainer
+from batchbound.train.loop import Parts, Trainer
 from batchbound.train.result import RunResult
 
+ESTIMATORS = ("two_batch", "norms", "exact")
+KEPT_STATES = 3
 
-class _KeepingTrainer(Trainer):
-    """A trainer that keeps (iteration, epoch, model state) at each exact Δ measurement."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+class _PilotTrainer(Trainer):
+    """The trainer, keeping each step's raw (M2, C) estimate and the model's state at a few
+    iterations."""
+
+    def __init__(self, *args: Any, keep_every: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.keep_every = max(1, keep_every)
+        self.steps: list[Step] = []
         self.states: list[tuple[int, float, dict[str, torch.Tensor]]] = []
 
-    def measure_diversity(self) -> float:
-        value = super().measure_diversity()
-        state = copy.deepcopy(self.model.state_dict())
-        self.states.append((self.iteration, self.sampler.epoch, state))
-        return value
+    def train_step(self, stop_requested: bool, time_exceeded: bool) -> dict[str, bool]:
+        estimator = self.monitor.estimator
+        before = estimator.steps if estimator is not None else 0
+        flags = super().train_step(stop_requested, time_exceeded)
+        if estimator is not None and estimator.steps > before and estimator.last is not None:
+            m2, cross = estimator.last
+            self.steps.append(Step(self.iteration, self.last_batch_loss, m2, cross))
+        if self.iteration % self.keep_every == 0:
+            self.states.append((self.iteration, self.sampler.epoch,
+                                copy.deepcopy(self.model.state_dict())))
+        return flags
 
 
 @dataclass
 class PilotRun:
-    pilot: Pilot
+    """What the pilot measured: B_noise segments, the iterations it trained (to the target
+    in target mode), its result, and kept states for the probe."""
+
+    segments: list[Segment]
+    iterations: int
     result: RunResult
     states: list[tuple[int, float, dict[str, torch.Tensor]]]
+    estimator: str
+
+    @property
+    def seconds(self) -> float:
+        return float(self.result.final.get("seconds", math.nan))
 
 
-def run_pilot(config: TrainConfig, data: Dataset, device: torch.device) -> PilotRun:
-    """Train ``config`` (one process) to its target; BatchboundError if it diverges or
-    stops short, since nothing can be predicted from it."""
-    trainer = _KeepingTrainer(config, DistContext(device=device), dataset=data)
+def pilot_config(config: TrainConfig, iterations: int | None, estimator: str,
+                 exact_every_epochs: float) -> TrainConfig:
+    """The pilot's config: ``iterations`` steps (planned mode) or to the first target."""
+    if estimator not in ESTIMATORS:
+        raise BatchboundError(f"unknown estimator {estimator!r}; choose from "
+                              f"{', '.join(ESTIMATORS)}")
+    cheap: dict[str, Any] = {"online_diversity": "off", "diversity_every_epochs": None}
+    if estimator == "two_batch":
+        if config.batch_size < 2:
+            raise BatchboundError("the two-batch estimator needs B0 >= 2 (two micro-batches)")
+        micro = config.micro_batch if config.micro_batch and config.micro_batch < \
+            config.batch_size else max(1, config.batch_size // 2)
+        cheap = {"online_diversity": "two_batch", "micro_batch": micro,
+                 "diversity_every_epochs": None}
+    elif estimator == "norms":
+        cheap = {"online_diversity": "norms", "diversity_every_epochs": None}
+    else:
+        cheap["diversity_every_epochs"] = exact_every_epochs
+    if iterations is not None:
+        return config.replace(max_iterations=iterations, max_epochs=None, targets=(),
+                              eval_every_epochs=None, eval_every_iterations=iterations,
+                              stop_at_targets=False, **cheap)
+    return config.replace(eval_every_epochs=exact_every_epochs / 4, eval_every_iterations=None,
+                          stop_at_targets=True, targets=config.targets[:1], **cheap)
+
+
+def run_pilot(config: TrainConfig, data: Dataset, device: torch.device, *,
+              iterations: int | None = None, estimator: str = "two_batch",
+              exact_every_epochs: float = 0.1, parts: Parts | None = None,
+              progress: bool = False) -> PilotRun:
+    """Train the pilot (see ``pilot_config``); BatchboundError if it diverges or, in target
+    mode, stops short, since nothing can be predicted from it."""
+    pilot = pilot_config(config, iterations, estimator, exact_every_epochs)
+    # states for the probe: KEPT_STATES over a planned pilot; every exact_every_epochs (the
+    # target's iteration is not known in advance) in target mode
+    keep_every = (iterations // KEPT_STATES if iterations is not None else
+                  round(exact_every_epochs * data.n_train / config.batch_size))
+    trainer = _PilotTrainer(pilot, DistContext(device=device), dataset=data, parts=parts,
+                            progress=progress, keep_every=keep_every)
     result = trainer.run()
-    target = result.targets[0]
     if result.status == "diverged":
         raise BatchboundError(f"the pilot at batch {config.batch_size} diverged "
                               f"({result.message}); lower --lr")
-    if not target.reached or target.iteration is None:
-        raise BatchboundError(
-            f"the pilot at batch {config.batch_size}, lr {config.lr:g} did not reach "
-            f"{target.name} within its limits ({result.message}); raise --max-epochs or "
-            "choose a reachable target")
-    if target.iteration == 0:
-        raise BatchboundError(f"the untrained model already meets {target.name}: nothing to "
-                              "predict")
-    bounds = [(i, v) for i, _, _, v in result.curve("batch_bound") if i < target.iteration]
-    pilot = Pilot(config.batch_size, config.lr, target.iteration,
-                  tuple(i for i, _ in bounds), tuple(v for _, v in bounds))
-    kept = [s for s in trainer.states if s[0] < target.iteration]
-    return PilotRun(pilot, result, kept)
+    if result.status != "complete":
+        raise BatchboundError(f"the pilot ended {result.status}: {result.message}")
+    trained = trainer.iteration
+    if iterations is None:
+        target = result.targets[0]
+        if not target.reached or target.iteration is None:
+            raise BatchboundError(
+                f"the pilot at batch {config.batch_size}, lr {config.lr:g} did not reach "
+                f"{target.name} within its limits ({result.message}); raise --max-epochs or "
+                "choose a reachable target")
+        if target.iteration == 0:
+            raise BatchboundError(f"the untrained model already meets {target.name}: "
+                                  "nothing to predict")
+        trained = target.iteration
+    if estimator == "exact":
+        segs = _exact_segments(result, trained)
+    else:
+        segs = segments([s for s in trainer.steps if s.iteration <= trained], data.n_train,
+                        "without_replacement" if pilot.sampling == "epoch"
+                        else "with_replacement")
+    kept = [s for s in trainer.states if s[0] <= trained]
+    return PilotRun(segs, trained, result, kept, estimator)
+
+
+def _exact_segments(result: RunResult, trained: int) -> list[Segment]:
+    """Exact n·Δ measurements as segments (no sampling error), each with the batch loss of
+    the steps since the previous measurement."""
+    bounds = [(i, v) for i, _, _, v in result.curve("batch_bound") if i < trained]
+    if not bounds:
+        raise BatchboundError("the pilot has no exact n·Δ measurement to predict from")
+    losses = result.curve("batch_loss")
+    out, start = [], 1
+    for iteration, bound in bounds:
+        window = [v for i, _, _, v in losses if start <= i <= max(iteration, start)]
+        loss = sum(window) / len(window) if window else math.nan
+        if not math.isfinite(bound) or bound < 1 - 1e-9:
+            raise BatchboundError(f"the pilot's n·Δ must be finite and >= 1, got {bound!r} "
+                                  "(a zero gradient?)")
+        out.append(Segment(start, max(iteration, start), bound - 1.0, 0.0, loss))
+        start = iteration + 1
+    if not math.isfinite(out[0].loss):  # the measurement at initialisation: no step before
+        out[0] = Segment(out[0].start, out[0].end, out[0].noise, 0.0,
+                         out[1].loss if len(out) > 1 else 1.0)
+    return out
 
 
 @dataclass
@@ -86,28 +181,26 @@ class ProbePoint:
 
 
 def probe(run: PilotRun, config: TrainConfig, data: Dataset, device: torch.device,
-          lr: Callable[[int], float], *, points: int = 3, tolerance: float = 0.1,
-          largest: int | None = None, log: Callable[[str], None] = lambda _: None,
-          ) -> list[ProbePoint]:
+          lr: Callable[[int], float], bound_at: Callable[[int], float], *, points: int = 3,
+          tolerance: float = 0.1, largest: int | None = None, parts: Parts | None = None,
+          log: Callable[[str], None] = lambda _: None) -> list[ProbePoint]:
     """Branch from ``points`` of the pilot's kept states, spread over it; see the module
-    docstring. Each branch sees the same examples budget: 4 steps of the largest batch."""
+    docstring. Each branch sees the same examples budget: 4 steps of the largest batch.
+    ``bound_at(iteration)``: the pilot's n·Δ there, shown beside the probe's answer."""
     b0 = config.batch_size
     top = min(largest or data.n_train, data.n_train)
     ladder = [b0 << k for k in range(20) if b0 << k <= top]
     budget = 4 * ladder[-1]
     states = run.states
     if len(states) < points:
-        raise BatchboundError(f"the pilot measured n·Δ at {len(states)} points before the "
-                              f"target, the probe needs {points}; lower --diversity-every")
+        raise BatchboundError(f"the pilot kept {len(states)} states, the probe needs "
+                              f"{points}; lengthen the pilot")
     picks = sorted({round(i * (len(states) - 1) / (points - 1)) for i in range(points)})
-    bounds = dict(zip(run.pilot.bound_iterations, run.pilot.batch_bounds, strict=True))
     out = []
     for index in picks:
         iteration, epoch, state = states[index]
-        progress = {}
-        for batch in ladder:
-            progress[batch] = _branch(config, data, device, state, batch, lr(batch),
-                                      budget // batch)
+        progress = {batch: _branch(config, data, device, state, batch, lr(batch),
+                                   budget // batch, parts) for batch in ladder}
         base = progress[b0]
         keeps = None
         if base > 0:
@@ -116,20 +209,23 @@ def probe(run: PilotRun, config: TrainConfig, data: Dataset, device: torch.devic
                     keeps = batch
                 else:
                     break
-        log(f"probe at iteration {iteration}: n·Δ = {bounds[iteration]:.4g}, empirical "
-            f"critical batch {keeps}")
-        out.append(ProbePoint(iteration, epoch, bounds[iteration], keeps, progress))
+        bound = bound_at(iteration)
+        log(f"probe at iteration {iteration}: n·Δ = {bound:.4g}, empirical critical batch "
+            f"{keeps}")
+        out.append(ProbePoint(iteration, epoch, bound, keeps, progress))
     return out
 
 
 def _branch(config: TrainConfig, data: Dataset, device: torch.device,
-            state: dict[str, torch.Tensor], batch: int, lr: float, steps: int) -> float:
+            state: dict[str, torch.Tensor], batch: int, lr: float, steps: int,
+            parts: Parts | None) -> float:
     """Train loss decrease over ``steps`` steps at ``batch`` from ``state`` (−inf when the
     branch diverges)."""
     branch = config.replace(batch_size=batch, lr=lr, strategy="blr", targets=(),
                             max_iterations=steps, max_epochs=None, eval_every_epochs=None,
-                            eval_every_iterations=steps, diversity_every_epochs=None)
-    trainer = Trainer(branch, DistContext(device=device), dataset=data)
+                            eval_every_iterations=steps, diversity_every_epochs=None,
+                            online_diversity="off", micro_batch=None)
+    trainer = Trainer(branch, DistContext(device=device), dataset=data, parts=parts)
     trainer.model.load_state_dict(state)
     result = trainer.run()
     losses = [v for _, _, _, v in result.curve("train_loss")]

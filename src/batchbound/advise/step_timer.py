@@ -9,6 +9,7 @@ optimiser step) and communication: the all-reduce and any waiting for a slower p
 an all-reduce timed alone does not see. Rank 0 writes the medians as JSON.
 
     python -m batchbound.advise.step_timer CONFIG.json OUT.json THREADS REPEATS M1 [M2 ...]
+    python -m batchbound.advise.step_timer allreduce OUT.json THREADS REPEATS BYTES
 """
 
 from __future__ import annotations
@@ -67,5 +68,38 @@ def main(argv: list[str]) -> None:
         teardown(synchronise=finished)
 
 
+def allreduce(argv: list[str]) -> None:
+    """``allreduce OUT.json THREADS REPEATS BYTES``: the median seconds of an all-reduce of
+    BYTES of float32 among the ranks, for models that cannot be rebuilt in a fresh process
+    (a user's Python object): their compute is timed in the caller's process."""
+    import torch.distributed as dist
+
+    from batchbound import kernels
+    from batchbound.train.distributed import setup, teardown
+
+    kernels.use()
+    out, threads, repeats, size = argv
+    torch.set_num_threads(int(threads))
+    ctx = setup("cpu")
+    finished = False
+    try:
+        buffer = torch.zeros(max(1, int(size) // 4))
+        seconds = []
+        for i in range(WARMUP + int(repeats)):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(buffer)
+            if i >= WARMUP:
+                seconds.append(time.perf_counter() - start)
+        if ctx.rank == 0:
+            Path(out).write_text(json.dumps({"communication": statistics.median(seconds)}))
+        finished = True
+    finally:
+        teardown(synchronise=finished)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["allreduce"]:
+        allreduce(sys.argv[2:])
+    else:
+        main(sys.argv[1:])

@@ -34,7 +34,7 @@ from batchbound.data import Dataset
 from batchbound.errors import BatchboundError
 from batchbound.train.config import TrainConfig
 from batchbound.train.distributed import free_port
-from batchbound.train.loop import time_steps
+from batchbound.train.loop import Parts, time_steps
 
 OVERLAPS = ("none", "backward")
 
@@ -142,16 +142,53 @@ def micro_batch_sizes(largest: int) -> list[int]:
 
 
 def time_compute(config: TrainConfig, data: Dataset, sizes: Sequence[int], threads: int,
-                 budget_s: float = 0.2) -> ComputeCurve:
+                 budget_s: float = 0.2, parts: Parts | None = None) -> ComputeCurve:
     """The trainer's step timed at each micro-batch size (median of repeats, at least 3 and
     about ``budget_s`` seconds each), with ``threads`` torch threads, on a throwaway model."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        steps, forwards = time_steps(config, data, sizes, budget_s)
+        steps, forwards = time_steps(config, data, sizes, budget_s, parts)
         return ComputeCurve(tuple(sizes), tuple(steps), tuple(forwards))
     finally:
         torch.set_num_threads(previous)
+
+
+def _run_ranks(arguments: list[str], workers: int, out: Path, tmp: str) -> None:
+    """``python -m batchbound.advise.step_timer ARGUMENTS`` on ``workers`` local ranks."""
+    port = free_port()
+    command = [sys.executable, "-m", "batchbound.advise.step_timer", *arguments]
+    # stderr to files, not pipes: a rank blocked on a full pipe would hang its peers
+    logs = [Path(tmp) / f"rank{r}.err" for r in range(workers)]
+    ranks = []
+    for r, log in enumerate(logs):
+        with log.open("w") as err:  # the child keeps its own copy of the descriptor
+            ranks.append(subprocess.Popen(command, stderr=err, env={
+                **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(workers)}))
+    errors = []
+    try:
+        for rank, log in zip(ranks, logs, strict=True):
+            if rank.wait():
+                err = log.read_text().strip()
+                errors.append(err.splitlines()[-1] if err else f"exit {rank.returncode}")
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+    if errors or not out.exists():
+        raise BatchboundError(f"timing the step on {workers} processes failed: "
+                              f"{errors[0] if errors else 'no result'}")
+
+
+def time_allreduce(workers: int, payload_bytes: int, threads: int, repeats: int = 30) -> float:
+    """Median seconds of an all-reduce of ``payload_bytes`` among ``workers`` local gloo
+    processes (for a model only this process holds)."""
+    with tempfile.TemporaryDirectory(prefix="batchbound-allreduce-") as tmp:
+        out = Path(tmp) / "allreduce.json"
+        _run_ranks(["allreduce", str(out), str(threads), str(repeats), str(payload_bytes)],
+                   workers, out, tmp)
+        return float(json.loads(out.read_text())["communication"])
 
 
 def time_workers(config: TrainConfig, workers: int, sizes: Sequence[int], threads: int,
@@ -162,34 +199,34 @@ def time_workers(config: TrainConfig, workers: int, sizes: Sequence[int], thread
     slower peer included."""
     timed = config.replace(workers=workers, lr=1e-9, online_diversity="off",
                            diversity_every_epochs=None, batch_policy="fixed", targets=())
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="batchbound-steps-") as tmp:
         spec, out = Path(tmp) / "config.json", Path(tmp) / "steps.json"
         spec.write_text(json.dumps(timed.to_dict()))
-        command = [sys.executable, "-m", "batchbound.advise.step_timer", str(spec), str(out),
-                   str(threads), str(repeats), *map(str, sizes)]
-        # stderr to files, not pipes: a rank blocked on a full pipe would hang its peers
-        logs = [Path(tmp) / f"rank{r}.err" for r in range(workers)]
-        ranks = []
-        for r, log in enumerate(logs):
-            with log.open("w") as err:  # the child keeps its own copy of the descriptor
-                ranks.append(subprocess.Popen(command, stderr=err, env={
-                    **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                    "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(workers)}))
-        errors = []
-        try:
-            for rank, log in zip(ranks, logs, strict=True):
-                if rank.wait():
-                    err = log.read_text().strip()
-                    errors.append(err.splitlines()[-1] if err else f"exit {rank.returncode}")
-        finally:
-            for rank in ranks:
-                if rank.poll() is None:
-                    rank.kill()
-        if errors or not out.exists():
-            raise BatchboundError(f"timing the step on {workers} processes failed: "
-                                  f"{errors[0] if errors else 'no result'}")
+        _run_ranks([str(spec), str(out), str(threads), str(repeats), *map(str, sizes)],
+                   workers, out, tmp)
         rows = json.loads(out.read_text())
     curve = ComputeCurve(tuple(r["micro_batch"] for r in rows),
                          tuple(r["compute"] for r in rows), tuple(r["forward"] for r in rows))
     return curve, statistics.median(r["communication"] for r in rows)
+
+
+def busy_reason(load_per_core: float | None, timed: float, retimed: float) -> str | None:
+    """Why this machine's step timing cannot be trusted, or None: other work loading the
+    cores (the 1-minute load average above one per core), or the same step timed twice
+    (before and after the pilot) disagreeing by more than 25 %."""
+    reasons = []
+    if load_per_core is not None and load_per_core > 1.0:
+        reasons.append(f"the load average was {load_per_core:.2f} per core while timing")
+    ratio = retimed / timed if timed > 0 else math.nan
+    if not 0.8 <= ratio <= 1.25:
+        reasons.append(f"the step at B0 timed {timed * 1e3:.3g} ms, then {retimed * 1e3:.3g} "
+                       "ms after the pilot")
+    return "; ".join(reasons) or None
+
+
+def load_per_core() -> float | None:
+    """The 1-minute load average per core (None where the system does not say)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (AttributeError, OSError):
+        return None

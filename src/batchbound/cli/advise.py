@@ -1,8 +1,8 @@
-"""``batchbound advise``: how many workers, what batch size, how long to the target.
+"""``batchbound advise``: how many workers, what batch size, how long.
 
-A pilot run at a small batch measures exact n·Δ along training; a model of iterations
-against batch size and timed (or described) steps and all-reduces turn it into seconds to
-target per worker count."""
+A pilot over the first fraction of the planned run (or to a target) estimates the noise scale
+at every step; a model of iterations against batch size, extrapolated over the plan, and timed
+(or described) steps and all-reduces turn it into seconds per worker count, with intervals."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 from batchbound.advise import advise, advise_from_study
 from batchbound.advise.figure import plot_advice
 from batchbound.advise.iterations import STRATEGIES
+from batchbound.advise.pilot import ESTIMATORS
 from batchbound.advise.timing import OVERLAPS
 from batchbound.cli.common import add_data_arguments, add_model_argument, writable_file
 from batchbound.errors import BatchboundError
@@ -21,14 +22,17 @@ from batchbound.train import TrainConfig, target_list
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "advise",
-        help="how many workers and what batch size, and how long to the target",
+        help="how many workers and what batch size, and how long",
         description=(
-            "Run a pilot at a small batch B0 (--batch-size) to the target, measuring exact "
-            "n·Δ along the way; predict iterations at other batch sizes (McCandlish et al.'s "
-            "model, step by step along the pilot); time the step and the all-reduce here, or "
-            "model them for a cluster file; print, for P = 1, 2, 4, … workers, the "
-            "time-optimal batch, its iterations and seconds to target, the recommended "
-            "(P, B), and the worker count past which doubling saves less than 10 %%."
+            "State the planned run (--planned-epochs or --planned-iterations at B0 = "
+            "--batch-size) and advise trains a pilot over its first --pilot-fraction (10 % by "
+            "default), estimating the gradient noise scale at every step; extrapolates it over "
+            "the rest of the plan; predicts, with an interval, the iterations each batch size "
+            "needs to reach what the plan reaches (McCandlish et al.'s model, step by step); "
+            "times the step and the all-reduce here, or models them for a cluster file; and "
+            "prints, for P = 1, 2, 4, … workers, the time-optimal batch, its iterations and "
+            "seconds, the recommended (P, B), and the worker count past which doubling saves "
+            "less than 10 %. Given a target instead of a plan, the pilot trains to the target."
         ),
     )
     add_data_arguments(parser)
@@ -41,6 +45,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for metric in ("train_acc", "train_loss", "test_acc", "test_loss"):
         parser.add_argument(f"--target-{metric.replace('_', '-')}", dest=f"target_{metric}",
                             type=float, metavar="X", help=f"the target: {metric} reaches X")
+    parser.add_argument("--planned-epochs", type=float, metavar="E",
+                        help="the job you plan: E epochs at B0; the pilot trains a fraction of "
+                        "it and advise predicts what reaches its end")
+    parser.add_argument("--planned-iterations", type=int, metavar="K",
+                        help="the job you plan: K iterations at B0 (instead of epochs)")
+    parser.add_argument("--pilot-fraction", type=float, default=0.1, metavar="F",
+                        help="the pilot trains this fraction of the plan (default 0.1)")
+    parser.add_argument("--estimator", choices=ESTIMATORS, default="two_batch",
+                        help="the noise scale along the pilot: two_batch (default; the step's "
+                        "two micro-batches), norms (per-example norms from the step's "
+                        "backward), exact (exact n·Δ over the data every --diversity-every "
+                        "epochs: costly)")
     parser.add_argument("--strategy", choices=STRATEGIES, default=None,
                         help="the learning rate at batch B: noise (default) η0·(1+B_lo/B0)/"
                         "(1+B_lo/B), B_lo the pilot's lowest noise scale n·Δ−1; blr η0; lsr "
@@ -72,7 +88,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="with --from-study: the model as the report names it (e.g. "
                         "'L=2 K=30'), when the study has several")
     parser.add_argument("--diversity-every", type=float, default=0.1, metavar="EPOCHS",
-                        help="exact n·Δ every this many pilot epochs (default 0.1)")
+                        help="with --estimator exact: exact n·Δ every this many pilot epochs "
+                        "(default 0.1); with a target, the pilot evaluates 4 times as often")
     parser.add_argument("--max-epochs", type=float, default=100.0,
                         help="the pilot's epoch limit (default 100)")
     parser.add_argument("--seed", type=int, default=0)
@@ -103,10 +120,14 @@ def run_command(args: argparse.Namespace) -> int:
     else:
         if args.strategy is None:
             args.strategy = "noise"
-        advice = advise(config, max_workers=args.max_workers, cluster=args.cluster,
+        advice = advise(config, planned_epochs=args.planned_epochs,
+                        planned_iterations=args.planned_iterations,
+                        pilot_fraction=args.pilot_fraction, estimator=args.estimator,
+                        max_workers=args.max_workers, cluster=args.cluster,
                         overlap=args.overlap, strategy=args.strategy,
                         diversity_every_epochs=args.diversity_every, with_probe=args.probe,
-                        probe_tolerance=args.probe_tolerance, log=log)
+                        probe_tolerance=args.probe_tolerance,
+                        progress=sys.stderr.isatty() and not args.json, log=log)
     if args.figure:
         plot_advice(advice, args.figure)
         log(f"figure written to {args.figure}")

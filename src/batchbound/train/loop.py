@@ -19,14 +19,17 @@ processes compute exactly what one would, up to the order of float additions.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from batchbound import kernels
 from batchbound.data import BatchSampler, Dataset, apply_transform, load_dataset
@@ -88,13 +91,15 @@ def train_in_group(
 
 
 def time_steps(
-    config: TrainConfig, data: Dataset, sizes: list[int] | tuple[int, ...], budget_s: float = 0.2
+    config: TrainConfig, data: Dataset, sizes: list[int] | tuple[int, ...], budget_s: float = 0.2,
+    parts: Parts | None = None,
 ) -> tuple[list[float], list[float]]:
     """Seconds of the trainer's step, and of the forward pass alone, at each micro-batch size
     (median of repeats, about ``budget_s`` each), on one process with a throwaway model."""
     timed = config.replace(workers=1, lr=1e-9, online_diversity="off",
                            diversity_every_epochs=None, batch_policy="fixed", targets=())
-    trainer = Trainer(timed, DistContext(device=resolve_device(config.device)), dataset=data)
+    trainer = Trainer(timed, DistContext(device=resolve_device(config.device)), dataset=data,
+                      parts=parts)
     trainer.initial_loss = 1.0
     steps, forwards = [], []
     for m in sizes:
@@ -113,6 +118,18 @@ def _scaled(grad: torch.Tensor, scale: float, param: torch.Tensor) -> torch.Tens
     return (grad * scale).to(param.dtype).view_as(param)
 
 
+@dataclass(frozen=True)
+class Parts:
+    """What a caller hands the trainer instead of the config's names (Python only): a module
+    (trained as a copy, so the caller's stays untouched), a per-example loss
+    ``(outputs, targets) -> (n,)``, and an optimizer factory ``params -> Optimizer`` (the
+    trainer still sets its learning rate from the config's strategy)."""
+
+    model: nn.Module | None = None
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None
+
+
 class Trainer:
     def __init__(
         self,
@@ -122,28 +139,32 @@ class Trainer:
         dataset: Dataset | None = None,
         checkpoint_path: str | Path | None = None,
         progress: bool = False,
+        parts: Parts | None = None,
     ) -> None:
         self.config, self.ctx = config, ctx
+        parts = parts or Parts()
         data = dataset if dataset is not None else load_dataset(config.dataset, config.data_dir)
         if config.transform:
             data = apply_transform(data, config.transform, config.seed)
-        config.validate_against(data)
+        config.validate_against(data, model_given=parts.model is not None)
         dtype = getattr(torch, config.dtype)
         self.data = data.to(ctx.device, dtype)
         self.n = data.n_train
         self.classification = data.task in ("classification", "text")  # has an accuracy
-        self.loss_fn = resolve_loss(config.loss, data.task)
+        self.loss_fn = parts.loss or resolve_loss(config.loss, data.task)
         self.strategy = config.parsed_strategy()
         self.mechanism = config.parsed_mechanism()
         self.policy = config.parsed_batch_policy()
 
         torch.manual_seed(config.seed)
-        self.model = build_model(config.model, data.input_shape, data.num_outputs, seed=config.seed)
+        self.model = (copy.deepcopy(parts.model) if parts.model is not None else
+                      build_model(config.model, data.input_shape, data.num_outputs,
+                                  seed=config.seed))
         self.model.to(device=ctx.device, dtype=dtype).train()
         self.names = [name for name, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.numels = [p.numel() for p in self.params]
-        self.optimizer = torch.optim.SGD(
+        self.optimizer = parts.optimizer(self.params) if parts.optimizer else torch.optim.SGD(
             self.params,
             lr=config.lr,
             momentum=config.momentum,

@@ -1,0 +1,78 @@
+"""What ``advise`` is handed from Python, turned into what the trainer takes.
+
+``advise(config)`` takes a TrainConfig (model and data by name). ``advise(model, data, ...)``
+takes a user's objects: a module or a zero-argument factory, data in every form ``measure``
+accepts (a batchbound Dataset, an (x, y) pair of tensors, a torch Dataset, a DataLoader), a
+loss name or per-example callable ``(outputs, targets) -> (n,)``, and an optimizer factory
+``params -> Optimizer``. Data are read into memory once (the pilot draws random batches).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchbound.data import Dataset
+from batchbound.data.dataset import CLASSIFICATION, REGRESSION, TEXT, check_dataset
+from batchbound.diversity.measure import data_chunks
+from batchbound.errors import BatchboundError
+from batchbound.train.config import Target, TrainConfig
+from batchbound.train.loop import Parts
+
+
+def as_module(model: nn.Module | Callable[[], nn.Module]) -> nn.Module:
+    """A module, or what a zero-argument factory returns."""
+    if isinstance(model, nn.Module):
+        return model
+    if callable(model):
+        built = model()
+        if isinstance(built, nn.Module):
+            return built
+        raise BatchboundError(f"the model factory returned a {type(built).__name__}, not a "
+                              "torch.nn.Module")
+    raise BatchboundError(f"model must be a TrainConfig, an nn.Module or a factory, got "
+                          f"{type(model).__name__}")
+
+
+def as_dataset(data: Any) -> Dataset:
+    """The training examples as a batchbound Dataset (no test split unless given one)."""
+    if isinstance(data, Dataset):
+        return data
+    if data is None:
+        raise BatchboundError("advise(model, data): give the training data")
+    chunks, _, _ = data_chunks(data, 4096)
+    xs, ys = zip(*[(x.detach().cpu(), y.detach().cpu()) for x, y in chunks], strict=True)
+    x, y = torch.cat(xs), torch.cat(ys)
+    if y.dtype == torch.int64 and y.dim() == 1:
+        task, classes = CLASSIFICATION, int(y.max()) + 1
+    elif y.dtype == torch.int64 and y.dim() == 2 and x.dtype == torch.int64:
+        task, classes = TEXT, int(max(x.max(), y.max())) + 1
+    elif y.is_floating_point():
+        task, classes = REGRESSION, None
+        y = y.reshape(len(y), -1)
+    else:
+        raise BatchboundError(f"targets of dtype {y.dtype} and shape {tuple(y.shape)}: need "
+                              "int64 class labels (n,), int64 next tokens (n, context) or "
+                              "float regression targets")
+    empty_x, empty_y = x[:0], y[:0]
+    return check_dataset(Dataset("your data", task, x, y, empty_x, empty_y, classes,
+                                 "handed to advise from Python"))
+
+
+def from_objects(model: nn.Module | Callable[[], nn.Module], data: Any,
+                 loss: str | Callable[..., torch.Tensor] | None,
+                 optimizer: Callable[..., torch.optim.Optimizer] | None, *, batch_size: int,
+                 lr: float, seed: int, device: str, targets: tuple[Target, ...] = (),
+                 max_epochs: float | None = 100.0) -> tuple[TrainConfig, Dataset, Parts]:
+    """(config, data, parts) for the trainer from a user's objects."""
+    module = as_module(model)
+    dataset = as_dataset(data)
+    config = TrainConfig(dataset=dataset.name, model=f"{type(module).__name__} (your module)",
+                         loss=loss if isinstance(loss, str) else None, batch_size=batch_size,
+                         lr=lr, seed=seed, device=device, targets=targets,
+                         max_epochs=max_epochs)
+    parts = Parts(model=module, loss=loss if callable(loss) else None, optimizer=optimizer)
+    return config, dataset, parts
