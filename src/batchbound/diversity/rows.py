@@ -10,8 +10,10 @@ So the hooks forward runs under ``RowTracker``, a dispatch mode that sees every 
 operation and marks the tensors whose rows may belong to other examples than their
 position says. An operation *moves rows* when
 
-- torch tags it ``dynamic_output_shape`` (its output's size depends on the data: boolean
-  masks, ``nonzero``, ``unique``, ``masked_select``, ``repeat_interleave`` by a tensor), or
+- its output's shape depends on the data (``x[mask]``, ``nonzero``, ``masked_select``,
+  ``unique``, ``repeat_interleave`` by a tensor): torch tags such operations
+  ``dynamic_output_shape``, and its fake-tensor kernels tell, for the arguments at hand,
+  whether the shape really needs the values (``x[idx]`` with integer indices does not), or
 - it is not pointwise and reads an integer or boolean tensor computed from the examples'
   floating-point values or drawn at random (``argmax``, ``topk``'s indices, ``h > 0``,
   ``randperm``) beside a tensor of such values: it uses data as positions into that tensor
@@ -36,7 +38,13 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from batchbound.diversity.graph import Node, is_accumulator
@@ -63,6 +71,29 @@ def _tensors(values: Any, into: list[Tensor]) -> list[Tensor]:
         elif isinstance(value, (tuple, list)):
             _tensors(value, into)
     return into
+
+
+_SHAPES_NEED_DATA: dict[tuple, bool] = {}  # (op, input dtypes) -> its output shape needs data
+
+
+def _selects(func: Any, args: tuple, kwargs: dict, inputs: list[Tensor]) -> bool:
+    """Whether an operation torch tags ``dynamic_output_shape`` needs the data for its output
+    shape with these arguments, as torch's own fake-tensor kernels decide (``x[mask]`` and
+    ``nonzero`` do; ``x[idx]`` with integer indices does not): asked once per operation and
+    input dtypes, on fake copies of the arguments."""
+    key = (func, tuple(t.dtype for t in inputs))
+    found = _SHAPES_NEED_DATA.get(key)
+    if found is None:
+        with FakeTensorMode() as mode:
+            fake = tree_map(lambda v: mode.from_tensor(v) if isinstance(v, Tensor) else v,
+                            (args, kwargs))
+            try:
+                func(*fake[0], **fake[1])
+                found = False
+            except (DynamicOutputShapeException, DataDependentOutputException):
+                found = True
+        _SHAPES_NEED_DATA[key] = found
+    return found
 
 
 class RowTracker(TorchDispatchMode):
@@ -93,8 +124,9 @@ class RowTracker(TorchDispatchMode):
         dynamic, pointwise, random = _kind(func)
         positions = [t in self.positions for t in inputs]
         valued = [self._valued(t) for t in inputs]
-        moves = dynamic or (not pointwise and any(positions) and any(
-            v and not p for p, v in zip(positions, valued, strict=True)))
+        indexes = not pointwise and any(positions) and any(
+            v and not p for p, v in zip(positions, valued, strict=True))
+        moves = indexes or (dynamic and _selects(func, args, kwargs, inputs))
         if moves:
             self.moved_by = self.moved_by or str(func.overloadpacket.__name__)
             self.sources.extend(t.grad_fn for t in inputs if t.grad_fn is not None)

@@ -1,4 +1,5 @@
-"""Affine parameters of LayerNorm, RMSNorm, GroupNorm and BatchNorm (eval mode).
+"""Affine parameters of LayerNorm, RMSNorm (torch's and Hugging Face's), GroupNorm and
+BatchNorm (eval mode).
 
 All three compute y = x̂·weight + bias with a normalised x̂, so the per-example gradients are
 weight: Σ (b·x̂) and bias: Σ b, summed over the positions that share a parameter entry.
@@ -56,6 +57,26 @@ def rms_norm_rule(call: Call) -> dict[str, PerExampleGrad]:
     eps = torch.finfo(x.dtype).eps if layer.eps is None else layer.eps
     x_hat = x * torch.rsqrt(x.square().mean(dim=dims, keepdim=True) + eps)
     return _affine_grads(layer, x_hat, b, len(layer.normalized_shape))
+
+
+# Hugging Face's RMSNorm of Llama, copied by these families (the same __init__ and forward:
+# x̂ computed in float32 and cast back to the input's dtype, eps in ``variance_epsilon``).
+# tests/unit/test_hf_models.py checks each one's source against LlamaRMSNorm's.
+HF_RMS_NORMS = tuple(
+    f"transformers.models.{family}.modeling_{family}.{name}RMSNorm"
+    for family, name in [
+        ("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral"), ("qwen2", "Qwen2"),
+        ("qwen2_moe", "Qwen2Moe"), ("qwen3", "Qwen3"), ("qwen3_moe", "Qwen3Moe"), ("phi3", "Phi3"),
+    ]
+)
+
+
+@register_rule(*HF_RMS_NORMS, params=("weight",), feature_dims=1)
+def llama_rms_norm_rule(call: Call) -> dict[str, PerExampleGrad]:
+    layer, x, b = call.module, call.input, call.grad
+    wide = x.to(torch.float32)
+    x_hat = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + layer.variance_epsilon)
+    return _affine_grads(layer, x_hat.to(x.dtype), b, 1)
 
 
 def _channel_sums(layer: nn.Module, x: Tensor, b: Tensor, mean: Tensor, inv_std: Tensor) -> dict:

@@ -15,7 +15,10 @@ A rule has one signature, ``rule(call) -> {param_name: PerExampleGrad}``:
 
 Register a rule with ``@register_rule(nn.SomeLayer, ...)``. Lookup is by exact type, so a
 subclass that changes ``forward`` is never silently given its parent's rule; it goes to the
-fallback engine instead.
+fallback engine instead. A third-party layer is named by its full dotted path instead
+(``"transformers.pytorch_utils.Conv1D"``): batchbound never imports that library; the rule
+applies once the library is imported and a module of exactly that class (the class found at
+that path) appears in a model.
 
 What the engine checks before trusting a rule, for every call: that each use of a parameter
 in the autograd graph lies inside a call of a module whose rule covers it; that the examples
@@ -27,6 +30,7 @@ recurrent layers in train mode, say), which sends that call's parameters to the 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,17 +81,19 @@ class RuleEntry:
 
 
 RULES: dict[type[nn.Module], RuleEntry] = {}
+NAMED_RULES: dict[str, RuleEntry] = {}  # "package.module.Class" -> rule, for other libraries
 
 
 def register_rule(
-    *module_types: type[nn.Module],
+    *module_types: type[nn.Module] | str,
     params: tuple[str, ...] | Callable[[nn.Module], tuple[str, ...]] = ("weight", "bias"),
     example_axis: ExampleAxis = None,
     feature_dims: int | Callable[[nn.Module], int] = 0,
     main: str | None = None,
     unsupported: Callable[[Call, int], str | None] | None = None,
 ) -> Callable[[Rule], Rule]:
-    """Register ``rule`` for each of ``module_types``.
+    """Register ``rule`` for each of ``module_types``: classes, or the full dotted paths of
+    classes from libraries batchbound does not import (see the module docstring).
 
     ``params``: the local parameter names it covers (or a function of the module).
     ``example_axis``: None for layers that treat every leading dimension of the main input
@@ -102,16 +108,25 @@ def register_rule(
 
     def decorate(rule: Rule) -> Rule:
         for module_type in module_types:
-            if module_type in RULES:
-                raise ValueError(f"a rule for {module_type.__name__} is registered twice")
-            RULES[module_type] = RuleEntry(rule, names, example_axis, features, main, unsupported)
+            table: dict = NAMED_RULES if isinstance(module_type, str) else RULES
+            if module_type in table:
+                name = module_type if isinstance(module_type, str) else module_type.__name__
+                raise ValueError(f"a rule for {name} is registered twice")
+            table[module_type] = RuleEntry(rule, names, example_axis, features, main, unsupported)
         return rule
 
     return decorate
 
 
 def rule_for(module: nn.Module) -> RuleEntry | None:
-    return RULES.get(type(module))
+    kind = type(module)
+    entry = RULES.get(kind)
+    if entry is None and NAMED_RULES:
+        entry = NAMED_RULES.get(f"{kind.__module__}.{kind.__qualname__}")
+        home = sys.modules.get(kind.__module__)
+        if entry is not None and getattr(home, kind.__qualname__, None) is not kind:
+            return None  # a class of that name, but not the one at that path
+    return entry
 
 
 def first_axis(module: nn.Module) -> int:

@@ -1,0 +1,179 @@
+"""Stock Hugging Face models from small configs (issue 26): every parameter through the layer
+rules, no fallback, equal to the float64 per-example loop (≤ 1e-9 relative); the third-party
+rules (GPT-2's Conv1D, Llama's RMSNorm and its copies) registered by name, never imported by
+batchbound, looked up by exact type."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import assert_exact, feature_loss, feature_targets
+from torch import Tensor, nn
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+from transformers import (  # noqa: E402
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
+from transformers.pytorch_utils import Conv1D  # noqa: E402
+
+from batchbound.diversity.rules import rule_for  # noqa: E402
+from batchbound.diversity.rules.norm import HF_RMS_NORMS  # noqa: E402
+
+VOCAB = 64
+DECODER = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
+               use_cache=False)
+
+
+def gpt2(attn: str = "sdpa") -> nn.Module:
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB,
+                                      n_positions=32, use_cache=False, attn_implementation=attn))
+
+
+def llama(attn: str = "sdpa") -> nn.Module:
+    return LlamaForCausalLM(LlamaConfig(**DECODER, attn_implementation=attn))
+
+
+def bert(attn: str = "sdpa") -> nn.Module:
+    return BertForSequenceClassification(BertConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        vocab_size=VOCAB, max_position_embeddings=32, num_labels=3, attn_implementation=attn))
+
+
+DECODERS = {
+    "gpt2": gpt2,
+    "llama": llama,
+    "mistral": lambda attn="sdpa": MistralForCausalLM(MistralConfig(**DECODER,
+                                                                    attn_implementation=attn)),
+    "qwen2": lambda attn="sdpa": Qwen2ForCausalLM(Qwen2Config(**DECODER,
+                                                              attn_implementation=attn)),
+    "qwen3": lambda attn="sdpa": Qwen3ForCausalLM(Qwen3Config(**DECODER, head_dim=8,
+                                                              attn_implementation=attn)),
+}
+
+
+class WithPadding(nn.Module):
+    """The model called as a user calls it on a padded batch: ids and their attention mask."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.model(input_ids=ids, attention_mask=(ids != 0).long()).logits
+
+
+def lm_loss(out: object, y: Tensor) -> Tensor:
+    logits = out if isinstance(out, Tensor) else out.logits  # type: ignore[attr-defined]
+    return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").sum(dim=1)
+
+
+def classification_loss(out: object, y: Tensor) -> Tensor:
+    logits = out if isinstance(out, Tensor) else out.logits  # type: ignore[attr-defined]
+    return F.cross_entropy(logits, y, reduction="none")
+
+
+def ids(n: int = 5, steps: int = 10, padded: bool = False) -> Tensor:
+    x = torch.randint(1, VOCAB, (n, steps))
+    if padded:
+        x[1, 6:] = 0
+        x[3, 8:] = 0
+    return x
+
+
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_decoder_through_the_rules_alone(name: str) -> None:
+    torch.manual_seed(0)
+    x = ids()
+    assert_exact(DECODERS[name]().eval(), x, torch.randint(0, VOCAB, x.shape), lm_loss,
+                 engine="hooks")
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_decoder_with_an_attention_mask(name: str, attn: str) -> None:
+    """The masks transformers builds from the attention mask choose no rows."""
+    torch.manual_seed(1)
+    x = ids(padded=True)
+    assert_exact(WithPadding(DECODERS[name](attn)).eval(), x, torch.randint(0, VOCAB, x.shape),
+                 lm_loss)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_bert_classifier_with_padding(attn: str) -> None:
+    torch.manual_seed(2)
+    assert_exact(WithPadding(bert(attn)).eval(), ids(padded=True), torch.randint(0, 3, (5,)),
+                 classification_loss)
+
+
+# ---------------------------------------------------------------- the rules themselves
+
+
+def check(model: nn.Module, x: Tensor) -> None:
+    model = model.double()
+    x = x.double() if x.is_floating_point() else x
+    assert_exact(model, x, feature_targets(model, x), feature_loss, engine="hooks")
+
+
+@pytest.mark.parametrize("shape", [(4, 6), (3, 5, 6), (2, 3, 4, 6)])
+def test_conv1d_rule(shape: tuple[int, ...]) -> None:
+    torch.manual_seed(3)
+    check(Conv1D(5, 6), torch.randn(*shape))
+
+
+@pytest.mark.parametrize("shape", [(4, 8), (3, 5, 8)])
+@pytest.mark.parametrize("eps", [1e-6, 0.5])
+def test_llama_rms_norm_rule(shape: tuple[int, ...], eps: float) -> None:
+    """x̂ in float32 inside the layer even for a float64 model: the rule computes it the same
+    way, or it would be 1e-7 off."""
+    torch.manual_seed(4)
+    layer = LlamaRMSNorm(8, eps=eps)
+    with torch.no_grad():
+        layer.weight.normal_()
+    check(nn.Sequential(nn.Linear(8, 8), layer), torch.randn(*shape))
+
+
+def test_every_named_rms_norm_is_llamas() -> None:
+    """Each class the RMSNorm rule names has Llama's __init__ and forward (up to its name)."""
+    def source(cls: type) -> str:
+        text = inspect.getsource(cls.forward) + inspect.getsource(cls.__init__)
+        return text.replace(cls.__name__, "RMSNorm")
+
+    expected = source(LlamaRMSNorm)
+    for path in HF_RMS_NORMS:
+        module, name = path.rsplit(".", 1)
+        __import__(module)
+        cls = getattr(sys.modules[module], name)
+        assert source(cls) == expected, path
+        assert rule_for(cls(4)) is not None
+
+
+def test_named_rules_look_up_the_exact_class() -> None:
+    class MyConv1D(Conv1D):
+        pass
+
+    class Conv1DLookalike(nn.Module):  # same name, another module
+        pass
+
+    Conv1DLookalike.__name__ = Conv1DLookalike.__qualname__ = "Conv1D"
+    assert rule_for(Conv1D(3, 2)) is not None
+    assert rule_for(MyConv1D(3, 2)) is None
+    assert rule_for(Conv1DLookalike()) is None
