@@ -7,7 +7,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PIP    := $(BIN)/python -m pip install --disable-pip-version-check -q $(FIND_LINKS) -c constraints.txt
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-slow lint bench clean
+.PHONY: install demo test test-slow test-gpu lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ test: install
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
+
+# CUDA and NCCL paths (each test skips, naming why, on a machine without a GPU). On a GPU
+# machine install the CUDA torch build first: `make install` pins the CPU one.
+test-gpu: install
+	$(BIN)/python -m pytest -q -m gpu
 
 lint: install
 	$(BIN)/ruff check .

@@ -16,6 +16,7 @@ from batchbound.diversity import ENGINES, LOSS_NAMES, measure
 from batchbound.models import build_model, count_parameters, model_shape
 from batchbound.models.layers import check_task
 from batchbound.models.user import untagged_shape
+from batchbound.train.distributed import resolve_device
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -46,6 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--dtype", choices=list(DTYPES), default="float32", help="precision; default float32"
     )
     parser.add_argument("--seed", type=int, default=0, help="model initialisation seed; default 0")
+    parser.add_argument("--device", default="auto",
+                        help="auto (cuda when available) | cpu | cuda[:i]; default auto")
     parser.add_argument(
         "--loss",
         choices=LOSS_NAMES,
@@ -64,6 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def measure_one(spec: str, dataset: Any, args: argparse.Namespace) -> dict[str, Any]:
     model = build_model(spec, dataset.input_shape, dataset.num_outputs, seed=args.seed)
     check_task(model_shape(model), dataset.task, args.dataset)
+    model.to(resolve_device(args.device))  # the data follow the model's device
     report = measure(
         model,
         dataset,
@@ -79,6 +83,7 @@ def measure_one(spec: str, dataset: Any, args: argparse.Namespace) -> dict[str, 
         "model": spec,
         "dataset": args.dataset,
         "seed": args.seed,
+        "device": str(next(model.parameters()).device),
         "params": count_parameters(model),
         "depth": depth,
         "width": width,

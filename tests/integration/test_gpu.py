@@ -1,0 +1,56 @@
+"""The CUDA paths: measure, train, advise on a GPU, and NCCL across ranks (``make test-gpu``;
+each test skips, saying why, where there is no GPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from batchbound.cli import main
+from batchbound.data import load_dataset
+from batchbound.diversity import measure
+from batchbound.models import build_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine"),
+]
+MODEL = "fc(depth=2,params=4000)"
+
+
+def test_measure_on_cuda_matches_the_cpu_in_float64():
+    digits = load_dataset("digits")
+    cpu = build_model(MODEL, digits.input_shape, digits.num_outputs, seed=0)
+    gpu = build_model(MODEL, digits.input_shape, digits.num_outputs, seed=0).cuda()
+    a = measure(cpu, digits, dtype=torch.float64)
+    b = measure(gpu, digits, dtype=torch.float64)
+    for got, want in ((b.S, a.S), (b.T, a.T)):
+        assert got == pytest.approx(want, rel=1e-9)
+
+
+def test_cli_measure_and_train_on_cuda(capsys: pytest.CaptureFixture[str]):
+    assert main(["measure", "--dataset", "digits", "--model", MODEL, "--device", "cuda",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["device"].startswith("cuda")
+    assert main(["train", "--dataset", "digits", "--model", MODEL, "-B", "64", "--lr", "0.1",
+                 "--max-epochs", "2", "--device", "cuda", "--json", "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "complete"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL across ranks needs 2 GPUs")
+def test_train_two_ranks_over_nccl(capsys: pytest.CaptureFixture[str]):
+    assert main(["train", "--dataset", "digits", "--model", MODEL, "-B", "64", "--lr", "0.1",
+                 "--max-epochs", "2", "--device", "cuda", "--workers", "2", "--json",
+                 "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "complete"
+
+
+def test_advise_pilots_and_times_on_cuda(capsys: pytest.CaptureFixture[str]):
+    assert main(["advise", "--dataset", "mnist5k", "--model", "fc(depth=2,params=20000)",
+                 "--lr", "0.1", "-B", "16", "--planned-epochs", "2", "--max-workers", "1",
+                 "--device", "cuda", "--json"]) == 0
+    advice = json.loads(capsys.readouterr().out)
+    assert advice["pilot"]["iterations"] == 50
+    assert all(r["seconds_per_iteration"] > 0 for r in advice["rows"])
