@@ -377,8 +377,11 @@ def advise_from_study(
     counts = worker_counts(limit)
     payload = _payload(config, data)
     log(f"{source.study}, {source.model}: k(B) measured at B = {list(measured.batches)}")
+    load = load_per_core()
     curves, communication = _timings(config, data, spec, counts, micro_limit, payload,
                                      source.step, log)
+    loads = [x for x in (load, load_per_core()) if x is not None]
+    busy = busy_reason(max(loads) if loads else None, 1.0, 1.0) if spec is None else None
     rows = _rows(counts, source.n, micro_limit, curves, communication, overlap, measured.at,
                  measured.lr)
     recommended, stop = finish(rows)
@@ -399,7 +402,8 @@ def advise_from_study(
         batch_bound=source.batch_bound, rows=rows, recommended=recommended,
         workers_stop_paying=stop, assumptions=assumptions, study=source.describe(),
         extra={"n": source.n, "strategy": source.strategy, "overlap": overlap,
-               "timing": "cluster" if spec is not None else "measured"},
+               "timing": "cluster" if spec is not None else "measured",
+               "timing_reliable": busy is None, "timing_warning": busy},
         curves=curves, communication=communication)
 
 

@@ -41,11 +41,14 @@ def workers_table(store_path: str | Path, study: str, per_run: pd.DataFrame,
         except BatchboundError as exc:
             rows.append({"model": label, "note": f"not advised: {exc}"})
             continue
+        busy = advice.extra.get("timing_warning")
         for r in advice.rows:
+            notes = ["" if math.isfinite(r.iterations) else "not reached",
+                     f"timing machine busy ({busy}): seconds uncertain" if busy else ""]
             rows.append({"model": label, "workers": r.workers, "batch": r.batch_size,
                          "lr": r.lr, "iterations": r.iterations,
                          "s/iteration": r.seconds_per_iteration,
                          "s to target": r.seconds_to_target, "speedup": r.speedup,
                          "recommended": "←" if r is advice.recommended else "",
-                         "note": "" if math.isfinite(r.iterations) else "not reached"})
+                         "note": "; ".join(n for n in notes if n)})
     return pd.DataFrame(rows, columns=COLUMNS)
