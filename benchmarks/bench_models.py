@@ -128,6 +128,36 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+class HFLogits(nn.Module):
+    """A stock Hugging Face causal LM as a user calls it, returning the logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(input_ids=idx).logits
+
+
+def hf_gpt2() -> nn.Module:
+    """transformers' GPT2LMHeadModel from a small config: the GPT-style case's shape (4 layers,
+    width 128, 4 heads, context 64, vocabulary 256, tied head), Conv1D layers."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return HFLogits(GPT2LMHeadModel(GPT2Config(
+        n_layer=4, n_embd=128, n_head=4, n_positions=64, vocab_size=256, use_cache=False)))
+
+
+def hf_llama() -> nn.Module:
+    """transformers' LlamaForCausalLM from a small config: 4 layers, width 128, 4 heads (2 key
+    and value heads), SwiGLU width 344, RMSNorm, rotary positions, context 64, vocabulary 256."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return HFLogits(LlamaForCausalLM(LlamaConfig(
+        num_hidden_layers=4, hidden_size=128, intermediate_size=344, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, vocab_size=256, use_cache=False)))
+
+
 def classification_loss(out: Tensor, y: Tensor) -> Tensor:
     return F.cross_entropy(out, y, reduction="none")
 
@@ -159,4 +189,6 @@ CASES = {
     "lenet": Case("LeNet-5", lenet5, images(1, 28, 28), 256),
     "resnet": Case("ResNet-8 (BatchNorm, eval)", small_resnet, images(3, 32, 32), 64),
     "gpt": Case("GPT-style (4×128, tied head)", GPT, tokens, 32, token_loss),
+    "hf-gpt2": Case("HF GPT2LMHeadModel (4×128)", hf_gpt2, tokens, 32, token_loss),
+    "hf-llama": Case("HF LlamaForCausalLM (4×128)", hf_llama, tokens, 32, token_loss),
 }

@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
+from batchbound import kernels
 from batchbound.diversity import PreparedStats, measure
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -221,7 +222,8 @@ def run_case(case: Case, repeats: int, slow_batch: int, engines: list[str]) -> l
 # What a user calls: ``measure`` over a data set in chunks, the model checked anew on every
 # call (the probe at two batch sizes, the per-example loop on two examples), against a plain
 # forward+backward over the same chunks.
-MEASURE_SIZES = {"mlp": (4096, 256), "lenet": (2048, 256), "resnet": (512, 64), "gpt": (512, 32)}
+MEASURE_SIZES = {"mlp": (4096, 256), "lenet": (2048, 256), "resnet": (512, 64), "gpt": (512, 32),
+                 "hf-gpt2": (512, 32), "hf-llama": (512, 32)}
 
 
 @dataclass
@@ -298,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         "--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES)
     )
     parser.add_argument(
-        "--measure-cases", default="mlp,gpt",
+        "--measure-cases", default="mlp,lenet,gpt,hf-gpt2,hf-llama",
         help="cases to time measure() end to end on (comma-separated, or 'none'); sizes: "
         + ", ".join(f"{k} {n} examples in chunks of {c}" for k, (n, c) in MEASURE_SIZES.items()),
     )
@@ -332,8 +334,9 @@ def main(argv: list[str] | None = None) -> int:
                           "measure": [asdict(r) for r in measured]}, indent=2))
     else:
         print(
-            f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), median of "
-            f"{repeats} interleaved rounds; peak MB = RSS peak above the pre-run RSS"
+            f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
+            f"{kernels.describe()}, median of {repeats} interleaved rounds; peak MB = RSS peak "
+            "above the pre-run RSS"
         )
         print_table(rows)
         if measured:

@@ -274,10 +274,13 @@ def resnet(block: str = "basic") -> ResNet:
 
 
 class SwitchMoE(nn.Module):
-    """Switch Transformer's layer: every token goes to its top-1 expert, scaled by the gate."""
+    """Switch Transformer's layer: every token goes to its top-1 expert, scaled by the gate
+    (``hard``: routed under ``torch.no_grad()``, no gate)."""
 
-    def __init__(self, d: int = 8, hidden: int = 16, experts: int = 4, classes: int = 4) -> None:
+    def __init__(self, d: int = 8, hidden: int = 16, experts: int = 4, classes: int = 4,
+                 hard: bool = False) -> None:
         super().__init__()
+        self.hard = hard
         self.inp = nn.Linear(d, hidden)
         self.router = nn.Linear(hidden, experts)
         self.experts = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(experts))
@@ -287,11 +290,16 @@ class SwitchMoE(nn.Module):
         h = self.inp(x)
         n, t, width = h.shape
         flat = h.reshape(-1, width)
-        gate, route = self.router(flat).softmax(-1).max(-1)
+        if self.hard:
+            with torch.no_grad():
+                route = self.router(flat).argmax(-1)
+        else:
+            gate, route = self.router(flat).softmax(-1).max(-1)
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
-            idx = torch.where(route == e)[0]
-            out[idx] = expert(flat[idx]) * gate[idx, None]
+            idx = (route == e).nonzero()[:, 0]
+            picked = expert(flat.index_select(0, idx))
+            out = out.index_add(0, idx, picked if self.hard else picked * gate[idx, None])
         return self.out(out.reshape(n, t, width).mean(1))
 
 

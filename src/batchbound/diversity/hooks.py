@@ -167,12 +167,13 @@ class HooksPass:
         layout: Layout | None,
         n: int,
         excluded: dict[str, str] | None = None,
-        fingerprint: bool = False,
+        probes: dict[str, tuple[Tensor, Tensor]] | None = None,
     ) -> None:
         self.plan, self.params, self.layout, self.n = plan, params, layout, n
-        # With ``fingerprint``: ⟨Σ_i g_i, a bᵀ⟩ per parameter from the rules' forms, for a
-        # random a, b each (``probes``), to compare with autograd's gradient sum.
-        self.probes = {name: _probe_vectors(p) for name, p in params.items()} if fingerprint else {}
+        # With ``probes`` (``probe_vectors``): ⟨Σ_i g_i, a bᵀ⟩ per parameter from the rules'
+        # forms, for its random a, b, to compare with autograd's gradient sum.
+        self.probes = probes or {}
+        self.backward_seen = False  # an output gradient reached a rule's call
         self.fingerprints: dict[str, Tensor] = {}
         self.recorder = CallRecorder(plan.covered)
         self.reasons: dict[str, str] = {**plan.static_reasons(), **(excluded or {})}
@@ -329,6 +330,7 @@ class HooksPass:
 
         def make(node: Node, slots: list[int]) -> Callable[[tuple], None]:
             def prehook(grad_outputs: tuple) -> None:
+                self.backward_seen = True
                 for k in slots:
                     call.grads[k] = grad_outputs[call.outputs[k].index]
                 if single:
@@ -454,9 +456,13 @@ def _widened(value: Any) -> Any:
     return value
 
 
+def probe_vectors(params: dict[str, nn.Parameter]) -> dict[str, tuple[Tensor, Tensor]]:
+    """For each parameter p, fixed random unit vectors a (rows) and b (columns) for p viewed
+    as a matrix (rows = its first dimension); a local generator leaves the global RNG alone."""
+    return {name: _probe_vectors(p) for name, p in params.items()}
+
+
 def _probe_vectors(p: Tensor) -> tuple[Tensor, Tensor]:
-    """Fixed random unit vectors a (rows) and b (columns) for parameter ``p`` viewed as a
-    matrix (rows = its first dimension); a local generator leaves the global RNG alone."""
     rows = p.shape[0] if p.dim() else 1
     generator = torch.Generator(device=p.device).manual_seed(p.numel())
     a = torch.randn(rows, generator=generator, device=p.device, dtype=p.dtype)

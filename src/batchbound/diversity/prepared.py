@@ -64,7 +64,7 @@ _CHECKS: weakref.WeakKeyDictionary[
 _VMAP_CHECKED: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
 
 
-def _structure(model: nn.Module, params: dict[str, nn.Parameter], loss: object,
+def structure_of(model: nn.Module, params: dict[str, nn.Parameter], loss: object,
                engine: str) -> tuple:
     modules = tuple((name, id(m), type(m)) for name, m in model.named_modules())
     tensors = tuple((name, id(p), tuple(p.shape), p.dtype, p.device) for name, p in params.items())
@@ -105,7 +105,7 @@ class PreparedStats:
         self._warned: set[str] = set()
         self._vmap_error = ""
         self._methods = ""
-        self._structure = _structure(model, self.params, loss, engine)
+        self._structure = structure_of(model, self.params, loss, engine)
         if engine in ("auto", "hooks"):
             cached = _CHECKS.get(model)
             if cached is not None and cached[0] == self._structure:
@@ -339,7 +339,7 @@ def per_example_gradients(
             return loop_gradients(model, x, y, loss_fn, names)
         try:
             grads = vmap_gradients(model, x, y, loss_fn, names)
-            key = _structure(model, params, loss_fn, "vmap")
+            key = structure_of(model, params, loss_fn, "vmap")
             if _VMAP_CHECKED.get(model) != key:  # once per model: a training step calls this
                 _check_first_row(model, x, y, loss_fn, grads)
                 _VMAP_CHECKED[model] = key

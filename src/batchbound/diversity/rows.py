@@ -112,17 +112,18 @@ class RowTracker(TorchDispatchMode):
                 self.values[t] = True
 
     def _valued(self, t: Tensor) -> bool:
-        """Computed from the examples' floating-point values or from the weights."""
-        return t in self.values or (t.is_leaf and t.requires_grad)
+        """Computed from the examples' floating-point values or from the weights: what
+        requires grad (weights and what autograd records from them) or was seen computed
+        from such values without autograd (the raw inputs, a ``no_grad`` block)."""
+        return t.requires_grad or t in self.values
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         inputs = _tensors(kwargs.values(), _tensors(args, []))
-        outputs = _tensors(out if isinstance(out, (tuple, list)) else (out,), [])
         dynamic, pointwise, random = _kind(func)
-        positions = [t in self.positions for t in inputs]
+        positions = [t.dtype in _INDEX_DTYPES and t in self.positions for t in inputs]
         valued = [self._valued(t) for t in inputs]
         indexes = not pointwise and any(positions) and any(
             v and not p for p, v in zip(positions, valued, strict=True))
@@ -130,16 +131,23 @@ class RowTracker(TorchDispatchMode):
         if moves:
             self.moved_by = self.moved_by or str(func.overloadpacket.__name__)
             self.sources.extend(t.grad_fn for t in inputs if t.grad_fn is not None)
-        if moves or any(self.is_marked(t) for t in inputs):
+        if not (moves or self.marked or any(valued) or random):
+            return out  # the common case: weights and activations, nothing chosen
+        outputs = _tensors(out if isinstance(out, (tuple, list)) else (out,), [])
+        if moves or (self.marked and any(self.is_marked(t) for t in inputs)):
             for t in outputs:
                 self._mark(t)
         chosen = random or any(positions) or any(
             v and t.is_floating_point() for t, v in zip(inputs, valued, strict=True))
-        if any(valued) or chosen:
-            for t in outputs:
-                self.values[t] = True
-                if chosen and t.dtype in _INDEX_DTYPES:
+        # outputs autograd will record (they then require grad) need no entry
+        recorded = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+        for t in outputs:
+            if t.dtype in _INDEX_DTYPES:
+                if chosen:
                     self.positions[t] = True
+                    self.values[t] = True
+            elif not recorded:
+                self.values[t] = True
         return out
 
     def _mark(self, t: Tensor) -> None:

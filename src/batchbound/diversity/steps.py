@@ -10,6 +10,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -24,10 +25,11 @@ from batchbound.diversity.hooks import (
     Layout,
     fingerprint_of,
     plan_hooks,
+    probe_vectors,
 )
 from batchbound.diversity.losses import resolve_loss
 from batchbound.diversity.online import OnlineDiversity
-from batchbound.diversity.prepared import PreparedStats, describe
+from batchbound.diversity.prepared import PreparedStats, describe, structure_of
 from batchbound.diversity.probe import (
     COUPLED,
     INTERACTING,
@@ -36,11 +38,14 @@ from batchbound.diversity.probe import (
     tolerance,
 )
 from batchbound.diversity.rows import RowTracker
-from batchbound.diversity.stats import check_model_mode, trainable_parameters
+from batchbound.diversity.stats import (
+    batch_norm_modules,
+    check_model_mode,
+    trainable_parameters,
+)
 from batchbound.errors import BatchboundError
 
 # Checked once per model (the probe runs the model at two batch sizes): model -> state.
-_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, Layout] = weakref.WeakKeyDictionary()
 _PREPARED: weakref.WeakKeyDictionary[nn.Module, dict[tuple, PreparedStats]] = (
     weakref.WeakKeyDictionary()
 )
@@ -113,57 +118,98 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     """
     if reduction not in ("mean", "sum"):
         raise BatchboundError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    params = trainable_parameters(model)
-    check_model_mode(model)
-    plan = plan_hooks(model, params)
-    if plan.uncovered:
-        raise BatchboundError(
-            "watch() needs a layer rule for every trainable parameter: "
-            f"{describe(plan.static_reasons())}. Use monitored_step(), which computes them by "
-            "an exact fallback"
-        )
+    planned = _planned(model)
+    params = planned.params
+    check_model_mode(model, planned.batch_norms)
     before = {k: None if p.grad is None else p.grad.detach().clone() for k, p in params.items()}
-    with _Watched(model, plan, params) as watched:
+    with _Watched(model, planned) as watched:
         yield
     run = watched.finish()
+    if run is not None and run.reasons:
+        _refuse(run.reasons)
+    if run is None or not run.backward_seen:
+        raise BatchboundError("watch() saw no backward pass through the model; call the model "
+                              "and loss.backward() inside the block")
     delta = {}
     for name, p in params.items():
         now = torch.zeros_like(p) if p.grad is None else p.grad.detach()
         delta[name] = now if before[name] is None else now - before[name]
-    if run is None or not any(bool(d.any()) for d in delta.values()):
-        raise BatchboundError("watch() saw no backward pass through the model; call the model "
-                              "and loss.backward() inside the block")
+    unseen = _unseen_uses(run, delta)
+    if unseen:
+        _refuse(unseen)
     # The rules saw the user's loss, so their norms and sums carry its scale: a mean over b
     # examples divides every per-example gradient by b.
     b = run.n
     scale = float(b) if reduction == "mean" else 1.0
-    reasons = dict(run.reasons)
-    rtol = tolerance(next(iter(params.values())).dtype)
-    for name, value in run.fingerprints.items():
-        if name in reasons or name in run.totals:
-            continue
-        seen = fingerprint_of(delta[name], run.probes[name])
-        bound = rtol * (float(torch.linalg.vector_norm(delta[name]))
-                        + float(run.sq_norms[name].sum()) ** 0.5) + 1e-30
-        if abs(float(value - seen)) > bound:
-            reasons[name] = ("its gradient includes uses outside the model's layers (a "
-                             "regulariser in the loss?)")
-    if reasons:
-        raise BatchboundError(f"watch() cannot compute these parameters' per-example gradients "
-                              f"exactly: {describe(reasons)}. Use monitored_step(), which "
-                              "computes them by an exact fallback")
-    sums = {k: run.totals.get(k, delta[k]) for k in params}
-    S_B = scale**2 * float(sum(sq.double().sum() for sq in run.sq_norms.values()))
-    T_B = scale**2 * float(sum(s.double().square().sum() for s in sums.values()))
-    monitor.update_from_norms(S_B, T_B, b)
+    f64 = torch.float64
+    S_B = torch.stack([sq.sum(dtype=f64) for sq in run.sq_norms.values()]).sum()
+    T_B = torch.stack([torch.linalg.vector_norm(run.totals.get(k, delta[k]), dtype=f64)
+                       for k in params]).square().sum()
+    monitor.update_from_norms(scale**2 * float(S_B), scale**2 * float(T_B), b)
+
+
+def _refuse(reasons: dict[str, str]) -> None:
+    raise BatchboundError(f"watch() cannot compute these parameters' per-example gradients "
+                          f"exactly: {describe(reasons)}. Use monitored_step(), which "
+                          "computes them by an exact fallback")
+
+
+def _unseen_uses(run: HooksPass, delta: dict[str, Tensor]) -> dict[str, str]:
+    """Parameters whose ``.grad`` change disagrees with the rules' gradient sum (projected on
+    fixed random vectors): a use the model's graph does not show, a regulariser in the loss.
+    One comparison for all parameters; the projections and norms are small tensor products."""
+    names = [k for k in run.fingerprints if k not in run.totals]
+    if not names:
+        return {}
+    rtol = tolerance(delta[names[0]].dtype)
+    ours = torch.stack([torch.as_tensor(run.fingerprints[k]) for k in names])
+    seen = torch.stack([fingerprint_of(delta[k], run.probes[k]) for k in names])
+    scale = torch.stack([torch.linalg.vector_norm(delta[k]) for k in names]) + torch.stack(
+        [run.sq_norms[k].sum() for k in names]).sqrt()
+    bad = ((ours - seen).abs() > rtol * scale + 1e-30).tolist()
+    return {k: "its gradient includes uses outside the model's layers (a regulariser in the loss?)"
+            for k, wrong in zip(names, bad, strict=True) if wrong}
+
+
+@dataclass
+class _Planned:
+    """What watch() needs of a model, planned once while its structure stays the same."""
+
+    structure: tuple
+    params: dict[str, nn.Parameter]
+    plan: HookPlan
+    probes: dict[str, tuple[Tensor, Tensor]]
+    batch_norms: list[tuple[str, nn.Module]]
+    layout: Layout | None = None  # from the first watched call (the probe, the self-check)
+
+
+_PLANS: weakref.WeakKeyDictionary[nn.Module, _Planned] = weakref.WeakKeyDictionary()
+
+
+def _planned(model: nn.Module) -> _Planned:
+    params = trainable_parameters(model)
+    structure = structure_of(model, params, None, "watch")
+    planned = _PLANS.get(model)
+    if planned is None or planned.structure != structure:
+        plan = plan_hooks(model, params)
+        if plan.uncovered:
+            raise BatchboundError(
+                "watch() needs a layer rule for every trainable parameter: "
+                f"{describe(plan.static_reasons())}. Use monitored_step(), which computes "
+                "them by an exact fallback"
+            )
+        planned = _PLANS[model] = _Planned(structure, params, plan, probe_vectors(params),
+                                           batch_norm_modules(model))
+    return planned
 
 
 class _Watched:
     """Root-module hooks: on the model's call, check it (first time only), record its layer
     calls, and before the backward pass read the graph from its outputs."""
 
-    def __init__(self, model: nn.Module, plan: HookPlan, params: dict[str, nn.Parameter]) -> None:
-        self.model, self.plan, self.params = model, plan, params
+    def __init__(self, model: nn.Module, planned: _Planned) -> None:
+        self.model, self.planned = model, planned
+        self.plan, self.params = planned.plan, planned.params
         self.run: HooksPass | None = None
         self.calls = 0
         self._inside = False  # the probe's own calls of the model
@@ -202,17 +248,18 @@ class _Watched:
         if x is None or x.dim() == 0:
             raise BatchboundError("watch() needs the model's first argument to be a tensor of "
                                   "examples")
-        layout = _LAYOUTS.get(model)
+        layout = self.planned.layout
         if layout is None:
             self._inside = True
             try:
                 with torch.enable_grad():
                     layout = probe_layout(model, x, self.plan, self.params)
                     self._check(x, layout)
-                _LAYOUTS[model] = layout
+                self.planned.layout = layout
             finally:
                 self._inside = False
-        self.run = HooksPass(self.plan, self.params, layout, int(x.shape[0]), fingerprint=True)
+        self.run = HooksPass(self.plan, self.params, layout, int(x.shape[0]),
+                             probes=self.planned.probes)
         self.run.recorder.__enter__()
         self.run.recorder.start()
         self._rows = self.run.rows = RowTracker((args, kwargs))
