@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from bad_input import BAD_INPUT, refused
+from full_disk import fill, small_disk
 from study_processes import TRAINER, alive, descendants, finish, log_entries, start_study
 
 from batchbound.study.store import Store
@@ -90,7 +91,7 @@ def test_a_stopped_run_resumes(tmp_path, spec):
     for pid in workers:
         os.kill(pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 1 and "1 stopped (a rerun resumes them)" in err.decode()
+    assert proc.returncode == 75 and "1 stopped (a rerun resumes them)" in err.decode()
     with Store(store) as s:
         stopped = [k for k, st in s.db.execute("SELECT key, status FROM runs")
                    if st == "stopped"]
@@ -259,3 +260,67 @@ def test_a_read_only_store_refuses_a_run_and_still_reports(tmp_path, spec):
         for path in (shared, *shared.rglob("*")):
             os.chmod(path, 0o755 if path.is_dir() else 0o644)
         shutil.rmtree(shared)
+
+
+# ------------------------------------------------ faults in the middle of a study (issue 29)
+
+
+def test_sigterm_stops_the_study_with_its_own_exit_code(tmp_path, spec):
+    """SIGTERM to the runner: the runs in progress stop at their checkpoints, the runner
+    says so in one line and exits 75 (not 0: a batch script can tell preempted from done);
+    the rerun resumes them."""
+    store, log = tmp_path / "s.sqlite", tmp_path / "log"
+    proc = start_study(spec, store, log, sleep=0.3, jobs=2)
+    wait_for(lambda: len(list((tmp_path / "s-checkpoints").glob("*/state.json"))) >= 2, proc)
+    family = descendants(proc.pid)
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    lines = err.decode().strip().splitlines()
+    assert proc.returncode == 75, err.decode()
+    assert len(lines) == 1 and "stopped by SIGTERM" in lines[0] and "resumes" in lines[0]
+    deadline = time.time() + 10
+    while alive(family) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not alive(family), f"still alive 10 s after the runner ended: {alive(family)}"
+    before = len(log_entries(log))
+    finish(start_study(spec, store, log, sleep=0.0, jobs=2))
+    assert sum(resumed for _, resumed in log_entries(log)[before:]) >= 2
+    with Store(store) as s:
+        assert {st for (st,) in s.db.execute("SELECT status FROM runs")} == {"complete"}
+
+
+def test_a_full_disk_under_the_store_loses_no_run(tmp_path, spec):
+    """The store's disk fills after a run is recorded: the runner ends with one line naming
+    the store and the error (exit 1), the recorded run is intact, and once there is space
+    again the rerun finishes every run, none executed twice to completion."""
+    log = tmp_path / "log"
+    with small_disk(2048) as disk:
+        store = disk / "s.sqlite"
+        proc = start_study(spec, store, log, sleep=0.5, jobs=1,
+                           extra=["--checkpoint-dir", str(tmp_path / "ck")])
+
+        def complete() -> set[str]:
+            if not store.exists():
+                return set()
+            with Store(store, readonly=True) as s:
+                return {k for (k,) in s.db.execute("SELECT key FROM runs WHERE "
+                                                   "status='complete'")}
+
+        wait_for(lambda: complete(), proc)
+        filler = fill(disk)
+        _, err = proc.communicate(timeout=120)
+        lines = err.decode().strip().splitlines()
+        assert proc.returncode == 1, err.decode()
+        assert len(lines) == 1 and "Traceback" not in err.decode()
+        assert re.search(r"error: cannot write to the store .*s.sqlite: database or disk is "
+                         r"full; every run recorded before is kept", lines[0]), lines[0]
+        kept = complete()
+        assert kept  # what was recorded before the disk filled is there
+        filler.unlink()
+        before = len(log_entries(log))
+        finish(start_study(spec, store, log, sleep=0.0, jobs=1,
+                           extra=["--checkpoint-dir", str(tmp_path / "ck")]))
+        with Store(store) as s:
+            rows = s.db.execute("SELECT key, status FROM runs").fetchall()
+        assert len(rows) == 4 and {st for _, st in rows} == {"complete"}
+        assert not {key for key, _ in log_entries(log)[before:]} & kept  # none ran again

@@ -1,6 +1,11 @@
 """The ``batchbound`` command line: a thin layer that parses arguments into configs and calls
 the library. Each subcommand lives in its own module with a ``register(subparsers)`` function
 that adds its parser and sets ``func`` (args -> exit code).
+
+Exit codes, the same for every command: 0 done; 1 a run failed, or a fault in the middle of
+work (a full disk, a dead or silent rank: one line, what was saved is kept); 2 bad input,
+refused before any work; 75 (EX_TEMPFAIL) stopped by SIGTERM or SIGINT at a checkpoint, so a
+rerun (``train --resume``, ``study run``) continues; 130 interrupted outside a run.
 """
 
 from __future__ import annotations
@@ -70,9 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         kernels.use()  # before the first tensor: the same numbers on every x86-64 processor
         return int(args.func(args) or 0)
-    except BatchboundError as exc:
+    except BatchboundError as exc:  # bad input (2), or a fault mid-work (FaultError, 1)
         print(f"batchbound {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -119,3 +119,9 @@ def _argument(check: Callable[[str], Path]) -> Callable[[str], Path]:
 writable_file = _argument(output_file)
 # an output file whose writer creates its folders (a checkpoint)
 creatable_file = _argument(functools.partial(output_file, make_folders=True))
+
+
+# `train` and `study run` stopped by SIGTERM or SIGINT at a checkpoint: a rerun continues.
+# EX_TEMPFAIL, "try again later", so a batch script tells "preempted" from "done" (0),
+# "failed" (1) and "bad input" (2).
+EXIT_STOPPED = 75

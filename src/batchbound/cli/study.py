@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from batchbound.cli.common import count, output_dir, output_file
+from batchbound.cli.common import EXIT_STOPPED, count, output_dir, output_file
 from batchbound.errors import BatchboundError
 from batchbound.study.spec import preset_names
 
@@ -137,15 +140,39 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise BatchboundError("--address is for --executor ray")
     executor = make_executor(args.jobs, args.executor,
                              **({"address": args.address} if args.executor == "ray" else {}))
-    outcome = run_study(spec, store, args.jobs, trainer=args.trainer or DEFAULT_TRAINER,
-                        progress=not args.no_progress, tensorboard=args.tensorboard,
-                        executor=executor, checkpoints=args.checkpoint_dir)
+    try:
+        with _stopped_by_sigterm():
+            outcome = run_study(spec, store, args.jobs, trainer=args.trainer or DEFAULT_TRAINER,
+                                progress=not args.no_progress, tensorboard=args.tensorboard,
+                                executor=executor, checkpoints=args.checkpoint_dir)
+    except _Stopped:  # the runner closed its executor: the runs stopped at checkpoints
+        print(f"study {spec.name}: stopped by SIGTERM; the runs in progress stopped at their "
+              f"checkpoints, and `study run` again resumes them; store {store}",
+              file=sys.stderr)
+        return EXIT_STOPPED
     stopped = f", {outcome.stopped} stopped (a rerun resumes them)" if outcome.stopped else ""
     print(f"study {spec.name}: {outcome.executed} runs executed, {outcome.skipped} already "
           f"done, {outcome.failed} failed{stopped}; store {store}", file=sys.stderr)
     if args.tensorboard is not None:
         print(f"TensorBoard: tensorboard --logdir {args.tensorboard}", file=sys.stderr)
-    return 1 if outcome.failed or outcome.stopped else 0
+    return 1 if outcome.failed else EXIT_STOPPED if outcome.stopped else 0
+
+
+class _Stopped(Exception):
+    """SIGTERM reached the runner (raised where it was, as Ctrl-C's KeyboardInterrupt is)."""
+
+
+@contextmanager
+def _stopped_by_sigterm() -> Iterator[None]:
+    def stop(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the workers are being stopped
+        raise _Stopped
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -7,16 +7,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import typing
 from typing import Any
 
-from batchbound.cli.common import add_data_arguments, creatable_file, writable_file
+from batchbound.cli.claim import claim_outputs
+from batchbound.cli.common import (
+    EXIT_STOPPED,
+    add_data_arguments,
+    creatable_file,
+    writable_file,
+)
 from batchbound.config import load_toml
 from batchbound.errors import BatchboundError
 from batchbound.train import TARGET_METRICS, RunResult, TrainConfig, target_list, train
 from batchbound.train.config import GROUPS
+from batchbound.train.stall import DEFAULT_STALL_TIMEOUT, resume_hint
 from batchbound.train.tensorboard import check_logdir, write_run
 
 
@@ -67,7 +75,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="print a JSON summary on stdout: status, targets, final, config_hash",
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--stall-timeout", type=_seconds, default=DEFAULT_STALL_TIMEOUT,
+                     metavar="SECONDS",
+                     help="with several workers: end the run, naming the silent rank, when a "
+                     "collective waits this long for it (stopped, swapped out, hung or gone); "
+                     f"default {DEFAULT_STALL_TIMEOUT:g}")
     parser.set_defaults(func=run_command)
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
 
 
 def add_config_flags(groups: dict[str, Any]) -> None:
@@ -127,14 +151,18 @@ def run_command(args: argparse.Namespace) -> int:
         raise BatchboundError("--resume needs --checkpoint PATH")
     if args.tensorboard:  # a bad directory fails now, not after the training
         check_logdir(args.tensorboard)
-    result = train(
-        config,
-        checkpoint_path=args.checkpoint,
-        resume=args.resume,
-        progress=not args.no_progress and not args.json,
-    )
-    if int(os.environ.get("RANK", "0")) != 0:
-        return 0
+    main = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 writes
+    outputs = (args.checkpoint, args.output, args.tensorboard) if main else ()
+    with claim_outputs(outputs):  # a second run given the same paths is refused now
+        result = train(
+            config,
+            checkpoint_path=args.checkpoint,
+            resume=args.resume,
+            progress=not args.no_progress and not args.json,
+            stall_timeout=args.stall_timeout,
+        )
+    if not main:
+        return EXIT_STOPPED if result.status == "stopped" else 0
     if args.output:
         with open(args.output, "w") as fh:
             fh.write(result.to_json(indent=1))
@@ -144,6 +172,9 @@ def run_command(args: argparse.Namespace) -> int:
         print(json.dumps(result.summary(), allow_nan=False))
     else:
         print_human(result)
+    if result.status == "stopped":
+        print(f"stopped: {resume_hint(args.checkpoint)}", file=sys.stderr)
+        return EXIT_STOPPED
     return 1 if result.status == "failed" else 0
 
 

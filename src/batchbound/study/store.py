@@ -13,6 +13,7 @@ in docs/store.md.
 from __future__ import annotations
 
 import base64
+import contextlib
 import fcntl
 import json
 import math
@@ -27,7 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from batchbound.errors import BatchboundError
+from batchbound.errors import BatchboundError, FaultError
 from batchbound.train.config import TrainConfig
 from batchbound.train.result import RunResult, TargetResult
 
@@ -140,19 +141,23 @@ class Store:
         try:
             self.db = self._connect()
             self._check_schema()
+            if exclusive:
+                self._sign()
         except sqlite3.DatabaseError as exc:
             self._release()
             raise BatchboundError(_explain(self.path, exc, readonly)) from None
         except BaseException:
             self._release()
             raise
-        if exclusive:
-            with self.transaction():  # who holds it, for the runner that is refused
-                self.db.execute("INSERT OR REPLACE INTO meta VALUES ('runner', ?)",
-                                (f"pid {os.getpid()} on {socket.gethostname()}",))
-            # into the database file itself: SQLite keeps one write-ahead log per name, and
-            # a runner refused under a hard link reads the file without this name's log
-            self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    def _sign(self) -> None:
+        """Say who holds the store, for the runner that is refused."""
+        with self.transaction():
+            self.db.execute("INSERT OR REPLACE INTO meta VALUES ('runner', ?)",
+                            (f"pid {os.getpid()} on {socket.gethostname()}",))
+        # into the database file itself: SQLite keeps one write-ahead log per name, and a
+        # runner refused under a hard link reads the file without this name's log
+        self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def _hold(self) -> None:
         """One runner per store: an advisory ``flock`` on the database file itself, taken
@@ -254,7 +259,7 @@ class Store:
         self.close()
 
     def transaction(self) -> _Transaction:
-        return _Transaction(self.db)
+        return _Transaction(self.db, self.path)
 
     # ---- writing --------------------------------------------------------------------------
     def register_study(self, name: str, spec: Mapping[str, Any]) -> None:
@@ -469,16 +474,34 @@ def _flat(timings: Any, prefix: str = "") -> list[tuple[str, float]]:
 
 
 class _Transaction:
-    """BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on error."""
+    """BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on error. A write SQLite cannot make (its
+    OperationalError: a full disk, an I/O error, a lock held too long) is a one-line
+    FaultError: the transaction is rolled back whole, and what earlier ones wrote stays."""
 
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
+    def __init__(self, db: sqlite3.Connection, path: Path) -> None:
+        self.db, self.path = db, path
 
     def __enter__(self) -> None:
-        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            raise self._fault(exc) from None
 
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        self.db.execute("ROLLBACK" if exc_type else "COMMIT")
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            try:
+                self.db.execute("COMMIT")
+                return
+            except sqlite3.OperationalError as error:  # a full disk may show only here
+                exc = error
+        with contextlib.suppress(sqlite3.Error):  # SQLite may have rolled back already
+            self.db.execute("ROLLBACK")
+        if isinstance(exc, sqlite3.OperationalError):  # a bug's IntegrityError stays itself
+            raise self._fault(exc) from None
+
+    def _fault(self, exc: sqlite3.Error) -> FaultError:
+        return FaultError(f"cannot write to the store {self.path}: {exc}; every run recorded "
+                          "before is kept, and `study run` again resumes the others")
 
 
 def export(store: Store, directory: str | Path, fmt: str = "csv",

@@ -1,7 +1,8 @@
 """Atomic checkpoints and the RNG states a bit-identical resume needs.
 
-A checkpoint is one ``torch.save`` file written to ``<path>.tmp`` and moved into place with
-``os.replace``, so a crash mid-write leaves the previous checkpoint intact. It holds what
+A checkpoint is one ``torch.save`` file written to a temporary file beside it (a name of its
+own per write, so two writers never share one) and moved into place with ``os.replace``, so
+a crash or a full disk mid-write leaves the previous checkpoint intact. It holds what
 the trainer hands it (model, optimizer, sampler, generators, metrics so far) plus the
 global RNG states of torch (CPU and CUDA), numpy and Python's ``random``.
 
@@ -14,9 +15,12 @@ needs back (numpy's RNG key, the weight snapshots) are turned back on load.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import random
 import re
+import secrets
 import signal
 import warnings
 from pathlib import Path
@@ -25,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchbound.errors import BatchboundError
+from batchbound.errors import BatchboundError, FaultError
 
 
 def rng_state() -> dict[str, Any]:
@@ -69,11 +73,27 @@ def storable(value: Any) -> Any:
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
+    """Write ``state`` (plus the RNG states) to ``path`` atomically. The bytes are made in
+    memory, then written to a temporary file of a name no other writer uses, synced and
+    moved into place; a write that fails (a full disk) removes its temporary file, keeps the
+    previous checkpoint and raises a one-line FaultError."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(storable({**state, "rng": rng_state()}), tmp)
-    os.replace(tmp, path)
+    buffer = io.BytesIO()
+    torch.save(storable({**state, "rng": rng_state()}), buffer)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "xb") as fh:
+            fh.write(buffer.getbuffer())
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        kept = "the previous one is kept" if path.exists() else "there is no earlier one"
+        raise FaultError(f"cannot write the checkpoint {path}: {exc.strerror or exc} "
+                         f"({len(buffer.getbuffer()):,} bytes; {kept})") from None
 
 
 def _why_unreadable(exc: Exception) -> str:

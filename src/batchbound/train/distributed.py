@@ -23,12 +23,14 @@ import socket
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from batchbound.errors import BatchboundError
+from batchbound.train.stall import forget_store, keep_store
 
 
 @dataclass(frozen=True)
@@ -70,9 +72,15 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_group(backend: str, **options: Any) -> None:
+def init_group(backend: str, *, stall_timeout: float | None = None, **options: Any) -> None:
     """``dist.init_process_group(backend, **options)``, with the torch modules that capture
-    the default group at import time imported first.
+    the default group at import time imported first, every collective bounded by
+    ``stall_timeout`` seconds (torch's 30 minutes when None), and the rendezvous store kept
+    for the roll call that names a silent rank (stall.py).
+
+    Without a ``store`` or ``init_method`` in ``options`` the rendezvous is torch's env://
+    (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; under torchrun, its agent's store), done
+    here as ``init_process_group`` would do it, so that the store is in hand.
 
     ``torch.distributed.nn.functional`` declares ``group=group.WORLD`` defaults, which bind
     whatever group exists when it is imported; ``torch._dynamo`` imports it, and the first
@@ -85,19 +93,33 @@ def init_group(backend: str, **options: Any) -> None:
     group, looked up at call time)."""
     import torch.distributed.nn.functional  # noqa: F401  (import order is the point)
 
+    if stall_timeout is not None:
+        options["timeout"] = timedelta(seconds=stall_timeout)
+    if "store" not in options and "init_method" not in options:
+        timeout = options.get("timeout", timedelta(minutes=30))
+        store, rank, world_size = next(dist.rendezvous(
+            "env://", rank=options.pop("rank", -1), world_size=options.pop("world_size", -1),
+            timeout=timeout))
+        store.set_timeout(timeout)
+        options.update(store=dist.PrefixStore("default_pg", store), rank=rank,
+                       world_size=world_size)
+        keep_store(store, timeout.total_seconds())
+    elif "store" in options:
+        keep_store(options["store"], options.get("timeout", timedelta(minutes=30)).total_seconds())
     dist.init_process_group(backend=backend, **options)
 
 
-def setup(device: str) -> DistContext:
+def setup(device: str, stall_timeout: float | None = None) -> DistContext:
     """Join (or create) the process group when running under several ranks.
 
     Uses an already initialised group; else, under torchrun (WORLD_SIZE > 1 in the
-    environment), initialises one from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT.
+    environment), initialises one from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, its
+    collectives bounded by ``stall_timeout`` seconds.
     """
     if not dist.is_initialized() and env_world_size() > 1:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         target = resolve_device(device, local_rank)
-        init_group("nccl" if target.type == "cuda" else "gloo")
+        init_group("nccl" if target.type == "cuda" else "gloo", stall_timeout=stall_timeout)
     if not dist.is_initialized():
         return DistContext(device=resolve_device(device))
     local_rank = int(os.environ.get("LOCAL_RANK", str(dist.get_rank())))
@@ -159,6 +181,7 @@ def teardown(synchronise: bool = True) -> bool:
             dist.barrier()
     finally:
         dist.destroy_process_group()
+        forget_store()
     if released is None or released() is None:
         return True
     if synchronise:  # after an error, the traceback's frames may still hold it: no news

@@ -3,17 +3,22 @@ torchrun process group), or spawns P local processes for ``--workers P``.
 
 With P local processes, the parent loads and validates the data first (bad input fails
 before any process starts), hands it to the workers through torch.multiprocessing's shared
-memory, picks a free port, and waits. Rank 0 writes the RunResult to a temporary file the
-parent reads back. SIGINT or SIGTERM to the parent is forwarded to the workers as SIGTERM,
-so they checkpoint and stop together. Each worker gets ⌊cores/P⌋ intra-op threads so P
-workers do not oversubscribe.
+memory, hosts the rendezvous store on a free port, and waits. Rank 0 writes the RunResult to
+a temporary file the parent reads back. SIGINT or SIGTERM to the parent is forwarded to the
+workers as SIGTERM, so they checkpoint and stop together. Each worker gets ⌊cores/P⌋
+intra-op threads so P workers do not oversubscribe. A rank that dies (SIGKILL, the OOM
+killer) or falls silent (stall.py) ends the run with one line naming it and the checkpoint
+to resume from; the other ranks are stopped.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import sys
 import tempfile
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +28,13 @@ import torch.multiprocessing as mp
 
 from batchbound import kernels
 from batchbound.data import Dataset, apply_transform, load_dataset
-from batchbound.errors import BatchboundError
+from batchbound.errors import BatchboundError, FaultError
 from batchbound.lifetime import die_with_parent
 from batchbound.train.config import TrainConfig
-from batchbound.train.distributed import (
-    env_world_size,
-    free_port,
-    init_group,
-    resolve_device,
-    teardown,
-)
+from batchbound.train.distributed import env_world_size, init_group, resolve_device, teardown
 from batchbound.train.loop import train_in_group
 from batchbound.train.result import RunResult
+from batchbound.train.stall import DEFAULT_STALL_TIMEOUT, resume_hint
 
 
 def train(
@@ -44,18 +44,31 @@ def train(
     checkpoint_path: str | Path | None = None,
     resume: bool = False,
     progress: bool = False,
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT,
 ) -> RunResult:
     """Train per ``config``; return the RunResult (on every rank; rank 0 is the one to keep).
 
     ``dataset``: an already loaded Dataset instead of ``config.dataset`` (the transform is
     still applied). ``checkpoint_path``: where checkpoints go (periodic with
-    ``config.checkpoint_every``, and on SIGTERM/SIGINT). ``resume``: continue from it.
-    With ``config.workers > 1`` and no process group, P local processes are spawned (gloo on
-    CPU, NCCL on CUDA); under torchrun the environment's group is joined.
+    ``config.checkpoint_every``, and on SIGTERM/SIGINT). ``resume``: continue from it; a run
+    that torchrun restarted (``--max-restarts``) resumes from it by itself when it exists.
+    ``stall_timeout``: seconds a collective waits for a silent rank before the run ends
+    naming it (stall.py). With ``config.workers > 1`` and no process group, P local
+    processes are spawned (gloo on CPU, NCCL on CUDA); under torchrun the environment's
+    group is joined.
     """
     if resume and checkpoint_path is None:
         raise BatchboundError("resume needs a checkpoint path")
-    options = {"checkpoint_path": checkpoint_path, "resume": resume, "progress": progress}
+    if not stall_timeout > 0:
+        raise BatchboundError(f"stall timeout must be > 0 seconds, got {stall_timeout!r}")
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restarts and not resume and checkpoint_path and Path(checkpoint_path).exists():
+        resume = True
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"batchbound: restart {restarts} by torchrun: resuming from the checkpoint "
+                  f"{checkpoint_path}", file=sys.stderr, flush=True)
+    options = {"checkpoint_path": checkpoint_path, "resume": resume, "progress": progress,
+               "stall_timeout": stall_timeout}
     if config.workers > 1 and env_world_size() == 1 and not dist.is_initialized():
         return launch_local(config, dataset=dataset, **options)
     return train_in_group(config, dataset=dataset, **options)
@@ -68,20 +81,23 @@ def launch_local(
     checkpoint_path: str | Path | None = None,
     resume: bool = False,
     progress: bool = False,
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT,
 ) -> RunResult:
     data = dataset if dataset is not None else load_dataset(config.dataset, config.data_dir)
     checked = apply_transform(data, config.transform, config.seed) if config.transform else data
     config.validate_against(checked)
     resolve_device(config.device)  # a missing CUDA fails here, not in P workers
     _check_local_workers(config.workers)
-    port = free_port()
     threads = max(1, (os.cpu_count() or 1) // config.workers)
+    # the rendezvous store lives here, not in a rank, so a roll call works whichever is silent
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=stall_timeout))
     with tempfile.TemporaryDirectory(prefix="batchbound-") as tmp:
         out = Path(tmp) / "result.json"
         options = {"checkpoint_path": checkpoint_path, "resume": resume, "progress": progress}
         context = mp.start_processes(
             _worker,
-            args=(config.to_dict(), data, port, threads, str(out), options),
+            args=(config.to_dict(), data, store.port, threads, str(out), stall_timeout, options),
             nprocs=config.workers,
             join=False,
             start_method="spawn",
@@ -93,15 +109,43 @@ def launch_local(
                 if process.is_alive() and process.pid is not None:
                     os.kill(process.pid, signal.SIGTERM)
 
+        quiet = logging.getLogger("torch.multiprocessing.spawn")  # its warnings as it ends
+        level = quiet.level  # the ranks left after a failure: we say what happened, once
         try:
             for sig in previous:
                 signal.signal(sig, forward)
-            while not context.join():
+            quiet.setLevel(logging.ERROR)
+            while not context.join(grace_period=RANK_GRACE_SECONDS):
                 pass
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:  # others ended
+            raise _rank_fault(exc, config.workers, out, checkpoint_path) from None
         finally:
+            quiet.setLevel(level)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         return RunResult.from_json(out.read_text())
+
+
+# After one rank fails, the others' time to reach the same conclusion (a roll call) and
+# exit before they are sent SIGTERM, and then SIGKILL.
+RANK_GRACE_SECONDS = 5.0
+
+
+def _rank_fault(exc: Exception, ranks: int, out: Path,
+                checkpoint: str | Path | None) -> Exception:
+    """One line for a local run that lost a rank: the rank that died by a signal, else the
+    message a rank left (a stall's roll call, a full disk, bad input only a rank could see),
+    else the original exception (a bug's traceback is worth more than a line)."""
+    if isinstance(exc, mp.ProcessExitedException) and exc.signal_name:
+        return FaultError(f"rank {exc.error_index} (pid {exc.error_pid}) was killed by "
+                          f"{exc.signal_name}; the other ranks were stopped; "
+                          f"{resume_hint(checkpoint)}")
+    for rank in range(ranks):
+        left = Path(f"{out}.error-{rank}")
+        if left.exists():
+            kind, _, message = left.read_text().partition("\n")
+            return FaultError(message) if kind == "fault" else BatchboundError(message)
+    return exc
 
 
 # What one spawned worker costs before it holds any data: Python with torch imported.
@@ -145,21 +189,19 @@ def _worker(
     port: int,
     threads: int,
     out: str,
+    stall_timeout: float,
     options: dict[str, Any],
 ) -> None:
     die_with_parent()  # a rank whose launcher was killed stops at a checkpoint, then exits
     kernels.use()  # as the launcher asked ($BATCHBOUND_KERNELS, inherited)
     config = TrainConfig.from_dict(config_dict)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(config.workers),
-        LOCAL_RANK=str(rank),
-    )
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(config.workers), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
     device = resolve_device(config.device, rank)
-    init_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=config.workers)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                          timeout=timedelta(seconds=stall_timeout))
+    init_group("nccl" if device.type == "cuda" else "gloo", stall_timeout=stall_timeout,
+               store=store, rank=rank, world_size=config.workers)
     finished = False
     try:
         result = train_in_group(config, dataset=data, **options)
@@ -168,5 +210,9 @@ def _worker(
             tmp.write_text(result.to_json())
             os.replace(tmp, out)
         finished = True
+    except BatchboundError as exc:  # one line for the launcher, not a traceback
+        kind = "fault" if isinstance(exc, FaultError) else "bad input"
+        Path(f"{out}.error-{rank}").write_text(f"{kind}\n{exc}")
+        raise SystemExit(exc.exit_code) from None
     finally:
         teardown(synchronise=finished)

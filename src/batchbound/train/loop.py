@@ -52,9 +52,18 @@ from batchbound.train.mechanisms import apply_to_worker, example_gradients, work
 from batchbound.train.monitor import OnlineMonitor
 from batchbound.train.progress import Progress
 from batchbound.train.result import RunResult, TargetResult
+from batchbound.train.stall import collective_fault
 from batchbound.train.timing import PhaseTimer, median_seconds
 
 _EPS = 1e-9  # epoch comparisons: samples_seen / n is exact, but sums of fractions are not
+
+
+def _next_due(due: float, epoch: float, every: float) -> float:
+    """The first of due, due + every, due + 2·every, ... past ``epoch``, computed, not
+    stepped to: a cadence far below one step (1e-12 epochs) cannot spin the loop."""
+    if due > epoch + _EPS:
+        return due
+    return due + every * (math.floor((epoch + _EPS - due) / every) + 1)
 
 
 def train_in_group(
@@ -64,14 +73,16 @@ def train_in_group(
     checkpoint_path: str | Path | None = None,
     resume: bool = False,
     progress: bool = False,
+    stall_timeout: float | None = None,
 ) -> RunResult:
     """Train in this process: alone, or as one rank of the process group that is already
-    initialised or that torchrun's environment describes. ``batchbound.train.train`` decides
-    whether to spawn local processes first (launch.py) and calls this in each."""
+    initialised or that torchrun's environment describes (its collectives bounded by
+    ``stall_timeout`` seconds). ``batchbound.train.train`` decides whether to spawn local
+    processes first (launch.py) and calls this in each."""
     if resume and checkpoint_path is None:
         raise BatchboundError("resume needs a checkpoint path")
     owns_group = not torch.distributed.is_initialized()  # setup() may create it (torchrun)
-    ctx = setup(config.device)
+    ctx = setup(config.device, stall_timeout)
     finished = False
     try:
         if ctx.world_size != config.workers:
@@ -258,7 +269,11 @@ class Trainer:
             raise  # bad input: the caller's error, not a result
         except Exception as exc:  # a crash mid-run is a recorded result, not a lost one
             self.status, self.message = "failed", f"{type(exc).__name__}: {exc}"
-            if self.ctx.distributed:
+            if self.ctx.distributed:  # a silent or lost peer: one line that names it
+                fault = collective_fault(exc, self.ctx.rank, self.ctx.world_size,
+                                         self.iteration, self.checkpoint_path)
+                if fault is not None:
+                    raise fault from None
                 raise
         finally:
             stop.close()
@@ -447,8 +462,8 @@ class Trainer:
                 target.seconds = self.train_seconds
         self.last_eval_iteration = self.iteration
         if cfg.eval_every_iterations is None:
-            while self.next_eval_epoch <= self.sampler.epoch + _EPS:
-                self.next_eval_epoch += cfg.eval_every_epochs  # type: ignore[operator]
+            self.next_eval_epoch = _next_due(self.next_eval_epoch, self.sampler.epoch,
+                                             cfg.eval_every_epochs)  # type: ignore[arg-type]
         self.timer.totals.setdefault("eval", 0.0)
         self.timer.totals["eval"] += time.perf_counter() - started
 
@@ -461,8 +476,9 @@ class Trainer:
         self.record("diversity", report.diversity)
         self.record("batch_bound", report.batch_bound)
         every = self.config.diversity_every_epochs
-        while every and self.next_diversity_epoch <= self.sampler.epoch + _EPS:
-            self.next_diversity_epoch += every
+        if every:
+            self.next_diversity_epoch = _next_due(self.next_diversity_epoch,
+                                                  self.sampler.epoch, every)
         self.timer.totals.setdefault("diversity", 0.0)
         self.timer.totals["diversity"] += time.perf_counter() - started
         return float(report.diversity)
@@ -473,8 +489,9 @@ class Trainer:
         if self.ctx.is_main and (not self.snapshots or self.snapshots[-1][0] != self.iteration):
             self.snapshots.append((self.iteration, self.sampler.epoch, self.flat_weights()))
         every = self.config.snapshot_every_epochs
-        while every and self.next_snapshot_epoch <= self.sampler.epoch + _EPS:
-            self.next_snapshot_epoch += every
+        if every:
+            self.next_snapshot_epoch = _next_due(self.next_snapshot_epoch, self.sampler.epoch,
+                                                 every)
 
     def flat_weights(self) -> np.ndarray:
         """The trainable parameters in ``model.parameters()`` order, one float32 vector."""
