@@ -7,7 +7,12 @@ random tokens, measured side by side in one run:
    micro-batches: one norm and one dot product per parameter per micro-batch). Goal ≤ 10 %.
 2. A hand-written loop (forward, token-mean cross-entropy, backward, SGD step) with and
    without ``batchbound.diversity.watch`` around its forward and backward (exact per-example
-   norms from the layer rules, read off the same backward pass).
+   norms from the layer rules, read off the same backward pass). Goal ≤ 15 %.
+3. Plain DDP on two gloo processes (``--ddp-model``: an 8-layer, 512-wide MLP, 2.1M
+   parameters, batch 32 per rank): no communication hook, torch's own Python
+   ``allreduce_hook``, and ``batchbound.integrations.ddp.gns_hook``, built afresh and timed
+   in turn inside the same two processes. Goal: the GNS hook within 5 points of
+   ``allreduce_hook``.
 
 Each contender's seconds per optimizer step come by difference of an N- and a 2N-step run,
 so set-up cancels; repeats alternate the contenders and the median ratio is reported, in
@@ -15,6 +20,7 @@ wall-clock and in CPU time of the process (less disturbed by other jobs).
 
     python benchmarks/callbacks.py --json
     python benchmarks/callbacks.py --model "gpt(depth=4,width=128,heads=4)" --context 64
+    python benchmarks/callbacks.py --only ddp       # or: lightning, watch (comma-separated)
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import time
 import warnings
@@ -128,6 +135,65 @@ def hand_step(args: argparse.Namespace, watched: bool) -> Clock:
     return per_step(run, args.steps)
 
 
+DDP_HOOKS = ("ddp", "allreduce_hook", "gns_hook")
+
+
+def _ddp_worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
+    """One of two gloo ranks: each DDP contender built afresh and timed, in turn, repeats
+    times; rank 0 writes {contender: [(wall, cpu) per repeat]} to ``out`` as JSON."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from batchbound.integrations.ddp import gns_hook, gns_hook_state
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(rank)
+    x, y = torch.randn(args.n, 512), torch.randint(0, 10, (args.n,))
+    times: dict[str, list[Clock]] = {name: [] for name in DDP_HOOKS}
+    for _ in range(args.repeats):
+        for name in DDP_HOOKS:
+            torch.manual_seed(0)
+            ddp = DDP(build_model(args.ddp_model, (512,), 10, seed=0))
+            if name == "allreduce_hook":
+                ddp.register_comm_hook(None, allreduce_hook)
+            elif name == "gns_hook":
+                ddp.register_comm_hook(gns_hook_state(args.n * 2, args.batch_size), gns_hook)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+            g = torch.Generator().manual_seed(rank)
+
+            def run(steps: int, ddp: Any = ddp, opt: Any = opt, g: Any = g) -> None:
+                for _ in range(steps):
+                    idx = torch.randint(args.n, (args.batch_size,), generator=g)
+                    opt.zero_grad(set_to_none=True)
+                    F.cross_entropy(ddp(x[idx]), y[idx]).backward()
+                    opt.step()
+
+            run(2)  # warm-up: DDP's first step rebuilds its buckets
+            dist.barrier()
+            times[name].append(per_step(run, args.steps))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(times, f)
+    dist.destroy_process_group()
+
+
+def ddp_steps(args: argparse.Namespace) -> dict[str, list[Clock]]:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from batchbound.train.distributed import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "ddp.json")
+        mp.spawn(_ddp_worker, args=(free_port(), args, out), nprocs=2)
+        with open(out) as f:
+            return {k: [tuple(v) for v in values] for k, values in json.load(f).items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="gpt(depth=2,width=64,heads=4)")
@@ -139,24 +205,43 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--ddp-model", default="fc(depth=8,width=512)",
+                        help="the DDP contenders' model, on 512 features and 10 classes")
+    parser.add_argument("--only", default="lightning,watch,ddp",
+                        help="comma-separated subset of: lightning, watch, ddp")
     args = parser.parse_args()
+    parts = {p.strip() for p in args.only.split(",")}
     torch.set_num_threads(args.threads)
     logging.getLogger("lightning").setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
-    rows: dict[str, list[Clock]] = {k: [] for k in ("plain", "callback", "hand", "watch")}
+    rows: dict[str, list[Clock]] = {}
+    pairs = []
+    if "lightning" in parts:
+        rows.update(plain=[], callback=[])
+        pairs.append(("callback", "plain", "callback"))
+    if "watch" in parts:
+        rows.update(hand=[], watch=[])
+        pairs.append(("watch", "hand", "watch"))
     for _ in range(args.repeats):
-        rows["plain"].append(lightning_step(args, False))
-        rows["callback"].append(lightning_step(args, True))
-        rows["hand"].append(hand_step(args, False))
-        rows["watch"].append(hand_step(args, True))
+        if "lightning" in parts:
+            rows["plain"].append(lightning_step(args, False))
+            rows["callback"].append(lightning_step(args, True))
+        if "watch" in parts:
+            rows["hand"].append(hand_step(args, False))
+            rows["watch"].append(hand_step(args, True))
+    if "ddp" in parts:
+        rows.update(ddp_steps(args))
+        pairs += [("allreduce_hook", "ddp", "allreduce_hook"), ("gns_hook", "ddp", "gns_hook"),
+                  ("gns_vs_allreduce_hook", "allreduce_hook", "gns_hook")]
     result: dict[str, Any] = {"model": args.model, "context": args.context,
                               "batch_size": args.batch_size, "steps": args.steps,
-                              "repeats": args.repeats, "threads": torch.get_num_threads()}
+                              "repeats": args.repeats, "threads": torch.get_num_threads(),
+                              "ddp_model": args.ddp_model}
     for k, clock in enumerate(("wall", "cpu")):
         for name, values in rows.items():
             result[f"{name}_ms_per_step_{clock}"] = 1e3 * statistics.median(v[k] for v in values)
-        for name, base, over in (("callback", "plain", "callback"), ("watch", "hand", "watch")):
+        for name, base, over in pairs:
             result[f"{name}_overhead_{clock}"] = statistics.median(
                 o[k] / b[k] - 1 for b, o in zip(rows[base], rows[over], strict=True))
     if args.json:

@@ -14,7 +14,8 @@ their average, which DDP computes anyway. For each bucket the hook takes this ra
 norm before anything is divided or reduced, appends it (and three numbers describing this
 rank's batch) to the buffer DDP all-reduces anyway, and so receives the mean of the ranks'
 local norms together with the averaged gradient, whose norm it takes afterwards: **no extra
-collective**. The cost is one norm per bucket on each side and a copy of each bucket.
+collective**. The cost is one norm per bucket on each side and a copy of each bucket into
+the send buffer (the division DDP does anyway); the reduced bucket goes back to DDP as is.
 
 **When the numbers are folded.** The hook keeps each step's numbers on the device; reading
 ``state.monitor`` folds them into the ``OnlineDiversity`` (one host sync). A step counts once
@@ -84,6 +85,7 @@ class GNSHookState:
         self._rows: list[Tensor] = []  # this step's buckets: [‖R‖², extras...]
         self._scale: Number = 1.0
         self._flats: dict[int, Tensor] = {}  # per bucket index: its send buffer
+        self._extras: tuple[tuple, Tensor] | None = None
 
     @property
     def monitor(self) -> OnlineDiversity:
@@ -126,6 +128,17 @@ class GNSHookState:
             flat = torch.empty(buffer.numel() + _EXTRAS, dtype=buffer.dtype, device=buffer.device)
             self._flats[index] = flat
         return flat
+
+    def extras(self, weight: Number, size: Number, buffer: Tensor) -> Tensor:
+        """U_r/P, U_r²/B_r/P, 1/B_r/P for this rank's window, on the bucket's device and
+        dtype (kept while the window stays: no host-to-device copy per bucket)."""
+        key = (float(weight), float(size), buffer.dtype, buffer.device)
+        if self._extras is None or self._extras[0] != key:
+            world = self.world_size
+            values = [float(weight) / world, float(weight * weight / size) / world,
+                      1.0 / float(size) / world]
+            self._extras = (key, torch.tensor(values, dtype=buffer.dtype, device=buffer.device))
+        return self._extras[1]
 
     def end_step(self) -> None:
         """Turn the finished step's bucket numbers into one record (no host sync). Called by
@@ -197,20 +210,18 @@ def gns_hook(state: GNSHookState, bucket: dist.GradBucket) -> torch.futures.Futu
     weight, size = state.window()
     world, n = state.world_size, buffer.numel()
     flat = state._flat_for(bucket.index(), buffer)
-    local = torch.linalg.vector_norm(buffer).square()  # this rank's own, before the division
     torch.div(buffer, world, out=flat[:n])
+    # this rank's own squared norm, before the division: ‖buffer/P‖²·P²/(S·U)² / P
+    torch.linalg.vector_norm(flat[:n], out=flat[n])
     scaled = state._scale * weight
-    flat[n] = local / (scaled * scaled) / world
-    flat[n + 1].fill_(float(weight) / world)
-    flat[n + 2].fill_(float(weight * weight / size) / world)
-    flat[n + 3].fill_(1.0 / float(size) / world)
+    flat[n : n + 1].square_().mul_(world / (scaled * scaled))
+    flat[n + 1 :].copy_(state.extras(weight, size, buffer))
 
     def finish(fut: torch.futures.Future[list[Tensor]]) -> Tensor:
         reduced = fut.value()[0]
         big = torch.linalg.vector_norm(reduced[:n]).square().reshape(1)
         state._rows.append(torch.cat([big, reduced[n:]]).to(torch.float64))
-        buffer.copy_(reduced[:n])
-        return buffer
+        return reduced[:n]  # DDP copies it into the gradients (as it copies its own buffer)
 
     work = dist.all_reduce(flat, group=state.process_group, async_op=True)
     return work.get_future().then(finish)
