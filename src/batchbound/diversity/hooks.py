@@ -366,7 +366,9 @@ class HooksPass:
         ]
         call.grads = []  # release them with the rule's forms
         main = call.main
-        if entry.example_axis is None:
+        nodes = [o.node for o in call.outputs]
+        if entry.example_axis is None and layout.axis != 0:
+            nodes = []
             x = inputs[main]
             if layout.axis is None:
                 inputs[main] = x.unsqueeze(0).expand(self.n, *x.shape)
@@ -377,7 +379,7 @@ class HooksPass:
         if self._dtype(call) in LOW_PRECISION:  # the rules compute norms in float32
             inputs = {k: _widened(v) for k, v in inputs.items()}
             grads = [_widened(g) for g in grads]
-        forms = entry.rule(Call(call.module, inputs, grads, main))
+        forms = entry.rule(Call(call.module, inputs, grads, main, nodes))
         claims = self.plan.claims[call.prefix]
         for local, form in forms.items():
             name = claims.get(local)

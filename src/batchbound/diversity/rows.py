@@ -121,8 +121,12 @@ class RowTracker(TorchDispatchMode):
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = _tensors(kwargs.values(), _tensors(args, []))
-        dynamic, pointwise, random = _kind(func)
+        inputs = _tensors(kwargs.values(), _tensors(args, [])) if kwargs else _tensors(args, [])
+        dynamic, pointwise, random = _KINDS.get(func) or _kind(func)
+        if (not (dynamic or random or self.positions or self.marked)
+                and isinstance(out, Tensor) and out.dtype not in _INDEX_DTYPES
+                and torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+            return out  # the common case: an activation autograd records; nothing chosen
         positions = [t.dtype in _INDEX_DTYPES and t in self.positions for t in inputs]
         valued = [self._valued(t) for t in inputs]
         indexes = not pointwise and any(positions) and any(

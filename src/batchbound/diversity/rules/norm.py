@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from batchbound.diversity.graph import name_of
 from batchbound.diversity.rules.forms import Dense, PerExampleGrad
 from batchbound.diversity.rules.registry import Call, first_axis, register_rule, trainable
 from batchbound.errors import BatchboundError
@@ -42,11 +43,27 @@ def _normalized_dims(layer: nn.Module) -> int:
 @register_rule(nn.LayerNorm, feature_dims=_normalized_dims)
 def layer_norm_rule(call: Call) -> dict[str, PerExampleGrad]:
     layer, x, b = call.module, call.input, call.grad
-    dims = tuple(range(x.dim() - len(layer.normalized_shape), x.dim()))
+    count = len(layer.normalized_shape)
+    saved = _saved_statistics(call, x, count)
+    if saved is not None:  # the forward's own mean and 1/std: x̂ in one pass
+        return _affine_grads(layer, (x - saved[0]) * saved[1], b, count)
+    dims = tuple(range(x.dim() - count, x.dim()))
     centred = x - x.mean(dim=dims, keepdim=True)
     var = centred.square().mean(dim=dims, keepdim=True)
-    return _affine_grads(layer, centred * torch.rsqrt(var + layer.eps), b,
-                         len(layer.normalized_shape))
+    return _affine_grads(layer, centred * torch.rsqrt(var + layer.eps), b, count)
+
+
+def _saved_statistics(call: Call, x: Tensor, count: int) -> tuple[Tensor, Tensor] | None:
+    """The mean and 1/std that torch's layer_norm saved for its backward, when the call's
+    output is that operation's own (its autograd node) and they fit ``x``."""
+    node = call.nodes[0] if len(call.nodes) == 1 else None
+    if node is None or name_of(node) != "NativeLayerNormBackward0":
+        return None
+    mean, rstd = node._saved_result1, node._saved_result2
+    shape = (*x.shape[: x.dim() - count], *([1] * count))
+    if tuple(mean.shape) != shape or tuple(rstd.shape) != shape:
+        return None
+    return mean.to(x.dtype), rstd.to(x.dtype)
 
 
 

@@ -49,6 +49,9 @@ class Call:
     inputs: dict[str, Any]
     grads: list[Tensor | None] = field(default_factory=list)
     main: str = "input"  # the key of the main input in ``inputs``
+    # The autograd nodes of the outputs, when ``input`` is the call's own tensor (not moved
+    # or expanded by the engine): a rule may read what the forward saved there.
+    nodes: list[Any] = field(default_factory=list)
 
     @property
     def input(self) -> Tensor:
