@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from batchbound.diversity.calls import flatten
+from batchbound.diversity.graph import Node, loss_users
 from batchbound.diversity.hooks import (
     HookPlan,
     HooksPass,
@@ -214,6 +216,7 @@ class _Watched:
         self.calls = 0
         self._inside = False  # the probe's own calls of the model
         self._rows: RowTracker | None = None  # active during the model's forward
+        self._loss: _LossWatch | None = None  # active from the forward's end to the backward
         self._handles: list[RemovableHandle] = []
 
     def __enter__(self) -> _Watched:
@@ -232,6 +235,7 @@ class _Watched:
         for handle in self._handles:
             handle.remove()
         self._stop_rows()  # the model's forward raised before its end
+        self._stop_loss()
         if self.run is not None:
             self.run.recorder.__exit__(None, None, None)
             if exc_type is not None:
@@ -286,16 +290,49 @@ class _Watched:
         self.run.recorder.stop()
         roots = [t.grad_fn for t in flatten(output) if isinstance(t, Tensor) and t.grad_fn]
         self.run.attach(roots)
+        self._loss = _LossWatch(self.run, roots)
+        self._loss.__enter__()
 
     def _stop_rows(self) -> None:
         if self._rows is not None:
             self._rows.__exit__(None, None, None)
             self._rows = None
 
+    def _stop_loss(self) -> None:
+        if self._loss is not None:
+            self._loss.__exit__(None, None, None)
+
     def finish(self) -> HooksPass | None:
         if self.run is not None:
             self.run.finish()
         return self.run
+
+
+class _LossWatch(TorchFunctionMode):
+    """Between the model's forward and ``loss.backward()``: at that call, the loss's own
+    graph is read from its root to the model's outputs, and every parameter it uses (a
+    regulariser written into the loss) is named, by construction, with no fingerprint of the
+    gradients needed. The backward itself runs outside the mode. A backward started some
+    other way (``torch.autograd.backward``) is not seen: the fingerprints then decide."""
+
+    def __init__(self, run: HooksPass, outputs: list[Node]) -> None:
+        super().__init__()
+        self.run, self.outputs = run, outputs
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        if func is Tensor.backward and self.run.layout is not None and isinstance(args[0], Tensor):
+            root = args[0].grad_fn
+            if root is not None:
+                ids = {id(p): name for name, p in self.run.params.items()}
+                for name in loss_users(root, self.outputs, ids):
+                    self.run.reasons.setdefault(name, LOSS_USE_IN_WATCH)
+                self.run.probes = {}  # the graph answered: no fingerprints
+        return func(*args, **(kwargs or {}))
+
+
+LOSS_USE_IN_WATCH = ("used by the loss outside the model's layers (a regulariser written "
+                     "into the loss?)")
 
 
 def _stand_in_loss(outputs: Any, targets: Tensor) -> Tensor:
