@@ -129,14 +129,18 @@ def test_watch_on_nanogpt_reads_the_users_backward_exactly() -> None:
     assert monitor.cross == pytest.approx(expected.cross, rel=1e-8)
 
 
-def test_watch_refuses_a_regulariser_written_into_the_loss() -> None:
+@pytest.mark.parametrize("call", ["method", "function"])
+def test_watch_refuses_a_regulariser_written_into_the_loss(call: str) -> None:
+    """loss.backward(): found on the loss's graph; torch.autograd.backward(loss): by the
+    fingerprints of the gradient sums."""
     torch.manual_seed(8)
     model = NanoGPT().double()
     x, y = tokens(6, 8, 40)
     with pytest.raises(BatchboundError, match=r"outside the model's layers.*c_fc\.weight"), \
             watch(model, OnlineDiversity()):
         penalty = model.transformer.h[0].mlp.c_fc.weight.square().sum()
-        (sequence_loss(model(x), y).mean() + 0.1 * penalty).backward()
+        loss = sequence_loss(model(x), y).mean() + 0.1 * penalty
+        loss.backward() if call == "method" else torch.autograd.backward(loss)
 
 
 def test_monitored_step_on_a_word_language_model() -> None:
