@@ -9,8 +9,9 @@ best value slows progress, and each seed perturbs r by a few percent. Δ is meas
 
 It checkpoints after every simulated epoch (sleeping ``$BATCHBOUND_SIM_SLEEP`` seconds per
 epoch, default 0) and resumes from the checkpoint; sent SIGTERM or SIGINT it checkpoints and
-returns status ``stopped``, as the real trainer does, and appends "key resumed?" to
-``$BATCHBOUND_SIM_LOG`` when set, so tests can see which runs executed and kill a study mid-run.
+returns status ``stopped``, as the real trainer does, and appends "key resumed? node" (the
+Ray node, "-" outside Ray) to ``$BATCHBOUND_SIM_LOG`` when set, so tests can see which runs
+executed, and where, and kill a study mid-run.
 With ``$BATCHBOUND_SIM_CRASH_LR`` set, a run with that η kills its own process (os._exit).
 Lives under tests/ so that no report can be made from it by accident; tests select it with
 ``run_study(..., trainer="simulated_trainer:execute")``.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,14 @@ def step_seconds(batch: int, workers: int = 1) -> float:
     return 1e-4 + 1e-6 * math.ceil(batch / workers)
 
 
+def _ray_node() -> str:
+    """The Ray node this run executes on ("-" outside Ray)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return "-"
+    return str(ray.get_runtime_context().get_node_id())
+
+
 def execute(fields: dict[str, Any], checkpoint_dir: Path, resume: bool,
             n_train: int = 1024) -> dict[str, Any]:
     from batchbound.study.adapter import config_key
@@ -53,7 +63,7 @@ def execute(fields: dict[str, Any], checkpoint_dir: Path, resume: bool,
     log = os.environ.get("BATCHBOUND_SIM_LOG")
     if log:
         with open(log, "a") as fh:
-            fh.write(f"{key} {int(resume)}\n")
+            fh.write(f"{key} {int(resume)} {_ray_node()}\n")
     crash = os.environ.get("BATCHBOUND_SIM_CRASH_LR")  # tests: a worker dying mid-study
     if crash and float(crash) == fields["lr"]:
         os._exit(3)

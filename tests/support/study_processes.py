@@ -31,6 +31,16 @@ def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
     return err.decode()
 
 
+def log_nodes(log: Path) -> dict[str, set[str]]:
+    """Ray node -> the run keys the simulated trainer started there."""
+    nodes: dict[str, set[str]] = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            key, _, node = line.split()
+            nodes.setdefault(node, set()).add(key)
+    return nodes
+
+
 def log_entries(log: Path) -> list[tuple[str, int]]:
     """(run key, resumed?) for every run the simulated trainer started, in order."""
     if not log.exists():
