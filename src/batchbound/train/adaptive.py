@@ -5,6 +5,14 @@ iterations to B = clip(⌊δ·n·Δ̂(w)⌋ + 1, b_min, b_max), the bound of see
 the measured diversity Δ̂ in place of Δ_S(w). The learning rate then follows the strategy
 for the new B (see schedule.py). ``fixed`` keeps the configured batch size.
 
+``warmup(max=M, every=K, fraction=f, lr=noise|linear|sqrt|constant)``, batch-size warmup
+(Merrill et al. 2025, *Critical Batch Size Revisited*): the batch starts at the configured B0
+and, every K iterations, doubles once when twice the batch is still within a fraction f of
+the online estimate of the noise scale B_noise (less its standard error), never past M and
+never down; the rate changes by the named rule (``BatchPolicy.lr_change``). It decides from
+the trainer's cheap online estimate (two-batch from micro-batches or ranks, or per-example
+norms), so deciding costs a few scalars; B grows in whole micro-batches (accumulation).
+
 ``pick=time`` chooses instead by the model ``batchbound advise`` uses: with B_noise =
 n·Δ̂ − 1, a step at B makes 1/(1 + B_noise/B) of the progress of an infinitely large batch
 (McCandlish et al. 2018), so the time per unit of progress is t(B)·(1 + B_noise/B), t(B)
@@ -26,7 +34,8 @@ from batchbound.errors import BatchboundError
 from batchbound.spec import parse_spec
 
 SOURCES = ("exact", "online")
-PICKS = ("bound", "time")
+PICKS = ("bound", "time", "warmup")
+LR_RULES = ("noise", "linear", "sqrt", "constant")
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,12 @@ class BatchPolicy:
     every: int = 100
     source: str = "exact"
     pick: str = "bound"
+    fraction: float = 0.5  # warmup: double B when 2B ≤ fraction·(B_noise − its SE)
+    lr: str = "noise"  # warmup: the rate's change when B doubles
+
+    @property
+    def warmup(self) -> bool:
+        return self.adaptive and self.pick == "warmup"
 
     def __post_init__(self) -> None:
         if not self.adaptive:
@@ -56,6 +71,11 @@ class BatchPolicy:
             raise BatchboundError(
                 f"adaptive batch: unknown pick {self.pick!r}; choose from {', '.join(PICKS)}"
             )
+        if not 0 < self.fraction <= 1:
+            raise BatchboundError(f"warmup: fraction must be in (0, 1], got {self.fraction}")
+        if self.lr not in LR_RULES:
+            raise BatchboundError(f"warmup: unknown lr rule {self.lr!r}; choose from "
+                                  f"{', '.join(LR_RULES)}")
         if self.source not in SOURCES:
             raise BatchboundError(
                 f"adaptive batch: unknown source {self.source!r}; choose from {', '.join(SOURCES)}"
@@ -89,18 +109,55 @@ class BatchPolicy:
         return min(candidates, key=lambda b: seconds(b) * (1.0 + noise / b))
 
 
+    def warmed(self, batch: int, noise: float, noise_se: float) -> int:
+        """Batch-size warmup: ``batch`` doubled once when 2·batch ≤ fraction·(B_noise − its
+        standard error), never past ``max``, never lowered (Merrill et al. 2025 raise the
+        batch as the critical batch rises; here B_noise, McCandlish et al.'s estimate of it,
+        read conservatively, and a fraction of it so that the examples a step spends stay
+        within 1 + fraction of the fewest, E(B) = E_min·(1 + B/B_noise)). The trainer's
+        estimate is an average over about the last 100 steps (``loop.WARM_DECAY``)."""
+        if not math.isfinite(noise):
+            return batch
+        doubled = 2 * batch
+        if doubled <= self.max and doubled <= self.fraction * (noise - max(noise_se, 0.0)):
+            return doubled
+        return batch
+
+    def lr_change(self, old: int, new: int, noise: float) -> float:
+        """The factor on the rate when B goes from ``old`` to ``new``: ``noise`` keeps it at
+        McCandlish et al.'s best, ε(B) ∝ 1/(1 + B_noise/B); ``linear`` B_new/B_old (Goyal et
+        al.); ``sqrt`` its square root; ``constant`` 1."""
+        if self.lr == "noise":
+            noise = max(noise, 0.0) if math.isfinite(noise) else 0.0
+            return (1.0 + noise / old) / (1.0 + noise / new)
+        if self.lr == "linear":
+            return new / old
+        if self.lr == "sqrt":
+            return math.sqrt(new / old)
+        return 1.0
+
+
 def parse_batch_policy(text: str) -> BatchPolicy:
     """``fixed`` or ``adaptive(delta=0.1,min=16,max=1024,every=50[,source=exact|online]
     [,pick=bound|time])``; with pick=time, delta is not used and may be left out."""
     spec = parse_spec(text)
+    if spec.name == "warmup":
+        allowed = {"max", "every", "fraction", "lr"}
+        unknown = sorted(set(spec.kwargs) - allowed)
+        if unknown:
+            raise BatchboundError(f"warmup has no option {', '.join(map(repr, unknown))}; "
+                                  f"options: {', '.join(sorted(allowed))}")
+        return BatchPolicy(adaptive=True, source="online", pick="warmup", min=1,
+                           **{"max": 1 << 30, "every": 50, **spec.kwargs})
     if spec.name == "fixed":
         if spec.kwargs:
             raise BatchboundError("batch policy 'fixed' takes no options")
         return BatchPolicy()
     if spec.name != "adaptive":
         raise BatchboundError(
-            f"unknown batch policy {spec.name!r}; choose fixed or "
-            "adaptive(delta=..,min=..,max=..,every=..)"
+            f"unknown batch policy {spec.name!r}; choose fixed, warmup(max=..,every=..,"
+            "fraction=..,lr=noise|linear|sqrt|constant) or adaptive(delta=..,min=..,max=..,"
+            "every=..)"
         )
     allowed = {"delta", "min", "max", "every", "source", "pick"}
     unknown = sorted(set(spec.kwargs) - allowed)

@@ -196,6 +196,7 @@ class TrainConfig:
         _choice("sampling", self.sampling, SAMPLINGS)
         _choice("online_diversity", self.online_diversity, ONLINE_MODES)
         _choice("mechanism_granularity", self.mechanism_granularity, GRANULARITIES)
+        self._warmup_defaults()
         if not DEVICE.fullmatch(self.device):
             raise BatchboundError(f"unknown device {self.device!r}; choose from "
                                   f"{', '.join(DEVICES)} or cuda:i (a GPU's index)")
@@ -252,10 +253,33 @@ class TrainConfig:
             raise BatchboundError(
                 "adaptive(source=online) needs online_diversity=norms or two_batch"
             )
-        if policy.adaptive and policy.min < self.workers:
+        if policy.adaptive and not policy.warmup and policy.min < self.workers:
             raise BatchboundError(
                 f"adaptive batch min={policy.min} is below the number of workers {self.workers}"
             )
+
+    def _warmup_defaults(self) -> None:
+        """Batch-size warmup decides from the online estimate: two_batch unless one is set,
+        from two micro-batches of B0/2 on one process (so that B also grows in whole
+        micro-batches); its rate rule replaces the strategy's batch scaling."""
+        if not self.batch_policy.startswith("warmup"):
+            return
+        if not self.parsed_batch_policy().warmup:
+            return
+        if parse_strategy(self.strategy).name != "blr":
+            raise BatchboundError("batch policy warmup sets the rate itself (its lr= rule); "
+                                  "use strategy blr")
+        if self.online_diversity == "off":
+            object.__setattr__(self, "online_diversity", "two_batch")
+        if self.workers == 1 and self.micro_batch is None:
+            if self.batch_size < 2:
+                raise BatchboundError("batch policy warmup needs B0 >= 2 (two micro-batches)")
+            object.__setattr__(self, "micro_batch", self.batch_size // 2)
+        unit = (self.micro_batch or -(-self.batch_size // self.workers)) * self.workers
+        if self.batch_size % unit:
+            raise BatchboundError(f"batch policy warmup grows B in whole micro-batches: B0 = "
+                                  f"{self.batch_size} must be a multiple of micro_batch × "
+                                  f"workers = {unit}")
 
     # ---- parsed views of the spec strings -------------------------------------------------
     def parsed_strategy(self) -> Strategy:

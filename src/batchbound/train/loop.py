@@ -35,6 +35,7 @@ from batchbound import kernels
 from batchbound.data import BatchSampler, Dataset, apply_transform, load_dataset
 from batchbound.diversity import PreparedStats, measure
 from batchbound.diversity.losses import resolve_loss
+from batchbound.diversity.online import OnlineDiversity
 from batchbound.errors import BatchboundError, NonFiniteLossError
 from batchbound.models import build_model
 from batchbound.train.checkpoint import StopFlag, load_checkpoint, save_checkpoint
@@ -55,6 +56,7 @@ from batchbound.train.result import RunResult, TargetResult
 from batchbound.train.stall import collective_fault
 from batchbound.train.timing import PhaseTimer, median_seconds
 
+WARM_DECAY = 0.99  # warmup's estimate: an average over about the last 100 steps
 _EPS = 1e-9  # epoch comparisons: samples_seen / n is exact, but sums of fractions are not
 
 
@@ -212,6 +214,12 @@ class Trainer:
         self.train_seconds = 0.0
         self.batch_size = config.batch_size
         self.lr = math.nan
+        self.lr_factor = 1.0  # batch-size warmup's changes to the rate
+        # warmup decides from a longer average than the monitor's (about 20 steps), which is
+        # too noisy to act on when B_noise ≫ B
+        estimator = self.monitor.estimator
+        self.warm = (OnlineDiversity(self.n, decay=WARM_DECAY, sampling=estimator.sampling)
+                     if self.policy.warmup and estimator is not None else None)
         self.initial_loss: float | None = None
         self.last_batch_loss = math.nan
         self.next_eval_epoch = config.eval_every_epochs or math.inf
@@ -302,7 +310,7 @@ class Trainer:
         started = time.perf_counter()
         timer.start()
         batch = self.batch_size
-        lr = self.strategy.lr(self.config.lr, batch, self.sampler.epoch)
+        lr = self.strategy.lr(self.config.lr, batch, self.sampler.epoch) * self.lr_factor
         if lr != self.lr:
             self.lr = lr
             for group in self.optimizer.param_groups:
@@ -336,8 +344,11 @@ class Trainer:
         self.record("batch_loss", self.last_batch_loss)
         if self.monitor.active:
             t0 = time.perf_counter()
+            steps = self.monitor.estimator.steps
             for metric, value in self.monitor.update(grads, scale, extras_sum[3:], batch).items():
                 self.record(metric, value)
+            if self.warm is not None and self.monitor.estimator.steps > steps:
+                self.warm.update(*self.monitor.estimator.last)
             timer.totals["monitor"] += time.perf_counter() - t0
             if self.policy.adaptive and self.policy.source == "online":  # the policy's input
                 self.train_seconds += time.perf_counter() - t0
@@ -529,6 +540,10 @@ class Trainer:
         of progress; Δ̂ from the online monitor or an exact measure. The seconds this takes
         are the policy's own, so they count as training time."""
         started = time.perf_counter()
+        if self.policy.warmup:
+            self.warm_batch_size()
+            self.train_seconds += time.perf_counter() - started
+            return
         if self.policy.source == "online":
             diversity = self.monitor.diversity_estimate()
         else:
@@ -543,6 +558,32 @@ class Trainer:
         if new != self.batch_size:
             self.batch_size = new
             self.record("batch_size", new)
+
+    def warm_batch_size(self) -> None:
+        """Batch-size warmup (adaptive.py): double B when the online B_noise allows, and
+        change the rate by the policy's rule. The estimate is global (the monitor's sums
+        ride the gradient all-reduce), so every rank decides the same."""
+        warm = self.warm
+        assert warm is not None  # TrainConfig gives warmup an online estimate
+        noise, se = warm.noise_scale, warm.batch_bound_se
+        self.record("warmup_noise_scale", noise)
+        self.record("warmup_noise_scale_se", se)
+        new = min(self.policy.warmed(self.batch_size, noise, se), self.n)
+        if new != self.batch_size:
+            self.lr_factor *= self.policy.lr_change(self.batch_size, new, noise)
+            self.batch_size = new
+            self.record("batch_size", new)
+            self.warm = OnlineDiversity(self.n, decay=WARM_DECAY, sampling=warm.sampling)
+
+    @property
+    def warm_state(self) -> dict[str, Any]:
+        """The warmup's estimate, as plain values for the checkpoint."""
+        return self.warm.state_dict() if self.warm is not None else {}
+
+    @warm_state.setter
+    def warm_state(self, state: dict[str, Any]) -> None:
+        if self.warm is not None and state:
+            self.warm.load_state_dict(state)
 
     def step_cost(self) -> Callable[[int], float]:
         """t(B): seconds of one iteration at global batch B, for the policy's candidates: this
@@ -676,6 +717,8 @@ class Trainer:
         "train_seconds",
         "batch_size",
         "lr",
+        "lr_factor",
+        "warm_state",
         "initial_loss",
         "last_batch_loss",
         "next_eval_epoch",
@@ -736,7 +779,8 @@ class Trainer:
             self.timer.load_state_dict(saved["timer"])
             self.targets = [TargetResult(**t) for t in saved["targets"]]
             for name in self._STATE:  # only the run state's names, whatever the file holds
-                setattr(self, name, saved["state"][name])
+                if name in saved["state"]:  # one added later keeps its fresh value
+                    setattr(self, name, saved["state"][name])
             # saved as tensors (a checkpoint holds no numpy); the trainer keeps numpy arrays
             self.snapshots = [(i, e, w.numpy()) for i, e, w in self.snapshots]
             set_rng_state(saved["rng"])

@@ -1,0 +1,155 @@
+"""Does batch-size warmup pay? ``--batch-policy warmup`` against fixed batches (not a test).
+
+Per case and seed: a fixed-B0 run over the budget gives the training loss L it ends at; then
+each contender trains to L (evaluated every few steps): fixed B0, fixed 2·B0, 4·B0 and 8·B0
+(rate η0·√(B/B0)), and warmup from B0 (``warmup(every=25)``: B doubles when 2B ≤ 0.5·(B_noise − SE)
+from the two-batch estimate, the rate by McCandlish et al.'s rule). Reported per contender:
+optimizer steps, examples and training seconds to L (mean over seeds, with the range), and
+for warmup the ratios against fixed B0 (steps, examples) and against the best fixed batch
+(seconds). Goals: ≥ 25 % fewer steps than fixed B0 at ≤ 10 % more examples, and no more than
+10 % slower than the best fixed batch.
+
+    .venv/bin/python benchmarks/warmup.py                    # both cases, 3 seeds, ≈ 20 min
+    .venv/bin/python benchmarks/warmup.py --cases mnist5k-fc --seeds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from typing import Any
+
+from batchbound import kernels
+from batchbound.train import TrainConfig, target_list, train
+
+CASES: dict[str, dict[str, Any]] = {
+    "mnist5k-fc": dict(dataset="mnist5k", model="fc(depth=2,params=20000)", b0=16, lr=0.1,
+                       epochs=4, every=10),
+    "fortunes-gpt": dict(dataset="fortunes", model="gpt(depth=2,width=64,heads=4)", b0=16,
+                         lr=0.003, epochs=3, every=5),
+}
+WARMUP = "warmup(every=25)"
+
+
+def log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def to_loss(config: TrainConfig, loss: float, every: int, limit: int) -> dict[str, Any]:
+    run = train(config.replace(targets=target_list(train_loss=loss), max_epochs=None,
+                               max_iterations=limit, eval_every_epochs=None,
+                               eval_every_iterations=every), progress=False)
+    hit = run.targets[0]
+    sizes = [int(v) for _, _, _, v in run.curve("batch_size")]
+    steps = hit.iteration if hit.reached else math.inf
+    examples = _examples(run.curve("batch_size"), steps) if hit.reached else math.inf
+    return {"steps": steps, "examples": examples,
+            "seconds": hit.seconds if hit.reached else math.inf, "batches": sizes}
+
+
+def _examples(changes: list[tuple[int, float, float, float]], steps: float) -> float:
+    """Examples used in the first ``steps`` iterations, from the recorded batch sizes."""
+    total, (last_it, last_b) = 0.0, (0, changes[0][3])
+    for iteration, _, _, batch in changes[1:]:
+        total += (min(iteration, steps) - last_it) * last_b
+        last_it, last_b = iteration, batch
+        if iteration >= steps:
+            return total
+    return total + (steps - last_it) * last_b
+
+
+def run_case(name: str, seeds: int) -> dict[str, Any]:
+    case = CASES[name]
+    b0 = case["b0"]
+    contenders = {f"fixed B={b0 * k}": (b0 * k, "fixed") for k in (1, 2, 4, 8)}
+    contenders["warmup"] = (b0, WARMUP)
+    results: dict[str, list[dict[str, Any]]] = {c: [] for c in contenders}
+    for seed in range(seeds):
+        base = TrainConfig(dataset=case["dataset"], model=case["model"], batch_size=b0,
+                           lr=case["lr"], seed=seed)
+        budget = math.ceil(case["epochs"] * _n(base) / b0)
+        ref = train(base.replace(max_epochs=None, max_iterations=budget,
+                                 eval_every_epochs=None, eval_every_iterations=budget),
+                    progress=False)
+        loss = ref.final["train_loss"]
+        log(f"{name} seed {seed}: fixed B0 over {budget} steps ends at train_loss {loss:.5g}")
+        for label, (batch, policy) in contenders.items():
+            lr = case["lr"] * math.sqrt(batch / b0)
+            out = to_loss(base.replace(batch_size=batch, lr=lr, batch_policy=policy), loss,
+                          case["every"], 6 * budget)
+            results[label].append(out)
+            log(f"  {label}: {out['steps']} steps, {out['examples']:.0f} examples, "
+                f"{out['seconds']:.3g} s; batches {sorted(set(out['batches']))}")
+    return {"case": name, "results": results}
+
+
+def _n(config: TrainConfig) -> int:
+    from batchbound.data import load_dataset
+
+    return load_dataset(config.dataset).n_train
+
+
+def mean_range(values: list[float]) -> tuple[float, float, float]:
+    return statistics.mean(values), min(values), max(values)
+
+
+def report(case: dict[str, Any]) -> dict[str, Any]:
+    res = case["results"]
+    rows = {}
+    for label, runs in res.items():
+        rows[label] = {k: mean_range([r[k] for r in runs]) for k in ("steps", "examples",
+                                                                     "seconds")}
+    fixed = [k for k in rows if k.startswith("fixed")]
+    best = min(fixed, key=lambda k: rows[k]["seconds"][0])
+    b0 = fixed[0]
+    ratios = {
+        "steps_vs_b0": [w["steps"] / f["steps"] for w, f in zip(res["warmup"], res[b0],
+                                                                   strict=True)],
+        "examples_vs_b0": [w["examples"] / f["examples"] for w, f in zip(res["warmup"], res[b0],
+                                                                         strict=True)],
+        "seconds_vs_best": [w["seconds"] / f["seconds"] for w, f in zip(res["warmup"],
+                                                                        res[best], strict=True)],
+    }
+    return {"case": case["case"], "rows": rows, "best_fixed": best,
+            "ratios": {k: mean_range(v) for k, v in ratios.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    kernels.use()
+    start = time.perf_counter()
+    reports = [report(run_case(name, args.seeds)) for name in args.cases]
+    if args.json:
+        print(json.dumps(reports, indent=1))
+        return
+    print(f"{'case':<13} {'contender':<14} {'steps (range)':>22} {'examples (range)':>26} "
+          f"{'seconds (range)':>24}")
+    for r in reports:
+        for label, row in r["rows"].items():
+            cells = [f"{m:.0f} ({lo:.0f}–{hi:.0f})" for m, lo, hi in
+                     (row["steps"], row["examples"])]
+            m, lo, hi = row["seconds"]
+            mark = " (best fixed)" if label == r["best_fixed"] else ""
+            print(f"{r['case']:<13} {label + mark:<14} {cells[0]:>22} {cells[1]:>26} "
+                  f"{f'{m:.3g} ({lo:.3g}–{hi:.3g})':>24}")
+    for r in reports:
+        q = r["ratios"]
+        print(f"{r['case']}: warmup/fixed B0 steps {q['steps_vs_b0'][0]:.2f} "
+              f"({q['steps_vs_b0'][1]:.2f}–{q['steps_vs_b0'][2]:.2f}; goal ≤ 0.75), examples "
+              f"{q['examples_vs_b0'][0]:.2f} ({q['examples_vs_b0'][1]:.2f}–"
+              f"{q['examples_vs_b0'][2]:.2f}; goal ≤ 1.10); seconds against the best fixed "
+              f"({r['best_fixed']}) {q['seconds_vs_best'][0]:.2f} ({q['seconds_vs_best'][1]:.2f}"
+              f"–{q['seconds_vs_best'][2]:.2f}; goal ≤ 1.10); {args.seeds} seeds")
+    print(f"{(time.perf_counter() - start) / 60:.0f} min")
+
+
+if __name__ == "__main__":
+    main()
