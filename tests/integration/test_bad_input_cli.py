@@ -735,6 +735,17 @@ def test_integers_beyond_64_bits(argv: list[str], match: str, no_work, capsys) -
     refused(argv, match, capsys)
 
 
+@pytest.mark.parametrize("value, match", [
+    ("0", r"--stall-timeout: must be a finite number > 0, got 0"),
+    ("-5", r"--stall-timeout: must be a finite number > 0, got -5"),
+    ("inf", r"--stall-timeout: must be a finite number > 0, got inf"),
+    ("nan", r"--stall-timeout: must be a finite number > 0, got nan"),
+    ("soon", r"--stall-timeout: invalid number of seconds 'soon'"),
+])
+def test_stall_timeouts(value: str, match: str, no_work, capsys) -> None:
+    refused(["train", "--stall-timeout", value, *QUICK], match, capsys)
+
+
 @pytest.mark.parametrize("changes, match", [
     ({"train.seed": str(INT64_MAX + 1)},
      r"\[train\] seed: 9223372036854775808 does not fit in a 64-bit integer"),

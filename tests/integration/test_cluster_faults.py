@@ -23,13 +23,14 @@ import time
 from pathlib import Path
 
 import pytest
+from bad_input import FAULT
 from study_processes import descendants, finish, log_entries, log_nodes, start_study
 from test_study_runner_faults import SPEC
 
 from batchbound.study.store import Store
 from batchbound.train.distributed import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, FAULT]
 
 
 def wait_until(condition, proc: subprocess.Popen, seconds: float, what: str) -> None:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from bad_input import BAD_INPUT, refused
+from bad_input import BAD_INPUT, FAULT, refused
 from full_disk import fill, small_disk
 from study_processes import TRAINER, alive, descendants, finish, log_entries, start_study
 
@@ -58,6 +58,7 @@ def spec(tmp_path: Path) -> Path:
     return path
 
 
+@FAULT
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_a_killed_runner_leaves_no_process_behind(tmp_path, spec, sig):
@@ -81,6 +82,7 @@ def test_a_killed_runner_leaves_no_process_behind(tmp_path, spec, sig):
         assert {st for (st,) in s.db.execute("SELECT status FROM runs")} == {"complete"}
 
 
+@FAULT
 def test_a_stopped_run_resumes(tmp_path, spec):
     """A pool worker sent SIGTERM stops its run at a checkpoint; the run is `stopped`, keeps
     its checkpoint, and the next invocation resumes it instead of skipping it."""
@@ -123,6 +125,7 @@ def _same_store(store: Path, how: str) -> Path:
     return other / "folder" / store.name
 
 
+@FAULT
 @pytest.mark.parametrize("how", ["same path", "symlink", "hard link", "symlinked folder"])
 def test_a_second_runner_on_the_same_store_is_refused(tmp_path, spec, capsys, how):
     store = tmp_path / "s.sqlite"
@@ -136,6 +139,7 @@ def test_a_second_runner_on_the_same_store_is_refused(tmp_path, spec, capsys, ho
         assert s.db.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 0
 
 
+@FAULT
 def test_two_runners_under_two_names_execute_each_run_once(tmp_path, spec):
     """Two `study run`s started together on one store under a hard link: one runs, the other
     is refused; every run is executed once and recorded once."""
@@ -155,6 +159,7 @@ def test_two_runners_under_two_names_execute_each_run_once(tmp_path, spec):
             == [("complete", 4)]
 
 
+@FAULT
 def test_the_lock_dies_with_its_holder(tmp_path, spec):
     store, log = tmp_path / "s.sqlite", tmp_path / "log"
     proc = start_study(spec, store, log, sleep=0.3, jobs=1)
@@ -265,6 +270,7 @@ def test_a_read_only_store_refuses_a_run_and_still_reports(tmp_path, spec):
 # ------------------------------------------------ faults in the middle of a study (issue 29)
 
 
+@FAULT
 def test_sigterm_stops_the_study_with_its_own_exit_code(tmp_path, spec):
     """SIGTERM to the runner: the runs in progress stop at their checkpoints, the runner
     says so in one line and exits 75 (not 0: a batch script can tell preempted from done);
@@ -289,6 +295,7 @@ def test_sigterm_stops_the_study_with_its_own_exit_code(tmp_path, spec):
         assert {st for (st,) in s.db.execute("SELECT status FROM runs")} == {"complete"}
 
 
+@FAULT
 def test_a_full_disk_under_the_store_loses_no_run(tmp_path, spec):
     """The store's disk fills after a run is recorded: the runner ends with one line naming
     the store and the error (exit 1), the recorded run is intact, and once there is space
@@ -324,3 +331,32 @@ def test_a_full_disk_under_the_store_loses_no_run(tmp_path, spec):
             rows = s.db.execute("SELECT key, status FROM runs").fetchall()
         assert len(rows) == 4 and {st for _, st in rows} == {"complete"}
         assert not {key for key, _ in log_entries(log)[before:]} & kept  # none ran again
+
+
+@FAULT
+@pytest.mark.filterwarnings("ignore:No artists with labels")  # four runs: sparse figures
+def test_a_full_disk_under_the_report(tmp_path, spec, monkeypatch, capsys):
+    """The report's folder fills up while its figures are written: one line naming the
+    folder and the error (exit 1: a fault, not bad input); the store is untouched."""
+    import batchbound.study.report as report
+    from batchbound.study.runner import run_study
+    from batchbound.study.spec import load_study
+    from batchbound.study.workers import COLUMNS
+
+    store = tmp_path / "s.sqlite"
+    run_study(load_study(spec), store, jobs=0, progress=False, trainer=TRAINER)
+    before = store.read_bytes()
+    # the workers table times local processes: not what this case is about
+    monkeypatch.setattr(report, "workers_table", lambda *a, **k: report.pd.DataFrame(
+        columns=COLUMNS))
+    from batchbound.cli import main
+
+    with small_disk(64) as disk:
+        capsys.readouterr()
+        rc = main(["report", "faults", "--store", str(store), "--out", str(disk / "r")])
+        err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == 1 and len(lines) == 1 and "Traceback" not in err, err
+    assert re.search(r"error: cannot write the report to .*/r: No space left on device",
+                     lines[0]), lines[0]
+    assert store.read_bytes() == before

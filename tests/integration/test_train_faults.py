@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
-from bad_input import refused
+from bad_input import FAULT, refused
 from full_disk import fill, small_disk
 from study_processes import alive, descendants
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, FAULT]
 
 # long enough to be interrupted: at most a few seconds a run once nothing interrupts it
 COMMON = ["--dataset", "digits", "--model", "fc(depth=1,params=800)", "-B", "64",

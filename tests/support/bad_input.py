@@ -22,6 +22,9 @@ from pathlib import Path
 import pytest
 
 BAD_INPUT = pytest.mark.bad_input
+# A fault in the middle of work (a killed or silent rank, SIGTERM, a full disk): one line,
+# nothing already saved lost, and the rerun resumes (``pytest -m fault``).
+FAULT = pytest.mark.fault
 
 
 def _check(rc: int, err: str, match: str, argv: Sequence[str]) -> str:

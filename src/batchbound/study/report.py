@@ -13,6 +13,7 @@ the answer first, then figures embedded as base64 PNG, tables, spec, environment
 from __future__ import annotations
 
 import base64
+import errno
 import html
 import json
 import math
@@ -30,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from batchbound import kernels
-from batchbound.errors import BatchboundError
+from batchbound.errors import BatchboundError, FaultError
 from batchbound.study import analysis as A
 from batchbound.study.answer import GLOSSARY, answer_table, sentence
 from batchbound.study.claims import (
@@ -490,10 +491,13 @@ def write_report(store_path: str | Path, study: str | None, out_dir: str | Path,
 
 @contextmanager
 def _writing(out: Path) -> Iterator[None]:
-    """A failed write of the report's files as one BatchboundError naming the folder."""
+    """A failed write of the report's files as one line naming the folder: a FaultError
+    when the disk is full or failing (the report is made again once there is room), else a
+    BatchboundError (the folder deleted or made read-only meanwhile)."""
     try:
         yield
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename else ""
-        raise BatchboundError(f"cannot write the report to {out}: "
-                              f"{exc.strerror or exc}{where}") from None
+        kind = FaultError if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO) \
+            else BatchboundError
+        raise kind(f"cannot write the report to {out}: {exc.strerror or exc}{where}") from None
