@@ -47,6 +47,7 @@ from batchbound.integrations.common import (
     require,
 )
 from batchbound.integrations.ddp import GNSHookState, gns_hook, gns_hook_state
+from batchbound.integrations.warmup import AccumulationWarmup
 
 L = require("lightning.pytorch", "lightning")
 _data = require("lightning.pytorch.utilities.data", "lightning")
@@ -193,3 +194,59 @@ class DiversityCallback(L.Callback):
         self._restored = state_dict.get("monitor")
         if self.monitor is not None and self._restored is not None:
             self.monitor.load_state_dict(self._restored)
+
+
+class BatchWarmupCallback(DiversityCallback):
+    """Batch-size warmup in a Lightning run: DiversityCallback's estimate (over about the
+    last 100 steps by default), acted on by ``batchbound.integrations.warmup``'s rule: every
+    ``every`` optimizer steps the global batch (the loader's batch × accumulate_grad_batches
+    × ranks) doubles when 2B ≤ fraction·(B_noise − SE), up to ``max_batch``, by doubling
+    ``trainer.accumulate_grad_batches`` where a group of the new size can start (so a step
+    never mixes the two); the optimizers' rates (and their schedulers' base rates) change by
+    ``lr``. The estimate is global under DDP, so every rank changes at the same batch. Logs
+    ``warmup/batch_size`` and ``warmup/accumulation`` beside ``gradient_diversity/*``.
+    Needs what DiversityCallback needs: DDP with ≥ 2 ranks, or accumulate_grad_batches ≥ 2."""
+
+    def __init__(self, every: int = 25, *, max_batch: int | None = None,
+                 fraction: float = 0.5, lr: str = "noise", n: int | None = None,
+                 reduction: str = "mean", decay: float | None = 0.99,
+                 sampling: str = "without_replacement") -> None:
+        super().__init__(every, n=n, reduction=reduction, decay=decay, sampling=sampling)
+        self.options = {"every": every, "max_batch": max_batch, "fraction": fraction, "lr": lr}
+        AccumulationWarmup(1, **self.options)  # checks the options now
+        self.warmup: AccumulationWarmup | None = None
+        self._warm_restored: dict[str, Any] | None = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        k = trainer.accumulate_grad_batches
+        if (batch_idx + 1) % k or self._records is None:  # no optimizer step this batch
+            return
+        if self.warmup is None:
+            self.warmup = AccumulationWarmup(self._batch_size, k, trainer.world_size,
+                                             **self.options)
+            if self._warm_restored is not None:
+                self.warmup.load_state_dict(self._warm_restored)
+        if self.warmup.deciding():
+            self._records.fold()
+        assert self.monitor is not None
+        factor = self.warmup.step(self.monitor, ready=(batch_idx + 1) % (2 * k) == 0)
+        if factor == 1.0 and self.warmup.accumulation == k:
+            return
+        trainer.accumulate_grad_batches = self.warmup.accumulation
+        schedulers = {id(c.scheduler.optimizer): c.scheduler for c in trainer.lr_scheduler_configs}
+        for optimizer in trainer.optimizers:
+            self.warmup.scale_rates(optimizer, factor, schedulers.get(id(optimizer)))
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(self.warmup.metrics(), step=trainer.global_step)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.warmup is not None:
+            state["warmup"] = self.warmup.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._warm_restored = state_dict.get("warmup")

@@ -58,6 +58,7 @@ from batchbound.integrations.common import (
     loss_scale_of,
     require,
 )
+from batchbound.integrations.warmup import AccumulationWarmup
 
 transformers = require("transformers", "hf")
 _losses = require("transformers.loss.loss_utils", "hf")
@@ -246,3 +247,57 @@ def _batch_size(args: tuple, kwargs: dict) -> int:
         if t.dim() > 0:
             return int(t.shape[0])
     raise BatchboundError("DiversityCallback needs a tensor input with the examples along dim 0")
+
+
+class BatchWarmupCallback(DiversityCallback):
+    """Batch-size warmup in a Hugging Face Trainer: DiversityCallback's estimate (over about
+    the last 100 steps by default), acted on by ``batchbound.integrations.warmup``'s rule:
+    every ``every`` optimizer steps it decides whether the global batch (per-device batch ×
+    gradient_accumulation_steps × ranks) should double, and doubles
+    ``args.gradient_accumulation_steps`` at the next epoch's start (the Trainer groups an
+    epoch's micro-batches into steps from its first batch, so a mid-epoch change would split
+    a step); the optimizer's rate and the scheduler's base rates change by ``lr``. Under DDP
+    each rank decides from its own estimate (see DiversityCallback's limits), which can
+    differ between ranks: use it on one process, or check the logged ``warmup/*`` agree.
+    Adds ``warmup/batch_size`` and ``warmup/accumulation`` to the logs."""
+
+    def __init__(self, every: int = 25, *, max_batch: int | None = None,
+                 fraction: float = 0.5, lr: str = "noise", n: int | None = None,
+                 reduction: str = "mean", decay: float | None = 0.99,
+                 sampling: str = "without_replacement") -> None:
+        super().__init__(every, n=n, reduction=reduction, decay=decay, sampling=sampling)
+        self.options = {"every": every, "max_batch": max_batch, "fraction": fraction, "lr": lr}
+        AccumulationWarmup(1, **self.options)  # checks the options now
+        self.warmup: AccumulationWarmup | None = None
+        self._warm_log: dict[str, float] = {}
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        super().on_train_begin(args, state, control, **kwargs)
+        self.warmup = AccumulationWarmup(args.per_device_train_batch_size,
+                                         args.gradient_accumulation_steps, args.world_size,
+                                         **self.options)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        super().on_step_end(args, state, control, **kwargs)
+        if self._warm_log:  # a change made at this epoch's start, logged with its first step
+            self._pending.update(self._warm_log)
+            self._warm_log = {}
+            control.should_log = True
+        if self.warmup is None or self._records is None:
+            return
+        if self.warmup.deciding():
+            self._records.fold()
+        assert self.monitor is not None
+        self.warmup.step(self.monitor, ready=False)
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None,
+                       lr_scheduler: Any = None, **kwargs: Any) -> None:
+        if self.warmup is None or self.monitor is None:
+            return
+        factor = self.warmup.apply(self.monitor)
+        if factor == 1.0:
+            return
+        args.gradient_accumulation_steps = self.warmup.accumulation
+        if optimizer is not None:
+            self.warmup.scale_rates(optimizer, factor, lr_scheduler)
+        self._warm_log = self.warmup.metrics()
