@@ -145,7 +145,8 @@ def hf_gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     return HFLogits(GPT2LMHeadModel(GPT2Config(
-        n_layer=4, n_embd=128, n_head=4, n_positions=64, vocab_size=256, use_cache=False)))
+        n_layer=4, n_embd=128, n_head=4, n_positions=64, vocab_size=256, use_cache=False,
+        bos_token_id=0, eos_token_id=0)))
 
 
 def hf_llama() -> nn.Module:

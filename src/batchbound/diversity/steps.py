@@ -113,8 +113,10 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     model once per block, on a batch whose first argument holds the examples along dim 0,
     and run one backward. Every use of a parameter must be one its layer rule covers: inside
     the model this is checked on the autograd graph, and a use in the loss (a regulariser
-    written into it) is caught by comparing the rules' gradient sum with the change in
-    ``.grad`` (put regularisers outside the block, or in the optimizer's weight decay).
+    written into it) on the loss's graph at ``loss.backward()``, or, for a backward started
+    another way, by comparing the rules' gradient sum with the change in ``.grad`` (put
+    regularisers outside the block, or in the optimizer's weight decay). The model is
+    planned once and the plan kept while its structure stays the same.
     Whatever cannot be covered raises BatchboundError naming it: use ``monitored_step``,
     which computes it by an exact fallback. BatchNorm must be in eval mode.
     """
