@@ -47,6 +47,7 @@ from batchbound.advise.timing import (
     time_workers,
 )
 from batchbound.advise.trajectory import Trajectory, extrapolate
+from batchbound.advise.warmup import WarmupPlan, warmup_schedule
 from batchbound.data import Dataset, apply_transform, load_dataset
 from batchbound.errors import BatchboundError
 from batchbound.models import build_model, count_parameters
@@ -65,6 +66,7 @@ class Advice:
     pilot: dict[str, Any] | None = None  # what the prediction came from: a pilot run ...
     study: dict[str, Any] | None = None  # ... or a study's measured iterations
     probe: list[ProbePoint] | None = None
+    warmup: WarmupPlan | None = None  # the batch-size warmup the pilot implies (a plan given)
     extra: dict[str, Any] = field(default_factory=dict)
     # what the rows were computed from (not in the JSON): the pilot, and per worker count
     source: Pilot | None = field(default=None, repr=False)
@@ -86,6 +88,8 @@ class Advice:
         }
         if self.probe is not None:
             out["probe"] = [p.to_dict() for p in self.probe]
+        if self.warmup is not None:
+            out["warmup"] = self.warmup.to_dict()
         return out
 
     def to_json(self) -> str:
@@ -222,6 +226,7 @@ def advise(
         assumptions=assumptions,
         pilot=_pilot_record(config, run, path, planned, pilot_fraction, goal),
         probe=points,
+        warmup=warmup_schedule(path.central, max_batch=micro_limit) if planned else None,
         extra={"n": n, "strategy": strategy, "overlap": overlap,
                "timing": "cluster" if spec is not None else "measured",
                "timing_reliable": busy is None, "timing_warning": busy},

@@ -137,6 +137,8 @@ def run_command(args: argparse.Namespace) -> int:
     print(advice.table())
     print()
     print(advice.summary())
+    if advice.warmup is not None:
+        print(f"\n{advice.warmup.text()}")
     if advice.probe:
         print("\nempirical critical batch (probe) beside n·Δ:")
         for p in advice.probe:
