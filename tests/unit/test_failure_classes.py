@@ -389,6 +389,30 @@ class SortsItsBatch(nn.Module):
         return self.b(torch.tanh(self.a(x[order])))[torch.argsort(order)]
 
 
+class SortsByItsFeatures(nn.Module):
+    """The same, sorted by a hidden feature read through ``detach`` or ``.data``: indices
+    from values autograd never records."""
+
+    def __init__(self, read: str) -> None:
+        super().__init__()
+        self.a, self.b, self.read = nn.Linear(5, 7), nn.Linear(7, 3), read
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.a(x))
+        key = h.detach() if self.read == "detach" else h.data
+        order = torch.argsort(key[:, 0])
+        return self.b(h[order])[torch.argsort(order)]
+
+
+@pytest.mark.parametrize("read", ["detach", "data"])
+def test_rows_sorted_by_values_autograd_never_saw(read: str) -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 5, dtype=torch.float64), torch.randint(0, 3, (6,))
+    with pytest.raises(BatchboundError, match=r"b \(Linear\): its input's rows are chosen"):
+        per_example_stats(SortsByItsFeatures(read).double(), x, y, "cross_entropy",
+                          engine="hooks")
+
+
 @pytest.mark.parametrize("train", [False, True])
 def test_a_model_that_reorders_its_batch(train: bool) -> None:
     torch.manual_seed(0)

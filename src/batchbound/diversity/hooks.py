@@ -193,7 +193,7 @@ class HooksPass:
     # -------------------------------------------------------------------- phases
 
     def forward(self, model: nn.Module, *args: Any) -> Any:
-        self.rows = RowTracker(args) if self.layout is not None else None
+        self.rows = RowTracker(args, model.buffers()) if self.layout is not None else None
         with self.recorder, self.recorder.recording(), self.rows or nullcontext():
             return model(*args)
 

@@ -22,18 +22,20 @@ position says. An operation *moves rows* when
 
 Its outputs are marked, and so is everything computed from a marked tensor afterwards. The
 hooks engine refuses every call that reads a marked tensor, and every call whose output
-reaches (through the autograd graph) an operation that moves rows. Integer inputs of the
-model and what is computed from them alone, from shapes (``arange``) or from buffers are not
-such data: token ids and position ids index embeddings freely, a padding mask from the ids or
-a causal ``tril`` of a buffer chooses nothing. A sort
-of the examples themselves by value (``h.sort(dim=0)``) reorders rows without any index; it
-makes an example's loss depend on the others, which the first chunk's check against the
-per-example loop refuses. Nothing here is a list of models or layers: it follows torch's own
-tags, dtypes and the data flow of the chunk at hand.
+reaches (through the autograd graph) an operation that moves rows. What is computed from the
+model's integer inputs, the buffers and constants alone (``arange``) is not such data: token
+ids and position ids index embeddings freely, a padding mask from the ids or a causal
+``tril`` of a buffer chooses nothing. Every other floating-point tensor counts as the
+examples' values, also one made outside the forward's operations (``.data``, ``detach``,
+``from_numpy``). A sort of the examples themselves by value (``h.sort(dim=0)``) reorders
+rows without any index; it makes an example's loss depend on the others, which the first
+chunk's check against the per-example loop refuses. Nothing here is a list of models or
+layers: it follows torch's own tags, dtypes and the data flow of the chunk at hand.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -45,7 +47,6 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
-from torch.utils.weak import WeakIdKeyDictionary
 
 from batchbound.diversity.graph import Node, is_accumulator
 
@@ -97,25 +98,30 @@ def _selects(func: Any, args: tuple, kwargs: dict, inputs: list[Tensor]) -> bool
 
 
 class RowTracker(TorchDispatchMode):
-    """See the module docstring. ``inputs``: the model's arguments (the examples);
-    ``moved_by``: the first row-moving operation, by name."""
+    """See the module docstring. ``inputs``: the model's arguments (the examples), ``fixed``:
+    its buffers; ``moved_by``: the first row-moving operation, by name. The tensors it notes
+    are held until it is dropped (one chunk): small index tensors, and the activations
+    downstream of a move."""
 
-    def __init__(self, inputs: Any = ()) -> None:
+    def __init__(self, inputs: Any = (), fixed: Iterable[Tensor] = ()) -> None:
         super().__init__()
-        self.values: WeakIdKeyDictionary = WeakIdKeyDictionary()  # from examples' values
-        self.positions: WeakIdKeyDictionary = WeakIdKeyDictionary()  # indices from values
-        self.marked: WeakIdKeyDictionary = WeakIdKeyDictionary()  # rows may be moved
+        # By id, holding the tensor (so no id is reused while noted):
+        self.clean: dict[int, Tensor] = {}  # from no example's values: ids, buffers, constants
+        self.positions: dict[int, Tensor] = {}  # indices computed from the examples' values
+        self.marked: dict[int, Tensor] = {}  # rows may belong to other examples
         self.sources: list[Node] = []  # autograd nodes of what row-moving operations read
         self.moved_by: str | None = None
         for t in _tensors(inputs if isinstance(inputs, (tuple, list)) else (inputs,), []):
-            if t.is_floating_point():
-                self.values[t] = True
+            if not t.is_floating_point():  # token ids, masks: positions, not values
+                self.clean[id(t)] = t
+        for t in fixed:
+            self.clean[id(t)] = t
 
     def _valued(self, t: Tensor) -> bool:
-        """Computed from the examples' floating-point values or from the weights: what
-        requires grad (weights and what autograd records from them) or was seen computed
-        from such values without autograd (the raw inputs, a ``no_grad`` block)."""
-        return t.requires_grad or t in self.values
+        """Floating-point values that depend on the examples (or on the weights): everything
+        but what is known computed from integer inputs, buffers and constants alone. A
+        tensor made outside the forward's operations (``.data``, ``from_numpy``) counts."""
+        return t.is_floating_point() and id(t) not in self.clean
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
@@ -123,44 +129,36 @@ class RowTracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         inputs = _tensors(kwargs.values(), _tensors(args, [])) if kwargs else _tensors(args, [])
         dynamic, pointwise, random = _KINDS.get(func) or _kind(func)
-        if (not (dynamic or random or self.positions or self.marked)
-                and isinstance(out, Tensor) and out.dtype not in _INDEX_DTYPES
-                and torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
-            return out  # the common case: an activation autograd records; nothing chosen
-        positions = [t.dtype in _INDEX_DTYPES and t in self.positions for t in inputs]
+        clean = not random and all(id(t) in self.clean for t in inputs)
+        if (not (dynamic or random or clean or self.positions or self.marked)
+                and isinstance(out, Tensor) and out.dtype not in _INDEX_DTYPES):
+            return out  # the common case: an activation from activations; nothing chosen
+        positions = [id(t) in self.positions for t in inputs]
         valued = [self._valued(t) for t in inputs]
-        indexes = not pointwise and any(positions) and any(
-            v and not p for p, v in zip(positions, valued, strict=True))
+        indexes = not pointwise and any(positions) and any(valued)
         moves = indexes or (dynamic and _selects(func, args, kwargs, inputs))
         if moves:
             self.moved_by = self.moved_by or str(func.overloadpacket.__name__)
             self.sources.extend(t.grad_fn for t in inputs if t.grad_fn is not None)
-        if not (moves or self.marked or any(valued) or random):
-            return out  # the common case: weights and activations, nothing chosen
         outputs = _tensors(out if isinstance(out, (tuple, list)) else (out,), [])
         if moves or (self.marked and any(self.is_marked(t) for t in inputs)):
             for t in outputs:
                 self._mark(t)
-        chosen = random or any(positions) or any(
-            v and t.is_floating_point() for t, v in zip(inputs, valued, strict=True))
-        # outputs autograd will record (they then require grad) need no entry
-        recorded = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+        chosen = random or any(positions) or any(valued)
         for t in outputs:
-            if t.dtype in _INDEX_DTYPES:
-                if chosen:
-                    self.positions[t] = True
-                    self.values[t] = True
-            elif not recorded:
-                self.values[t] = True
+            if clean:
+                self.clean[id(t)] = t
+            elif chosen and t.dtype in _INDEX_DTYPES:
+                self.positions[id(t)] = t
         return out
 
     def _mark(self, t: Tensor) -> None:
-        self.marked[t] = True
+        self.marked[id(t)] = t
         if t._base is not None:  # a write through a view moves the base's rows too
-            self.marked[t._base] = True
+            self.marked[id(t._base)] = t._base
 
     def is_marked(self, t: Tensor) -> bool:
-        return t in self.marked or (t._base is not None and t._base in self.marked)
+        return id(t) in self.marked or (t._base is not None and id(t._base) in self.marked)
 
     def reads_marked(self, values: Any) -> bool:
         return any(self.is_marked(t) for t in _tensors(values, []))

@@ -268,7 +268,7 @@ class _Watched:
                              probes=self.planned.probes)
         self.run.recorder.__enter__()
         self.run.recorder.start()
-        self._rows = self.run.rows = RowTracker((args, kwargs))
+        self._rows = self.run.rows = RowTracker((args, kwargs), model.buffers())
         self._rows.__enter__()
 
     def _check(self, x: Tensor, layout: Layout) -> None:
