@@ -76,7 +76,8 @@ def test_replication_section_and_loss_ratio(replication):
     found = [f for f in R.claims(a) if f.section == "replication"]
     assert {f.claim.split(":")[0][:20] for f in found} and all(f.verdict in VERDICTS
                                                               for f in found)
-    assert len(found) == 2
+    assert len(found) == 3  # two claims and their manipulation check
+    assert any(f.claim.startswith("Manipulation check") for f in found)
 
 
 def test_replication_report_html_holds_the_section(replication, tmp_path):

@@ -40,17 +40,34 @@ Definitions (thresholds are arguments with these defaults):
 
 Diverged runs (status ``diverged``) count as misses (+∞) in the per-cell medians, like any
 run that does not reach its target, and each table carries their count per cell.
+- **Collapsed runs** (``mark_collapsed``): a run the trainer recorded ``complete`` whose last
+  training accuracy is at chance (≤ 1/classes + 0.02, classification only) or whose training
+  loss never falls below its first value did not train. Its status becomes ``collapsed``
+  when the report reads the store (the store keeps ``complete``); it counts as a miss when
+  it missed the target, is counted per cell, and is left out of every fit (B_crit, the loss
+  threshold, Δ), as a diverged run is.
+- **Degenerate B_crit**: a fit whose B_crit lies outside the grid's batches by more than
+  ×2, or whose 95 % interval spans more than two orders of magnitude, or that stopped at the
+  search bound (``critical_batch``'s ``degenerate`` says which); the report never shows it
+  as a number on its own.
+- **Grid edges** (``grid_edge``): a result at the smallest or largest batch of the grid (B*,
+  the largest B within E, near-linear up to, stagnant from) or a tuned η at the top or
+  bottom of its grid (``tuned_at_edge``) may lie beyond the grid; the report says so.
 - **Δ per model**: averaged over training (every measurement of every run at the reference
-  batch size, averaged per run, then over seeds) and at matched training loss ℓ\\* (Δ at the
-  first measurement where the run's training loss ≤ ℓ\\*, with ℓ\\* the loss every model
-  reached). Never one snapshot: near a stationary point ‖Σg‖ → 0 and n·Δ blows up.
+  batch size up to the run's target, averaged per run, then over seeds) and at matched
+  training loss ℓ\\* (Δ at the first measurement where the run's training loss ≤ ℓ\\*, with
+  ℓ\\* the loss every model reached). Never one snapshot: near a stationary point ‖Σg‖ → 0
+  and n·Δ blows up. Along the run ([diversity] Theorem 1 asks B ≤ δ·n·Δ(w) + 1 at every w
+  the run visits): the minimum of n·Δ over the measurements up to the target and its value
+  at the last measurement at or before the target's iteration (the run's end when it missed
+  the target); measurements after the target are never used.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -91,6 +108,51 @@ def finals(runs: pd.DataFrame) -> pd.DataFrame:
     return runs[runs["role"] == "final"] if "role" in runs else runs
 
 
+COLLAPSED = "collapsed"
+CHANCE_MARGIN = 0.02  # "at chance": last training accuracy ≤ 1/classes + this
+
+
+def collapsed_keys(runs: pd.DataFrame, curves: pd.DataFrame,
+                   chance: Mapping[str, float | None] | None = None) -> set[str]:
+    """Keys of the runs recorded ``complete`` that did not train: the last training
+    accuracy at chance (``chance[data label]``, 1/classes; None or absent: not checked) or
+    a training loss never below its first recorded value."""
+    complete = runs[runs["status"] == "complete"] if "status" in runs else runs
+    mine = curves[curves["key"].isin(set(complete["key"]))].sort_values("iteration")
+    out: set[str] = set()
+    losses = mine[mine["metric"] == "train_loss"].groupby("key")["value"]
+    for key, values in losses:
+        values = values.to_numpy(float)
+        if len(values) >= 2 and not np.nanmin(values[1:]) < values[0]:
+            out.add(str(key))
+    data = complete["data"] if "data" in complete else pd.Series("", complete.index)
+    level = {str(k): (chance or {}).get(str(d)) for k, d in zip(complete["key"], data,
+                                                                strict=True)}
+    last = mine[mine["metric"] == "train_acc"].groupby("key")["value"].last()
+    for key, value in last.items():
+        at = level.get(str(key))
+        if at is not None and float(value) <= at + CHANCE_MARGIN:
+            out.add(str(key))
+    return out
+
+
+def mark_collapsed(runs: pd.DataFrame, curves: pd.DataFrame,
+                   chance: Mapping[str, float | None] | None = None) -> pd.DataFrame:
+    """``runs`` with the status of every collapsed run (``collapsed_keys``) set to
+    ``collapsed``; the store keeps ``complete``."""
+    keys = collapsed_keys(runs, curves, chance)
+    if not keys:
+        return runs
+    return runs.assign(status=runs["status"].where(~runs["key"].isin(keys), COLLAPSED))
+
+
+def _trained(runs: pd.DataFrame) -> pd.Series:
+    """Runs that neither diverged nor collapsed: the only ones any fit may use."""
+    if "status" not in runs:
+        return pd.Series(True, runs.index)
+    return ~runs["status"].isin(["diverged", COLLAPSED])
+
+
 def per_run_to_target(runs: pd.DataFrame, targets: pd.DataFrame,
                       target: str | None = None) -> pd.DataFrame:
     """One row per final run: its labels, ``reached``, ``epochs`` and ``iterations`` to
@@ -104,6 +166,7 @@ def per_run_to_target(runs: pd.DataFrame, targets: pd.DataFrame,
     reached = out["reached"].fillna(0).astype(bool)
     out["reached"] = reached
     out["diverged"] = (out["status"] == "diverged") if "status" in out else False
+    out["collapsed"] = (out["status"] == COLLAPSED) if "status" in out else False
     out["epochs"] = np.where(reached, out["epoch"], np.inf).astype(float)
     out["iterations"] = np.where(reached, out["iteration"], np.inf).astype(float)
     out["ran_iterations"] = [_ran_iterations(f) for f in out.get("final_json", [None] * len(out))]
@@ -127,18 +190,23 @@ def target_names(runs: pd.DataFrame, targets: pd.DataFrame) -> list[str]:
 
 def summarize_to_target(per_run: pd.DataFrame, value: str = "epochs") -> pd.DataFrame:
     """Per (model, B): median over seeds (censoring-aware), mean/std/min/max of reached runs,
-    the number of runs, of runs stopped short of the target (censored) and of diverged runs."""
+    the number of runs, of runs stopped short of the target (censored), of diverged and of
+    collapsed runs."""
     keys = [*model_keys(per_run), *[c for c in SHAPE_COLUMNS if c in per_run], "batch_size"]
     rows = []
     for group, frame in per_run.groupby(keys, sort=True, dropna=False):
         values = frame[value].to_numpy(dtype=float)
         finite = values[np.isfinite(values)]
-        diverged = int(frame["diverged"].sum()) if "diverged" in frame else 0
+        dead = np.zeros(len(frame), bool)
+        for flag in ("diverged", "collapsed"):
+            if flag in frame:
+                dead |= frame[flag].to_numpy(bool)
         rows.append({
             **dict(zip(keys, group, strict=True)),
             "runs": len(values),
-            "censored": int(len(values) - len(finite)) - diverged,
-            "diverged": diverged,
+            "censored": int((~np.isfinite(values) & ~dead).sum()),
+            "diverged": int(frame["diverged"].sum()) if "diverged" in frame else 0,
+            "collapsed": int(frame["collapsed"].sum()) if "collapsed" in frame else 0,
             "median": float(np.median(values)),
             "mean_reached": float(finite.mean()) if len(finite) else math.nan,
             "std_reached": float(finite.std(ddof=1)) if len(finite) > 1 else math.nan,
@@ -308,13 +376,16 @@ def critical_batch(per_run: pd.DataFrame, value: str = "iterations", by: Sequenc
     are left out (see the module docstring).
 
     Columns: b_crit, s_min (NaN for joint fits), e_min, points (reached), censored,
-    diverged (left out), low/high (2.5th/97.5th bootstrap percentiles, resampling runs
-    within each batch size), one_run (every batch has one run: the interval has no
-    spread), at_bound (the fit hit the search range: not identified), outside ("below" or
-    "above" the batches that reached the target, else "")."""
+    diverged and collapsed (left out), low/high (2.5th/97.5th bootstrap percentiles,
+    resampling runs within each batch size), one_run (every batch has one run: the interval
+    has no spread), at_bound (the fit hit the search range: not identified), outside
+    ("below" or "above" the batches that reached the target, else ""), degenerate (why the
+    fit identifies no B_crit, else ""; see ``degenerate_fit``)."""
     keys = model_keys(per_run) if by is None else list(by)
-    diverged = per_run["diverged"].to_numpy(bool) if "diverged" in per_run \
-        else np.zeros(len(per_run), bool)
+    diverged = np.zeros(len(per_run), bool)
+    for flag in ("diverged", "collapsed"):
+        if flag in per_run:
+            diverged |= per_run[flag].to_numpy(bool)
     ran = per_run["ran_iterations"] if "ran_iterations" in per_run \
         else pd.Series(math.nan, index=per_run.index)
     usable = per_run.assign(_censored=~np.isfinite(per_run[value]),
@@ -345,24 +416,77 @@ def critical_batch(per_run: pd.DataFrame, value: str = "iterations", by: Sequenc
         group = group if isinstance(group, tuple) else (group,)
         edge = (batch.min() / 999, batch.max() * 999)
         hit = reached["batch_size"]
+        low = float(np.percentile(draws, 2.5)) if draws else math.nan
+        high = float(np.percentile(draws, 97.5)) if draws else math.nan
+        at_bound = bool(bc <= edge[0] or bc >= edge[1])
+        collapsed = everything["collapsed"].sum() if "collapsed" in everything else 0
         rows.append({**dict(zip(keys, group, strict=True)), "b_crit": bc, "s_min": s_min,
                      "e_min": s_min * bc, "points": len(reached),
                      "censored": int(censored.sum()),
-                     "diverged": int(everything["_diverged"].sum()),
-                     "low": float(np.percentile(draws, 2.5)) if draws else math.nan,
-                     "high": float(np.percentile(draws, 97.5)) if draws else math.nan,
+                     "diverged": int(everything["_diverged"].sum() - collapsed),
+                     "collapsed": int(collapsed),
+                     "low": low, "high": high,
                      "one_run": bool(max(len(c) for c in cells) == 1),
-                     "at_bound": bool(bc <= edge[0] or bc >= edge[1]),
+                     "at_bound": at_bound,
                      "outside": "below" if bc < hit.min() else
-                     "above" if bc > hit.max() else ""})
+                     "above" if bc > hit.max() else "",
+                     "degenerate": degenerate_fit(bc, low, high, everything["batch_size"],
+                                                  at_bound)})
     return pd.DataFrame(rows)
+
+
+DEGENERATE_FACTOR = 2.0  # B_crit this far outside the grid identifies nothing
+DEGENERATE_SPAN = 100.0  # an interval wider than this ratio (two orders of magnitude)
+
+
+def degenerate_fit(b_crit: float, low: float, high: float, batches: Sequence[float],
+                   at_bound: bool = False) -> str:
+    """Why a B_crit fit identifies no critical batch size, or "" when it does: it hit the
+    search bound, lies outside the grid's batches by more than ×2, or its 95 % interval
+    spans more than two orders of magnitude."""
+    grid = np.asarray(batches, float)
+    if at_bound:
+        return "the fit stopped at its search bound"
+    if b_crit < grid.min() / DEGENERATE_FACTOR:
+        return f"B_crit is below the smallest batch {fmt_batch(grid.min())} by more than ×2"
+    if b_crit > grid.max() * DEGENERATE_FACTOR:
+        return f"B_crit is above the largest batch {fmt_batch(grid.max())} by more than ×2"
+    if low > 0 and high / low > DEGENERATE_SPAN:
+        return "its 95 % interval spans more than two orders of magnitude"
+    return ""
+
+
+def fmt_batch(batch: float) -> str:
+    return str(int(batch)) if float(batch).is_integer() else f"{batch:.3g}"
+
+
+def grid_edge(value: float, batches: Sequence[float]) -> str:
+    """"smallest" or "largest" when ``value`` is that batch of the grid, else ""."""
+    grid = [float(b) for b in batches]
+    if not grid or not math.isfinite(value):
+        return ""
+    return "smallest" if value <= min(grid) else "largest" if value >= max(grid) else ""
+
+
+def tuned_at_edge(runs: pd.DataFrame, grid: Sequence[float]) -> pd.DataFrame:
+    """The final runs' cells whose tuned η is the top or the bottom of the tuning grid
+    (a better η may lie beyond it): model keys, batch_size, lr, edge ("top" or "bottom").
+    Empty when the grid has one η."""
+    final = finals(runs)
+    keys = [*model_keys(final), "batch_size"]
+    if len(grid) < 2 or final.empty:
+        return pd.DataFrame(columns=[*keys, "lr", "edge"])
+    cells = final.groupby(keys, sort=True, dropna=False)["lr"].median().reset_index()
+    cells["edge"] = np.where(np.isclose(cells["lr"], max(grid)), "top",
+                             np.where(np.isclose(cells["lr"], min(grid)), "bottom", ""))
+    return cells[cells["edge"] != ""].reset_index(drop=True)
 
 
 def loss_threshold(runs: pd.DataFrame, curves: pd.DataFrame, metric: str = "train_loss",
                    quantile: float = 0.25) -> pd.DataFrame:
     """Seed 003's threshold per model: the lower quartile of the ``metric`` values recorded
-    by the final runs at that model's largest batch size, diverged runs left out (and the
-    largest batch with a run that did not diverge when every run there diverged). NaN when
+    by the final runs at that model's largest batch size, diverged and collapsed runs left
+    out (and the largest batch with a run that trained when none there did). NaN when
     that quartile is not below the loss those runs started from: an unstable largest batch
     (loss up, not 10× up) gives a threshold the untrained model meets, which measures
     nothing (and would make k(m) = 0)."""
@@ -370,7 +494,7 @@ def loss_threshold(runs: pd.DataFrame, curves: pd.DataFrame, metric: str = "trai
     keys = model_keys(final)
     rows = []
     for group, everything in final.groupby(keys, sort=True, dropna=False):
-        frame = everything[_not_diverged(everything)]
+        frame = everything[_trained(everything)]
         largest = frame[frame["batch_size"] == frame["batch_size"].max()]["key"]
         recorded = curves[(curves["key"].isin(largest)) & (curves["metric"] == metric)]
         recorded = recorded[np.isfinite(recorded["value"].astype(float))]
@@ -383,18 +507,14 @@ def loss_threshold(runs: pd.DataFrame, curves: pd.DataFrame, metric: str = "trai
         rows.append({**dict(zip(keys, group, strict=True)),
                      "threshold": threshold,
                      "from_batch": float(frame["batch_size"].max()) if len(frame) else math.nan,
-                     "diverged_left_out": int((~_not_diverged(everything)).sum())})
+                     "diverged_left_out": int((~_trained(everything)).sum())})
     return pd.DataFrame(rows)
-
-
-def _not_diverged(runs: pd.DataFrame) -> pd.Series:
-    return runs["status"] != "diverged" if "status" in runs else pd.Series(True, runs.index)
 
 
 def per_run_to_loss(runs: pd.DataFrame, curves: pd.DataFrame, thresholds: pd.DataFrame,
                     metric: str = "train_loss") -> pd.DataFrame:
     """Like per_run_to_target, with k(m) the first iteration where ``metric`` ≤ the model's
-    threshold (from loss_threshold); a diverged run never reaches it."""
+    threshold (from loss_threshold); a diverged or collapsed run never reaches it."""
     final = finals(runs).merge(thresholds, on=model_keys(finals(runs)), how="left")
     rows = curves[curves["metric"] == metric]
     first = {}
@@ -402,7 +522,7 @@ def per_run_to_loss(runs: pd.DataFrame, curves: pd.DataFrame, thresholds: pd.Dat
         frame = frame.sort_values("iteration")
         first[key] = frame[["iteration", "epoch", "value"]].to_numpy(float)
     iterations, epochs = [], []
-    usable = _not_diverged(final).to_numpy()
+    usable = _trained(final).to_numpy()
     for key, threshold, ok in zip(final["key"], final["threshold"], usable, strict=True):
         data = first.get(key) if ok else None
         hit = None if data is None else np.flatnonzero(data[:, 2] <= threshold)
@@ -412,8 +532,10 @@ def per_run_to_loss(runs: pd.DataFrame, curves: pd.DataFrame, thresholds: pd.Dat
         else:
             iterations.append(data[hit[0], 0])
             epochs.append(data[hit[0], 1])
+    status = final["status"] if "status" in final else pd.Series("", final.index)
     return final.assign(iterations=iterations, epochs=epochs, reached=np.isfinite(iterations),
-                        diverged=~usable)
+                        diverged=(status == "diverged").to_numpy(),
+                        collapsed=(status == COLLAPSED).to_numpy())
 
 
 def loss_surface(runs: pd.DataFrame, curves: pd.DataFrame, metric: str = "train_loss"
@@ -438,17 +560,30 @@ def diversity_along_training(runs: pd.DataFrame, diversity: pd.DataFrame) -> pd.
 def diversity_runs(runs: pd.DataFrame, diversity: pd.DataFrame, curves: pd.DataFrame,
                    targets: pd.DataFrame | None = None, batch_size: int | None = None,
                    metric: str = "train_loss") -> pd.DataFrame:
-    """Per final run at the reference batch size (the smallest by default): Δ averaged over
-    its measurements (``delta_run``), Δ at matched training loss ℓ* (``delta_matched_run``:
-    the first measurement where the run's loss ≤ ℓ*, ℓ* the loss every model reached),
-    ``measured_to`` (the epoch of its last measurement) and ``target_epoch`` (when it
-    reached the first target; its last epoch when it did not)."""
+    """Per final run at the reference batch size (the smallest by default) that trained
+    (diverged and collapsed runs left out), from its measurements up to the first target
+    (all of them when it missed the target; never one after it): Δ averaged over them
+    (``delta_run``), the minimum of n·Δ (``bound_min_run``) and n·Δ at the last of them
+    (``bound_at_target_run``); Δ at matched training loss ℓ* (``delta_matched_run``: the
+    first measurement where the run's loss ≤ ℓ*, ℓ* the loss every model reached);
+    ``measured_to`` (the epoch of the last measurement used), ``target_epoch`` (when it
+    reached the first target; its last epoch when it did not) and ``reached``."""
     along = diversity_along_training(runs, diversity)
     if along.empty:
         return pd.DataFrame()
     reference = batch_size or int(along["batch_size"].min())
-    along = along[along["batch_size"] == reference]
+    along = along[(along["batch_size"] == reference) & _trained(along)]
+    if along.empty:
+        return pd.DataFrame()
     keys = [*model_keys(along), *[c for c in SHAPE_COLUMNS if c in along]]
+    reached: dict[str, tuple[float, float]] = {}  # key -> (iteration, epoch) of the target
+    if targets is not None and len(targets):
+        name = target_names(runs, targets)[0]
+        hit = targets[(targets["name"] == name) & (targets["reached"] == 1)]
+        reached = {k: (float(i), float(e)) for k, i, e in
+                   zip(hit["key"], hit["iteration"], hit["epoch"], strict=True)}
+    limit = along["key"].map(lambda k: reached.get(k, (math.inf, math.inf))[0])
+    along = along[along["iteration"] <= limit]
     losses = curves[(curves["metric"] == metric) & curves["key"].isin(along["key"])]
     # the loss each measurement was taken at: the latest evaluation at or before it
     at = pd.merge_asof(along.sort_values("iteration"),
@@ -456,19 +591,18 @@ def diversity_runs(runs: pd.DataFrame, diversity: pd.DataFrame, curves: pd.DataF
                        .sort_values("iteration"), on="iteration", by="key", direction="backward")
     per_model_best = at.groupby(keys, dropna=False)["loss"].min()
     matched = float(per_model_best.max()) if len(per_model_best) else math.nan
-    hits = at[at["loss"] <= matched].sort_values("iteration").groupby("key")["diversity"].first()
+    hits = at[at["loss"] <= matched].groupby("key")["diversity"].first()
     out = at.groupby("key").agg(delta_run=("diversity", "mean"), measured_to=("epoch", "max"),
-                                measurements=("diversity", "size")).reset_index()
+                                measurements=("diversity", "size"),
+                                bound_min_run=("batch_bound", "min"),
+                                bound_at_target_run=("batch_bound", "last")).reset_index()
     out = out.assign(delta_matched_run=out["key"].map(hits), matched_loss=matched)
     first = finals(runs).drop_duplicates("key").set_index("key")
     out = out.join(first[[*keys, "n_train"]], on="key").assign(batch_size=reference)
     ends = curves[curves["key"].isin(out["key"])].groupby("key")["epoch"].max()
-    reached = {}
-    if targets is not None and len(targets):
-        name = target_names(runs, targets)[0]
-        hit = targets[(targets["name"] == name) & (targets["reached"] == 1)]
-        reached = dict(zip(hit["key"], hit["epoch"], strict=True))
-    out["target_epoch"] = [reached.get(k, ends.get(k, math.nan)) for k in out["key"]]
+    out["reached"] = out["key"].isin(set(reached))
+    out["target_epoch"] = [reached[k][1] if k in reached else ends.get(k, math.nan)
+                           for k in out["key"]]
     return out
 
 
@@ -483,7 +617,9 @@ def diversity_summary(runs: pd.DataFrame, diversity: pd.DataFrame, curves: pd.Da
     matched_loss (ℓ*), delta_matched, bound_matched, measured_to (the shortest span of
     measurements over the runs, in epochs), over_training (True when every run's
     measurements reach within ``cadence`` epochs of its run to the target: only then is
-    delta_mean an average over training)."""
+    delta_mean an average over training), bound_min and bound_at_target (n·Δ along the run
+    to the target, ``diversity_runs``; means over runs), runs_reached ("k of n" runs that
+    reached the target; the others' values run to their end)."""
     per_run = diversity_runs(runs, diversity, curves, targets, batch_size, metric)
     if per_run.empty:
         return pd.DataFrame()
@@ -508,7 +644,10 @@ def diversity_summary(runs: pd.DataFrame, diversity: pd.DataFrame, curves: pd.Da
                      "matched_loss": float(frame["matched_loss"].iloc[0]),
                      "delta_matched": delta_matched, "bound_matched": n * delta_matched,
                      "measured_to": float(frame["measured_to"].min()),
-                     "over_training": covered})
+                     "over_training": covered,
+                     "bound_min": float(frame["bound_min_run"].mean()),
+                     "bound_at_target": float(frame["bound_at_target_run"].mean()),
+                     "runs_reached": f"{int(frame['reached'].sum())} of {len(frame)}"})
     return pd.DataFrame(rows)
 
 

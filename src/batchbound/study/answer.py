@@ -8,6 +8,7 @@ Everything here is read off the analyses (``report.StudyAnalysis``) and the work
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,57 @@ GLOSSARY = (
     ("η", "the step size each cell trained with, tuned by the study's rule", "width"),
     ("diverged", "a run whose loss went non-finite or above 10× its first loss; it counts "
      "as a miss and is left out of the loss threshold and the B_crit fit", ""),
+    ("collapsed", "a run recorded complete whose training accuracy ends at chance or whose "
+     "training loss never falls below its start: it did not train; counted, and left out of "
+     "every fit", ""),
+    ("at the grid edge", "a result at the smallest or largest batch tried, or a tuned η at "
+     "the top or bottom of its grid: the true value may lie beyond the grid", ""),
+    ("degenerate", "a B_crit fit outside the grid by more than ×2, or whose 95 % interval "
+     "spans more than two orders of magnitude: it identifies no critical batch size", ""),
+    ("interpolated", "a recommended batch or step size that no run of the study used: read "
+     "off the fit between grid points, not measured", ""),
+    ("n", "the number of independent units a verdict rests on: seeds per cell, or pairs of "
+     "runs for stability", ""),
 )
+
+
+EDGE = "at the grid edge"
+INTERPOLATED = "interpolated"
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One model's answer, read off the analyses: numbers (NaN when unknown) and the marks
+    that qualify them (grid edges, a degenerate fit, an interpolated recommendation)."""
+
+    model: str
+    grid: tuple[float, float]  # the smallest and largest batch of the study
+    first: float  # the smallest batch whose median run reaches the target
+    linear: float  # near-linear up to
+    stagnant: float  # stagnant from
+    b_crit: float
+    interval: str  # B_crit's 95 % interval in words
+    degenerate: str  # why the B_crit fit identifies nothing ("" when it does)
+    bound: float  # n·Δ
+    bound_how: str
+    workers: float
+    batch: float
+    lr: float
+    seconds: float
+    interpolated: bool  # no run used the recommended (B, η)
+    diverged: str  # "k of n"
+    collapsed: str  # "k of n"
+
+    def edge(self, value: float) -> str:
+        """"smallest"/"largest" when ``value`` is at that end of the grid."""
+        return A.grid_edge(value, self.grid)
+
+    def linear_edge(self) -> str:
+        """Near-linear up to the largest batch (it may go on), or no near-linear doubling
+        from the smallest (a near-linear range may lie below the grid)."""
+        if self.linear > self.first:
+            return "largest" if self.edge(self.linear) == "largest" else ""
+        return "smallest" if self.edge(self.first) == "smallest" else ""
 
 
 def _recommended(workers: pd.DataFrame | None, name: str) -> pd.Series | None:
@@ -47,14 +98,16 @@ def _recommended(workers: pd.DataFrame | None, name: str) -> pd.Series | None:
     return mine.iloc[0] if len(mine) else None
 
 
-def answer_table(a: Any, workers: pd.DataFrame | None) -> pd.DataFrame:
-    """One row per model: near-linear up to, stagnant from, B_crit with its 95 % interval
-    and flags, n·Δ with how it was measured, the time-optimal workers and batch here, and
-    the diverged runs."""
+def answers(a: Any, workers: pd.DataFrame | None) -> list[Answer]:
+    """One answer per model: near-linear up to, stagnant from, B_crit with its 95 %
+    interval and flags, n·Δ with how it was measured, the time-optimal workers, batch and
+    η here, and the diverged and collapsed runs."""
     keys = A.model_keys(a.per_run)
     names = A.display_names(a.per_run)
     how = A.delta_label(a.diversity)
-    rows = []
+    batches = a.per_run["batch_size"].astype(float) if len(a.per_run) else pd.Series([math.nan])
+    grid = (float(batches.min()), float(batches.max()))
+    out = []
     for _, frame in a.per_run.groupby(keys, sort=True, dropna=False):
         first = frame.iloc[0]
         name = str(names[frame.index[0]])
@@ -63,21 +116,55 @@ def answer_table(a: Any, workers: pd.DataFrame | None) -> pd.DataFrame:
         crit = _row(a.critical, match)
         div = _row(a.diversity, match)
         rec = _recommended(workers, name)
-        rows.append({
-            "model": name,
-            "first reached": _first_reached(a.speedups, match),
-            "near-linear up to": regime["linear_until"] if regime is not None else math.nan,
-            "stagnant from": regime["stagnation_from"] if regime is not None else math.nan,
-            "B_crit": crit["b_crit"] if crit is not None else math.nan,
-            "B_crit 95 %": _interval(crit),
-            "n·Δ": div["bound_mean"] if div is not None else math.nan,
-            "n·Δ measured": how,
-            "workers": rec["workers"] if rec is not None else math.nan,
-            "batch": rec["batch"] if rec is not None else math.nan,
-            "s to target": rec["s to target"] if rec is not None else math.nan,
-            "diverged runs": f"{int(frame['diverged'].sum())} of {len(frame)}",
-        })
-    return pd.DataFrame(rows)
+
+        def pick(row: pd.Series | None, column: str) -> float:
+            return float(row[column]) if row is not None and column in row else math.nan
+
+        collapsed = int(frame["collapsed"].sum()) if "collapsed" in frame else 0
+        out.append(Answer(
+            model=name, grid=grid, first=_first_reached(a.speedups, match),
+            linear=pick(regime, "linear_until"), stagnant=pick(regime, "stagnation_from"),
+            b_crit=pick(crit, "b_crit"), interval=_interval(crit),
+            degenerate=str(crit["degenerate"]) if crit is not None and "degenerate" in crit
+            else "",
+            bound=pick(div, "bound_mean"), bound_how=how,
+            workers=pick(rec, "workers"), batch=pick(rec, "batch"), lr=pick(rec, "lr"),
+            seconds=pick(rec, "s to target"),
+            interpolated=rec is not None and INTERPOLATED in str(rec.get("note", "")),
+            diverged=f"{int(frame['diverged'].sum())} of {len(frame)}",
+            collapsed=f"{collapsed} of {len(frame)}"))
+    return out
+
+
+def _num(value: float) -> str:
+    return fmt(float(value)) if isinstance(value, (int, float)) and math.isfinite(value) \
+        else "n/a"
+
+
+def _edged(value: float, edge: str) -> str:
+    return f"{_num(value)} ({EDGE})" if edge and math.isfinite(value) else _num(value)
+
+
+def answer_table(rows: list[Answer]) -> pd.DataFrame:
+    """The answers as the report's table: one row per model, marks written beside the
+    numbers they qualify; a degenerate B_crit is shown as such, never as a number alone."""
+    return pd.DataFrame([{
+        "model": r.model,
+        "first reached": _num(r.first),
+        "near-linear up to": _edged(r.linear, r.linear_edge()),
+        "stagnant from": _edged(r.stagnant, r.edge(r.stagnant)),
+        "B_crit": f"degenerate ({_num(r.b_crit)}: {r.degenerate})" if r.degenerate
+        else _num(r.b_crit),
+        "B_crit 95 %": r.interval,
+        "n·Δ": _num(r.bound),
+        "n·Δ measured": r.bound_how,
+        "workers": _num(r.workers),
+        "batch": f"{_num(r.batch)} ({INTERPOLATED})" if r.interpolated else _num(r.batch),
+        "η": f"{_num(r.lr)} ({INTERPOLATED})" if r.interpolated else _num(r.lr),
+        "s to target": _num(r.seconds),
+        "diverged runs": r.diverged,
+        "collapsed runs": r.collapsed,
+    } for r in rows])
 
 
 def _first_reached(speedups: pd.DataFrame, match: dict[str, Any]) -> float:
@@ -110,30 +197,38 @@ def _interval(crit: pd.Series | None) -> str:
     return text
 
 
-def sentence(row: pd.Series, target: str) -> str:
+def sentence(r: Answer, target: str) -> str:
     """The answer for one model in words."""
-    def num(value: float) -> str:
-        return fmt(float(value)) if isinstance(value, (int, float)) and math.isfinite(value) \
-            else "n/a"
-
-    parts = [f"**{row['model']}**: "]
-    linear, first = row["near-linear up to"], row["first reached"]
-    if not math.isfinite(linear):
+    parts = [f"**{r.model}**: "]
+    if not math.isfinite(r.linear):
         parts.append(f"no batch size reaches {target}")
-    elif linear > first:
-        parts.append(f"to {target}, speedup stays near-linear from B = {num(first)} up to "
-                     f"B = {num(linear)}")
+    elif r.linear > r.first:
+        edge = (f" ({EDGE}: it may stay near-linear beyond the largest batch tried)"
+                if r.edge(r.linear) == "largest" else "")
+        parts.append(f"to {target}, speedup stays near-linear from B = {_num(r.first)} up to "
+                     f"B = {_num(r.linear)}{edge}")
     else:
-        parts.append(f"to {target}, no doubling past B = {num(first)} (the smallest batch that "
-                     "reaches it) is near-linear")
-    if math.isfinite(row["B_crit"]):
-        parts.append(f"; the critical batch size is {num(row['B_crit'])} "
-                     f"({row['B_crit 95 %']})")
-    if math.isfinite(row["n·Δ"]):
-        parts.append(f"; n·Δ is {num(row['n·Δ'])} ({row['n·Δ measured']})")
-    if math.isfinite(row["workers"]):
-        workers = int(row["workers"])
+        edge = (f" ({EDGE}: a near-linear range, if any, lies below the smallest batch tried)"
+                if r.edge(r.first) == "smallest" else "")
+        parts.append(f"to {target}, no doubling past B = {_num(r.first)} (the smallest batch "
+                     f"that reaches it) is near-linear{edge}")
+    if math.isfinite(r.stagnant) and r.edge(r.stagnant) == "smallest":
+        parts.append(f"; it is stagnant from the smallest batch tried ({EDGE})")
+    if r.degenerate:
+        parts.append(f"; the critical-batch fit is degenerate ({r.degenerate}): no critical "
+                     "batch size is identified")
+    elif math.isfinite(r.b_crit):
+        parts.append(f"; the critical batch size is {_num(r.b_crit)} ({r.interval})")
+    if math.isfinite(r.bound):
+        parts.append(f"; n·Δ is {_num(r.bound)} ({r.bound_how})")
+    if math.isfinite(r.workers):
+        workers = int(r.workers)
+        made = (f", η {_num(r.lr)} ({INTERPOLATED}: no run used this batch and step size)"
+                if r.interpolated else "")
         parts.append(f"; on this machine {workers} worker{'s' if workers > 1 else ''} at "
-                     f"B = {int(row['batch'])} {'reach' if workers > 1 else 'reaches'} it "
-                     f"fastest ({num(row['s to target'])} s)")
-    return "".join(parts) + f". Diverged runs: {row['diverged runs']}."
+                     f"B = {int(r.batch)}{made} {'reach' if workers > 1 else 'reaches'} it "
+                     f"fastest ({_num(r.seconds)} s)")
+    collapsed = "" if r.collapsed.startswith("0 ") else (
+        f" Collapsed runs (accuracy at chance or loss never below its start; left out of "
+        f"every fit): {r.collapsed}.")
+    return "".join(parts) + f". Diverged runs: {r.diverged}.{collapsed}"

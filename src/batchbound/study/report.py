@@ -12,14 +12,11 @@ the answer first, then figures embedded as base64 PNG, tables, spec, environment
 
 from __future__ import annotations
 
-import base64
 import errno
-import html
 import json
 import math
 import os
 import platform
-import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,13 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from batchbound import kernels
 from batchbound.errors import BatchboundError, FaultError
 from batchbound.study import analysis as A
-from batchbound.study.answer import GLOSSARY, answer_table, sentence
+from batchbound.study import document as D
+from batchbound.study.answer import EDGE, GLOSSARY, answer_table, answers, sentence
 from batchbound.study.claims import (
     CONTRADICTED,
     INCONCLUSIVE,
@@ -47,7 +44,9 @@ from batchbound.study.claims.registry import fmt
 from batchbound.study.evidence import Evidence
 from batchbound.study.experiments import Section, sections
 from batchbound.study.figures import render_figures
+from batchbound.study.plan import data_info
 from batchbound.study.references import REFERENCES
+from batchbound.study.spec import DataSpec
 from batchbound.study.store import FINISHED, Store
 from batchbound.study.workers import workers_table
 
@@ -81,9 +80,33 @@ class StudyAnalysis:
     snapshots: dict[str, Any] = field(default_factory=dict)  # Store.snapshots of the runs
 
 
+def chance_levels(labels: list[str]) -> dict[str, float | None]:
+    """Per data label, the accuracy of chance (1/classes) for a classification set, None
+    for another task or a set this machine cannot load (its runs are then checked for
+    collapse by their loss alone)."""
+    out: dict[str, float | None] = {}
+    for label in labels:
+        dataset, _, transform = str(label).partition(" | ")
+        try:
+            info = data_info(DataSpec(dataset, transform or None))
+        except Exception:  # a report may be made where the data is not
+            out[label] = None
+            continue
+        out[label] = 1.0 / info.d_out if info.task == "classification" and info.d_out > 1 \
+            else None
+    return out
+
+
 def analyze(frames: dict[str, pd.DataFrame], spec: dict[str, Any],
-            snapshots: dict[str, Any] | None = None) -> StudyAnalysis:
-    frames = {**frames, "runs": A.short_strategies(frames["runs"])}
+            snapshots: dict[str, Any] | None = None,
+            chance: dict[str, float | None] | None = None) -> StudyAnalysis:
+    """Every analysis of the study. Runs that collapsed (``analysis.mark_collapsed``; the
+    accuracy of chance per data label from ``chance``, by default ``chance_levels``) are
+    marked first, so that every table counts them and no fit uses them."""
+    runs = A.short_strategies(frames["runs"])
+    if chance is None:
+        chance = chance_levels(list(runs["data"].dropna().unique())) if "data" in runs else {}
+    frames = {**frames, "runs": A.mark_collapsed(runs, frames["curves"], chance)}
     runs = frames["runs"]
     train = spec.get("train", {})
     budget = train.get("epochs_budget") or train.get("max_epochs", 20) / 2
@@ -136,8 +159,8 @@ def target_table(runs: pd.DataFrame, targets: pd.DataFrame, names: list[str],
         crit = A.critical_batch(per_run)
         crit_keys = [k for k in A.model_keys(per_run) if k in table]
         if len(crit):
-            table = table.merge(crit[[*crit_keys, "b_crit", "low", "high", "outside"]],
-                                on=crit_keys, how="left")
+            table = table.merge(crit[[*crit_keys, "b_crit", "low", "high", "outside",
+                                      "degenerate"]], on=crit_keys, how="left")
         reached = per_run.groupby(A.model_keys(per_run))["reached"].agg(["sum", "size"])
         table = table.merge(reached.rename(columns={"sum": "reached", "size": "runs"})
                             .reset_index(), on=A.model_keys(per_run), how="left")
@@ -156,8 +179,8 @@ def shape_table(a: StudyAnalysis) -> pd.DataFrame:
                              bound_matched=math.nan)
     if len(a.critical):
         crit_keys = [k for k in A.model_keys(a.per_run) if k in table]
-        table = table.merge(a.critical[[*crit_keys, "b_crit", "low", "high"]], on=crit_keys,
-                            how="left")
+        table = table.merge(a.critical[[*crit_keys, "b_crit", "low", "high", "degenerate"]],
+                            on=crit_keys, how="left")
     else:
         table = table.assign(b_crit=math.nan, low=math.nan, high=math.nan)
     sort = [c for c in ("depth", "width") if c in table and table[c].notna().all()]
@@ -177,7 +200,7 @@ def claims(a: StudyAnalysis) -> list[Finding]:
         evidence=Evidence(a.per_run, deltas), budget=a.budget,
         max_batch=float(a.epochs["batch_size"].max()) if len(a.epochs) else math.nan,
         critical=a.critical, diversity=a.diversity, delta_how=delta_how,
-        sections={s.key: s for s in a.sections})
+        sections={s.key: s for s in a.sections}, spec=a.spec, diversity_runs=a.delta_runs)
     order = list(REFERENCES)
     return sorted(evaluate(context), key=lambda f: order.index(f.source))
 
@@ -206,10 +229,11 @@ def environment() -> dict[str, str]:
             "generated": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
-# ---- writers --------------------------------------------------------------------------------
+# ---- the document ---------------------------------------------------------------------------
 SHAPE_COLUMNS = {"model_label": "model", "depth": "depth", "width": "width",
                  "delta_mean": "Δ (avg)", "bound_mean": "n·Δ (avg)",
                  "delta_matched": "Δ (matched loss)", "bound_matched": "n·Δ (matched)",
+                 "bound_min": "n·Δ min to target", "bound_at_target": "n·Δ at target",
                  "threshold_batch": "B*", "largest_batch": "largest B ≤ E ep",
                  "b_crit": "B_crit", "low": "B_crit 2.5%", "high": "B_crit 97.5%"}
 TARGET_COLUMNS = {"target": "target", "model_label": "model", "runs": "runs",
@@ -217,32 +241,97 @@ TARGET_COLUMNS = {"target": "target", "model_label": "model", "runs": "runs",
                   "largest_batch": "largest B ≤ E ep", "linear_until": "near-linear up to",
                   "stagnation_from": "stagnant from", "b_crit": "B_crit",
                   "low": "B_crit 2.5%", "high": "B_crit 97.5%", "outside": "B_crit flag"}
-VERDICT_CSS = {SUPPORTED: "supported", CONTRADICTED: "not", INCONCLUSIVE: "inconclusive"}
 VERDICT_RULE = (
     "A claim is supported only when the 95 % interval of its effect (a bootstrap over the "
     "runs in each cell; for rank correlations also an exact permutation test at 5 %) "
     "excludes no effect in the claimed direction; contradicted when it excludes no effect in "
-    "the other direction; inconclusive otherwise; not testable with the reason. A claim is "
-    "shown only for a study that varies what it speaks about.")
+    "the other direction; inconclusive otherwise; not testable with the reason. n is the "
+    "number of independent units the interval resamples (seeds per cell; pairs for "
+    "stability). A claim is shown only for a study that varies what it speaks about; where "
+    "the study's setting differs from the paper's, the difference is written beside it.")
 WORKERS_TEXT = (
     "The time-optimal batch per worker count on the machine that wrote this report, as "
     "`batchbound advise --from-study` computes it: the iterations to the target this study "
     "measured (the fitted B_crit interpolates between grid batches; nothing outside the "
     "grid), one worker's step from the runs' recorded times, and the all-reduce timed here "
     "running the trainer's step on P local processes. ← marks the recommendation: the "
-    "fewest workers past which doubling saves less than 10 %.")
+    "fewest workers past which doubling saves less than 10 %. A (B, η) no run used is "
+    "marked interpolated.")
+EDGE_NOTE = f" ({EDGE})"
 
 
-def shape_summary(a: StudyAnalysis) -> pd.DataFrame:
-    cols = [c for c in SHAPE_COLUMNS if c in a.shapes]
-    extra = [k for k in A.model_keys(a.shapes) if k != "model_label"]
-    return a.shapes[[*extra, *cols]].rename(columns=SHAPE_COLUMNS)
+def _grid(a: StudyAnalysis) -> list[float]:
+    return sorted(a.epochs["batch_size"].astype(float).unique()) if len(a.epochs) else []
+
+
+def _mark_edges(frame: pd.DataFrame, column: str, grid: list[float],
+                edges: tuple[str, ...] = ("smallest", "largest")) -> None:
+    """Write "at the grid edge" beside the values of ``column`` at those ends of the grid."""
+    if column in frame:
+        frame[column] = [f"{fmt(float(v))}{EDGE_NOTE}" if A.grid_edge(float(v), grid) in edges
+                         else v for v in frame[column]]
+
+
+def _mark_degenerate(frame: pd.DataFrame) -> None:
+    """A degenerate B_crit is written as such, never as a number alone."""
+    if "degenerate" in frame and "b_crit" in frame:
+        frame["b_crit"] = [f"degenerate ({fmt(float(b))}: {why})" if why else b
+                           for b, why in zip(frame["b_crit"], frame["degenerate"].fillna(""),
+                                             strict=True)]
+
+
+def shape_summary(a: StudyAnalysis, marked: bool = True) -> pd.DataFrame:
+    """The per-shape table; ``marked``: grid edges and degenerate fits written beside the
+    numbers (the report), else numbers with flag columns (shapes.csv)."""
+    table = a.shapes.copy()
+    grid = _grid(a)
+    if marked:
+        _mark_edges(table, "threshold_batch", grid)
+        _mark_edges(table, "largest_batch", grid, ("largest",))
+        _mark_degenerate(table)
+    else:
+        for column in ("threshold_batch", "largest_batch"):
+            if column in table:
+                table[f"{column} grid edge"] = [A.grid_edge(float(v), grid)
+                                                for v in table[column]]
+    cols = [c for c in SHAPE_COLUMNS if c in table]
+    extra = [k for k in A.model_keys(table) if k != "model_label"]
+    flags = [] if marked else [c for c in table if c.endswith("grid edge") or c == "degenerate"]
+    return table[[*extra, *cols, *flags]].rename(columns=SHAPE_COLUMNS)
 
 
 def target_summary(a: StudyAnalysis) -> pd.DataFrame:
-    extra = [k for k in A.model_keys(a.by_target) if k != "model_label"]
-    cols = [c for c in TARGET_COLUMNS if c in a.by_target]
-    return a.by_target[[cols[0], *extra, *cols[1:]]].rename(columns=TARGET_COLUMNS)
+    table = a.by_target.copy()
+    grid = _grid(a)
+    _mark_edges(table, "threshold_batch", grid)
+    _mark_edges(table, "largest_batch", grid, ("largest",))
+    _mark_edges(table, "linear_until", grid, ("largest",))
+    _mark_edges(table, "stagnation_from", grid, ("smallest",))
+    _mark_degenerate(table)
+    extra = [k for k in A.model_keys(table) if k != "model_label"]
+    cols = [c for c in TARGET_COLUMNS if c in table]
+    return table[[cols[0], *extra, *cols[1:]]].rename(columns=TARGET_COLUMNS)
+
+
+def tuned_edges(a: StudyAnalysis) -> pd.DataFrame:
+    """The cells whose tuned η is at the top or bottom of the tuning grid."""
+    lr = a.spec.get("lr", {})
+    if lr.get("tuning", "lowest_loss_2_epochs") == "none":
+        return pd.DataFrame()
+    return A.tuned_at_edge(a.frames["runs"], [float(g) for g in lr.get("grid", [])])
+
+
+def tuned_edges_text(a: StudyAnalysis) -> str | None:
+    edges = tuned_edges(a)
+    if edges.empty:
+        return None
+    grid = a.spec.get("lr", {}).get("grid", [])
+    names = A.display_names(edges)
+    cells = "; ".join(f"{name} at B = {int(row.batch_size)}: η {fmt(float(row.lr))} "
+                      f"({row.edge} of the grid)"
+                      for name, row in zip(names, edges.itertuples(), strict=True))
+    return (f"Tuned η {EDGE} (grid {', '.join(fmt(float(g)) for g in grid)}; a better η may "
+            f"lie beyond it): {cells}.")
 
 
 def critical_text(a: StudyAnalysis) -> str:
@@ -253,7 +342,12 @@ def critical_text(a: StudyAnalysis) -> str:
               f"95 % bootstrap interval {row['low']:.0f}–{row['high']:.0f}")
     notes = [f"{int(row['points'])} runs reached the target",
              *([f"{int(row['censored'])} censored"] if row["censored"] else []),
-             *([f"{int(row['diverged'])} diverged, left out"] if row["diverged"] else [])]
+             *([f"{int(row['diverged'])} diverged, left out"] if row["diverged"] else []),
+             *([f"{int(row['collapsed'])} collapsed, left out"]
+               if row.get("collapsed", 0) else [])]
+    if row.get("degenerate"):
+        return (f"degenerate fit ({row['degenerate']}; the fit's value {row['b_crit']:.3g} "
+                f"identifies no critical batch size; {', '.join(notes)})")
     flag = (" (at the search bound: not identified)" if row["at_bound"] else
             f" ({row['outside']} the batches that reached the target: an extrapolation)"
             if row["outside"] else "")
@@ -264,7 +358,7 @@ def unfinished(a: StudyAnalysis) -> str | None:
     """The report's warning when no run has finished (all failed, pending or stopped):
     every table is then empty, which must not read as "no batch size reaches the target"."""
     runs = a.frames["runs"]
-    if runs["status"].isin(FINISHED).any():
+    if runs["status"].isin([*FINISHED, A.COLLAPSED]).any():
         return None
     held = ", ".join(f"{n} {status}" for status, n in runs["status"].value_counts().items())
     return (f"No run has finished yet ({held}): nothing below is measured; run `batchbound "
@@ -279,173 +373,85 @@ def run_counts(a: StudyAnalysis) -> tuple[str, int]:
     return ", ".join(f"{r} {s}: {n}" for (r, s), n in counts.items()), failed
 
 
-def _cell(value: Any) -> str:
-    if isinstance(value, (bool, np.bool_)):
-        return "yes" if value else "no"
-    if isinstance(value, (float, np.floating)):
-        value = float(value)
-        if math.isnan(value):
-            return "n/a"
-        if math.isinf(value):
-            return "miss" if value > 0 else "−∞"
-        return fmt(value)
-    return str(value)
-
-
-def _md_table(frame: pd.DataFrame) -> str:
-    lines = ["| " + " | ".join(map(str, frame.columns)) + " |", "|" + "---|" * frame.shape[1]]
-    for row in frame.itertuples(index=False):
-        lines.append("| " + " | ".join(_cell(v).replace("|", "\\|") for v in row) + " |")
-    return "\n".join(lines)
-
-
-def _cite(key: str) -> str:
-    return f"[{key}]" if key else ""
+def document(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, Path]],
+             found: list[Finding], env: dict[str, str], workers: pd.DataFrame | None = None
+             ) -> tuple[list[Any], list[Any], list[Any]]:
+    """The report's blocks: (head, answer, body). The HTML shows them in that order;
+    summary.md opens with the answer."""
+    counts, failed = run_counts(a)
+    target = a.targets[0] if a.targets else "the target"
+    rows = answers(a, workers)
+    head: list[Any] = [D.Heading(1, f"Study {study}"),
+                       *([D.Text(a.spec["description"])] if a.spec.get("description") else [])]
+    answer: list[Any] = [
+        D.Heading(2, f"Answer — study {study}"),
+        *([D.Text(f"**{unfinished(a)}**", "warning")] if unfinished(a) else []),
+        *([D.Text(f"**{failed} runs failed**: every number below leaves them out; rerun the "
+                  "study to retry them.", "warning")] if failed else []),
+        *[D.Text(sentence(row, target)) for row in rows],
+        D.Table(answer_table(rows))]
+    if workers is not None and len(workers):
+        answer.append(D.Section("workers", [D.Heading(3, "How many workers"),
+                                            D.Text(WORKERS_TEXT.replace("`", "")),
+                                            D.Table(workers.astype(object).fillna(""))]))
+    answer += [D.Heading(3, "Glossary"), D.Pairs(GLOSSARY)]
+    edges = tuned_edges_text(a)
+    body: list[Any] = [
+        D.Text(f"Runs: {counts}."), D.Heading(2, "Per shape"), D.Table(shape_summary(a)),
+        D.Text(f"E = {a.budget:g} epochs. Critical batch size of the study (one B_crit for all "
+               f"shapes): {critical_text(a)}."),
+        *([D.Text(edges)] if edges else [])]
+    if len(a.targets) > 1:
+        body += [D.Heading(2, "Every target", anchor="targets"), D.Table(target_summary(a))]
+    body += [D.Heading(2, "The papers' claims", anchor="claims"),
+             D.Text(VERDICT_RULE, "small"), D.Verdicts(tuple(found))]
+    in_sections = {stem for s in a.sections for stem, _, _ in s.figures}
+    for section in a.sections:
+        stems = {f[0] for f in section.figures}
+        blocks: list[Any] = [D.Heading(2, section.title, cite=section.source),
+                             D.Text(section.text),
+                             *[D.Figure(*f) for f in figure_paths if f[0] in stems]]
+        for caption, frame in section.tables:
+            blocks += [D.Heading(3, caption), D.Table(frame)]
+        blocks.append(D.Verdicts(tuple(c for c in found if c.section == section.key)))
+        body.append(D.Section(section.key, blocks))
+    epochs = a.epochs.copy()
+    if len(edges_frame := tuned_edges(a)):
+        keys = [k for k in edges_frame.columns if k not in ("lr", "edge")]
+        epochs = epochs.merge(edges_frame.drop(columns="lr").rename(
+            columns={"edge": "η at grid edge"}), on=keys, how="left").fillna(
+            {"η at grid edge": ""})
+    body += [D.Heading(2, "Figures"),
+             *[D.Figure(*f) for f in figure_paths if f[0] not in in_sections],
+             D.Heading(2, "Tables"),
+             D.Heading(3, "Epochs to target per model and B (η: the tuned step size; censored: "
+                       "stopped short of the target; diverged and collapsed: left out of fits)"),
+             D.Table(epochs),
+             D.Heading(3, "Speedup"), D.Table(a.speedups),
+             D.Heading(3, "Regimes"), D.Table(a.regimes),
+             D.Heading(3, "Critical batch size per model"),
+             D.Table(a.critical, "not enough data"),
+             D.Heading(3, "Loss thresholds (diverged and collapsed runs left out)"),
+             D.Table(a.loss_thresholds),
+             D.Heading(3, "Gradient diversity"), D.Table(a.diversity, "no measurements"),
+             D.Heading(2, "Study spec"), D.Pre(json.dumps(a.spec, indent=2)),
+             D.Heading(2, "Environment"), D.Pairs(tuple((k, v, "") for k, v in env.items())),
+             D.Heading(2, "References"), D.References()]
+    return head, [D.Section("answer", answer)], body
 
 
 def markdown(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, Path]],
-             found: list[Finding], workers: pd.DataFrame | None = None) -> str:
-    counts, failed = run_counts(a)
-    target = a.targets[0] if a.targets else "the target"
-    answer = answer_table(a, workers)
-    shown = workers.astype(object).fillna("") if workers is not None else None
-    lines = [f"## Answer — study {study}", "",
-             *([f"**{unfinished(a)}**", ""] if unfinished(a) else []),
-             *([f"**{failed} runs failed**: every number below leaves them out; rerun the "
-                "study to retry them.", ""] if failed else []),
-             *[sentence(row, target) + "\n" for _, row in answer.iterrows()],
-             _md_table(answer), "",
-             *(["### How many workers", "", WORKERS_TEXT, "", _md_table(shown), ""]
-               if shown is not None and len(shown) else []),
-             "### Glossary", "",
-             *[f"- **{term}**: {text}{' ' + _cite(src) if src else ''}."
-               for term, text, src in GLOSSARY], "",
-             f"# Study {study}", "", *([a.spec["description"], ""]
-                                       if a.spec.get("description") else []),
-             f"Runs: {counts}.", "", "## Per shape", "", _md_table(shape_summary(a)), "",
-             f"E = {a.budget:g} epochs. Critical batch size of the study (one B_crit for all "
-             f"shapes): {critical_text(a)}.", ""]
-    if len(a.targets) > 1:
-        lines += ["## Every target", "", _md_table(target_summary(a)), ""]
-    lines += ["## The papers' claims", "", VERDICT_RULE, ""]
-    for c in found:
-        lines.append(f"- **{c.verdict}** {_cite(c.source)}: {c.claim} {c.evidence}")
-    in_sections = {stem for s in a.sections for stem, _, _ in s.figures}
-    for section in a.sections:
-        lines += ["", f"## {section.title} {_cite(section.source)}", "", section.text, ""]
-        for stem, caption, path in figure_paths:
-            if stem in {f[0] for f in section.figures}:
-                lines += [f"![{stem}](figures/{path.name}) {caption}", ""]
-        for caption, frame in section.tables:
-            lines += [f"**{caption}**", "", _md_table(frame), ""]
-        lines += [f"- **{c.verdict}** {_cite(c.source)}: {c.claim} {c.evidence}"
-                  for c in found if c.section == section.key]
-    lines += ["", "## Figures", ""]
-    for stem, caption, path in figure_paths:
-        if stem not in in_sections:
-            lines += [f"![{stem}](figures/{path.name}) {caption}", ""]
-    lines += ["## References", "", *[f"- [{k}] {v}" for k, v in REFERENCES.items()]]
-    return "\n".join(lines) + "\n"
-
-
-CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;
-color:#222}table{border-collapse:collapse;font-size:13px;margin:1em 0}td,th{border:1px solid
-#ccc;padding:3px 7px;text-align:right}th{background:#f2f2f2}figure{margin:1.5em 0}
-figcaption{font-size:13px;color:#555}.supported{color:#176317}.not{color:#a31515}
-.inconclusive{color:#8a6d00}.untestable{color:#777}#answer{background:#f4f8fc;border:1px solid
-#c9dbee;padding:0.5em 1.2em 1em;border-radius:6px}.failed{background:#fdecea;border:1px solid
-#e6a29c;padding:0.6em 1em}table.glossary td{text-align:left}
-table.glossary th{text-align:left;white-space:nowrap}
-pre{background:#f7f7f7;padding:1em;font-size:12px;white-space:pre-wrap;word-break:break-all}"""
-
-
-def _bold(text: str) -> str:
-    """Escape, then turn the sentence's **name** into <b>name</b>."""
-    return re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", html.escape(text))
+             found: list[Finding], workers: pd.DataFrame | None = None,
+             env: dict[str, str] | None = None) -> str:
+    head, answer, body = document(a, study, figure_paths, found, env or environment(), workers)
+    return D.to_markdown([*answer, *head, *body])
 
 
 def html_page(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, Path]],
               found: list[Finding], env: dict[str, str], workers: pd.DataFrame | None = None
               ) -> str:
-    e = html.escape
-
-    def table(frame: pd.DataFrame) -> str:
-        head = "".join(f"<th>{e(str(c))}</th>" for c in frame.columns)
-        body = "".join("<tr>" + "".join(f"<td>{e(_cell(v))}</td>" for v in row) + "</tr>"
-                       for row in frame.itertuples(index=False))
-        return f"<table><tr>{head}</tr>{body}</table>"
-
-    def figure(stem: str, caption: str, path: Path) -> str:
-        data = base64.b64encode(path.read_bytes()).decode()
-        return (f"<figure id='{e(stem)}'><img alt='{e(stem)}' style='max-width:100%' "
-                f"src='data:image/png;base64,{data}'><figcaption>{e(caption)}"
-                "</figcaption></figure>")
-
-    def verdict(c: Finding) -> str:
-        css = VERDICT_CSS.get(c.verdict, "untestable")
-        return (f"<li><b class='{css}'>{e(c.verdict)}</b> {cite.get(c.source, '')}: "
-                f"{e(c.claim)} <br><small>{e(c.evidence)}</small></li>")
-
-    counts, failed = run_counts(a)
-    target = a.targets[0] if a.targets else "the target"
-    answer = answer_table(a, workers)
-    cite = {k: f"<a href='#ref-{k}'>[{k}]</a>" for k in REFERENCES}
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>Study {e(study)}"
-             f"</title><style>{CSS}</style></head><body>",
-             f"<h1>Study {e(study)}</h1><p>{e(a.spec.get('description', ''))}</p>",
-             "<section id='answer'><h2>Answer</h2>",
-             *([f"<p class='failed'><b>{e(unfinished(a) or '')}</b></p>"] if unfinished(a)
-               else []),
-             *([f"<p class='failed'><b>{failed} runs failed</b>: every number below leaves "
-                "them out; rerun the study to retry them.</p>"] if failed else []),
-             *[f"<p>{_bold(sentence(row, target))}</p>" for _, row in answer.iterrows()],
-             table(answer)]
-    if workers is not None and len(workers):
-        parts += ["<section id='workers'><h3>How many workers</h3>",
-                  f"<p>{e(WORKERS_TEXT.replace('`', ''))}</p>",
-                  table(workers.astype(object).fillna("")), "</section>"]
-    parts += ["<h3>Glossary</h3><table class='glossary'>",
-              *[f"<tr><th>{e(term)}</th><td>{e(text)} {cite.get(src, '')}</td></tr>"
-                for term, text, src in GLOSSARY], "</table></section>",
-              f"<p>Runs: {e(counts)}.</p>",
-              "<h2>Per shape</h2>", table(shape_summary(a)),
-              f"<p>E = {a.budget:g} epochs. Study critical batch size: "
-              f"{e(critical_text(a))}.</p>"]
-    if len(a.targets) > 1:
-        parts += ["<h2 id='targets'>Every target</h2>", table(target_summary(a))]
-    parts += ["<h2 id='claims'>The papers' claims</h2>", f"<p><small>{e(VERDICT_RULE)}"
-              "</small></p><ul>"]
-    parts += [verdict(c) for c in found]
-    parts.append("</ul>")
-    in_sections = {stem for s in a.sections for stem, _, _ in s.figures}
-    for section in a.sections:
-        stems = {f[0] for f in section.figures}
-        parts += [f"<section id='{e(section.key)}'><h2>{e(section.title)} "
-                  f"{cite.get(section.source, '')}</h2><p>{e(section.text)}</p>",
-                  *[figure(*f) for f in figure_paths if f[0] in stems]]
-        for caption, frame in section.tables:
-            parts += [f"<h3>{e(caption)}</h3>", table(frame)]
-        mine = [verdict(c) for c in found if c.section == section.key]
-        parts += [f"<ul>{''.join(mine)}</ul>" if mine else "", "</section>"]
-    parts.append("<h2>Figures</h2>")
-    parts += [figure(*f) for f in figure_paths if f[0] not in in_sections]
-    parts += ["<h2>Tables</h2><h3>Epochs to target per model and B (η: the tuned step size; "
-              "censored: stopped short of the target; diverged: left out of fits)</h3>",
-              table(a.epochs),
-              "<h3>Speedup</h3>", table(a.speedups) if len(a.speedups) else "<p>none</p>",
-              "<h3>Regimes</h3>", table(a.regimes) if len(a.regimes) else "<p>none</p>",
-              "<h3>Critical batch size per model</h3>",
-              table(a.critical) if len(a.critical) else "<p>not enough data</p>",
-              "<h3>Loss thresholds (diverged runs left out)</h3>", table(a.loss_thresholds),
-              "<h3>Gradient diversity</h3>",
-              table(a.diversity) if len(a.diversity) else "<p>no measurements</p>",
-              "<h2>Study spec</h2>", f"<pre>{e(json.dumps(a.spec, indent=2))}</pre>",
-              "<h2>Environment</h2>", "<table>" + "".join(
-                  f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in env.items())
-              + "</table>", "<h2>References</h2><ul>",
-              *[f"<li id='ref-{k}'>[{k}] {e(v)}</li>" for k, v in REFERENCES.items()],
-              "</ul></body></html>"]
-    return "\n".join(parts)
+    head, answer, body = document(a, study, figure_paths, found, env, workers)
+    return D.to_html([*head, *answer, *body], f"Study {study}")
 
 
 @dataclass(frozen=True)
@@ -481,10 +487,11 @@ def write_report(store_path: str | Path, study: str | None, out_dir: str | Path,
     workers = workers_table(store_path, study, a.per_run, max_workers)
     with _writing(out):  # the folder deleted or made read-only meanwhile: one clear line
         figure_paths = render_figures(a, out / "figures")
-        (out / "summary.md").write_text(markdown(a, study, figure_paths, found, workers))
-        (out / "report.html").write_text(html_page(a, study, figure_paths, found,
-                                                   environment(), workers))
-        shape_summary(a).to_csv(out / "shapes.csv", index=False)
+        env = environment()
+        (out / "summary.md").write_text(markdown(a, study, figure_paths, found, workers, env))
+        (out / "report.html").write_text(html_page(a, study, figure_paths, found, env,
+                                                   workers))
+        shape_summary(a, marked=False).to_csv(out / "shapes.csv", index=False)
     return ReportPaths(out / "report.html", out / "summary.md",
                        [p for _, _, p in figure_paths], a, run_counts(a)[1])
 

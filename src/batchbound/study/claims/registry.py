@@ -44,6 +44,8 @@ class Context:
     diversity: pd.DataFrame = field(default_factory=pd.DataFrame)  # analysis.diversity_summary
     delta_how: str = "not measured"  # analysis.delta_label
     sections: dict[str, Any] = field(default_factory=dict)  # experiments' Sections by key
+    spec: dict[str, Any] = field(default_factory=dict)  # the study spec, StudySpec.to_dict()
+    diversity_runs: pd.DataFrame = field(default_factory=pd.DataFrame)  # A.diversity_runs
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ class Finding:
     verdict: str
     evidence: str
     section: str = ""  # the experiment section it speaks about, if any
+    n: str = ""  # the independent units the verdict rests on, "n = 3 seeds per cell"
+    differs: str = ""  # where the study's setting differs from the paper's, if it does
 
 
 @dataclass(frozen=True)
@@ -94,9 +98,24 @@ def applies(entry: ClaimEntry, context: Context) -> bool:
 
 
 def evaluate(context: Context) -> list[Finding]:
-    """Every registered claim the study can speak to, in registration order."""
-    return [replace(entry.test(context), section=_section(entry))
-            for entry in CLAIMS.values() if applies(entry, context)]
+    """Every registered claim the study can speak to, in registration order; a finding
+    that does not name its independent units rests on the runs of each cell (seeds)."""
+    out = []
+    for entry in CLAIMS.values():
+        if applies(entry, context):
+            found = entry.test(context)
+            out.append(replace(found, section=_section(entry),
+                               n=found.n or seeds_per_cell(context.evidence.cell_sizes)))
+    return out
+
+
+def seeds_per_cell(sizes: list[int], unit: str = "seeds", where: str = "per cell") -> str:
+    """"n = 3 seeds per cell", or "n = 2–3 seeds per cell" when cells differ."""
+    if not sizes:
+        return f"n = 0 {unit}"
+    low, high = min(sizes), max(sizes)
+    count = f"{low}" if low == high else f"{low}–{high}"
+    return f"n = {count} {unit} {where}".rstrip()
 
 
 def _section(entry: ClaimEntry) -> str:

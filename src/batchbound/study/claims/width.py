@@ -5,12 +5,13 @@ with gradient diversity."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
 from batchbound.study import analysis as A
+from batchbound.study.claims import settings
 from batchbound.study.claims.registry import (
-    CONTRADICTED,
     INCONCLUSIVE,
     SUPPORTED,
     UNTESTABLE,
@@ -20,6 +21,7 @@ from batchbound.study.claims.registry import (
     fmt,
     one_run_note,
     register_claim,
+    seeds_per_cell,
     span,
 )
 from batchbound.study.evidence import Model, interval
@@ -44,18 +46,31 @@ def threshold_exists(context: Context) -> Finding:
     if not trains:
         return Finding(SOURCE, claim, UNTESTABLE, "no model reaches the target at any batch")
     top = context.max_batch
+    floor = min(float(m.batches[0]) for m in context.evidence.models if len(m.batches))
     bounds = {n: interval(v) for n, v in trains.items()}
-    below = all(high < top for _, high in bounds.values())
-    at_top = any(low >= top for low, _ in bounds.values())
+    # a B* at the grid's smallest batch shows no flat part, one at its largest no growth:
+    # either way the threshold may lie beyond the grid, so neither supports the claim
+    inside = all(floor < low and high < top for low, high in bounds.values())
     never = len(b_star) - len(trains)
-    verdict = (INCONCLUSIVE if context.evidence.one_run else
-               SUPPORTED if below else CONTRADICTED if at_top else INCONCLUSIVE)
+    verdict = INCONCLUSIVE if context.evidence.one_run or not inside else SUPPORTED
     text = ("B* (95 % interval) per model: " + "; ".join(
-        f"{n}: {fmt(trains[n][0])} {span(*bounds[n])}" for n in trains)
-        + f"; largest batch tried {fmt(top)}"
+        f"{n}: {fmt(trains[n][0])} {span(*bounds[n])}{_edge(bounds[n], floor, top)}"
+        for n in trains)
+        + f"; batches tried {fmt(floor)}–{fmt(top)}"
         + (f"; {never} model(s) never reach the target (left out)" if never else "")
         + "." + one_run_note(context))
     return Finding(SOURCE, claim, verdict, text)
+
+
+def _edge(bounds: tuple[float, float], floor: float, top: float) -> str:
+    low, high = bounds
+    if low <= floor:
+        return (" (at the grid edge: the smallest batch; no flat part measured, the threshold "
+                "may lie below the grid)")
+    if high >= top:
+        return (" (at the grid edge: the largest batch; the threshold, if any, lies beyond "
+                "the grid)")
+    return ""
 
 
 @register_claim(SOURCE, needs=("depth",))
@@ -99,9 +114,10 @@ def _delta(context: Context) -> dict[str, np.ndarray]:
 
 @register_claim(SOURCE, needs=("width", "diversity"))
 def diversity_grows_with_width(context: Context) -> Finding:
-    return correlation(context, SOURCE, f"Gradient diversity Δ ({context.delta_how}) grows "
-                       "with width at a fixed parameter count (Figure 2a).",
-                       _labels(context, "width"), _delta(context), +1, "width", "Δ")
+    found = correlation(context, SOURCE, f"Gradient diversity Δ ({context.delta_how}) grows "
+                        "with width at a fixed parameter count (Figure 2a).",
+                        _labels(context, "width"), _delta(context), +1, "width", "Δ")
+    return replace(found, differs=settings.gaussian_linear(context.spec))
 
 
 @register_claim(SOURCE, needs=("model_label", "diversity"))
@@ -120,6 +136,9 @@ def theorem3_orders_shapes(context: Context) -> Finding:
              "follows the theorem's ρ bound across shapes (wider larger, deeper smaller).")
     at_init = context.sections["theory"].data["at_init"]
     bounds = {n: b for n, (b, _) in at_init.items() if math.isfinite(b)}
-    return correlation(context, SOURCE, claim, bounds,
-                       {n: draws for n, (_, draws) in at_init.items()}, +1,
-                       "Theorem 3 bound", "measured n·Δ at init")
+    found = correlation(context, SOURCE, claim, bounds,
+                        {n: draws for n, (_, draws) in at_init.items()}, +1,
+                        "Theorem 3 bound", "measured n·Δ at init")
+    counts = list(context.sections["theory"].data.get("runs", {}).values())
+    return replace(found, differs=settings.gaussian_linear(context.spec),
+                   n=seeds_per_cell(counts, "runs", "per shape") if counts else "")

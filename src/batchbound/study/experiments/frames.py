@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from batchbound.spec import Spec, parse_spec
+from batchbound.study.analysis import COLLAPSED
 
 
 def transform_of(data_label: str) -> Spec | None:
@@ -19,10 +20,11 @@ def transform_of(data_label: str) -> Spec | None:
 
 
 def finals(a: Any) -> pd.DataFrame:
-    """Final runs that finished (complete or diverged), with their ``final`` values as
-    columns prefixed ``final_`` (test_acc, osg_mean, linear_error, …)."""
+    """Final runs that finished (complete, diverged or collapsed), with their ``final``
+    values as columns prefixed ``final_`` (test_acc, osg_mean, linear_error, …)."""
     runs = a.frames["runs"]
-    runs = runs[(runs["role"] == "final") & runs["status"].isin(["complete", "diverged"])]
+    runs = runs[(runs["role"] == "final")
+                & runs["status"].isin(["complete", "diverged", COLLAPSED])]
     values = [json.loads(text) if isinstance(text, str) and text else {}
               for text in runs["final_json"]]
     extra = pd.DataFrame(values, index=runs.index).add_prefix("final_")

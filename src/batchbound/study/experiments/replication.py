@@ -104,5 +104,6 @@ def replication(a: Any) -> Section | None:
         figures=[("replication_loss_ratio", f"Training loss at B = {large} over B = {small} "
                   "against passes, per replication factor r [diversity, Figure 2]. Above 1: "
                   "the large batch is behind.", draw)],
-        data={"factors": factors, "small": small, "large": large, "log_ratio": log_draws},
+        data={"factors": factors, "small": small, "large": large, "log_ratio": log_draws,
+              "seeds": {int(r): len(part) for r, part in logs.groupby(level="r")}},
     )

@@ -108,5 +108,7 @@ def stability(a: Any) -> Section | None:
         figures=[("stability", "Normalised distance between the models trained on "
                   "neighbouring data sets against passes, per B (left) and the final test "
                   "accuracy of every run per B (right) [diversity, Figure 3].", draw)],
-        data={"distance": draws, "spread": spread},
+        data={"distance": draws, "spread": spread,
+              "pairs": {int(b): len(part) for b, part in last.reset_index().groupby("batch_size")},
+              "runs": {int(b): len(part) for b, part in cells}},
     )

@@ -42,11 +42,12 @@ def theory(a: Any) -> Section | None:
     d = input_dim(str(runs["data"].iloc[0]))
     along = a.along.sort_values("epoch")
     first = along.groupby("key").first()  # each run's measurement at initialisation
-    rows, at_init = [], {}
+    rows, at_init, counts = [], {}, {}
     for label, part in first.groupby("model_label"):
         depth, width = int(part["depth"].iloc[0]), int(part["width"].iloc[0])
         bound = linear_network_rho_bound(d, [width] * depth) if depth and width > 1 else math.nan
         at_init[label] = (bound, means(part["batch_bound"].to_numpy(float)))
+        counts[label] = len(part)
         rows.append({"model_label": label, "depth": depth, "width": width,
                      "n·Δ at init": float(part["batch_bound"].mean()),
                      "Theorem 3 bound": bound})
@@ -85,5 +86,5 @@ def theory(a: Any) -> Section | None:
         tables=[("Per shape: measured n·Δ and Theorem 3's bound", table)],
         figures=[("theory_bound", "Measured n·Δ at initialisation against Theorem 3's lower "
                   "bound per shape [width, Theorem 3 and Figure 2].", draw)],
-        data={"at_init": at_init},
+        data={"at_init": at_init, "runs": counts},
     )

@@ -103,5 +103,6 @@ def timing(a: Any) -> Section | None:
         figures=[("timing", "Seconds of training to each target at each setting's best "
                   "(γ, B), with 95 % bootstrap intervals over seeds [diversity, Table 1].",
                   draw)],
-        data={"draws": draws, "targets": list(a.targets), "best": best},
+        data={"draws": draws, "targets": list(a.targets), "best": best,
+              "seeds": {str(r["setting"]): int(r["seeds"]) for r in rows}},
     )
