@@ -9,7 +9,9 @@ A study runs in two phases:
    run (``fewest_steps``, first seed) is the same run: same config hash, stored once.
 
 With ``tune_at = "base_batch"`` (seed 003's strategies) the step size is tuned only at the
-smallest batch size and the strategy (blr/lsr/srsr) carries it to the others.
+smallest batch size and the strategy (blr/lsr/srsr) carries it to the others. With
+``tune_data = "first"`` it is tuned on the first data set only and used for every data set
+(stability's neighbouring pairs share their step size).
 """
 
 from __future__ import annotations
@@ -191,6 +193,8 @@ class Plan:
         for cell in self.cells():
             if lr.tune_at == "base_batch" and cell[2] != base:
                 continue
+            if lr.tune_data == "first" and cell[0] != self.spec.data[0]:
+                continue
             for eta in lr.grid:
                 for seed in seeds:
                     runs.append(_run(self.spec, TUNE, cell, self.infos[cell[0].label], eta,
@@ -206,7 +210,8 @@ class Plan:
         for grid_cell in self.cells():
             data, shape, batch, mechanism, strategy = grid_cell
             lookup_batch = base if self.spec.lr.tune_at == "base_batch" else batch
-            cell = (data.label, shape.spec, lookup_batch, mechanism, strategy)
+            tuned_on = self.spec.data[0] if self.spec.lr.tune_data == "first" else data
+            cell = (tuned_on.label, shape.spec, lookup_batch, mechanism, strategy)
             if only_cell is not None and cell != only_cell:
                 continue
             if self.spec.lr.tuning == "none":

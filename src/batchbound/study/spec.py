@@ -29,6 +29,10 @@ STRATEGIES = ("blr", "lsr", "srsr")
 # each_batch: tune η per batch size (seed 000). base_batch: tune η0 at the smallest batch size
 # only and let the strategy scale it (seed 003's BLR/LSR/SRSR comparison).
 TUNE_AT = ("each_batch", "base_batch")
+# each: tune η per data set. first: tune on the first data set and use its η for every data
+# set, so that runs compared across data sets share it ([diversity]'s stability pairs train
+# "the same mini-batch SGD algorithm" on two data sets that differ in one example).
+TUNE_DATA = ("each", "first")
 TARGET_METRICS = ("train_acc", "test_acc", "train_loss", "test_loss")
 
 
@@ -122,11 +126,14 @@ class LRSpec:
     tune_epochs: float = 2.0
     tune_seeds: int = 1
     tune_at: str = "each_batch"
+    tune_data: str = "each"
 
     def __post_init__(self) -> None:
         _check_types("lr", self)
         if self.tune_at not in TUNE_AT:
             raise _fail("lr", "tune_at", f"choose from {', '.join(TUNE_AT)}")
+        if self.tune_data not in TUNE_DATA:
+            raise _fail("lr", "tune_data", f"choose from {', '.join(TUNE_DATA)}")
         if not self.strategies or len(set(self.strategies)) != len(self.strategies):
             raise _fail("lr", "strategy", "need one strategy or a list of distinct ones")
         for text in self.strategies:
@@ -271,6 +278,7 @@ class StudySpec:
         final that repeats a tuning run's config is counted twice: an upper bound)."""
         cells, lr = self.cell_count(), self.lr
         tuned = cells // len(self.batch_sizes) if lr.tune_at == "base_batch" else cells
+        tuned = tuned // len(self.data) if lr.tune_data == "first" else tuned
         tuning = 0 if lr.tuning == "none" else tuned * len(lr.grid) * min(
             lr.tune_seeds, self.train.repeats)
         return tuning, cells * self.train.repeats
@@ -377,7 +385,8 @@ def study_from_dict(raw: dict[str, Any]) -> StudySpec:
     models = _table("models", raw["models"])
     _check_keys("models", models, {"specs", "family", "params", "depths", "options"})
     lr = _table("lr", raw.get("lr", {}))
-    _check_keys("lr", lr, {"strategy", "grid", "tuning", "tune_epochs", "tune_seeds", "tune_at"})
+    _check_keys("lr", lr, {"strategy", "grid", "tuning", "tune_epochs", "tune_seeds", "tune_at",
+                           "tune_data"})
     train = _table("train", raw.get("train", {}))
     _check_keys("train", train, {f for f in TrainSpec.__dataclass_fields__})
     if "targets" in train:
