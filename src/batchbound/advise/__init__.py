@@ -54,6 +54,7 @@ from batchbound.models import build_model, count_parameters
 from batchbound.train.config import Target, TrainConfig
 from batchbound.train.distributed import resolve_device
 from batchbound.train.loop import Parts
+from batchbound.train.lr_rules import LR_RULES
 
 
 @dataclass
@@ -508,11 +509,7 @@ def _rows(counts: list[int], n: int, micro_limit: int, curves: dict[int, Compute
 
 _OVERLAP = {"none": "after the backward, not overlapped (as batchbound train does)",
             "backward": "overlapping the backward (as DDP does)"}
-_RULES = {
-    "noise": "η(B) = η0·(1 + B_lo/B0)/(1 + B_lo/B), B_lo the pilot's lowest noise scale",
-    "blr": "η(B) = η0",
-    "lsr": "η(B) = η0·B/B0",
-    "srsr": "η(B) = η0·√(B/B0)",
-}
+_RULES = {"noise": "η(B) = η0·(1 + B_lo/B0)/(1 + B_lo/B), B_lo the pilot's lowest noise scale",
+          **{name: f"η(B) = {rule.formula}" for name, rule in LR_RULES.items()}}
 __all__ = ["Advice", "Cluster", "Pilot", "advise", "advise_from_study", "load_cluster",
            "predict_iterations"]

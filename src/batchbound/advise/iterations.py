@@ -36,8 +36,9 @@ import math
 from dataclasses import dataclass
 
 from batchbound.errors import BatchboundError
+from batchbound.train.lr_rules import LR_RULES
 
-STRATEGIES = ("noise", "blr", "lsr", "srsr")
+STRATEGIES = ("noise", *LR_RULES)  # noise: advise's own; the rest: train/lr_rules.py
 
 
 @dataclass(frozen=True)
@@ -88,15 +89,11 @@ class Pilot:
 
 def lr_scale(strategy: str, batch_size: int, pilot: Pilot) -> float:
     """s(B): the rate at B is s(B)·η0 (see the module docstring)."""
-    if strategy not in STRATEGIES:
-        raise BatchboundError(f"unknown strategy {strategy!r}; choose from "
-                              f"{', '.join(STRATEGIES)}")
-    if strategy == "lsr":
-        return batch_size / pilot.batch_size
-    if strategy == "srsr":
-        return math.sqrt(batch_size / pilot.batch_size)
-    if strategy == "blr":
-        return 1.0
+    if strategy != "noise" and strategy not in LR_RULES:
+        raise BatchboundError(f"unknown strategy {strategy!r}; choose from noise, "
+                              f"{', '.join(LR_RULES)}")
+    if strategy in LR_RULES:
+        return LR_RULES[strategy].scale(batch_size / pilot.batch_size)
     low = pilot.lowest_noise_scale()
     return (1.0 + low / pilot.batch_size) / (1.0 + low / batch_size)
 

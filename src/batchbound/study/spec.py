@@ -17,6 +17,7 @@ from batchbound.config import INT64_MAX, check_types, load_toml, to_plain
 from batchbound.errors import BatchboundError
 from batchbound.spec import parse_spec
 from batchbound.train.config import TrainConfig
+from batchbound.train.lr_rules import LR_RULES
 
 TUNING_RULES = {
     "lowest_loss_2_epochs": "seed 000: train every η for tune_epochs (2) epochs, keep the lowest "
@@ -25,7 +26,6 @@ TUNING_RULES = {
     "iterations (ties and misses broken by the lowest final training loss)",
     "none": "no tuning: the grid must hold exactly one η",
 }
-STRATEGIES = ("blr", "lsr", "srsr")
 # each_batch: tune η per batch size (seed 000). base_batch: tune η0 at the smallest batch size
 # only and let the strategy scale it (seed 003's BLR/LSR/SRSR comparison).
 TUNE_AT = ("each_batch", "base_batch")
@@ -138,9 +138,9 @@ class LRSpec:
             raise _fail("lr", "strategy", "need one strategy or a list of distinct ones")
         for text in self.strategies:
             name = parse_spec(text).name
-            if name not in STRATEGIES:
+            if name not in LR_RULES:
                 raise _fail("lr", "strategy", f"unknown strategy {name!r}; choose from "
-                            f"{', '.join(STRATEGIES)} (e.g. 'lsr(base_batch=32,warmup_epochs=2)')")
+                            f"{', '.join(LR_RULES)} (e.g. 'lsr(base_batch=32,warmup_epochs=2)')")
         if not self.grid or any(not x > 0 for x in self.grid):
             raise _fail("lr", "grid", f"need a non-empty list of step sizes > 0, got "
                         f"{list(self.grid)!r}")

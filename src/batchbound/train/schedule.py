@@ -1,4 +1,5 @@
-"""Learning-rate strategies of seed 003: BLR, LSR and SRSR, with optional warm-up and decay.
+"""Learning-rate strategies ([inefficiency]'s BLR, LSR and SRSR, and any rule registered in
+``lr_rules.py``), with optional warm-up and decay.
 
 A strategy maps (current batch size m, fractional epoch e) to a learning rate, given the base
 learning rate η0 from the config:
@@ -22,8 +23,8 @@ from dataclasses import dataclass
 
 from batchbound.errors import BatchboundError
 from batchbound.spec import parse_spec
+from batchbound.train.lr_rules import LR_RULES
 
-STRATEGIES = ("blr", "lsr", "srsr")
 DECAYS = ("none", "step", "cosine")
 
 
@@ -38,9 +39,9 @@ class Strategy:
     decay_epochs: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.name not in STRATEGIES:
+        if self.name not in LR_RULES:
             raise BatchboundError(
-                f"unknown learning-rate strategy {self.name!r}; choose from {', '.join(STRATEGIES)}"
+                f"unknown learning-rate strategy {self.name!r}; choose from {', '.join(LR_RULES)}"
                 " (e.g. blr, lsr(base_batch=32,warmup_epochs=5), srsr(base_batch=32))"
             )
         if self.base_batch < 1:
@@ -57,12 +58,8 @@ class Strategy:
             raise BatchboundError(f"decay gamma must be in (0, 1], got {self.gamma}")
 
     def scale(self, batch_size: int) -> float:
-        """The batch-size factor applied to η0 once warm-up is over."""
-        if self.name == "lsr":
-            return batch_size / self.base_batch
-        if self.name == "srsr":
-            return math.sqrt(batch_size / self.base_batch)
-        return 1.0
+        """The batch-size factor applied to η0 once warm-up is over (``lr_rules.py``)."""
+        return LR_RULES[self.name].scale(batch_size / self.base_batch)
 
     def lr(self, base_lr: float, batch_size: int, epoch: float) -> float:
         target = base_lr * self.scale(batch_size)
@@ -92,7 +89,8 @@ def parse_strategy(text: str) -> Strategy:
             f"options: {', '.join(sorted(allowed))}"
         )
     kwargs = dict(spec.kwargs)
-    if spec.name in ("lsr", "srsr") and "base_batch" not in kwargs:
+    rule = LR_RULES.get(spec.name)
+    if rule is not None and rule.needs_base_batch and "base_batch" not in kwargs:
         raise BatchboundError(
             f"strategy {spec.name} needs base_batch=m0, e.g. {spec.name}(base_batch=32)"
         )
