@@ -10,12 +10,11 @@
 
 **What it measures.** McCandlish et al.'s two-batch estimator (see
 batchbound.diversity.online): the small batches are the ranks' own gradients, the big one
-their average, which DDP computes anyway. For each bucket the hook takes this rank's squared
-norm before anything is divided or reduced, appends it (and three numbers describing this
-rank's batch) to the buffer DDP all-reduces anyway, and so receives the mean of the ranks'
-local norms together with the averaged gradient, whose norm it takes afterwards: **no extra
-collective**. The cost is one norm per bucket on each side and a copy of each bucket into
-the send buffer (the division DDP does anyway); the reduced bucket goes back to DDP as is.
+their average, which DDP computes anyway. Each bucket is averaged as torch's
+``allreduce_hook`` averages it (divided by P and all-reduced in place); the hook takes this
+rank's squared norm before and the average's after. With the last bucket it all-reduces four
+numbers: the mean of the ranks' own norms and three describing their batches. The cost is
+one norm per bucket on each side and one all-reduce of four numbers per step.
 
 **When the numbers are folded.** The hook keeps each step's numbers on the device; reading
 ``state.monitor`` folds them into the ``OnlineDiversity`` (one host sync). A step counts once
@@ -56,10 +55,10 @@ from batchbound.integrations.common import (
     loss_scale_of,
 )
 
-# Appended to each bucket, each divided by P before the SUM all-reduce (so means arrive):
-# ‖L_r‖²/(S·U_r)², U_r, U_r²/B_r, 1/B_r. L_r is rank r's gradient, S the loss scale, U_r the
-# factor from its examples' mean gradient to L_r/S and B_r that mean's effective size.
-_EXTRAS = 4
+# Reduced once per step with the last bucket, each divided by P before the SUM all-reduce
+# (so means arrive): ‖L_r‖²/(S·U_r)², U_r, U_r²/B_r, 1/B_r. L_r is rank r's gradient, S the
+# loss scale, U_r the factor from its examples' mean gradient to L_r/S and B_r that mean's
+# effective size.
 
 
 class GNSHookState:
@@ -82,9 +81,10 @@ class GNSHookState:
         self.process_group = process_group
         self.world_size = world_size
         self._window: tuple[Number, Number] | None = None
-        self._rows: list[Tensor] = []  # this step's buckets: [‖R‖², extras...]
+        self._bigs: list[Tensor] = []  # this step's buckets: ‖R‖² of the averaged gradient
+        self._local: Tensor | None = None  # this step's ‖L_r‖², summed over its buckets
+        self._small: Tensor | None = None  # the step's four means, once reduced
         self._scale: Number = 1.0
-        self._flats: dict[int, Tensor] = {}  # per bucket index: its send buffer
         self._extras: tuple[tuple, Tensor] | None = None
 
     @property
@@ -118,26 +118,15 @@ class GNSHookState:
             raise BatchboundError(f"local_batch_size must be a positive integer, got {b!r}")
         return (1.0, float(b)) if self.reduction == "mean" else (float(b), float(b))
 
-    def _flat_for(self, index: int, buffer: Tensor) -> Tensor:
-        """The bucket's send buffer (its gradient and the extras), kept from step to step:
-        a fresh one per step costs an allocation (and page faults) the size of the bucket.
-        DDP waits for every bucket's all-reduce before the step ends, so it is free again."""
-        flat = self._flats.get(index)
-        if (flat is None or flat.numel() != buffer.numel() + _EXTRAS
-                or flat.dtype != buffer.dtype or flat.device != buffer.device):
-            flat = torch.empty(buffer.numel() + _EXTRAS, dtype=buffer.dtype, device=buffer.device)
-            self._flats[index] = flat
-        return flat
-
-    def extras(self, weight: Number, size: Number, buffer: Tensor) -> Tensor:
-        """U_r/P, U_r²/B_r/P, 1/B_r/P for this rank's window, on the bucket's device and
-        dtype (kept while the window stays: no host-to-device copy per bucket)."""
-        key = (float(weight), float(size), buffer.dtype, buffer.device)
+    def extras(self, weight: Number, size: Number, device: torch.device) -> Tensor:
+        """U_r/P, U_r²/B_r/P, 1/B_r/P for this rank's window, float64 on ``device`` (kept
+        while the window stays: no host-to-device copy per step)."""
+        key = (float(weight), float(size), device)
         if self._extras is None or self._extras[0] != key:
             world = self.world_size
             values = [float(weight) / world, float(weight * weight / size) / world,
                       1.0 / float(size) / world]
-            self._extras = (key, torch.tensor(values, dtype=buffer.dtype, device=buffer.device))
+            self._extras = (key, torch.tensor(values, dtype=torch.float64, device=device))
         return self._extras[1]
 
     def end_step(self) -> None:
@@ -146,15 +135,14 @@ class GNSHookState:
         self._collect()
 
     def _collect(self) -> None:
-        if not self._rows:
+        if self._small is None:
             return
-        rows = torch.stack(self._rows)
-        self._rows = []
-        big, small = rows[:, 0].sum(), rows[:, 1].sum()
-        weight, weight2_per_size, inv_size = rows[0, 2], rows[0, 3], rows[0, 4]
-        scale2 = as_tensor(self._scale, rows.device) ** 2
+        small, big = self._small, torch.stack(self._bigs).sum()
+        self._small, self._bigs = None, []
+        weight, weight2_per_size, inv_size = small[1], small[2], small[3]
+        scale2 = as_tensor(self._scale, small.device) ** 2
         self.records.add(torch.stack([
-            small,                                           # mean_r ‖G_r‖²
+            small[0],                                        # mean_r ‖G_r‖²
             1.0 / inv_size,                                  # harmonic mean of B_r
             big / (scale2 * weight * weight),                # ‖R/(S·mean U)‖²
             self.world_size * weight * weight / weight2_per_size,  # its effective size
@@ -198,8 +186,9 @@ def gns_hook_state(
 
 
 def gns_hook(state: GNSHookState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
-    """DDP communication hook: DDP's own averaging (÷P, all-reduce SUM) of the bucket with
-    the local squared norm and this rank's batch description appended."""
+    """DDP communication hook: DDP's own averaging (÷P, all-reduce SUM, in place, as torch's
+    ``allreduce_hook``), this rank's squared norm taken before and the average's after; with
+    the last bucket, one all-reduce of four numbers describing the step on every rank."""
     buffer = bucket.buffer()
     if buffer.dtype not in (torch.float32, torch.float64):
         raise BatchboundError(f"gns_hook needs float32 or float64 gradient buckets, got "
@@ -207,21 +196,25 @@ def gns_hook(state: GNSHookState, bucket: dist.GradBucket) -> torch.futures.Futu
     if bucket.index() == 0:  # DDP reduces buckets in index order: a new step begins
         state.end_step()
         state._scale = loss_scale_of(state.loss_scale, buffer.device)
-    weight, size = state.window()
-    world, n = state.world_size, buffer.numel()
-    flat = state._flat_for(bucket.index(), buffer)
-    torch.div(buffer, world, out=flat[:n])
-    # this rank's own squared norm, before the division: ‖buffer/P‖²·P²/(S·U)² / P
-    torch.linalg.vector_norm(flat[:n], out=flat[n])
-    scaled = state._scale * weight
-    flat[n : n + 1].square_().mul_(world / (scaled * scaled))
-    flat[n + 1 :].copy_(state.extras(weight, size, buffer))
+        state._local = torch.zeros((), dtype=torch.float64, device=buffer.device)
+    assert state._local is not None
+    state._local += torch.linalg.vector_norm(buffer).double().square()  # (float64 norms: 5× slower)
+    buffer.div_(state.world_size)
+    group = state.process_group
 
     def finish(fut: torch.futures.Future[list[Tensor]]) -> Tensor:
         reduced = fut.value()[0]
-        big = torch.linalg.vector_norm(reduced[:n]).square().reshape(1)
-        state._rows.append(torch.cat([big, reduced[n:]]).to(torch.float64))
-        return reduced[:n]  # DDP copies it into the gradients (as it copies its own buffer)
+        state._bigs.append(torch.linalg.vector_norm(reduced).double().square())
+        return reduced
 
-    work = dist.all_reduce(flat, group=state.process_group, async_op=True)
-    return work.get_future().then(finish)
+    averaged = dist.all_reduce(buffer, group=group, async_op=True).get_future().then(finish)
+    if not bucket.is_last():
+        return averaged
+    weight, size = state.window()
+    scaled = state._scale * weight
+    own = (state._local / (scaled * scaled) / state.world_size).reshape(1)
+    small = torch.cat([own, state.extras(weight, size, buffer.device)])
+    state._small = small  # reduced in place; read once DDP has waited for this future
+    described = dist.all_reduce(small, group=group, async_op=True).get_future()
+    both = torch.futures.collect_all([averaged, described])
+    return both.then(lambda _: averaged.value())
