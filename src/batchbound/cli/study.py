@@ -13,6 +13,7 @@ from pathlib import Path
 
 from batchbound.cli.common import EXIT_STOPPED, count, output_dir, output_file
 from batchbound.errors import BatchboundError
+from batchbound.study.executor import EXECUTORS
 from batchbound.study.spec import preset_names
 
 DEFAULT_ROOT = Path("runs")
@@ -49,7 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="parallel runs (default: one per core; 0: inline in this process)")
     run.add_argument("--trainer", default=None,
                      help="module:function executing one run; default: batchbound's trainer")
-    run.add_argument("--executor", choices=("local", "ray"), default="local",
+    run.add_argument("--executor", choices=[k for k in EXECUTORS if k != "inline"],
+                     default="local",
                      help="where runs execute: a pool of local processes (default), or Ray "
                      "tasks on a local Ray instance or the cluster at --address "
                      "(pip install 'batchbound[ray]')")

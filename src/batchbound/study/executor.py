@@ -202,6 +202,8 @@ class LocalPool:
 
 
 # Executors by name: a module and the class in it, imported when chosen (Ray is optional).
+# The executors by name: adding one is a module with a class taking (jobs, **options) and
+# one entry here (the CLI's --executor choices come from it; inline is --jobs 0).
 EXECUTORS = {
     "local": "batchbound.study.executor:LocalPool",
     "inline": "batchbound.study.executor:Inline",
