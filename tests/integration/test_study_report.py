@@ -81,6 +81,44 @@ def test_report_renders(report):
     assert (speed["speedup"] <= speed["ideal"] + 1e-9).all()
 
 
+class Headings(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[str] = []
+        self._in = False
+
+    def handle_starttag(self, tag, attrs):
+        if tag in ("h1", "h2", "h3"):
+            self._in, self.text = True, ""
+
+    def handle_endtag(self, tag):
+        if tag in ("h1", "h2", "h3"):
+            self._in = False
+            self.found.append(" ".join(self.text.split()))
+
+    def handle_data(self, data):
+        if self._in:
+            self.text += data
+
+
+def test_summary_md_carries_every_section_of_the_html(report):
+    parser = Headings()
+    parser.feed(report.html.read_text())
+    markdown = [line.lstrip("#").strip() for line in report.markdown.read_text().splitlines()
+                if line.startswith("#")]
+    assert "Tables" in parser.found and "Study spec" in parser.found
+    assert sorted(parser.found) == sorted(markdown)
+
+
+def test_every_verdict_line_states_its_independent_units(report):
+    lines = [line for line in report.markdown.read_text().splitlines()
+             if line.startswith("- **") and line.split("**")[1] in (
+                 "supported", "contradicted", "inconclusive", "not testable")]
+    assert lines and all("(n = " in line for line in lines)
+    html = unescape(report.html.read_text())
+    assert html.count("(n = ") >= len(lines)
+
+
 def test_report_cli(simulated):
     assert main(["report", "nope", "--store", str(simulated / "s.sqlite")]) == 2
     assert main(["study", "export", str(simulated / "s.sqlite"), "--out",
@@ -142,6 +180,8 @@ def test_diverged_runs_and_several_thresholds(tmp_path):
     assert (a.loss_speedups[a.loss_speedups["batch_size"] == 1024]["speedup"] == 0).all()
     html = unescape(paths.html.read_text())
     assert "Diverged runs: 2 of 12." in html and "Every target" in html
+    assert "Collapsed runs (accuracy at chance or loss never below its start" in html
+    assert "final collapsed: 4" in html
     assert "train_acc>=0.35" in html
 
 
