@@ -18,7 +18,8 @@ from batchbound.study import analysis as A
 
 Figure = tuple[str, str, Callable[[Any], None]]
 NOT_REACHED = ("Grey: not reached within max_epochs; red: every run diverged; "
-               "'div k/n': k of the cell's n runs diverged.")
+               "'div k/n': k of the cell's n runs diverged; 'coll k/n': k collapsed (did not "
+               "train; left out of every fit).")
 
 
 def figures(a: Any) -> list[Figure]:

@@ -57,7 +57,8 @@ def epochs_heatmap(ax: Axes, summary: pd.DataFrame, rows: str = "depth",
                    title: str = "epochs to target") -> None:
     """Median epochs to target as a heatmap: ``rows`` (depth or width) against B, with the
     tuned η under each value. Cells that never reached the target show '>E' in grey, cells
-    whose every run diverged 'diverged' in red; 'div k/n' counts diverged runs. ``scale``
+    whose every run diverged 'diverged' in red; 'div k/n' counts diverged runs, 'coll k/n'
+    collapsed ones. ``scale``
     (min, max) shares one colour scale across panels."""
     label = {"depth": "depth L (hidden layers)", "width": "width K"}.get(rows, rows)
     key = shape_axis(summary, rows)
@@ -73,7 +74,7 @@ def epochs_heatmap(ax: Axes, summary: pd.DataFrame, rows: str = "depth",
                 .reindex(index=table.index, columns=table.columns).to_numpy(float))
 
     values, lrs = table.to_numpy(float), pivot("lr")
-    diverged, runs = pivot("diverged"), pivot("runs")
+    diverged, collapsed, runs = pivot("diverged"), pivot("collapsed"), pivot("runs")
     finite = values[np.isfinite(values)]
     low, high = scale or ((finite.min(), finite.max()) if len(finite) else (1.0, 1.0))
     norm = LogNorm(vmin=max(low, 1e-2), vmax=max(high, low * 1.01, 1e-2 * 1.01))
@@ -98,6 +99,8 @@ def epochs_heatmap(ax: Axes, summary: pd.DataFrame, rows: str = "depth",
                 text += f"\nη {lrs[i, j]:g}"
             if np.nan_to_num(diverged[i, j]) > 0 and not all_diverged[i, j]:
                 text += f"\ndiv {int(diverged[i, j])}/{int(runs[i, j])}"
+            if np.nan_to_num(collapsed[i, j]) > 0:
+                text += f"\ncoll {int(collapsed[i, j])}/{int(runs[i, j])}"
             bright = math.isfinite(v) and norm(v) > 0.6
             ax.text(j, i, text, ha="center", va="center", fontsize=6.5,
                     color="black" if bright or not math.isfinite(v) else "white")

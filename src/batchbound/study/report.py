@@ -314,24 +314,31 @@ def target_summary(a: StudyAnalysis) -> pd.DataFrame:
 
 
 def tuned_edges(a: StudyAnalysis) -> pd.DataFrame:
-    """The cells whose tuned η is at the top or bottom of the tuning grid."""
+    """The tuned cells whose η is at the top or bottom of the tuning grid (with
+    ``tune_at = "base_batch"`` only the smallest batch was tuned)."""
     lr = a.spec.get("lr", {})
     if lr.get("tuning", "lowest_loss_2_epochs") == "none":
         return pd.DataFrame()
-    return A.tuned_at_edge(a.frames["runs"], [float(g) for g in lr.get("grid", [])])
+    edges = A.tuned_at_edge(a.frames["runs"], [float(g) for g in lr.get("grid", [])])
+    if lr.get("tune_at") == "base_batch" and len(edges):
+        edges = edges[edges["batch_size"] == edges["batch_size"].min()]
+    return edges
 
 
 def tuned_edges_text(a: StudyAnalysis) -> str | None:
     edges = tuned_edges(a)
     if edges.empty:
         return None
-    grid = a.spec.get("lr", {}).get("grid", [])
-    names = A.display_names(edges)
-    cells = "; ".join(f"{name} at B = {int(row.batch_size)}: η {fmt(float(row.lr))} "
-                      f"({row.edge} of the grid)"
-                      for name, row in zip(names, edges.itertuples(), strict=True))
-    return (f"Tuned η {EDGE} (grid {', '.join(fmt(float(g)) for g in grid)}; a better η may "
-            f"lie beyond it): {cells}.")
+    lr = a.spec.get("lr", {})
+    grid = ", ".join(fmt(float(g)) for g in lr.get("grid", []))
+    edges = edges.assign(_name=A.display_names(edges).to_numpy())
+    cells = "; ".join(
+        f"{name}: η {fmt(float(eta))} ({edge} of the grid) at B = "
+        + ", ".join(str(int(b)) for b in part["batch_size"])
+        for (name, eta, edge), part in edges.groupby(["_name", "lr", "edge"], sort=False))
+    base = " (tuned at the smallest batch only, then scaled by the strategy)" \
+        if lr.get("tune_at") == "base_batch" else ""
+    return (f"Tuned η {EDGE} (grid {grid}; a better η may lie beyond it){base}: {cells}.")
 
 
 def critical_text(a: StudyAnalysis) -> str:

@@ -105,7 +105,8 @@ def evaluate(context: Context) -> list[Finding]:
         if applies(entry, context):
             found = entry.test(context)
             out.append(replace(found, section=_section(entry),
-                               n=found.n or seeds_per_cell(context.evidence.cell_sizes)))
+                               n=found.n or seeds_per_cell(context.evidence.cell_sizes),
+                               differs="" if found.verdict == UNTESTABLE else found.differs))
     return out
 
 
