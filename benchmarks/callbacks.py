@@ -10,13 +10,14 @@ random tokens, measured side by side in one run:
    norms from the layer rules, read off the same backward pass). Goal ≤ 15 %.
 3. Plain DDP on two gloo processes (``--ddp-model``: an 8-layer, 512-wide MLP, 2.1M
    parameters, batch 32 per rank): no communication hook, torch's own Python
-   ``allreduce_hook``, and ``batchbound.integrations.ddp.gns_hook``, built afresh and timed
-   in turn inside the same two processes. Goal: the GNS hook within 5 points of
-   ``allreduce_hook``.
+   ``allreduce_hook``, and ``batchbound.integrations.ddp.gns_hook``, their steps alternating
+   inside the same two processes. Goal: the GNS hook within 5 points of ``allreduce_hook``.
 
-Each contender's seconds per optimizer step come by difference of an N- and a 2N-step run,
-so set-up cancels; repeats alternate the contenders and the median ratio is reported, in
-wall-clock and in CPU time of the process (less disturbed by other jobs).
+Lightning's seconds per optimizer step come by difference of an N- and a 2N-step run, so
+set-up cancels, repeats alternating the contenders. The hand loop's and DDP's contenders
+alternate step by step (N × repeats steps each) and their median step is kept. Both in
+wall-clock and in CPU time of the process (less disturbed by other jobs; for DDP, rank 0's,
+gloo's threads included).
 
     python benchmarks/callbacks.py --json
     python benchmarks/callbacks.py --model "gpt(depth=4,width=128,heads=4)" --context 64
@@ -102,45 +103,55 @@ def lightning_step(args: argparse.Namespace, with_callback: bool) -> Clock:
     return per_step(run, args.steps)
 
 
-def hand_step(args: argparse.Namespace, watched: bool) -> Clock:
+def alternate(steps: dict[str, Callable[[], None]], rounds: int,
+              before: Callable[[], None] = lambda: None) -> dict[str, list[Clock]]:
+    """Each contender's (wall, CPU) seconds per step, the contenders' steps alternating one
+    by one for ``rounds`` rounds, so that load from other processes hits them alike;
+    ``before`` runs, untimed, before each step."""
+    times: dict[str, list[Clock]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            before()
+            start = clocks()
+            step()
+            end = clocks()
+            times[name].append((end[0] - start[0], end[1] - start[1]))
+    return times
+
+
+def watch_steps(args: argparse.Namespace) -> dict[str, list[Clock]]:
+    """The hand loop's step, plain and under watch, on one model, alternating."""
     x, y = tokens(args)
     model = model_for(args)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = OnlineDiversity(n=args.n)
     g = torch.Generator().manual_seed(1)
 
-    def step() -> None:
+    def hand() -> None:
         idx = torch.randint(args.n, (args.batch_size,), generator=g)
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x[idx]).flatten(0, 1), y[idx].flatten())
-        loss.backward()
+        F.cross_entropy(model(x[idx]).flatten(0, 1), y[idx].flatten()).backward()
         opt.step()
 
-    def watched_step() -> None:
+    def watched() -> None:
         idx = torch.randint(args.n, (args.batch_size,), generator=g)
         opt.zero_grad(set_to_none=True)
         with watch(model, monitor):
             # the token mean is the per-sequence sum over batch·context: a uniform scale
-            loss = F.cross_entropy(model(x[idx]).flatten(0, 1), y[idx].flatten())
-            loss.backward()
+            F.cross_entropy(model(x[idx]).flatten(0, 1), y[idx].flatten()).backward()
         opt.step()
 
-    one = watched_step if watched else step
-    one()  # the first watch() checks the model once; not part of the steady state
-
-    def run(steps: int) -> None:
-        for _ in range(steps):
-            one()
-
-    return per_step(run, args.steps)
+    watched()  # the first watch() checks the model once; not part of the steady state
+    hand()
+    return alternate({"hand": hand, "watch": watched}, args.steps * args.repeats)
 
 
 DDP_HOOKS = ("ddp", "allreduce_hook", "gns_hook")
 
 
 def _ddp_worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
-    """One of two gloo ranks: each DDP contender built afresh and timed, in turn, repeats
-    times; rank 0 writes {contender: [(wall, cpu) per repeat]} to ``out`` as JSON."""
+    """One of two gloo ranks: a DDP model per contender, their steps alternating; rank 0
+    writes {contender: [(wall, cpu) per step]} to ``out`` as JSON."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -152,28 +163,26 @@ def _ddp_worker(rank: int, port: int, args: argparse.Namespace, out: str) -> Non
     torch.set_num_threads(args.threads)
     torch.manual_seed(rank)
     x, y = torch.randn(args.n, 512), torch.randint(0, 10, (args.n,))
-    times: dict[str, list[Clock]] = {name: [] for name in DDP_HOOKS}
-    for _ in range(args.repeats):
-        for name in DDP_HOOKS:
-            torch.manual_seed(0)
-            ddp = DDP(build_model(args.ddp_model, (512,), 10, seed=0))
-            if name == "allreduce_hook":
-                ddp.register_comm_hook(None, allreduce_hook)
-            elif name == "gns_hook":
-                ddp.register_comm_hook(gns_hook_state(args.n * 2, args.batch_size), gns_hook)
-            opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-            g = torch.Generator().manual_seed(rank)
+    g = torch.Generator().manual_seed(rank)
+    steps = {}
+    for name in DDP_HOOKS:
+        ddp = DDP(build_model(args.ddp_model, (512,), 10, seed=0))
+        if name == "allreduce_hook":
+            ddp.register_comm_hook(None, allreduce_hook)
+        elif name == "gns_hook":
+            ddp.register_comm_hook(gns_hook_state(args.n * 2, args.batch_size), gns_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
 
-            def run(steps: int, ddp: Any = ddp, opt: Any = opt, g: Any = g) -> None:
-                for _ in range(steps):
-                    idx = torch.randint(args.n, (args.batch_size,), generator=g)
-                    opt.zero_grad(set_to_none=True)
-                    F.cross_entropy(ddp(x[idx]), y[idx]).backward()
-                    opt.step()
+        def step(ddp: Any = ddp, opt: Any = opt) -> None:
+            idx = torch.randint(args.n, (args.batch_size,), generator=g)
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(ddp(x[idx]), y[idx]).backward()
+            opt.step()
 
-            run(2)  # warm-up: DDP's first step rebuilds its buckets
-            dist.barrier()
-            times[name].append(per_step(run, args.steps))
+        step()
+        step()  # DDP's first step rebuilds its buckets
+        steps[name] = step
+    times = alternate(steps, args.steps * args.repeats, before=dist.barrier)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(times, f)
@@ -217,33 +226,28 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     rows: dict[str, list[Clock]] = {}
     pairs = []
-    if "lightning" in parts:
+    if "lightning" in parts:  # whole runs (N and 2N steps), repeats alternating
         rows.update(plain=[], callback=[])
         pairs.append(("callback", "plain", "callback"))
-    if "watch" in parts:
-        rows.update(hand=[], watch=[])
-        pairs.append(("watch", "hand", "watch"))
-    for _ in range(args.repeats):
-        if "lightning" in parts:
+        for _ in range(args.repeats):
             rows["plain"].append(lightning_step(args, False))
             rows["callback"].append(lightning_step(args, True))
-        if "watch" in parts:
-            rows["hand"].append(hand_step(args, False))
-            rows["watch"].append(hand_step(args, True))
+    if "watch" in parts:  # steps alternating: medians of steps × repeats each
+        rows.update(watch_steps(args))
+        pairs.append(("watch", "hand", "watch"))
     if "ddp" in parts:
         rows.update(ddp_steps(args))
-        pairs += [("allreduce_hook", "ddp", "allreduce_hook"), ("gns_hook", "ddp", "gns_hook"),
-                  ("gns_vs_allreduce_hook", "allreduce_hook", "gns_hook")]
+        pairs += [("allreduce_hook", "ddp", "allreduce_hook"), ("gns_hook", "ddp", "gns_hook")]
     result: dict[str, Any] = {"model": args.model, "context": args.context,
                               "batch_size": args.batch_size, "steps": args.steps,
                               "repeats": args.repeats, "threads": torch.get_num_threads(),
                               "ddp_model": args.ddp_model}
     for k, clock in enumerate(("wall", "cpu")):
-        for name, values in rows.items():
-            result[f"{name}_ms_per_step_{clock}"] = 1e3 * statistics.median(v[k] for v in values)
+        medians = {name: statistics.median(v[k] for v in values) for name, values in rows.items()}
+        for name, value in medians.items():
+            result[f"{name}_ms_per_step_{clock}"] = 1e3 * value
         for name, base, over in pairs:
-            result[f"{name}_overhead_{clock}"] = statistics.median(
-                o[k] / b[k] - 1 for b, o in zip(rows[base], rows[over], strict=True))
+            result[f"{name}_overhead_{clock}"] = medians[over] / medians[base] - 1
     if args.json:
         print(json.dumps(result))
         return
