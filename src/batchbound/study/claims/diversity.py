@@ -42,8 +42,8 @@ def _replication_lowers_diversity(context: Context) -> Finding:
     per_r = {f"r={int(r)}": part["bound"].to_numpy(float) for r, part in runs.groupby("r")}
     found = correlation(context, SOURCE, claim, {k: float(k[2:]) for k in per_r},
                         {k: means(v) for k, v in per_r.items()}, -1, "r", "n·Δ")
-    return replace(found, n=seeds_per_cell([len(v) for v in per_r.values()], "runs",
-                                           "per r"))
+    return replace(found, n=seeds_per_cell([len(v) for v in per_r.values()], "seeds",
+                                           "per r (runs at the smallest batch)"))
 
 
 @register_claim(SOURCE, needs=("section:replication",))
