@@ -63,7 +63,7 @@ def test_advise_takes_a_module_a_dataloader_a_loss_and_an_optimizer():
         assert low <= r["iterations"] <= high
     at_b0 = next(r for r in rows if r["workers"] == 1 and r["batch_size"] == 16)
     assert at_b0["iterations"] == pytest.approx(planned)  # the plan itself, by construction
-    two = [r for r in rows if r["workers"] == 2 and r["best"]][0]
+    two = next(r for r in rows if r["workers"] == 2 and r["best"])
     assert two["communication_seconds"] > 0  # the all-reduce timed on 2 gloo processes
 
 
