@@ -234,6 +234,7 @@ class MeasureRow:
     plain_seconds: float
     measure_seconds: float
     ratio: float
+    cpu_ratio: float  # the same in process CPU time, which other jobs disturb less
     fallback: list[str]
 
 
@@ -254,21 +255,26 @@ def run_measure(case: Case, examples: int, chunk: int, repeats: int) -> MeasureR
     fallback = whole()  # warm-up
     plain()
     times: dict[str, list[float]] = {"plain": [], "measure": []}
+    cpu: dict[str, list[float]] = {"plain": [], "measure": []}
     for _ in range(repeats):
         for name, run in (("plain", plain), ("measure", whole)):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             run()
             times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
     p, m = statistics.median(times["plain"]), statistics.median(times["measure"])
-    return MeasureRow(case.name, examples, chunk, p, m, m / p, fallback)
+    cpu_ratio = statistics.median(cpu["measure"]) / statistics.median(cpu["plain"])
+    return MeasureRow(case.name, examples, chunk, p, m, m / p, cpu_ratio, fallback)
 
 
 def print_measure_table(rows: list[MeasureRow]) -> None:
-    print("| case | examples / chunk | plain fwd+bwd s | measure() s | × plain | fallback |")
-    print("|---|---|---|---|---|---|")
+    print("| case | examples / chunk | plain fwd+bwd s | measure() s | × plain | × plain, CPU "
+          "| fallback |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r.case} | {r.examples} / {r.chunk} | {r.plain_seconds:.3f} | "
-              f"{r.measure_seconds:.3f} | {r.ratio:.2f} | {', '.join(r.fallback) or 'none'} |")
+              f"{r.measure_seconds:.3f} | {r.ratio:.2f} | {r.cpu_ratio:.2f} | "
+              f"{', '.join(r.fallback) or 'none'} |")
 
 
 def print_table(rows: list[Row]) -> None:
