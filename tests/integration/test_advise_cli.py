@@ -91,3 +91,26 @@ def test_timing_workers_never_reimports_the_callers_script(tmp_path: Path) -> No
                           timeout=120, check=True)
     assert done.stdout.count("script ran") == 1
     assert "(1, 4) True" in done.stdout
+
+
+def test_advise_takes_every_pilot_option_from_trains_schema() -> None:
+    """One schema: each TrainConfig field is a pilot flag (with train's own help) or excluded
+    with a reason, so a new field forces the choice."""
+    import dataclasses
+
+    from batchbound.cli import build_parser
+    from batchbound.cli.advise import PILOT_EXCLUDED, PILOT_FIELDS
+    from batchbound.train import TrainConfig
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert set(PILOT_FIELDS) | set(PILOT_EXCLUDED) == fields
+    assert not set(PILOT_FIELDS) & set(PILOT_EXCLUDED)
+    parser = build_parser()
+    helps = {}
+    for name in ("train", "advise"):
+        sub = parser._subparsers._group_actions[0].choices[name]  # argparse's own registry
+        helps[name] = {a.dest: a.help for a in sub._actions}
+    for name in PILOT_FIELDS:
+        assert name in helps["advise"] and name in helps["train"], name
+        if name != "batch_size":  # advise's B0 defaults to 16
+            assert helps["advise"][name] == helps["train"][name], name

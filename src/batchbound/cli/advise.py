@@ -14,9 +14,30 @@ from batchbound.advise.figure import plot_advice
 from batchbound.advise.iterations import STRATEGIES
 from batchbound.advise.pilot import ESTIMATORS
 from batchbound.advise.timing import OVERLAPS
-from batchbound.cli.common import add_data_arguments, add_model_argument, writable_file
+from batchbound.cli.common import add_config_flags, add_data_arguments, writable_file
 from batchbound.errors import BatchboundError
 from batchbound.train import TrainConfig, target_list
+from batchbound.train.config import GROUPS
+
+# The TrainConfig fields a pilot takes from the command line (the schema's flags and help).
+# The others do not apply to a one-process pilot whose cadences advise sets itself:
+# PILOT_EXCLUDED says why, and a test keeps the two lists covering every field.
+PILOT_FIELDS = ("transform", "model", "loss", "batch_size", "lr", "momentum", "weight_decay",
+                "convention", "sampling", "seed", "micro_batch", "max_epochs",
+                "divergence_factor", "eval_subset", "eval_batch_size", "device", "dtype")
+PILOT_EXCLUDED = {
+    "dataset": "--dataset", "data_dir": "--data-dir", "targets": "--target-*",
+    "strategy": "advise's --strategy is the rate rule of its rows",
+    "workers": "the pilot runs on one process; --max-workers sets the rows",
+    "stop_at_targets": "set by advise", "max_iterations": "set from the plan",
+    "max_seconds": "the pilot's length is the plan's fraction",
+    "eval_every_epochs": "set by advise", "eval_every_iterations": "set by advise",
+    "diversity_every_epochs": "--diversity-every", "online_diversity": "--estimator",
+    "mechanism": "advise predicts plain SGD", "mechanism_granularity": "as mechanism",
+    "batch_policy": "the rows are fixed batches; the warmup schedule is printed beside",
+    "checkpoint_every": "a pilot is not resumed", "snapshot_every_epochs": "not a pilot's",
+    "final_probes": "not a pilot's",
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -35,13 +56,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "less than 10 %. Given a target instead of a plan, the pilot trains to the target."
         ),
     )
-    add_data_arguments(parser)
-    add_model_argument(parser, default="fc(depth=2,params=4000)")
-    parser.add_argument("--lr", type=float, default=0.1,
-                        help="the pilot's learning rate η0, taken as the best at B0 "
-                        "(default 0.1)")
-    parser.add_argument("--batch-size", "-B", type=int, default=16,
-                        help="the pilot's batch B0 (default 16)")
+    groups = {name: parser.add_argument_group(f"the pilot: {title}")
+              for name, title in GROUPS.items()}
+    add_data_arguments(groups["data"])
+    # the pilot's options, from TrainConfig's schema, as `batchbound train` has them; B0 is
+    # --batch-size (default 16 here) and its lr η0 is taken as the best at B0
+    add_config_flags(groups, PILOT_FIELDS, defaults={"batch_size": 16})
+    parser.set_defaults(batch_size=16)
     for metric in ("train_acc", "train_loss", "test_acc", "test_loss"):
         parser.add_argument(f"--target-{metric.replace('_', '-')}", dest=f"target_{metric}",
                             type=float, metavar="X", help=f"the target: {metric} reaches X")
@@ -90,10 +111,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--diversity-every", type=float, default=0.1, metavar="EPOCHS",
                         help="with --estimator exact: exact n·Δ every this many pilot epochs "
                         "(default 0.1); with a target, the pilot evaluates 4 times as often")
-    parser.add_argument("--max-epochs", type=float, default=100.0,
-                        help="the pilot's epoch limit (default 100)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     parser.add_argument("--figure", metavar="PNG", type=writable_file,
                         help="write time to target against P here")
     parser.add_argument("--json", action="store_true", help="print the advice as JSON")
@@ -105,10 +122,11 @@ def run_command(args: argparse.Namespace) -> int:
                              for m in ("train_acc", "train_loss", "test_acc", "test_loss")})
     if args.from_study and args.probe:
         raise BatchboundError("--probe branches a pilot; it does not apply to --from-study")
-    config = TrainConfig(dataset=args.dataset, data_dir=args.data_dir, model=args.model,
-                         lr=args.lr, batch_size=args.batch_size, targets=targets,
-                         max_epochs=args.max_epochs, eval_every_epochs=args.diversity_every,
-                         seed=args.seed, device=args.device)
+    values = {name: getattr(args, name) for name in PILOT_FIELDS
+              if getattr(args, name) is not None}
+    config = TrainConfig.from_dict({**values, "dataset": args.dataset,
+                                    "data_dir": args.data_dir, "targets": targets,
+                                    "eval_every_epochs": args.diversity_every})
 
     def log(text: str) -> None:
         print(f"advise: {text}", file=sys.stderr, flush=True)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import tempfile
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Collection
 from pathlib import Path
+from typing import Any
 
 from batchbound.errors import BatchboundError
 
@@ -125,3 +128,43 @@ creatable_file = _argument(functools.partial(output_file, make_folders=True))
 # EX_TEMPFAIL, "try again later", so a batch script tells "preempted" from "done" (0),
 # "failed" (1) and "bad input" (2).
 EXIT_STOPPED = 75
+
+
+def add_config_flags(groups: dict[str, Any], only: Collection[str] | None = None,
+                     defaults: dict[str, Any] | None = None) -> None:
+    """One flag per TrainConfig field (those in ``only``, when given), from the field's
+    metadata (group, help, flags, choices, metavar), its type and its default (or the
+    command's own, in ``defaults``: set them on the parser too); ``dest`` is the field name
+    and the parser's default None (unset: the config's own default)."""
+    from batchbound.train.config import TrainConfig
+
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        meta = f.metadata
+        flags = meta.get("flags", (f"--{f.name.replace('_', '-')}",))
+        if not flags or (only is not None and f.name not in only):
+            continue  # set another way (--dataset, --target-*, --no-stop-at-targets)
+        kind, many = _flag_type(hints[f.name])
+        given = (defaults or {}).get(f.name, f.default)
+        default = "" if given in (None, ()) else f" (default {given})"
+        groups[meta["group"]].add_argument(
+            *flags,
+            dest=f.name,
+            type=kind,
+            nargs="+" if many else None,
+            choices=meta.get("choices"),
+            metavar=meta.get("metavar"),
+            help=meta["help"] + default,
+        )
+
+
+def _flag_type(hint: Any) -> tuple[type, bool]:
+    """(the argparse type, whether the field is a list) for ``int | None``, ``float``,
+    ``str``, ``tuple[str, ...]``."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is tuple:
+        return args[0], True
+    kind = args[0] if args else hint
+    if kind not in (int, float, str):
+        raise TypeError(f"no CLI flag type for {hint!r}")
+    return kind, False

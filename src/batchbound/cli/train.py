@@ -10,12 +10,12 @@ import json
 import math
 import os
 import sys
-import typing
 from typing import Any
 
 from batchbound.cli.claim import claim_outputs
 from batchbound.cli.common import (
     EXIT_STOPPED,
+    add_config_flags,
     add_data_arguments,
     creatable_file,
     writable_file,
@@ -92,40 +92,6 @@ def _seconds(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
-
-
-def add_config_flags(groups: dict[str, Any]) -> None:
-    """One flag per TrainConfig field, from the field's metadata (group, help, flags,
-    choices, metavar), its type and its default; ``dest`` is the field name."""
-    hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
-        meta = f.metadata
-        flags = meta.get("flags", (f"--{f.name.replace('_', '-')}",))
-        if not flags:
-            continue  # set another way (--dataset, --target-*, --no-stop-at-targets)
-        kind, many = _flag_type(hints[f.name])
-        default = "" if f.default in (None, ()) else f" (default {f.default})"
-        groups[meta["group"]].add_argument(
-            *flags,
-            dest=f.name,
-            type=kind,
-            nargs="+" if many else None,
-            choices=meta.get("choices"),
-            metavar=meta.get("metavar"),
-            help=meta["help"] + default,
-        )
-
-
-def _flag_type(hint: Any) -> tuple[type, bool]:
-    """(the argparse type, whether the field is a list) for ``int | None``, ``float``,
-    ``str``, ``tuple[str, ...]``."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) is tuple:
-        return args[0], True
-    kind = args[0] if args else hint
-    if kind not in (int, float, str):
-        raise TypeError(f"no CLI flag type for {hint!r}")
-    return kind, False
 
 
 def build_config(args: argparse.Namespace) -> TrainConfig:

@@ -104,7 +104,8 @@ class TrainConfig:
                           flags=())
     transform: str | None = option(None, "data", "data transform spec, e.g. 'replicate(r=4)'")
     data_dir: str | None = option(None, "data", "where user files live (not hashed)", flags=())
-    model: str = option("fc(depth=2,params=4000)", "data", "model spec (see `batchbound models`)")
+    model: str = option("fc(depth=2,params=4000)", "data", "model spec (see `batchbound models`), "
+                        "or your own factory as MODULE:CALLABLE (e.g. mymodels:small_cnn)")
     loss: str | None = option(None, "data", "per-example loss; default by the data's task: "
                               "cross_entropy, mse, or sequence_cross_entropy for text")
     # the optimiser
