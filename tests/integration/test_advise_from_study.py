@@ -14,6 +14,7 @@ from batchbound.advise import advise_from_study
 from batchbound.advise.study import MeasuredIterations
 from batchbound.cli import main
 from batchbound.errors import BatchboundError
+from batchbound.study.measured import load_advice_input
 from batchbound.study.runner import run_study
 from batchbound.study.spec import study_from_dict
 
@@ -71,7 +72,7 @@ def test_measured_iterations_interpolate_with_the_fit_and_never_extrapolate() ->
 
 
 def test_advice_from_a_study_uses_its_iterations_and_step_times(stores, cluster) -> None:
-    advice = advise_from_study(stores["one"], cluster=cluster)
+    advice = advise_from_study(load_advice_input(stores["one"]), cluster=cluster)
     study = advice.study
     assert study is not None and study["grid"] == BATCHES and advice.pilot is None
     measured = dict(zip(study["grid"], study["iterations"], strict=True))
@@ -91,11 +92,13 @@ def test_advice_from_a_study_uses_its_iterations_and_step_times(stores, cluster)
 
 def test_a_study_with_several_models_needs_one_named(stores, cluster) -> None:
     with pytest.raises(BatchboundError, match="has models"):
-        advise_from_study(stores["two"], cluster=cluster)
+        load_advice_input(stores["two"])
     with pytest.raises(BatchboundError, match="no model 'nope'"):
-        advise_from_study(stores["two"], cluster=cluster, model="nope")
-    labels = json.loads(json.dumps(advise_from_study(
-        stores["two"], cluster=cluster, model="L=1 K=" + _width(stores["two"], 1)).study))
+        load_advice_input(stores["two"], model="nope")
+    measured = load_advice_input(stores["two"], model="L=1 K=" + _width(stores["two"], 1))
+    assert json.loads(json.dumps(measured))["model"] == measured["model"]  # plain data
+    labels = advise_from_study(measured, cluster=cluster).study
+    assert labels is not None
     assert labels["model"].startswith("L=1")
 
 

@@ -574,19 +574,19 @@ def test_report_of_a_study_with_no_finished_runs(tmp_path: Path, monkeypatch,
                                                   capsys) -> None:
     """Rendered, saying so first (as a study whose runs all failed is), and exit code 1."""
     import batchbound.study.report as report
+    from batchbound.advise.workers import COLUMNS
     from batchbound.cli import main
     from batchbound.study.plan import make_plan
     from batchbound.study.spec import load_study
     from batchbound.study.store import Store
-    from batchbound.study.workers import COLUMNS
 
     spec = load_study(spec_file(tmp_path, {}))
     with Store(tmp_path / "s.sqlite") as store:  # planned, never run
         store.register_study("bad", spec.to_dict())
         store.register_runs("bad", [(r.key, r.role, dict(r.fields), r.labels())
                                     for r in make_plan(spec).final_runs({})])
-    monkeypatch.setattr(report, "workers_table", lambda *a, **k: report.pd.DataFrame(
-        columns=COLUMNS))
+    monkeypatch.setattr("batchbound.advise.workers.workers_table",
+                        lambda *a, **k: report.pd.DataFrame(columns=COLUMNS))
     capsys.readouterr()
     assert main(["report", "bad", "--store", str(tmp_path / "s.sqlite"), "--out",
                  str(tmp_path / "r")]) == 1
@@ -614,7 +614,7 @@ def finished_store(tmp_path: Path) -> Path:
 def test_report_folder_deleted_while_the_report_is_written(tmp_path: Path, finished_store,
                                                            monkeypatch, capsys) -> None:
     import batchbound.study.report as report
-    from batchbound.study.workers import COLUMNS
+    from batchbound.advise.workers import COLUMNS
 
     out = tmp_path / "report"
     render = report.render_figures
@@ -626,8 +626,8 @@ def test_report_folder_deleted_while_the_report_is_written(tmp_path: Path, finis
 
     monkeypatch.setattr(report, "render_figures", render_then_delete)
     # the workers table times local processes: not what this case is about
-    monkeypatch.setattr(report, "workers_table", lambda *a, **k: report.pd.DataFrame(
-        columns=COLUMNS))
+    monkeypatch.setattr("batchbound.advise.workers.workers_table",
+                        lambda *a, **k: report.pd.DataFrame(columns=COLUMNS))
     refused(["report", "bad", "--store", str(finished_store), "--out", str(out)],
             r"cannot write the report to .*report: No such file or directory", capsys)
 
@@ -636,7 +636,7 @@ def test_report_folder_deleted_while_the_report_is_written(tmp_path: Path, finis
 def test_report_folder_made_read_only_while_the_report_is_written(
         tmp_path: Path, finished_store, monkeypatch, capsys) -> None:
     import batchbound.study.report as report
-    from batchbound.study.workers import COLUMNS
+    from batchbound.advise.workers import COLUMNS
 
     out = tmp_path / "report"
 
@@ -644,7 +644,7 @@ def test_report_folder_made_read_only_while_the_report_is_written(
         out.chmod(0o500)
         return report.pd.DataFrame(columns=COLUMNS)
 
-    monkeypatch.setattr(report, "workers_table", lock)
+    monkeypatch.setattr("batchbound.advise.workers.workers_table", lock)
     try:
         refused(["report", "bad", "--store", str(finished_store), "--out", str(out)],
                 r"cannot write the report to .*Permission denied", capsys)

@@ -339,16 +339,16 @@ def test_a_full_disk_under_the_report(tmp_path, spec, monkeypatch, capsys):
     """The report's folder fills up while its figures are written: one line naming the
     folder and the error (exit 1: a fault, not bad input); the store is untouched."""
     import batchbound.study.report as report
+    from batchbound.advise.workers import COLUMNS
     from batchbound.study.runner import run_study
     from batchbound.study.spec import load_study
-    from batchbound.study.workers import COLUMNS
 
     store = tmp_path / "s.sqlite"
     run_study(load_study(spec), store, jobs=0, progress=False, trainer=TRAINER)
     before = store.read_bytes()
     # the workers table times local processes: not what this case is about
-    monkeypatch.setattr(report, "workers_table", lambda *a, **k: report.pd.DataFrame(
-        columns=COLUMNS))
+    monkeypatch.setattr("batchbound.advise.workers.workers_table",
+                        lambda *a, **k: report.pd.DataFrame(columns=COLUMNS))
     from batchbound.cli import main
 
     with small_disk(64) as disk:

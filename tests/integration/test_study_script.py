@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 SCRIPT = """
+from batchbound.advise.workers import workers_table
 from batchbound.study import run_study, study_from_dict
 from batchbound.study.report import write_report
 
@@ -24,7 +25,7 @@ spec = study_from_dict({
 outcome = run_study(spec, "s.sqlite", jobs=2, progress=False,
                     trainer="simulated_trainer:execute")
 print("FAILED", outcome.failed, "EXECUTED", outcome.executed)
-paths = write_report("s.sqlite", spec.name, "report", max_workers=1)
+paths = write_report("s.sqlite", spec.name, "report", max_workers=1, workers=workers_table)
 print("REPORT", paths.failed)
 """
 

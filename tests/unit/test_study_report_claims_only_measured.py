@@ -120,19 +120,16 @@ def test_answer_marks_grid_edges_and_interpolated_advice():
 
 
 def test_workers_table_marks_a_batch_and_step_size_no_run_used(monkeypatch):
-    import batchbound.advise as advise
-    from batchbound.study.workers import workers_table
+    import batchbound.advise.workers as advise_workers
 
     def row(workers, batch, lr):
         return SimpleNamespace(workers=workers, batch_size=batch, lr=lr, iterations=10.0,
                                seconds_per_iteration=0.1, seconds_to_target=1.0, speedup=1.0)
 
     rows = [row(1, 64, 0.3), row(2, 128, 0.548)]
-    monkeypatch.setattr(advise, "advise_from_study", lambda *a, **k: SimpleNamespace(
+    monkeypatch.setattr(advise_workers, "advise_from_study", lambda *a, **k: SimpleNamespace(
         rows=rows, recommended=rows[1], extra={}))
-    per_run = pd.DataFrame({"key": ["a", "b"], "model_label": "M", "status": "complete",
-                            "batch_size": [64, 256], "lr": [0.3, 0.3]})
-    table = workers_table("unused.sqlite", "s", per_run)
+    table = advise_workers.workers_table([("M", {"ran": [(64.0, 0.3), (256.0, 0.3)]})])
     notes = dict(zip(table["batch"], table["note"], strict=True))
     assert notes[64] == "" and notes[128].startswith("interpolated: no run used")
 

@@ -33,7 +33,7 @@ from batchbound.advise.iterations import (
     predict_iterations,
 )
 from batchbound.advise.pilot import ESTIMATORS, PilotRun, ProbePoint, pilot_config, probe, run_pilot
-from batchbound.advise.study import load_study_source
+from batchbound.advise.study import StudySource
 from batchbound.advise.timing import (
     OVERLAPS,
     Cluster,
@@ -356,23 +356,22 @@ def _pilot_record(config: TrainConfig, run: PilotRun, path: Trajectory, planned:
 
 
 def advise_from_study(
-    store: str | Path,
+    source: StudySource | dict[str, Any],
     *,
-    study: str | None = None,
-    model: str | None = None,
-    strategy: str | None = None,
     max_workers: int | None = None,
     cluster: str | Path | Cluster | None = None,
     overlap: str = "none",
     log: Callable[[str], None] = lambda _: None,
 ) -> Advice:
     """The advice from a study's measured iterations to its first target and the step
-    times its runs recorded (``study.py``), instead of a pilot. ``model`` is a display name
-    (``L=2 K=30``), needed when the study has several; ``strategy`` likewise."""
+    times its runs recorded, instead of a pilot. ``source``: one model's plain data from
+    ``batchbound.study.measured.advice_input`` (or ``load_advice_input(store, study, model,
+    strategy)``), or the StudySource made from it (``study.py``)."""
     if overlap not in OVERLAPS:
         raise BatchboundError(f"unknown overlap {overlap!r}; choose from {', '.join(OVERLAPS)}")
     spec, limit = _worker_limit(max_workers, cluster)
-    source = load_study_source(store, study, model, strategy)
+    if isinstance(source, dict):
+        source = StudySource.from_input(source)
     config = TrainConfig.from_dict(source.config).replace(workers=1)
     data = load_dataset(config.dataset, config.data_dir)
     if config.transform:

@@ -16,6 +16,7 @@ from batchbound.advise.pilot import ESTIMATORS
 from batchbound.advise.timing import OVERLAPS
 from batchbound.cli.common import add_config_flags, add_data_arguments, writable_file
 from batchbound.errors import BatchboundError
+from batchbound.study.measured import load_advice_input
 from batchbound.train import TrainConfig, target_list
 from batchbound.train.config import GROUPS
 
@@ -132,8 +133,9 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"advise: {text}", file=sys.stderr, flush=True)
 
     if args.from_study:
-        advice = advise_from_study(args.from_study, study=args.study, model=args.study_model,
-                                   strategy=args.strategy, max_workers=args.max_workers,
+        measured = load_advice_input(args.from_study, args.study, args.study_model,
+                                     args.strategy)
+        advice = advise_from_study(measured, max_workers=args.max_workers,
                                    cluster=args.cluster, overlap=args.overlap, log=log)
     else:
         if args.strategy is None:

@@ -45,6 +45,7 @@ def _cell(value: object, digits: str = ".3g") -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from batchbound.advise.workers import workers_table
     from batchbound.cli.study import DEFAULT_ROOT, default_store
     from batchbound.study import analysis as A
     from batchbound.study.adapter import DEFAULT_TRAINER
@@ -64,7 +65,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"demo: study {spec.name} → {store}", file=sys.stderr)
     outcome = run_study(spec, store, args.jobs, trainer=args.trainer or DEFAULT_TRAINER)
     trained = time.perf_counter()
-    paths = write_report(store, spec.name, out)
+    paths = write_report(store, spec.name, out, workers=workers_table)
     a = paths.analysis
     # stdout is the summary alone (the README shows it verbatim); paths and timing: stderr
     print(f"report: {paths.html}\nsummary: {paths.markdown}", file=sys.stderr)

@@ -37,6 +37,7 @@ def study_name(text: str) -> str:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from batchbound.advise.workers import workers_table
     from batchbound.cli.study import DEFAULT_ROOT, default_store
     from batchbound.study.report import unfinished, write_report
 
@@ -46,7 +47,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         raise BatchboundError(f"no store at {store}; run `batchbound study run` first or pass "
                               "--store")
     out = output_dir(args.out or DEFAULT_ROOT / name / "report")
-    paths = write_report(store, name, out)
+    paths = write_report(store, name, out, workers=workers_table)
     print(paths.html)
     print(paths.markdown)
     warning = unfinished(paths.analysis)

@@ -18,7 +18,7 @@ import math
 import os
 import platform
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,11 +44,9 @@ from batchbound.study.claims.registry import fmt
 from batchbound.study.evidence import Evidence
 from batchbound.study.experiments import Section, sections
 from batchbound.study.figures import render_figures
-from batchbound.study.plan import data_info
+from batchbound.study.measured import advice_inputs, chance_levels
 from batchbound.study.references import REFERENCES
-from batchbound.study.spec import DataSpec
 from batchbound.study.store import FINISHED, Store
-from batchbound.study.workers import workers_table
 
 __all__ = ["CONTRADICTED", "INCONCLUSIVE", "SUPPORTED", "UNTESTABLE", "analyze", "claims",
            "write_report"]
@@ -78,23 +76,6 @@ class StudyAnalysis:
     shapes: pd.DataFrame = field(default_factory=pd.DataFrame)
     sections: list[Section] = field(default_factory=list)  # the papers' other experiments
     snapshots: dict[str, Any] = field(default_factory=dict)  # Store.snapshots of the runs
-
-
-def chance_levels(labels: list[str]) -> dict[str, float | None]:
-    """Per data label, the accuracy of chance (1/classes) for a classification set, None
-    for another task or a set this machine cannot load (its runs are then checked for
-    collapse by their loss alone)."""
-    out: dict[str, float | None] = {}
-    for label in labels:
-        dataset, _, transform = str(label).partition(" | ")
-        try:
-            info = data_info(DataSpec(dataset, transform or None))
-        except Exception:  # a report may be made where the data is not
-            out[label] = None
-            continue
-        out[label] = 1.0 / info.d_out if info.task == "classification" and info.d_out > 1 \
-            else None
-    return out
 
 
 def analyze(frames: dict[str, pd.DataFrame], spec: dict[str, Any],
@@ -470,10 +451,18 @@ class ReportPaths:
     failed: int = 0
 
 
+Workers = Callable[[list[tuple[str, dict[str, Any] | str]], int | None], pd.DataFrame]
+
+
 def write_report(store_path: str | Path, study: str | None, out_dir: str | Path,
-                 max_workers: int | None = None) -> ReportPaths:
-    """Analyse ``study`` in the store (the only one when None) and write the report; its
-    workers table goes up to ``max_workers`` (this machine's cores by default)."""
+                 max_workers: int | None = None, workers: Workers | None = None
+                 ) -> ReportPaths:
+    """Analyse ``study`` in the store (the only one when None) and write the report. Its
+    "how many workers" table is ``workers(inputs, max_workers)`` with the study's measured
+    data per model (``measured.advice_inputs``): ``batchbound.advise.workers.workers_table``
+    gives it (the command line passes it; the study room does not import advise), up to
+    ``max_workers`` (this machine's cores by default). Without ``workers`` the report has
+    no such table."""
     with Store(store_path, readonly=True) as store:
         if study is None:
             names = store.studies()
@@ -491,13 +480,13 @@ def write_report(store_path: str | Path, study: str | None, out_dir: str | Path,
         out.mkdir(parents=True, exist_ok=True)
     a = analyze(frames, spec, snapshots)
     found = claims(a)
-    workers = workers_table(store_path, study, a.per_run, max_workers)
+    table = workers(advice_inputs(frames, study), max_workers) if workers else None
     with _writing(out):  # the folder deleted or made read-only meanwhile: one clear line
         figure_paths = render_figures(a, out / "figures")
         env = environment()
-        (out / "summary.md").write_text(markdown(a, study, figure_paths, found, workers, env))
+        (out / "summary.md").write_text(markdown(a, study, figure_paths, found, table, env))
         (out / "report.html").write_text(html_page(a, study, figure_paths, found, env,
-                                                   workers))
+                                                   table))
         shape_summary(a, marked=False).to_csv(out / "shapes.csv", index=False)
     return ReportPaths(out / "report.html", out / "summary.md",
                        [p for _, _, p in figure_paths], a, run_counts(a)[1])
