@@ -79,16 +79,34 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"{'depth':>5} {'width':>5} {'Δ avg':>9} {'nΔ avg':>8} {'Δ match':>9} "
           f"{'nΔ match':>8} {'B*':>6} {'largest B ≤ ' + format(a.budget, 'g') + ' ep':>18} "
           f"{'linear ≤':>8} {'B_crit':>7}")
+    grid = sorted(float(b) for b in a.per_run["batch_size"].unique()) if len(a.per_run) else []
+    marked = False
+
+    def edge(value: object, ends: tuple[str, ...]) -> str:
+        nonlocal marked
+        number = float(value) if isinstance(value, (int, float)) else math.nan
+        cell = _cell(number, ".0f")
+        if A.grid_edge(number, grid) in ends:
+            marked = True
+            return cell + "†"
+        return cell
+
     for _, row in a.shapes.iterrows():
+        value = row.get("b_crit", math.nan)
+        crit = ("degen." if row.get("degenerate") and math.isfinite(float(value)) else
+                _cell(value, ".0f"))
         print(f"{_cell(row.get('depth')):>5} {_cell(row.get('width')):>5} "
               f"{_cell(row.get('delta_mean', math.nan)):>9} "
               f"{_cell(row.get('bound_mean', math.nan), '.0f'):>8} "
               f"{_cell(row.get('delta_matched', math.nan)):>9} "
               f"{_cell(row.get('bound_matched', math.nan), '.0f'):>8} "
-              f"{_cell(row.get('threshold_batch', math.nan), '.0f'):>6} "
-              f"{_cell(row.get('largest_batch', math.nan), '.0f'):>18} "
-              f"{_cell(float(linear.get(row['model_label'], math.nan)), '.0f'):>8} "
-              f"{_cell(row.get('b_crit', math.nan), '.0f'):>7}")
+              f"{edge(row.get('threshold_batch', math.nan), ('smallest', 'largest')):>6} "
+              f"{edge(row.get('largest_batch', math.nan), ('largest',)):>18} "
+              f"{edge(linear.get(row['model_label'], math.nan), ('smallest', 'largest')):>8} "
+              f"{crit:>7}")
+    if marked:
+        print(f"† at the grid edge (B = {_cell(grid[0], '.0f')}…{_cell(grid[-1], '.0f')}): "
+              "the value may lie beyond the grid")
     print(f"\ncritical batch size (one fit for all shapes): {critical_text(a)}")
     print(f"runs: {outcome.executed} executed, {outcome.skipped} reused, {outcome.failed} failed;"
           f" training {trained - start:.0f} s, report {time.perf_counter() - trained:.0f} s",
