@@ -2,9 +2,9 @@
 
 Pure functions of shapes and data, no torch models. Sources:
 
-- seed 000 (width vs depth), Theorems 1 and 3: linear networks with Gaussian data and weights;
-- seed 001 (gradient diversity), Remarks 1 and 2: generalized linear models and sparse conflicts;
-- seed 003: the speedup ratio s(m; m0) = k(m0)/k(m).
+- [width] (width vs depth), Theorems 1 and 3: linear networks with Gaussian data and weights;
+- [diversity] (gradient diversity), Remarks 1 and 2: generalized linear models and sparse conflicts;
+- [inefficiency]: the speedup ratio s(m; m0) = k(m0)/k(m).
 
 Critical-batch-size fits (McCandlish et al.) belong to the study's analysis, not here.
 """
@@ -22,7 +22,7 @@ ArrayLike = np.ndarray | torch.Tensor | Sequence[Sequence[float]]
 
 
 def two_layer_linear_bound(n: int, width: int, input_dim: int) -> float:
-    """Seed 000, Theorem 1: a 2-layer linear network (one hidden layer of ``width`` K, input
+    """[width], Theorem 1: a 2-layer linear network (one hidden layer of ``width`` K, input
     dimension d, one output) has B_S ≳ nKd / (Kn + dn + Kd) with constant probability.
 
     The theorem is stated up to constants (Θ(nKd)/Θ(Kn+dn+Kd)); this returns the expression
@@ -35,10 +35,10 @@ def two_layer_linear_bound(n: int, width: int, input_dim: int) -> float:
 
 
 def linear_network_rho_bound(input_dim: int, hidden_widths: Sequence[int]) -> float:
-    """Seed 000, Theorem 3: for an L-layer linear network with N(0,1) weights and inputs,
+    """[width], Theorem 3: for an L-layer linear network with N(0,1) weights and inputs,
     ρ = E[n Σ‖∇f_i‖²] / E[‖Σ∇f_i‖²] ≥ L / (Σ_{φ=1}^{L−1} (L−φ)/(K_φ − 1) + 2L/(d − 1)).
 
-    Seed 000's L counts *weight matrices*: ``hidden_widths`` = (K_1, ..., K_{L−1}) are the
+    [width]'s L counts *weight matrices*: ``hidden_widths`` = (K_1, ..., K_{L−1}) are the
     hidden layer widths and L = len(hidden_widths) + 1. batchbound's ``fc(depth=...)`` counts
     hidden layers, so an ``fc(depth=D, width=K)`` network has L = D + 1 here
     (``hidden_widths=[K] * D``). The output is a single unit (K_L = 1) in the theorem.
@@ -59,7 +59,7 @@ def linear_network_rho_bound(input_dim: int, hidden_widths: Sequence[int]) -> fl
 
 
 def glm_batch_bound(features: ArrayLike) -> float:
-    """Seed 001, Remark 1: for a generalized linear loss f_i(w) = ℓ_i(x_iᵀw),
+    """[diversity], Remark 1: for a generalized linear loss f_i(w) = ℓ_i(x_iᵀw),
     B_S(w) ≥ n · min_i ‖x_i‖² / σ_max(X)² for every w, where X is the (n, d) feature matrix.
 
     It holds for any ℓ_i (convex or not) and also for multi-output linear models
@@ -75,7 +75,7 @@ def glm_batch_bound(features: ArrayLike) -> float:
 
 
 def conflict_graph_max_degree(supports: ArrayLike) -> int:
-    """The maximum degree ρ of seed 001's conflict graph: examples i ≠ j are adjacent when the
+    """The maximum degree ρ of [diversity]'s conflict graph: examples i ≠ j are adjacent when the
     supports of their gradients overlap. ``supports`` is an (n, d) matrix whose nonzero
     entries mark the coordinates each example's gradient may touch (e.g. the feature matrix of
     a sparse linear model, or the gradients themselves)."""
@@ -86,7 +86,7 @@ def conflict_graph_max_degree(supports: ArrayLike) -> int:
 
 
 def sparse_conflict_batch_bound(n: int, max_degree: int) -> float:
-    """Seed 001, Remark 2: with sparse conflicts of maximum degree ρ, B_S(w) ≥ n / (ρ + 1)."""
+    """[diversity], Remark 2: with sparse conflicts of maximum degree ρ, B_S(w) ≥ n / (ρ + 1)."""
     _positive(n=n)
     if max_degree < 0:
         raise BatchboundError(f"max_degree must be ≥ 0, got {max_degree}")
@@ -99,7 +99,7 @@ def batch_bound_from_noise_scale(noise_scale: float) -> float:
 
 
 def speedup_ratio(iterations: float, base_iterations: float) -> float:
-    """Seed 003: s(m; m0) = k(m0) / k(m), the number of iterations to reach the target with
+    """[inefficiency]: s(m; m0) = k(m0) / k(m), the number of iterations to reach the target with
     the base batch size m0 over that with batch size m. Linear scaling gives s = m/m0."""
     _positive(iterations=iterations, base_iterations=base_iterations)
     return base_iterations / iterations

@@ -68,7 +68,7 @@ def test_state_dict_form_equals_two_models_and_leaves_model_a_alone() -> None:
 
 
 def test_linear_least_squares_obeys_the_glm_bound() -> None:
-    # Seed 001 notes Remark 1's bound also holds for B_S(w, w'): for f_i = ½(x_iᵀw − y_i)²
+    # [diversity] notes Remark 1's bound also holds for B_S(w, w'): for f_i = ½(x_iᵀw − y_i)²
     # the differences are x_i x_iᵀ(w − w'), a GLM gradient in x_i.
     from batchbound.theory import glm_batch_bound
 

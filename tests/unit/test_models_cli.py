@@ -1,4 +1,4 @@
-"""``batchbound models describe|family|list``: JSON keys, the seed 000 table, and errors."""
+"""``batchbound models describe|family|list``: JSON keys, the [width] table, and errors."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def test_describe_loads_a_data_set_given_with_options(capsys):
     assert info["params"] == 7 * 5 + 5 * 5 + 5 * 3
 
 
-def test_family_table_is_seed_000s_sweep(capsys):
+def test_family_table_is_the_width_papers_sweep(capsys):
     code, out = run(["family", "fc", "--params", "16000", "--depths", "1-10",
                      "--input-shape", "1,28,28", "--outputs", "10", "--json"], capsys)
     table = json.loads(out)

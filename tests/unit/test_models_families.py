@@ -85,9 +85,9 @@ def test_seed_makes_initialisation_reproducible():
 
 # Published sizes at the reference settings, 10 classes (counted on the meta device).
 REFERENCE_SIZES = [
-    ("lenet", MNIST, 431_080),  # Caffe LeNet; seed 000's "LeNet 431k"
-    ("resnet", CIFAR, 11_173_962),  # ResNet-18; seed 000's "11m"
-    ("resnet(blocks=[3,4,6,3])", CIFAR, 21_282_122),  # ResNet-34; seed 000's "21m"
+    ("lenet", MNIST, 431_080),  # Caffe LeNet; [width]'s "LeNet 431k"
+    ("resnet", CIFAR, 11_173_962),  # ResNet-18; [width]'s "11m"
+    ("resnet(blocks=[3,4,6,3])", CIFAR, 21_282_122),  # ResNet-34; [width]'s "21m"
     ("vgg(cfg=16)", CIFAR, 14_724_042),
     ("mobilenetv2", CIFAR, 2_236_682),
     ("alexnet", CIFAR, 2_472_266),

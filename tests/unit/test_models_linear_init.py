@@ -1,4 +1,4 @@
-"""``linear``'s init option: PyTorch's default (unchanged) or seed 000's i.i.d. N(0, init_std²)."""
+"""``linear``'s init option: PyTorch's default (unchanged) or [width]'s i.i.d. N(0, init_std²)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Seed 000's width solver and the generic budget search, against brute force."""
+"""[width]'s width solver and the generic budget search, against brute force."""
 
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ def test_solver_picks_the_closest_integer_width(d_in, d_out, depth, params, bias
     )
 
 
-def test_seed_000_example_mnist_16k_depth_10_is_width_17():
-    # Seed 000, Fig. 3(b): the MNIST FC network at 16k parameters with L = 10 has K = 17.
+def test_the_width_papers_example_mnist_16k_depth_10_is_width_17():
+    # [width], Fig. 3(b): the MNIST FC network at 16k parameters with L = 10 has K = 17.
     assert solve_width(16_000, 784, 10, 10) == 17
     assert solve_width(16_000, 784, 1, 10) == 20
     model = build_model("fc(depth=10,params=16000)", (1, 28, 28), 10)

@@ -78,7 +78,7 @@ def test_planner_expands_the_grid():
     assert len(tune) == 18 and all(r.role == TUNE and r.epochs == 2 for r in tune)
     assert {(r.model.depth, r.batch_size, r.lr) for r in tune} == {
         (d, b, lr) for d in (1, 2, 4) for b in (16, 64, 256) for lr in (0.1, 0.3)}
-    assert all(r.fields["targets"] == [] for r in tune)  # seed 000: 2 epochs, lowest loss
+    assert all(r.fields["targets"] == [] for r in tune)  # [width]: 2 epochs, lowest loss
     # family sweep: widths solved for ~4000 weights on 64 inputs and 10 classes
     widths = {r.model.depth: r.model.width for r in tune}
     assert widths[1] == 54 and all(abs(r.model.params - 4000) < 200 for r in tune)

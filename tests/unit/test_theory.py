@@ -40,12 +40,12 @@ def test_hand_computed_values() -> None:
 
 @pytest.mark.parametrize(("depth", "width", "d"), [(1, 10, 50), (3, 20, 100), (9, 7, 30)])
 def test_equal_width_form_of_the_depth_bound(depth: int, width: int, d: int) -> None:
-    layers = depth + 1  # seed 000's L counts weight matrices: fc depth + 1
+    layers = depth + 1  # [width]'s L counts weight matrices: fc depth + 1
     expected = 1 / ((layers - 1) / (2 * (width - 1)) + 2 / (d - 1))
     assert linear_network_rho_bound(d, [width] * depth) == pytest.approx(expected)
 
 
-def test_bounds_move_the_way_seed_000_says() -> None:
+def test_bounds_move_the_way_the_width_paper_says() -> None:
     assert two_layer_linear_bound(10**6, 64, 100) > two_layer_linear_bound(10**6, 16, 100)
     assert two_layer_linear_bound(10**9, 50, 50) == pytest.approx(25, rel=1e-6)  # Kd/(K+d)
     assert linear_network_rho_bound(100, [32] * 2) > linear_network_rho_bound(100, [32] * 6)

@@ -3,7 +3,7 @@
 The check: over K independent draws, every coordinate of the mean update lies within 6
 standard errors of the plain gradient, the standard errors from each mechanism's closed-form
 variance (DropConnect g²p/(1−p), SGLD σ², quantization ‖v‖|v_l| − v_l², summed over the
-units). The same check rejects seed 001's unrescaled DropConnect (mean (1 − p)·g), so it
+units). The same check rejects [diversity]'s unrescaled DropConnect (mean (1 − p)·g), so it
 has the power to fail.
 """
 

@@ -1,5 +1,5 @@
 """``batchbound models list|describe|family``: the model families, what a spec builds, and the
-width/depth table a fixed-parameter sweep (seed 000) trains."""
+width/depth table a fixed-parameter sweep ([width]) trains."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     family = actions.add_parser(
         "family",
-        help="the width for each depth at a fixed parameter budget (seed 000's sweep)",
+        help="the width for each depth at a fixed parameter budget ([width]'s sweep)",
         description="For fc/linear, depth is the number of hidden layers and the width solves "
         "d_in·K + (L−1)·K² + K·d_out = P. For lenet/resnet the convolutional part stays fixed "
         "and the fully connected head varies (depth = hidden head layers); with --blocks, "

@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "train",
         help="train with synchronous data-parallel mini-batch SGD until targets or limits",
         description=(
-            "Synchronous data-parallel mini-batch SGD (seed 002): each of P workers computes "
+            "Synchronous data-parallel mini-batch SGD ([slides]): each of P workers computes "
             "gradients on its share of the global batch B, an all-reduce sums them, the model "
             "steps. Records when each target is first reached (epochs, iterations, seconds). "
             "Flags override a --config TOML file; unset flags keep TrainConfig's defaults."

@@ -133,7 +133,7 @@ def load_mnist1d(data_dir: Path, num_samples: int = 5000, seed: int = 42) -> Dat
 
 @register_dataset(
     "synthetic-linear",
-    source="generated: Gaussian inputs, labels from a random deep linear teacher (seed 000)",
+    source="generated: Gaussian inputs, labels from a random deep linear teacher ([width])",
     embedded=True,
     description="regression; options n, d, outputs, depth, width, noise, n_test, seed",
     task=REGRESSION,
@@ -184,7 +184,7 @@ def load_synthetic_linear(
         x_test=x[n:],
         y_test=y[n:],
         num_classes=None,
-        source="generated (seed 000 deep linear teacher)",
+        source="generated ([width] deep linear teacher)",
         meta={
             "n": n,
             "d": d,
@@ -199,7 +199,7 @@ def load_synthetic_linear(
 
 @register_dataset(
     "synthetic-logistic",
-    source="generated: Gaussian inputs, two classes from a random linear model (seed 001, "
+    source="generated: Gaussian inputs, two classes from a random linear model ([diversity], "
     "Remark 1)",
     embedded=True,
     description="x ~ N(0, I_d); w* uniform on the unit sphere; P(y=1|x) = sigmoid(scale·x·w*) "
@@ -247,6 +247,6 @@ def load_synthetic_logistic(
         x_test=x[n:],
         y_test=y[n:],
         num_classes=2,
-        source="generated (seed 001 generalized linear model)",
+        source="generated ([diversity] generalized linear model)",
         meta={"n": n, "d": d, "scale": scale, "seed": seed, "w_star": w_star.tolist()},
     )

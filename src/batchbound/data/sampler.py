@@ -4,7 +4,7 @@ Without replacement every epoch is a fresh permutation of ``range(n)`` from one
 ``torch.Generator`` seeded by ``seed``. A batch that crosses an epoch boundary takes the rest
 of the current permutation and continues with the next one, so batch sizes may change from
 step to step and ``epoch = samples_seen / n`` stays exact. With replacement indices are
-i.i.d. uniform on ``range(n)``, as in the seeds' theory.
+i.i.d. uniform on ``range(n)``, as in the papers' theory.
 
 >>> s = BatchSampler(10, seed=0)
 >>> s.next_indices(4).shape, s.next_indices(8).shape, s.epoch

@@ -2,16 +2,16 @@
 (dataset, seed), leaves the test split alone unless it says so, and appends its canonical spec
 (seed included) to ``Dataset.transforms``, so applying a recorded spec reproduces the data.
 
-- ``replicate(r)`` (seed 001, Sec. 6): keep a random 1/r fraction of the training set and
+- ``replicate(r)`` ([diversity], Sec. 6): keep a random 1/r fraction of the training set and
   repeat it r times, so n stays the same and the gradient diversity drops. Exactly so when r
   divides n; otherwise m = ⌈n/r⌉ examples are kept, their copies are concatenated and cut to
   n, and each kept example appears ⌊n/m⌋ or ⌈n/m⌉ (≤ r) times.
 - ``replicate_full(r)``: every training example r times, n → r·n. The control for
   ``replicate``: S = Σ‖g_i‖² grows r-fold and ‖Σg_i‖² r²-fold, so Δ drops to Δ/r while the
   bound n·Δ is unchanged.
-- ``subset(fraction)`` (seed 003, Sec. 4.3, the 100/50/25 % runs): a uniformly random
+- ``subset(fraction)`` ([inefficiency], Sec. 4.3, the 100/50/25 % runs): a uniformly random
   round(fraction·n) training examples without replacement, kept in their original order.
-- ``neighbour_pair()`` (seed 001, Sec. 6, stability): two training sets that differ in exactly
+- ``neighbour_pair()`` ([diversity], Sec. 6, stability): two training sets that differ in exactly
   one example. Training example i (uniform) is replaced in the second set by test example j
   (uniform), an independent draw from the same distribution that appears nowhere else in
   the training set; example j is dropped from both test sets so neither evaluates on

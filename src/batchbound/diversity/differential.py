@@ -1,4 +1,4 @@
-"""Differential gradient diversity between two parameter states (seed 001, §5, Definition 6):
+"""Differential gradient diversity between two parameter states ([diversity], §5, Definition 6):
 
     Δ_S(w, w') = Σ_i ‖g_i(w) − g_i(w')‖² / ‖Σ_i (g_i(w) − g_i(w'))‖²,    B_S(w, w') = n·Δ_S(w, w').
 

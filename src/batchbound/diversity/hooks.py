@@ -7,7 +7,7 @@ parameter whether the rules give its per-example gradients exactly:
 1. every operation that uses the parameter lies inside a call of a module whose rule covers
    it (a use anywhere else, a tied head written ``h @ wte.weight.T`` say, is caught);
 2. each such call has its examples where the rule reads them: the axis found for that call
-   by running two batch sizes (``probe.py``), checked again on this chunk, or no example
+   by running two batch sizes (``rule_check.py``), checked again on this chunk, or no example
    axis at all when the call's output is broadcast over the examples by an addition (a
    position embedding ``wpe(arange(T))``, whose per-example gradients are then read off the
    addition's output gradient);
@@ -147,7 +147,7 @@ class _Broadcast:
 
 @dataclass
 class ProbeShapes:
-    """What ``probe.py`` compares between two batch sizes, for one call."""
+    """What ``rule_check.py`` compares between two batch sizes, for one call."""
 
     entry: RuleEntry
     module: nn.Module
@@ -498,7 +498,7 @@ def hooks_stats(
     excluded: dict[str, str] | None = None,
     offset: int = 0,
 ) -> HooksResult:
-    """One chunk through the hooks engine. ``layout`` comes from ``probe.py``; ``excluded``
+    """One chunk through the hooks engine. ``layout`` comes from ``rule_check.py``; ``excluded``
     parameters are left to the caller from the start (with their reasons)."""
     n = x.shape[0]
     run = HooksPass(plan, params, layout, n, excluded)

@@ -1,7 +1,7 @@
 """Per-example statistics of a model, exact or refused: the entry point over the engines.
 
 ``PreparedStats(model, loss, engine)`` is called once per chunk. With ``engine="auto"`` (the
-default) or ``"hooks"`` it checks the model on its first chunk (``probe.py``), then runs
+default) or ``"hooks"`` it checks the model on its first chunk (``rule_check.py``), then runs
 each chunk through the layer rules (``hooks.py``), which report every parameter they cannot
 compute exactly, with the reason. ``"hooks"`` refuses those with a BatchboundError;
 ``"auto"`` computes them by an exact fallback, torch.func vmap or, where vmap cannot run
@@ -30,7 +30,7 @@ from batchbound.diversity.engines import (
 from batchbound.diversity.graph import loss_users
 from batchbound.diversity.hooks import HookPlan, Layout, hooks_stats, output_nodes, plan_hooks
 from batchbound.diversity.losses import PerExampleLoss, check_losses, resolve_loss
-from batchbound.diversity.probe import (
+from batchbound.diversity.rule_check import (
     COUPLED,
     INTERACTING,
     buffers_kept,

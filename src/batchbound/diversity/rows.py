@@ -1,7 +1,7 @@
 """Which example each row belongs to: rows selected or moved by the data, on every chunk.
 
 A layer rule reads row r of its call (along the example axis) as example r. The probe
-(``probe.py``) shows that the axis follows the batch size; it cannot show that the rows stay
+(``rule_check.py``) shows that the axis follows the batch size; it cannot show that the rows stay
 in example order when the forward pass chooses them from the data: tokens routed to an
 expert (``flat[where(route == e)]``), unpadded tokens (``fc(x[mask])``), rows put back with
 ``out[idx] = ...``. Such a selection may hold exactly n rows on some chunk by coincidence.

@@ -32,14 +32,14 @@ from batchbound.diversity.hooks import (
 from batchbound.diversity.losses import resolve_loss
 from batchbound.diversity.online import OnlineDiversity
 from batchbound.diversity.prepared import PreparedStats, describe, structure_of
-from batchbound.diversity.probe import (
+from batchbound.diversity.rows import RowTracker
+from batchbound.diversity.rule_check import (
     COUPLED,
     INTERACTING,
     probe_layout,
     self_check,
     tolerance,
 )
-from batchbound.diversity.rows import RowTracker
 from batchbound.diversity.stats import (
     batch_norm_modules,
     check_model_mode,

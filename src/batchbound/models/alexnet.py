@@ -1,4 +1,4 @@
-"""AlexNet for CIFAR-sized images (seed 003 trains it on CIFAR-10).
+"""AlexNet for CIFAR-sized images ([inefficiency] trains it on CIFAR-10).
 
 The common CIFAR variant: five convolutions (11×11 stride 4, 5×5, then three 3×3) with 64,
 192, 384, 256 and 256 channels, ReLU, three 2×2 max poolings, and one Linear classifier on the

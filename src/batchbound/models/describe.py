@@ -33,7 +33,7 @@ class LayerRow:
 @dataclass(frozen=True)
 class ModelDescription:
     """``params`` counts every trainable parameter; ``weights`` leaves out biases (the count
-    seed 000's fc budget uses). ``depth``/``width`` follow the family's convention (see
+    [width]'s fc budget uses). ``depth``/``width`` follow the family's convention (see
     ``ModelShape``); ``weight_layers`` counts every Linear/Conv module, shortcuts included."""
 
     family: str

@@ -1,14 +1,14 @@
-"""Fully connected families at a fixed parameter budget (seed 000): ``fc`` and ``linear``.
+"""Fully connected families at a fixed parameter budget ([width]): ``fc`` and ``linear``.
 
-Depth L counts *hidden* layers, as in seed 000's experiments (L = 1..10): a depth-L net has
+Depth L counts *hidden* layers, as in [width]'s experiments (L = 1..10): a depth-L net has
 L hidden layers of width K and L + 1 weight matrices, so its weight count is
 d_in·K + (L−1)·K² + K·d_out. Depth 0 is the linear model x ↦ Wx (d_in·d_out weights).
 Given a budget p, the solver picks the positive integer K whose count is closest to p.
-By default the budget counts weights only, as seed 000 does; ``count_biases=true`` makes the
-solver count the L·K + d_out biases too. (Seed 000's *theory* writes L for the number of weight
+By default the budget counts weights only, as [width] does; ``count_biases=true`` makes the
+solver count the L·K + d_out biases too. ([width]'s *theory* writes L for the number of weight
 matrices, i.e. our depth + 1.)
 
-``linear`` is seed 000's deep linear network: no activations and no biases. Its ``init`` option
+``linear`` is [width]'s deep linear network: no activations and no biases. Its ``init`` option
 picks the weights' distribution: ``default`` is PyTorch's (``nn.Linear``'s Kaiming-uniform,
 std 1/√(3·fan_in)); ``normal`` draws every weight i.i.d. from N(0, init_std²), init_std = 1 by
 default, Theorem 3's setting. Both are seeded by the model seed (``build_model(seed=...)``).
@@ -58,7 +58,7 @@ def budget_count(d_in: int, width: int, depth: int, d_out: int, count_biases: bo
 def solve_width(
     params: int, d_in: int, depth: int, d_out: int, count_biases: bool = False
 ) -> int:
-    """The integer K >= 1 whose budget count is closest to ``params`` (seed 000's solver).
+    """The integer K >= 1 whose budget count is closest to ``params`` ([width]'s solver).
 
     The count a·K² + b·K + c is increasing in K, so the real root of a·K² + b·K + c = p lies
     between the two best integers; ties go to the smaller K.
@@ -164,7 +164,7 @@ def deep_linear(
     init: str = "default",
     init_std: float | None = None,
 ) -> nn.Module:
-    """Seed 000's deep linear network: ``depth`` hidden linear layers, no biases.
+    """[width]'s deep linear network: ``depth`` hidden linear layers, no biases.
 
     ``init=normal`` redraws every weight i.i.d. N(0, init_std²) (init_std = 1: Theorem 3)
     after PyTorch's default initialisation, from the same generator, so a seed fixes them.

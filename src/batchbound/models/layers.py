@@ -20,7 +20,7 @@ from batchbound.models.options import choice, int_list
 
 
 class Arctan(nn.Module):
-    """x ↦ arctan(x); torch has no module for it (seed 000 lists it among the activations)."""
+    """x ↦ arctan(x); torch has no module for it ([width] lists it among the activations)."""
 
     def forward(self, x):  # type: ignore[no-untyped-def]
         return x.atan()
@@ -55,7 +55,7 @@ def norm2d(kind: str, channels: int) -> nn.Module:
 class ModelShape:
     """What a built model is, in the terms its family uses.
 
-    ``depth`` follows the family's convention: hidden layers for fc/linear (seed 000's L),
+    ``depth`` follows the family's convention: hidden layers for fc/linear ([width]'s L),
     weight layers on the main path for the convolutional families (ResNet-18 has 18).
     ``width`` is the family's width option after any budget was solved. ``resolved`` is a spec
     that rebuilds the same architecture without a budget, e.g. ``fc(depth=4,width=26)``.

@@ -2,9 +2,9 @@
 connected head.
 
 At ``width_mult=1`` the convolutions have 20 and 50 channels and the head one hidden layer of
-500 units: Caffe's LeNet, 431,080 parameters on 28×28 MNIST, seed 000's "LeNet, 431k".
+500 units: Caffe's LeNet, 431,080 parameters on 28×28 MNIST, [width]'s "LeNet, 431k".
 ``width_mult`` scales the two convolutions (round(20·m), round(50·m) channels); ``head`` lists
-the hidden widths of the fully connected part and is taken as given (seed 000 varies the
+the hidden widths of the fully connected part and is taken as given ([width] varies the
 convolutional part and the fully connected part separately).
 
 ``params=P`` searches the convolution widths: over integers c2 = 1, 2, ... for the second

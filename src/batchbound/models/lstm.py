@@ -1,4 +1,4 @@
-"""An LSTM language model: seed 003's NLP network (PyTorch's word_language_model, the LSTM
+"""An LSTM language model: [inefficiency]'s NLP network (PyTorch's word_language_model, the LSTM
 it trains on WikiText-2) in miniature, for character-level text.
 
 An embedding of ``emb`` units (default: ``hidden``), an nn.LSTM of ``layers`` layers and

@@ -1,4 +1,4 @@
-"""MobileNetV2 for CIFAR-sized images (Sandler et al. 2018; seed 003 trains it on CIFAR-10).
+"""MobileNetV2 for CIFAR-sized images (Sandler et al. 2018; [inefficiency] trains it on CIFAR-10).
 
 Inverted residual blocks: a 1×1 expansion, a depthwise 3×3 convolution (a Conv2d with one group
 per channel), a linear 1×1 projection, and a residual addition when the block keeps resolution

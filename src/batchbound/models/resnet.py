@@ -1,14 +1,14 @@
-"""CIFAR-style ResNets with basic blocks (He et al. 2016), as seed 000 and seed 003 use them.
+"""CIFAR-style ResNets with basic blocks (He et al. 2016), as [width] and [inefficiency] use them.
 
 A 3×3 stem convolution (stride 1), then four chunks of basic blocks; chunk i has ``blocks[i]``
 blocks of ``width·2^i`` filters, and chunks 2–4 halve the resolution. Global average pooling
 feeds a fully connected head: ``head`` lists its hidden widths (default none, one Linear).
 ResNet-18 is ``blocks=[2,2,2,2]`` and ResNet-34 ``blocks=[3,4,6,3]``; at ``width=64`` with 10
-classes they have 11,173,962 and 21,282,122 parameters (seed 000: "11m / 21m").
+classes they have 11,173,962 and 21,282,122 parameters ([width]: "11m / 21m").
 
 ``params=P`` solves for the integer ``width`` (the first chunk's filters; the others keep the
 1:2:4:8 ratio) whose total trainable parameter count — convolutions, normalisation, head —
-is closest to P, by bisection on that non-decreasing count. This is how seed 000 keeps
+is closest to P, by bisection on that non-decreasing count. This is how [width] keeps
 [s1,s2,s3,s4] variants at a fixed size. ``norm=group`` swaps BatchNorm for GroupNorm so
 examples stay independent in train mode; ``norm=none`` gives the convolutions biases.
 """

@@ -1,16 +1,16 @@
-"""Shape tables at a fixed parameter budget: the width/depth grids seed 000's sweeps train.
+"""Shape tables at a fixed parameter budget: the width/depth grids [width]'s sweeps train.
 
 ``family_sweep`` returns one ``ShapeRow`` per depth, each with a concrete spec (no budget
 left to solve), the count the budget is compared with, and the relative error:
 
-- ``fc`` / ``linear``: depth = hidden layers L, width K from seed 000's solver
+- ``fc`` / ``linear``: depth = hidden layers L, width K from [width]'s solver
   d_in·K + (L−1)·K² + K·d_out = p (biases too with ``count_biases``).
 - ``lenet`` / ``resnet``: the convolutional trunk stays as ``options`` fix it and the fully
-  connected head varies (seed 000's Fig. 3e/3f): depth = hidden head layers L, width = their
+  connected head varies ([width]'s Fig. 3e/3f): depth = hidden head layers L, width = their
   common width K, the integer whose *total* parameter count is closest to p.
 - ``cnn1d``: depth = convolutions, width = channels solved for the total count.
 
-``block_sweep`` is the other ResNet sweep (seed 000's Fig. 3g/3h): the head stays fixed, the
+``block_sweep`` is the other ResNet sweep ([width]'s Fig. 3g/3h): the head stays fixed, the
 blocks per chunk change, and the filter count is solved for the budget.
 """
 

@@ -1,4 +1,4 @@
-"""VGG-11/16 for CIFAR-sized images (seed 003 trains VGG16 on CIFAR-10).
+"""VGG-11/16 for CIFAR-sized images ([inefficiency] trains VGG16 on CIFAR-10).
 
 3×3 convolutions (padding 1) each followed by normalisation and ReLU, 2×2 max pooling after
 every stage, then global average pooling and one Linear layer: the common CIFAR variant, with

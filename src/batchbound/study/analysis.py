@@ -12,14 +12,14 @@ otherwise; the mean of the reached runs is reported beside it with the censored 
 
 Definitions (thresholds are arguments with these defaults):
 
-- **Threshold B\\*** (seed 000): with e(B) the median epochs to target and b0 the smallest
+- **Threshold B\\*** ([width]): with e(B) the median epochs to target and b0 the smallest
   grid batch that reaches the target, B\\* is the largest B ≥ b0 such that every grid batch
   b in [b0, B] reaches it with e(b) ≤ growth · min_{b0 ≤ b' ≤ b} e(b'); growth = 1.5, i.e.
   past B\\* epochs-to-target have grown by more than half over the best smaller batch (or the
   target is missed). Misses below b0 (instability at small B) are skipped. NaN when no batch
   reaches the target.
-- **Largest B within E epochs** (seed 000, Fig. 5): the largest grid B with e(B) ≤ E.
-- **Speedup** (seed 003): s(m; m0) = k(m0)/k(m) from median iterations k, m0 the smallest
+- **Largest B within E epochs** ([width], Fig. 5): the largest grid B with e(B) ≤ E.
+- **Speedup** ([inefficiency]): s(m; m0) = k(m0)/k(m) from median iterations k, m0 the smallest
   batch that reaches the target; ideal m/m0; efficiency s/(m/m0).
 - **Regimes**: the local scaling exponent between neighbouring grid points,
   α = log(k(m_prev)/k(m)) / log(m/m_prev), is 1 for perfect scaling and 0 for none. A step is
@@ -34,7 +34,7 @@ Definitions (thresholds are arguments with these defaults):
   and are left out (counted). 95 % intervals by bootstrap over runs within each B; with one
   run per B the interval has no spread and says so (``one_run``). ``outside`` flags a B_crit
   below the smallest or above the largest batch that reached the target.
-- **Loss threshold** (seed 003): the lower quartile of all training-loss values recorded by
+- **Loss threshold** ([inefficiency]): the lower quartile of all training-loss values recorded by
   the runs at the largest batch size with a run that did not diverge; k(m) is then the first
   iteration with loss ≤ it. Diverged runs never count as reaching it.
 
@@ -224,7 +224,7 @@ def _by_model(summary: pd.DataFrame) -> tuple[list[tuple[tuple, pd.DataFrame]], 
 
 
 def threshold_batch(summary: pd.DataFrame, growth: float = 1.5) -> pd.DataFrame:
-    """Seed 000's B* per model from an epochs summary (see the module docstring)."""
+    """[width]'s B* per model from an epochs summary (see the module docstring)."""
     groups, keys = _by_model(summary)
     return pd.DataFrame([{**dict(zip(keys, group, strict=True)),
                           "threshold_batch": b_star(frame["batch_size"], frame["median"], growth)}
@@ -484,7 +484,7 @@ def tuned_at_edge(runs: pd.DataFrame, grid: Sequence[float]) -> pd.DataFrame:
 
 def loss_threshold(runs: pd.DataFrame, curves: pd.DataFrame, metric: str = "train_loss",
                    quantile: float = 0.25) -> pd.DataFrame:
-    """Seed 003's threshold per model: the lower quartile of the ``metric`` values recorded
+    """[inefficiency]'s threshold per model: the lower quartile of the ``metric`` values recorded
     by the final runs at that model's largest batch size, diverged and collapsed runs left
     out (and the largest batch with a run that trained when none there did). NaN when
     that quartile is not below the loss those runs started from: an unstable largest batch
@@ -540,7 +540,7 @@ def per_run_to_loss(runs: pd.DataFrame, curves: pd.DataFrame, thresholds: pd.Dat
 
 def loss_surface(runs: pd.DataFrame, curves: pd.DataFrame, metric: str = "train_loss"
                  ) -> pd.DataFrame:
-    """Median (over seeds) ``metric`` per (model, B, iteration): seed 003's Figure 1 data."""
+    """Median (over seeds) ``metric`` per (model, B, iteration): [inefficiency]'s Figure 1 data."""
     final = finals(runs)
     keys = model_keys(final)
     rows = curves[curves["metric"] == metric].merge(final[["key", *keys, "batch_size"]],

@@ -3,12 +3,12 @@
 A study runs in two phases:
 
 1. **tune**: for each (data set, model, batch size, mechanism), one run per step size on the
-   grid (``tune_seeds`` seeds each). Under seed 000's rule these last ``tune_epochs``
+   grid (``tune_seeds`` seeds each). Under [width]'s rule these last ``tune_epochs``
    epochs; under ``fewest_steps`` they are full runs to the targets.
 2. **final**: the chosen step size at every seed. A final run whose config equals a tuning
    run (``fewest_steps``, first seed) is the same run: same config hash, stored once.
 
-With ``tune_at = "base_batch"`` (seed 003's strategies) the step size is tuned only at the
+With ``tune_at = "base_batch"`` ([inefficiency]'s strategies) the step size is tuned only at the
 smallest batch size and the strategy (blr/lsr/srsr) carries it to the others. With
 ``tune_data = "first"`` it is tuned on the first data set only and used for every data set
 (stability's neighbouring pairs share their step size).
@@ -116,7 +116,7 @@ def model_shapes(spec: StudySpec, info: DataInfo) -> list[ModelShape]:
         shapes = []
         for text in models.specs:
             described = describe_model(text, info.input_shape, info.d_out)
-            # fc/linear budgets count weights only (seed 000); other families count everything
+            # fc/linear budgets count weights only ([width]); other families count everything
             fc_like = described.family in ("fc", "linear")
             shapes.append(ModelShape(text, described.depth, described.width or None,
                                      described.weights if fc_like else described.params,

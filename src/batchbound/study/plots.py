@@ -194,7 +194,7 @@ def speedup_curves(ax: Axes, speedups: pd.DataFrame, title: str = "speedup") -> 
 
 def loss_contour(ax: Axes, surface: pd.DataFrame, title: str = "",
                  levels: np.ndarray | None = None) -> None:
-    """Training loss over (B, iterations) on a log scale, as seed 003's Figure 1; one model's
+    """Training loss over (B, iterations) on a log scale, as [inefficiency]'s Figure 1; one model's
     rows from ``analysis.loss_surface``. Lighter is lower. ``levels`` (log10 loss) shares
     one scale across panels."""
     batches = sorted(surface["batch_size"].unique())

@@ -20,14 +20,14 @@ from batchbound.train.config import TrainConfig
 from batchbound.train.lr_rules import LR_RULES
 
 TUNING_RULES = {
-    "lowest_loss_2_epochs": "seed 000: train every η for tune_epochs (2) epochs, keep the lowest "
+    "lowest_loss_2_epochs": "[width]: train every η for tune_epochs (2) epochs, keep the lowest "
     "training loss",
     "fewest_steps": "Shallue et al.: keep the η that reaches the first target in the fewest "
     "iterations (ties and misses broken by the lowest final training loss)",
     "none": "no tuning: the grid must hold exactly one η",
 }
-# each_batch: tune η per batch size (seed 000). base_batch: tune η0 at the smallest batch size
-# only and let the strategy scale it (seed 003's BLR/LSR/SRSR comparison).
+# each_batch: tune η per batch size ([width]). base_batch: tune η0 at the smallest batch size
+# only and let the strategy scale it ([inefficiency]'s BLR/LSR/SRSR comparison).
 TUNE_AT = ("each_batch", "base_batch")
 # each: tune η per data set. first: tune on the first data set and use its η for every data
 # set, so that runs compared across data sets share it ([diversity]'s stability pairs train
@@ -172,7 +172,7 @@ class TrainSpec:
     eval_every_epochs: float = 0.25
     diversity_every_epochs: float | None = 1.0
     mechanisms: tuple[str, ...] = ("none",)
-    mechanism_granularity: str = "worker"  # example: seed 001's per-example draws (costly)
+    mechanism_granularity: str = "worker"  # example: [diversity]'s per-example draws (costly)
     workers: int = 1
     snapshot_every_epochs: float | None = None  # keep weights per pass (stability pairs)
     final_probes: tuple[str, ...] = ()  # measurements at the final weights (train/probes.py)

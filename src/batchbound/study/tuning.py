@@ -4,7 +4,7 @@ The summary table has one row per tuning run with columns ``cell`` (what η is c
 ``lr``, ``seed``, ``status``, ``final_loss`` (last evaluated training loss; ∞ for a diverged
 run) and ``iterations`` (iterations to the first target; NaN when not reached).
 
-- ``lowest_loss_2_epochs`` (seed 000): the η with the lowest training loss after the short
+- ``lowest_loss_2_epochs`` ([width]): the η with the lowest training loss after the short
   tuning runs, averaged over tuning seeds.
 - ``fewest_steps`` (Shallue et al.): the η whose runs reach the target in the fewest
   iterations (median over tuning seeds; a miss counts as ∞). If no η reaches it, the lowest

@@ -1,7 +1,7 @@
-"""Adaptive batch size (seed 002: "set the batch size ≈ n·Δ").
+"""Adaptive batch size ([slides]: "set the batch size ≈ n·Δ").
 
 ``adaptive(delta=δ, min=b_min, max=b_max, every=k)`` resets the global batch size every k
-iterations to B = clip(⌊δ·n·Δ̂(w)⌋ + 1, b_min, b_max), the bound of seed 001's Lemma 1 with
+iterations to B = clip(⌊δ·n·Δ̂(w)⌋ + 1, b_min, b_max), the bound of [diversity]'s Lemma 1 with
 the measured diversity Δ̂ in place of Δ_S(w). The learning rate then follows the strategy
 for the new B (see schedule.py). ``fixed`` keeps the configured batch size.
 

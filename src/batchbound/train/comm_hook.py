@@ -1,7 +1,7 @@
 """Worker-granularity mechanisms as a DistributedDataParallel communication hook.
 
 For users who train with their own DDP loop: each worker's gradient goes through the
-mechanism (DropConnect, SGLD, stochastic quantization of seed 001, or any other registered
+mechanism (DropConnect, SGLD, stochastic quantization of [diversity], or any other registered
 in batchbound.diversity.mechanisms) before DDP all-reduces it, as ``batchbound train`` does
 on its flat gradient buffer (both call ``apply_to_worker``, which dispatches to the
 mechanism's own worker sampler).
@@ -16,7 +16,7 @@ What the hook does to a bucket, on every rank: M(bucket) / P, then an all-reduce
 mechanism this is DDP's own averaging. The mechanism acts on the gradient DDP hands over (the
 gradient of that rank's loss), so SGLD's σ is in those units. DropConnect and SGLD act
 element-wise, so buckets do not matter; quantization's norm is over one bucket (over each
-parameter with ``quantization(per_tensor=true)``), so it equals seed 001's whole-model Q only
+parameter with ``quantization(per_tensor=true)``), so it equals [diversity]'s whole-model Q only
 when the model fits one bucket (a large ``bucket_cap_mb``). Each rank draws from its own
 generator (``seed`` and the rank), so workers' draws are independent.
 """

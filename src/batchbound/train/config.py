@@ -118,7 +118,7 @@ class TrainConfig:
     momentum: float = option(0.0, "optimisation", "SGD momentum")
     weight_decay: float = option(0.0, "optimisation", "L2 weight decay")
     convention: str = option("mean", "optimisation",
-                             "mean: w -= γ·(1/B)Σg_i; sum: w -= γ·Σg_i (the seeds')",
+                             "mean: w -= γ·(1/B)Σg_i; sum: w -= γ·Σg_i (the papers')",
                              choices=CONVENTIONS)
     sampling: str = option("epoch", "optimisation",
                            "epoch: permutations without replacement; replacement: i.i.d.",
@@ -149,7 +149,7 @@ class TrainConfig:
     # diversity
     diversity_every_epochs: float | None = option(
         None, "evaluation", "measure the exact Δ and n·Δ over the whole train set every k "
-        "epochs (seed 000 uses 10)")
+        "epochs ([width] uses 10)")
     online_diversity: str = option(
         "off", "evaluation", "per-iteration estimate of Δ: norms (per-example norms from the "
         "step's backward) | two_batch (small-batch against global gradients)",
@@ -158,7 +158,7 @@ class TrainConfig:
                             "none | dropconnect(p=..) | sgld(sigma=..) | quantization")
     mechanism_granularity: str = option(
         "worker", "mechanisms", "where the mechanism acts: example (on each example's "
-        "gradient, as seed 001's theory; exact, costly) | worker (on each worker's summed "
+        "gradient, as [diversity]'s theory; exact, costly) | worker (on each worker's summed "
         "gradient before the all-reduce, cheap)",
         flags=("--granularity",), choices=GRANULARITIES)
     batch_policy: str = option(

@@ -1,4 +1,4 @@
-"""Diversity-inducing mechanisms of seed 001 applied in training: ``dropconnect(p=..)``,
+"""Diversity-inducing mechanisms of [diversity] applied in training: ``dropconnect(p=..)``,
 ``sgld(sigma=..)`` and ``quantization``, at one of two granularities. The samplers and the
 spec are batchbound.diversity.mechanisms' (one module per mechanism, found through its
 table); this module decides *where* they act, for any registered mechanism.
@@ -6,7 +6,7 @@ table); this module decides *where* they act, for any registered mechanism.
 Every mechanism acts on a gradient sum Σ_{i∈unit} g_i and is unbiased, so the expected
 update equals the plain one:
 
-- DropConnect: D·g/(1 − p), D a diagonal Bernoulli(1 − p) keep-mask. Seed 001 writes D·g
+- DropConnect: D·g/(1 − p), D a diagonal Bernoulli(1 − p) keep-mask. [diversity] writes D·g
   without the 1/(1 − p); we rescale so the step size keeps its meaning.
 - SGLD: g + ξ, ξ ~ N(0, σ²I), one ξ per unit.
 - Quantization: Q(g), [Q(v)]_l = ‖v‖₂·sign(v_l)·η_l with P(η_l = 1) = |v_l|/‖v‖₂, over the
@@ -14,7 +14,7 @@ update equals the plain one:
 
 Granularity:
 
-- ``example`` (exact, seed 001's definition): the unit is one example. Mechanisms with
+- ``example`` (exact, [diversity]'s definition): the unit is one example. Mechanisms with
   ``needs_per_example`` (DropConnect, quantization) need the per-example gradients
   (``per_example_gradients``, torch.func vmap): memory B_local × |w| and several times the
   cost of a plain backward. The others draw Σ_i M(g_i) from the summed gradient (their

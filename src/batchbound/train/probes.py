@@ -11,13 +11,13 @@ the ranks and all-reduces, so every rank returns the same numbers. All probes lo
 model in eval mode (as ``evaluate`` and ``measure`` do), so L, its gradients and the
 per-example gradients are one deterministic function of w.
 
-- ``osg`` (seed 002's E[OSG]): with f_i the per-example losses over the whole training set,
+- ``osg`` ([slides]'s E[OSG]): with f_i the per-example losses over the whole training set,
   ``osg_mean`` = (1/n) Σ_i ‖∇f_i(w*)‖² and ``osg_sd`` = the standard deviation of
   ‖∇f_i(w*)‖² over the n examples (population, ddof = 0). One pass of the exact per-example
   machinery (``batchbound.diversity.PreparedStats``, the engine ``measure`` uses), in the
   run's dtype; the n squared norms are kept, so the deviation is a second, exact pass over
   them rather than a difference of sums.
-- ``linear_error`` (seed 003, Fig. 2 right): how far one step of the run's own update rule
+- ``linear_error`` ([inefficiency], Fig. 2 right): how far one step of the run's own update rule
   leaves the linear model of the loss. L = mean loss over the training set; for each of
   ``LINEAR_ERROR_BATCHES`` mini-batches of the run's final global batch size B (drawn by
   ``probe_batches`` from a generator seeded by ``config.seed``), g_m = ∇ of the batch's mean

@@ -8,7 +8,7 @@ learning rate η0 from the config:
 - ``lsr(base_batch=m0, warmup_epochs=W)``: η(m) = η0·m/m0 (linear scaling rule).
 - ``srsr(base_batch=m0, warmup_epochs=W)``: η(m) = η0·√(m/m0) (square-root scaling rule).
 
-Warm-up (Goyal et al., as used by seed 003 for LSR): for e < W the rate ramps linearly from
+Warm-up (Goyal et al., as used by [inefficiency] for LSR): for e < W the rate ramps linearly from
 η0 at e = 0 to the scaled rate at e = W, η = η0 + (η(m) − η0)·e/W; from e = W on it is η(m).
 Decay, applied on top, is either ``decay=step`` with ``milestones=[e1,e2,...]`` and
 ``gamma`` (multiply by gamma at each milestone epoch passed) or ``decay=cosine`` over

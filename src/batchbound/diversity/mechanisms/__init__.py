@@ -1,7 +1,7 @@
-"""Gradient diversity under seed 001's diversity-inducing mechanisms (DIMs).
+"""Gradient diversity under [diversity]'s diversity-inducing mechanisms (DIMs).
 
 A DIM replaces each example's gradient g_i by a random surrogate M(g_i), drawn independently
-per example. Seed 001 (§4.4) defines the diversity under a DIM as a ratio of *expectations*
+per example. [diversity] (§4.4) defines the diversity under a DIM as a ratio of *expectations*
 over the mechanism:
 
     Δ^DIM = Σ_i E‖M(g_i)‖² / E‖Σ_i M(g_i)‖²,        B^DIM = n·Δ^DIM.
@@ -14,9 +14,9 @@ E‖ΣM(g_i)‖² = Σ_i E‖M(g_i)‖² + Σ_{i≠j} ⟨E M(g_i), E M(g_j)⟩, 
 - ``dropconnect(p)``: a Bernoulli(1 − p) keep-mask, Δ = S / (S + (1−p)(T−S));
 - ``sgld(sigma)``: g + N(0, σ²I_d), Δ = (S + ndσ²) / (T + ndσ²);
 - ``quantization`` (alias ``quantize``; ``per_tensor=true`` for one vector per tensor):
-  seed 001's unbiased stochastic quantizer, Δ = R / (T − S + R), R = Σ_i ‖g_i‖₂‖g_i‖₁.
+  [diversity]'s unbiased stochastic quantizer, Δ = R / (T − S + R), R = Σ_i ‖g_i‖₂‖g_i‖₁.
 
-Theorem 7 (seed 001): each of these is ≥ Δ whenever B = nΔ ≤ n, i.e. T ≥ S.
+Theorem 7 ([diversity]): each of these is ≥ Δ whenever B = nΔ ≤ n, i.e. T ≥ S.
 
 Layout, like the per-layer rules (``batchbound.diversity.rules``): ``registry.py`` holds the
 spec (``Mechanism``, ``parse_mechanism``), the table ``MECHANISMS`` and the generic dispatch

@@ -38,7 +38,7 @@ def require_p(p: float) -> None:
 def dropconnect_diversity(S: float, T: float, p: float) -> float:
     """Δ under DropConnect with drop probability p: S / (S + (1−p)(T−S)).
 
-    The same for the unscaled mask D g (seed 001) and the rescaled D g/(1−p) of training."""
+    The same for the unscaled mask D g ([diversity]) and the rescaled D g/(1−p) of training."""
     require_p(p)
     return ratio(S, S + (1.0 - p) * (T - S))
 

@@ -1,4 +1,4 @@
-"""``quantization`` (alias ``quantize``): seed 001's stochastic quantizer
+"""``quantization`` (alias ``quantize``): [diversity]'s stochastic quantizer
 [Q(v)]_l = ‖v‖₂ sign(v_l) η_l with P(η_l = 1) = |v_l|/‖v‖₂.
 
 Q is unbiased and E‖Q(v)‖² = ‖v‖₂‖v‖₁, so with R = Σ_i ‖g_i‖₂‖g_i‖₁, Δ = R / (T − S + R).
@@ -28,7 +28,8 @@ def quantization_diversity(S: float, T: float, R: float) -> float:
 
 
 def quantize(v: Tensor, generator: torch.Generator | None = None, *, batch_dims: int = 0) -> Tensor:
-    """Seed 001's stochastic quantizer: [Q(v)]_l = ‖v‖₂ sign(v_l) η_l, η_l ~ Bernoulli(|v_l|/‖v‖₂).
+    """[diversity]'s stochastic quantizer: [Q(v)]_l = ‖v‖₂ sign(v_l) η_l, with
+    η_l ~ Bernoulli(|v_l|/‖v‖₂).
 
     Unbiased (E Q(v) = v), with E‖Q(v)‖² = ‖v‖₂‖v‖₁. The first ``batch_dims`` dimensions index
     independent vectors (``batch_dims=1`` on per-example gradients (n, ...) quantizes each

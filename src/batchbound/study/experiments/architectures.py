@@ -1,4 +1,4 @@
-"""Architectures compared on one data set (seed 003, "On the Computational Inefficiency of
+"""Architectures compared on one data set ([inefficiency], "On the Computational Inefficiency of
 Large Batch Sizes", Sec. 4.4 and Figure 3 left).
 
 The paper trains several architectures on CIFAR-10 and finds speedup curves of different

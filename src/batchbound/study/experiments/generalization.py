@@ -1,5 +1,5 @@
-"""Generalisation per batch size, measured at the final weights w* (seed 003, "On the
-Computational Inefficiency of Large Batch Sizes", Table 2 and Figure 2 right; seed 002's
+"""Generalisation per batch size, measured at the final weights w* ([inefficiency], "On the
+Computational Inefficiency of Large Batch Sizes", Table 2 and Figure 2 right; [slides]'s
 E[OSG], "Scaling-up SGD with mini-batches").
 
 Applies to a study whose runs recorded end-of-training probes (``final_probes`` in the

@@ -1,4 +1,4 @@
-"""Data replication (seed 001, "Gradient Diversity", Sec. 6 and Figure 2).
+"""Data replication ([diversity], "Gradient Diversity", Sec. 6 and Figure 2).
 
 ``replicate(r)`` keeps a random 1/r of the training set and repeats it r times: n stays the
 same while gradient diversity drops. The paper measures the harm of a large batch by the

@@ -1,4 +1,4 @@
-"""Algorithmic stability per batch size (seed 001, "Gradient Diversity", Sec. 6 and
+"""Algorithmic stability per batch size ([diversity], "Gradient Diversity", Sec. 6 and
 Figure 3).
 
 Two training sets differ in one example (``neighbour_pair`` side 0 and side 1); the same

@@ -1,4 +1,4 @@
-"""Deep linear networks on Gaussian data against seed 000's Theorem 3 ("The Effect of
+"""Deep linear networks on Gaussian data against [width]'s Theorem 3 ("The Effect of
 Network Width on the Performance of Large-batch Training", Sec. 4 and Figure 2).
 
 Theorem 3 bounds ρ = E[nΣ‖∇f_i‖²]/E‖Σ∇f_i‖², the expected batch-size bound n·Δ, from below

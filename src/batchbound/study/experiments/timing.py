@@ -1,4 +1,4 @@
-"""Wall-clock time to target with a diversity-inducing mechanism (seed 001, "Gradient
+"""Wall-clock time to target with a diversity-inducing mechanism ([diversity], "Gradient
 Diversity", Sec. 6 and Table 1).
 
 The paper runs plain mini-batch SGD and DropConnect on 2 workers, tunes (γ, B) per setting
