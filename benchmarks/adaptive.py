@@ -2,7 +2,7 @@
 
 On digits (fc, depth 2, ~4000 weights, lr 0.1 for every batch: strategy blr) to 95 % train
 accuracy, one worker: fixed B ∈ {16, 32, 64, 128, 256}, ``adaptive(delta=1,...)`` (B ≈ n·Δ̂,
-seed 002) and ``adaptive(pick=time,...)`` (least t(B)·(1 + B_noise/B), the advise model),
+[slides]) and ``adaptive(pick=time,...)`` (least t(B)·(1 + B_noise/B), the advise model),
 both re-deciding every 20 iterations between 16 and 512 from an exact Δ̂ whose cost counts
 in their seconds. Prints per policy the median over seeds of iterations, examples and
 seconds to the target, and each adaptive policy's ratio to the best fixed batch (the fixed
