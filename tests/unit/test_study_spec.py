@@ -205,3 +205,21 @@ def test_heatmap_rows_are_depth_only_when_depth_names_one_model():
     two = pd.DataFrame({"depth": [2, 2], "model_label": ["fc(...)", "lenet L=2 K=84"]})
     assert shape_axis(two, "depth") == "model_label"
     assert shape_axis(one.assign(depth=[1, None, 2]), "depth") == "model_label"
+
+
+def test_train_takes_any_trainconfig_field_as_an_override():
+    """[train] is a partial TrainConfig: a field the study does not own reaches every run
+    (and its key) only when set, TrainConfig checks it, and the grid's fields are refused."""
+    base = make_plan(study_from_dict(raw()))
+    plain = [r.key for r in base.tuning_runs()]
+    changed = make_plan(study_from_dict(raw(train__dtype="float64", train__eval_subset=100)))
+    runs = changed.tuning_runs()
+    assert all(r.fields["dtype"] == "float64" and r.fields["eval_subset"] == 100 for r in runs)
+    assert [r.key for r in runs] != plain  # a set override is part of the run's identity
+    assert "dtype" not in base.tuning_runs()[0].fields  # unset: stored keys stay as they were
+    with pytest.raises(BatchboundError, match=r"\[train\] batch_size: set by the study's grid"):
+        study_from_dict(raw(train__batch_size=32))
+    with pytest.raises(BatchboundError, match="dtype"):
+        study_from_dict(raw(train__dtype="float16"))
+    with pytest.raises(BatchboundError, match="unknown key"):
+        study_from_dict(raw(train__no_such_option=1))

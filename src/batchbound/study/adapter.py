@@ -56,6 +56,7 @@ def train_fields(spec: StudySpec, data: DataSpec, model: str, batch_size: int, l
         "checkpoint_every": None if train.checkpoint_every_epochs is None else max(
             1, round(train.checkpoint_every_epochs * data_n(data) / batch_size)),
         **{k: v for k, v in later.items() if v != defaults[k]},
+        **train.overrides,  # the spec's other TrainConfig fields, only those it sets
     }
 
 

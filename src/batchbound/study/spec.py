@@ -179,6 +179,8 @@ class TrainSpec:
     checkpoint_every_epochs: float | None = 1.0
     repeats: int = 2
     seed: int = 0
+    # any other TrainConfig field, passed to every run only when set (so stored keys stay)
+    overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_types("train", self)
@@ -219,7 +221,8 @@ class TrainSpec:
                             mechanism_granularity=self.mechanism_granularity,
                             workers=self.workers, batch_size=self.workers,
                             snapshot_every_epochs=self.snapshot_every_epochs,
-                            final_probes=self.final_probes, seed=self.seed)
+                            final_probes=self.final_probes, seed=self.seed,
+                            **self.overrides)
             except BatchboundError as exc:
                 raise BatchboundError(f"study spec [train]: {exc}") from None
 
@@ -368,6 +371,27 @@ def _data(entry: Any) -> DataSpec:
     raise _fail("data", "datasets", f"each entry is a spec string or a table, got {entry!r}")
 
 
+# TrainConfig fields a study sets per run from its grid, never from [train]
+GRID_FIELDS = {"dataset": "[data]", "transform": "[data]", "data_dir": "--data-dir",
+               "model": "[models]", "batch_size": "[batches]", "lr": "[lr]",
+               "strategy": "[lr] strategy", "mechanism": "[train] mechanisms",
+               "targets": "[train] targets"}
+
+
+def _train_overrides(table: dict[str, Any]) -> dict[str, Any]:
+    """[train]: TrainSpec's own keys, and any other TrainConfig field as an override that
+    TrainConfig itself validates (one schema); the grid's fields are refused here."""
+    own = {f for f in TrainSpec.__dataclass_fields__ if f != "overrides"}
+    config = set(TrainConfig.__dataclass_fields__)
+    for key in table:
+        if key in GRID_FIELDS and key not in own:
+            raise _fail("train", key, f"set by the study's grid ({GRID_FIELDS[key]}), not "
+                        "[train]")
+    _check_keys("train", table, own | (config - set(GRID_FIELDS)))
+    overrides = {k: table.pop(k) for k in list(table) if k not in own}
+    return {**table, **({"overrides": overrides} if overrides else {})}
+
+
 def study_from_dict(raw: dict[str, Any]) -> StudySpec:
     """Build and validate a StudySpec from the parsed TOML tables."""
     _check_keys("top level", raw, {"study", "data", "models", "batches", "lr", "train"})
@@ -387,8 +411,7 @@ def study_from_dict(raw: dict[str, Any]) -> StudySpec:
     lr = _table("lr", raw.get("lr", {}))
     _check_keys("lr", lr, {"strategy", "grid", "tuning", "tune_epochs", "tune_seeds", "tune_at",
                            "tune_data"})
-    train = _table("train", raw.get("train", {}))
-    _check_keys("train", train, {f for f in TrainSpec.__dataclass_fields__})
+    train = _train_overrides(_table("train", raw.get("train", {})))
     if "targets" in train:
         train["targets"] = _targets(train["targets"])
     for key in ("mechanisms", "final_probes"):
