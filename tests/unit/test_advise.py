@@ -186,3 +186,12 @@ def test_bad_cluster_files_are_named(tmp_path: Path, text: str, message: str) ->
     path.write_text(text)
     with pytest.raises(BatchboundError, match=message):
         load_cluster(path)
+
+
+def test_micro_batches_above_the_timed_maximum_are_extrapolated() -> None:
+    from batchbound.advise.timing import TIMED_MAX, ComputeCurve, micro_batch_sizes
+
+    assert micro_batch_sizes(12) == [1, 2, 4, 8, 12]
+    assert micro_batch_sizes(60000)[-1] == TIMED_MAX
+    curve = ComputeCurve((1024, 2048), (1.0, 2.0), (0.3, 0.6))
+    assert curve.step(60000) == pytest.approx(60000 / 1024)  # linear past the largest timed
