@@ -186,6 +186,7 @@ def _ddp_worker(rank: int, port: int, args: argparse.Namespace, out: str) -> Non
     if rank == 0:
         with open(out, "w") as f:
             json.dump(times, f)
+    steps.clear()  # the DDP models hold the group: gone before it is (docs/torchrun-abort.md)
     dist.destroy_process_group()
 
 
