@@ -218,3 +218,30 @@ def test_families_learn_real_digits(spec, digits_images):
         optimiser.step()
         losses.append(loss.item())
     assert losses[-1] < 0.9 * losses[0]
+
+
+def test_a_family_registered_with_a_sweep_kind_is_sweepable_without_other_edits():
+    """A family that names its sweep kind at registration is swept like the built-in ones
+    (models/sweep.py never names a family); the registry is restored afterwards."""
+    from batchbound.models import family_sweep, registry, sweepable_families
+    from batchbound.models.fc import fully_connected
+    from batchbound.models.layers import ModelShape, tag
+
+    @registry.register_family("toyfc", sweep="layers")
+    def toy(input_shape, num_outputs, depth=2, width=None, params=None, act="relu"):
+        model = fully_connected(input_shape, num_outputs, depth=depth, width=width,
+                                params=params, act=act)
+        shape = model.batchbound_shape
+        return tag(model, ModelShape("toyfc", shape.depth, shape.width,
+                                     "toy" + shape.resolved))
+
+    try:
+        assert "toyfc" in sweepable_families()
+        rows = family_sweep("toyfc", 4000, [1, 3], (64,), 10)
+        reference = family_sweep("fc", 4000, [1, 3], (64,), 10)
+        assert [(r.depth, r.width, r.params) for r in rows] == \
+            [(r.depth, r.width, r.params) for r in reference]
+        assert all(r.spec.startswith("toyfc(") for r in rows)
+    finally:
+        registry._FAMILIES.pop("toyfc", None)
+        registry._SWEEPS.pop("toyfc", None)

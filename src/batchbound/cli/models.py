@@ -12,13 +12,14 @@ from batchbound.cli.common import add_data_arguments, count
 from batchbound.errors import BatchboundError
 from batchbound.models import (
     block_sweep,
+    budget_counts_weights_only,
     describe_model,
     family_names,
     family_sweep,
     get_family,
     parse_depths,
+    sweepable_families,
 )
-from batchbound.models.sweep import SWEEP_FAMILIES
 from batchbound.spec import parse_spec
 
 
@@ -51,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "resnet instead varies blocks per chunk and solves the filter count. For cnn1d, depth "
         "is the number of convolutions.",
     )
-    family.add_argument("family", help=f"one of {', '.join(SWEEP_FAMILIES)}")
+    family.add_argument("family", help=f"one of {', '.join(sweepable_families())}")
     family.add_argument("--params", required=True, type=float,
                         help="the parameter budget P, e.g. 16000 or 2e6")
     family.add_argument("--depths", default="1-10",
@@ -149,7 +150,7 @@ def run_family(args: argparse.Namespace) -> int:
                           "rows": [row.to_dict() for row in rows]}, indent=2))
         return 0
     counted = "weights + biases" if args.count_biases else (
-        "weights" if args.family in ("fc", "linear") else "all parameters")
+        "weights" if budget_counts_weights_only(args.family) else "all parameters")
     print(f"{args.family} at {budget:,} parameters ({counted}); {source}: input "
           f"{'×'.join(map(str, shape))}, {outputs} outputs")
     header = f"{'depth':>5}  {'width':>7}  {'params':>12}  {'rel. error':>10}  spec"

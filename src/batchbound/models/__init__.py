@@ -23,12 +23,14 @@ from batchbound.models.describe import LayerRow, ModelDescription, describe_mode
 from batchbound.models.fc import budget_count, solve_width, weight_count
 from batchbound.models.layers import ModelShape
 from batchbound.models.registry import (
+    budget_counts_weights_only,
     build_model,
     check_fits,
     count_parameters,
     family_names,
     get_family,
     register_family,
+    sweepable_families,
 )
 from batchbound.models.sweep import ShapeRow, block_sweep, family_sweep, parse_depths
 
@@ -40,6 +42,7 @@ __all__ = [
     "alexnet",
     "block_sweep",
     "budget_count",
+    "budget_counts_weights_only",
     "build_model",
     "check_fits",
     "cnn1d",
@@ -58,6 +61,7 @@ __all__ = [
     "register_family",
     "resnet",
     "solve_width",
+    "sweepable_families",
     "vgg",
     "weight_count",
 ]

@@ -48,7 +48,7 @@ def _build(channels: int, length: int, flat: bool, num_outputs: int, width: int,
     return nn.Sequential(*layers)
 
 
-@register_family("cnn1d")
+@register_family("cnn1d", sweep="solved")
 def cnn1d(
     input_shape: Sequence[int],
     num_outputs: int,

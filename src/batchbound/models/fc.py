@@ -112,7 +112,7 @@ def _stack(d_in: int, width: int, depth: int, d_out: int, act: str, bias: bool) 
     return layers
 
 
-@register_family("fc")
+@register_family("fc", sweep="layers")
 def fully_connected(
     input_shape: Sequence[int],
     num_outputs: int,
@@ -154,7 +154,7 @@ def _linear_init(init: object, init_std: object) -> tuple[str, float | None]:
     return init, 1.0 if init_std is None else positive_float("linear", "init_std", init_std)
 
 
-@register_family("linear")
+@register_family("linear", sweep="layers")
 def deep_linear(
     input_shape: Sequence[int],
     num_outputs: int,

@@ -81,7 +81,7 @@ def _build(
     )
 
 
-@register_family("lenet")
+@register_family("lenet", sweep="head")
 def lenet(
     input_shape: Sequence[int],
     num_outputs: int,

@@ -2,7 +2,9 @@
 ``fc(depth=4,params=16000,act=relu)``.
 
 A family is a builder ``(input_shape, num_outputs, **kwargs) -> nn.Module``; register one
-with ``@register_family("name")``. Unknown keys and bad values raise BatchboundError.
+with ``@register_family("name")``, and with ``sweep=`` one of ``SWEEP_KINDS`` to make it
+sweepable over depth at a fixed parameter budget (``models/sweep.py``). Unknown keys and bad
+values raise BatchboundError.
 """
 
 from __future__ import annotations
@@ -21,13 +23,26 @@ from batchbound.spec import Spec, parse_spec
 
 Builder = Callable[..., nn.Module]
 _FAMILIES: dict[str, Builder] = {}
+# How a depth sweep at a fixed parameter budget sets the width (models/sweep.py):
+# "layers": ``depth`` hidden layers of one ``width``, solved from [width]'s weights-only
+#           equation (the budget counts weights);
+# "head":   the trunk as the options fix it and a hidden head of ``depth`` layers of one
+#           width, the one whose total parameter count is closest (the budget counts all);
+# "solved": the family takes ``depth`` and ``params`` and solves its own width.
+SWEEP_KINDS = ("layers", "head", "solved")
+_SWEEPS: dict[str, str] = {}
 
 
-def register_family(name: str) -> Callable[[Builder], Builder]:
+def register_family(name: str, sweep: str | None = None) -> Callable[[Builder], Builder]:
+    if sweep is not None and sweep not in SWEEP_KINDS:
+        raise ValueError(f"model family {name!r}: sweep {sweep!r} is not one of {SWEEP_KINDS}")
+
     def decorate(builder: Builder) -> Builder:
         if name in _FAMILIES:
             raise ValueError(f"model family {name!r} registered twice")
         _FAMILIES[name] = builder
+        if sweep is not None:
+            _SWEEPS[name] = sweep
         return builder
 
     return decorate
@@ -35,6 +50,23 @@ def register_family(name: str) -> Callable[[Builder], Builder]:
 
 def family_names() -> list[str]:
     return sorted(_FAMILIES)
+
+
+def sweepable_families() -> list[str]:
+    """The families a depth sweep at a fixed parameter budget can vary."""
+    return sorted(_SWEEPS)
+
+
+def sweep_kind(name: str) -> str | None:
+    """How a sweep sets ``name``'s width (one of SWEEP_KINDS), None when it cannot."""
+    get_family(name)
+    return _SWEEPS.get(name)
+
+
+def budget_counts_weights_only(name: str) -> bool:
+    """Whether a parameter budget of this family counts weights only ([width]'s fc budget)
+    rather than every parameter."""
+    return _SWEEPS.get(name) == "layers"
 
 
 def get_family(name: str) -> Builder:

@@ -101,7 +101,7 @@ def _build(
     return nn.Sequential(*layers)
 
 
-@register_family("resnet")
+@register_family("resnet", sweep="head")
 def resnet(
     input_shape: Sequence[int],
     num_outputs: int,

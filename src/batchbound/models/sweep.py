@@ -1,14 +1,15 @@
 """Shape tables at a fixed parameter budget: the width/depth grids [width]'s sweeps train.
 
 ``family_sweep`` returns one ``ShapeRow`` per depth, each with a concrete spec (no budget
-left to solve), the count the budget is compared with, and the relative error:
+left to solve), the count the budget is compared with, and the relative error. A family is
+sweepable when it registers how (``register_family(name, sweep=...)``):
 
-- ``fc`` / ``linear``: depth = hidden layers L, width K from [width]'s solver
+- ``layers`` (fc, linear): depth = hidden layers L, width K from [width]'s solver
   d_in·K + (L−1)·K² + K·d_out = p (biases too with ``count_biases``).
-- ``lenet`` / ``resnet``: the convolutional trunk stays as ``options`` fix it and the fully
+- ``head`` (lenet, resnet): the convolutional trunk stays as ``options`` fix it and the fully
   connected head varies ([width]'s Fig. 3e/3f): depth = hidden head layers L, width = their
   common width K, the integer whose *total* parameter count is closest to p.
-- ``cnn1d``: depth = convolutions, width = channels solved for the total count.
+- ``solved`` (cnn1d): the family takes depth and params and solves its width for the total.
 
 ``block_sweep`` is the other ResNet sweep ([width]'s Fig. 3g/3h): the head stays fixed, the
 blocks per chunk change, and the filter count is solved for the budget.
@@ -16,6 +17,7 @@ blocks per chunk change, and the filter count is solved for the budget.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -33,10 +35,20 @@ from batchbound.models.options import (
     meta_parameter_count,
     parameter_budget,
 )
-from batchbound.models.registry import build_model, count_parameters, get_family
+from batchbound.models.registry import (
+    build_model,
+    count_parameters,
+    family_names,
+    get_family,
+    sweep_kind,
+    sweepable_families,
+)
 from batchbound.spec import Spec
 
-SWEEP_FAMILIES = ("fc", "linear", "lenet", "resnet", "cnn1d")
+# the options each kind of sweep sets itself
+SWEPT_OPTIONS = {"layers": {"depth", "width", "params", "count_biases"},
+                 "head": {"params", "head"},
+                 "solved": {"depth", "width", "params", "count_biases"}}
 
 
 @dataclass(frozen=True)
@@ -81,43 +93,50 @@ def family_sweep(
     count_biases: bool = False,
 ) -> list[ShapeRow]:
     """One row per depth: the width that meets ``params`` and the concrete spec."""
-    if family not in SWEEP_FAMILIES:
-        get_family(family)  # an unknown name gets the registry's error with the full list
-        raise BatchboundError(
-            f"no depth sweep for family {family!r}; sweeps exist for {', '.join(SWEEP_FAMILIES)}"
-        )
+    kind = sweep_kind(family)  # an unknown name gets the registry's error with the full list
+    if kind is None:
+        raise BatchboundError(f"no depth sweep for family {family!r}; sweeps exist for "
+                              f"{', '.join(sweepable_families())}")
     budget = parameter_budget(family, params)
-    if count_biases and family != "fc":
+    if count_biases and not _has_option(family, "count_biases"):
+        takers = [name for name in family_names() if _has_option(name, "count_biases")]
         raise BatchboundError(
-            f"count_biases applies to fc only: {family} budgets "
-            + ("have no biases" if family == "linear" else "count every parameter")
-        )
+            f"count_biases applies to {', '.join(takers)} only: {family} budgets "
+            + ("count weights, and it has no biases" if kind == "layers"
+               else "count every parameter"))
     depth_list = int_list(family, "depths", list(depths), minimum=0, maximum=MAX_LAYERS)
     options = dict(options or {})
-    fixed = {"params", "head"} if family in ("lenet", "resnet") else {
-        "depth", "width", "params", "count_biases"}
-    clash = sorted(fixed & set(options))
+    clash = sorted(SWEPT_OPTIONS[kind] & set(options))
     if clash:
         raise BatchboundError(
             f"{family} sweep: {', '.join(clash)} are set by the sweep, not by options"
         )
-    rows = []
-    for depth in depth_list:
-        if family in ("fc", "linear"):
-            rows.append(_fc_row(family, budget, depth, input_shape, num_outputs, options,
-                                count_biases))
-        elif family == "cnn1d":
-            model = _skeleton(Spec("cnn1d", {**options, "depth": depth, "params": budget}),
-                              input_shape, num_outputs)
-            shape = model.batchbound_shape
-            total = count_parameters(model)
-            rows.append(ShapeRow(depth, shape.width, total, total, budget, shape.resolved))
-        else:
-            rows.append(_head_row(family, budget, depth, input_shape, num_outputs, options))
-    return rows
+    row = {"layers": _layers_row, "head": _head_row, "solved": _solved_row}[kind]
+    return [row(family, budget, depth, input_shape, num_outputs, options, count_biases)
+            for depth in depth_list]
 
 
-def _fc_row(
+def _has_option(family: str, option: str) -> bool:
+    return option in inspect.signature(get_family(family)).parameters
+
+
+def _solved_row(
+    family: str,
+    budget: int,
+    depth: int,
+    input_shape: Sequence[int],
+    num_outputs: int,
+    options: dict[str, Any],
+    count_biases: bool,
+) -> ShapeRow:
+    model = _skeleton(Spec(family, {**options, "depth": depth, "params": budget}),
+                      input_shape, num_outputs)
+    shape = model.batchbound_shape
+    total = count_parameters(model)
+    return ShapeRow(depth, shape.width, total, total, budget, shape.resolved)
+
+
+def _layers_row(
     family: str,
     budget: int,
     depth: int,
@@ -127,7 +146,7 @@ def _fc_row(
     count_biases: bool,
 ) -> ShapeRow:
     d_in = math.prod(input_shape)
-    with_biases = count_biases and family == "fc" and options.get("bias", True) is True
+    with_biases = count_biases and options.get("bias", True) is True
     width = solve_width(budget, d_in, depth, num_outputs, with_biases) if depth else 0
     spec = Spec(family, {"depth": depth, **({"width": width} if depth else {}), **options})
     model = _skeleton(spec, input_shape, num_outputs)  # validates the options too
@@ -143,6 +162,7 @@ def _head_row(
     input_shape: Sequence[int],
     num_outputs: int,
     options: dict[str, Any],
+    count_biases: bool,
 ) -> ShapeRow:
     def spec(width: int) -> Spec:
         return Spec(family, {**options, "head": [width] * depth})

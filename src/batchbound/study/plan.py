@@ -109,7 +109,7 @@ MAX_BUDGET_ERROR = 0.1
 def model_shapes(spec: StudySpec, info: DataInfo) -> list[ModelShape]:
     """The explicit specs, or the family sweep solved for width at each depth. Every spec is
     built once on the meta device here, so a bad one fails the plan, not every run."""
-    from batchbound.models import describe_model, family_sweep
+    from batchbound.models import budget_counts_weights_only, describe_model, family_sweep
 
     models = spec.models
     if models.specs:
@@ -117,9 +117,9 @@ def model_shapes(spec: StudySpec, info: DataInfo) -> list[ModelShape]:
         for text in models.specs:
             described = describe_model(text, info.input_shape, info.d_out)
             # fc/linear budgets count weights only ([width]); other families count everything
-            fc_like = described.family in ("fc", "linear")
+            weights_only = budget_counts_weights_only(described.family)
             shapes.append(ModelShape(text, described.depth, described.width or None,
-                                     described.weights if fc_like else described.params,
+                                     described.weights if weights_only else described.params,
                                      described.family))
         return _distinct_labels(shapes)
     rows = family_sweep(models.family, int(models.params), models.depths, info.input_shape,
