@@ -115,7 +115,7 @@ class BatchPolicy:
         batch as the critical batch rises; here B_noise, McCandlish et al.'s estimate of it,
         read conservatively, and a fraction of it so that the examples a step spends stay
         within 1 + fraction of the fewest, E(B) = E_min·(1 + B/B_noise)). The trainer's
-        estimate is an average over about the last 100 steps (``loop.WARM_DECAY``)."""
+        estimate is an average over about the last 100 steps (``callbacks.WARM_DECAY``)."""
         if not math.isfinite(noise):
             return batch
         doubled = 2 * batch

@@ -4,10 +4,10 @@
     while no limit reached:
         train_step        data → compute → communication (all-reduce) → step
         divergence check  non-finite or > divergence_factor × initial loss: status diverged
-        snapshot          every snapshot_every_epochs: the flat weights, kept (rank 0)
         evaluate          every eval_every_* ; record targets reached
-        measure_diversity every diversity_every_epochs (exact Δ across ranks)
-        adapt_batch_size  every k iterations with batch_policy adaptive(...)
+        callbacks         train/callbacks.py: snapshots every snapshot_every_epochs, the
+                          exact Δ every diversity_every_epochs, the batch policy every k
+                          iterations (adaptive(...), warmup(...))
         checkpoint        every checkpoint_every iterations, and on SIGTERM/SIGINT
     final evaluation; final_probes at w* (train/probes.py) when the run is complete
 
@@ -35,9 +35,9 @@ from batchbound import kernels
 from batchbound.data import BatchSampler, Dataset, apply_transform, load_dataset
 from batchbound.diversity import PreparedStats, measure
 from batchbound.diversity.losses import resolve_loss
-from batchbound.diversity.online import OnlineDiversity
 from batchbound.errors import BatchboundError, NonFiniteLossError
 from batchbound.models import build_model
+from batchbound.train.callbacks import EPS, Callback, Snapshots, callbacks_for, next_due
 from batchbound.train.checkpoint import StopFlag, load_checkpoint, save_checkpoint
 from batchbound.train.config import TrainConfig
 from batchbound.train.distributed import (
@@ -55,17 +55,6 @@ from batchbound.train.progress import Progress
 from batchbound.train.result import RunResult, TargetResult
 from batchbound.train.stall import collective_fault
 from batchbound.train.timing import PhaseTimer, median_seconds
-
-WARM_DECAY = 0.99  # warmup's estimate: an average over about the last 100 steps
-_EPS = 1e-9  # epoch comparisons: samples_seen / n is exact, but sums of fractions are not
-
-
-def _next_due(due: float, epoch: float, every: float) -> float:
-    """The first of due, due + every, due + 2·every, ... past ``epoch``, computed, not
-    stepped to: a cadence far below one step (1e-12 epochs) cannot spin the loop."""
-    if due > epoch + _EPS:
-        return due
-    return due + every * (math.floor((epoch + _EPS - due) / every) + 1)
 
 
 def train_in_group(
@@ -215,17 +204,9 @@ class Trainer:
         self.batch_size = config.batch_size
         self.lr = math.nan
         self.lr_factor = 1.0  # batch-size warmup's changes to the rate
-        # warmup decides from a longer average than the monitor's (about 20 steps), which is
-        # too noisy to act on when B_noise ≫ B
-        estimator = self.monitor.estimator
-        self.warm = (OnlineDiversity(self.n, decay=WARM_DECAY, sampling=estimator.sampling)
-                     if self.policy.warmup and estimator is not None else None)
         self.initial_loss: float | None = None
         self.last_batch_loss = math.nan
         self.next_eval_epoch = config.eval_every_epochs or math.inf
-        self.next_diversity_epoch = config.diversity_every_epochs or math.inf
-        self.next_snapshot_epoch = config.snapshot_every_epochs or math.inf
-        self.snapshots: list[tuple[int, float, np.ndarray]] = []  # (iteration, epoch, weights)
         self.last_eval_iteration = -1
         self.metrics: dict[str, float] = {}
         self.curves: list[tuple[int, float, float, str, float]] = []
@@ -234,6 +215,7 @@ class Trainer:
         self._step_cost: Callable[[int], float] | None = None  # pick=time's t(B), timed once
         self.probe_values: dict[str, float] = {}  # final_probes' results (not checkpointed:
         self.probe_seconds: dict[str, float] = {}  # they run once the training has ended)
+        self.callbacks: list[Callback] = callbacks_for(self)
 
     # ---------------------------------------------------------------- the loop
     def run(self, resume: bool = False) -> RunResult:
@@ -244,10 +226,8 @@ class Trainer:
             else:
                 self.evaluate_step()
                 self.record("batch_size", self.batch_size)
-                if self.config.diversity_every_epochs:
-                    self.measure_diversity()  # Δ at initialisation: where the bound starts
-                if self.config.snapshot_every_epochs:
-                    self.snapshot_step()  # w at epoch 0
+            for callback in self.callbacks:
+                callback.on_train_start(self)
             while not self.limit_reached():
                 flags = self.train_step(stop.requested, self.time_exceeded())
                 if self.diverged():
@@ -290,16 +270,12 @@ class Trainer:
 
     def after_step(self) -> bool:
         """The cadenced steps after an iteration; True once every target is reached."""
-        if self.snapshot_due():
-            self.snapshot_step()
         if self.eval_due():
             self.evaluate_step()
             if self.all_targets_reached():
                 return True
-        if self.diversity_due():
-            self.measure_diversity()
-        if self.adapt_due():
-            self.adapt_batch_size()
+        for callback in self.callbacks:
+            callback.on_train_batch_end(self)
         if self.checkpoint_due():
             self.checkpoint_step()
         return False
@@ -344,11 +320,8 @@ class Trainer:
         self.record("batch_loss", self.last_batch_loss)
         if self.monitor.active:
             t0 = time.perf_counter()
-            steps = self.monitor.estimator.steps
             for metric, value in self.monitor.update(grads, scale, extras_sum[3:], batch).items():
                 self.record(metric, value)
-            if self.warm is not None and self.monitor.estimator.steps > steps:
-                self.warm.update(*self.monitor.estimator.last)
             timer.totals["monitor"] += time.perf_counter() - t0
             if self.policy.adaptive and self.policy.source == "online":  # the policy's input
                 self.train_seconds += time.perf_counter() - t0
@@ -473,8 +446,8 @@ class Trainer:
                 target.seconds = self.train_seconds
         self.last_eval_iteration = self.iteration
         if cfg.eval_every_iterations is None:
-            self.next_eval_epoch = _next_due(self.next_eval_epoch, self.sampler.epoch,
-                                             cfg.eval_every_epochs)  # type: ignore[arg-type]
+            self.next_eval_epoch = next_due(self.next_eval_epoch, self.sampler.epoch,
+                                            cfg.eval_every_epochs)  # type: ignore[arg-type]
         self.timer.totals.setdefault("eval", 0.0)
         self.timer.totals["eval"] += time.perf_counter() - started
 
@@ -486,23 +459,15 @@ class Trainer:
         report = measure(self.model, (x, y), self.loss_fn, chunk_size=256)
         self.record("diversity", report.diversity)
         self.record("batch_bound", report.batch_bound)
-        every = self.config.diversity_every_epochs
-        if every:
-            self.next_diversity_epoch = _next_due(self.next_diversity_epoch,
-                                                  self.sampler.epoch, every)
         self.timer.totals.setdefault("diversity", 0.0)
         self.timer.totals["diversity"] += time.perf_counter() - started
         return float(report.diversity)
 
-    def snapshot_step(self) -> None:
-        """Keep the flat trainable parameters (float32, on the CPU) at this iteration. Rank 0
-        only: every rank holds the same weights, and rank 0's result is the one kept."""
-        if self.ctx.is_main and (not self.snapshots or self.snapshots[-1][0] != self.iteration):
-            self.snapshots.append((self.iteration, self.sampler.epoch, self.flat_weights()))
-        every = self.config.snapshot_every_epochs
-        if every:
-            self.next_snapshot_epoch = _next_due(self.next_snapshot_epoch, self.sampler.epoch,
-                                                 every)
+    @property
+    def snapshots(self) -> list[tuple[int, float, np.ndarray]]:
+        """(iteration, epoch, weights) kept so far by the Snapshots callback (rank 0)."""
+        kept = [c for c in self.callbacks if isinstance(c, Snapshots)]
+        return kept[0].kept if kept else []
 
     def flat_weights(self) -> np.ndarray:
         """The trainable parameters in ``model.parameters()`` order, one float32 vector."""
@@ -535,63 +500,18 @@ class Trainer:
             note = f"final probes failed: {type(exc).__name__}: {exc}"
             self.message = f"{self.message}; {note}" if self.message else note
 
-    def adapt_batch_size(self) -> None:
-        """B = clip(⌊δ·n·Δ̂⌋ + 1, min, max), or with pick=time the B of least time per unit
-        of progress; Δ̂ from the online monitor or an exact measure. The seconds this takes
-        are the policy's own, so they count as training time."""
-        started = time.perf_counter()
-        if self.policy.warmup:
-            self.warm_batch_size()
-            self.train_seconds += time.perf_counter() - started
-            return
-        if self.policy.source == "online":
-            diversity = self.monitor.diversity_estimate()
-        else:
-            diversity = self.measure_diversity()
-        if self.policy.pick == "time":
-            new = self.policy.time_optimal(self.n, diversity, self.ctx.world_size,
-                                           self.step_cost())
-        else:
-            new = self.policy.batch_size(self.n, diversity)
-        new = max(min(new, self.n), self.ctx.world_size)
-        self.train_seconds += time.perf_counter() - started
+    def set_batch_size(self, new: int) -> None:
+        """The global batch from the next step on (a batch policy's decision), recorded."""
         if new != self.batch_size:
             self.batch_size = new
             self.record("batch_size", new)
 
-    def warm_batch_size(self) -> None:
-        """Batch-size warmup (adaptive.py): double B when the online B_noise allows, and
-        change the rate by the policy's rule. The estimate is global (the monitor's sums
-        ride the gradient all-reduce), so every rank decides the same."""
-        warm = self.warm
-        assert warm is not None  # TrainConfig gives warmup an online estimate
-        noise, se = warm.noise_scale, warm.batch_bound_se
-        self.record("warmup_noise_scale", noise)
-        self.record("warmup_noise_scale_se", se)
-        new = min(self.policy.warmed(self.batch_size, noise, se), self.n)
-        if new != self.batch_size:
-            self.lr_factor *= self.policy.lr_change(self.batch_size, new, noise)
-            self.batch_size = new
-            self.record("batch_size", new)
-            self.warm = OnlineDiversity(self.n, decay=WARM_DECAY, sampling=warm.sampling)
-
-    @property
-    def warm_state(self) -> dict[str, Any]:
-        """The warmup's estimate, as plain values for the checkpoint."""
-        return self.warm.state_dict() if self.warm is not None else {}
-
-    @warm_state.setter
-    def warm_state(self, state: dict[str, Any]) -> None:
-        if self.warm is not None and state:
-            self.warm.load_state_dict(state)
-
-    def step_cost(self) -> Callable[[int], float]:
+    def step_cost(self, candidates: list[int]) -> Callable[[int], float]:
         """t(B): seconds of one iteration at global batch B, for the policy's candidates: this
         machine's step at ⌈B/P⌉ examples, timed once, plus the all-reduce as this run has
         measured it so far; averaged over ranks so that every rank picks the same B."""
         if self._step_cost is None:
             workers = self.ctx.world_size
-            candidates = self.policy.candidates(workers)
             micro = [math.ceil(b / workers) for b in candidates]
             sizes = sorted(set(micro))
             with torch.random.fork_rng(devices=[]):  # the throwaway model reseeds torch
@@ -624,7 +544,7 @@ class Trainer:
         if cfg.max_iterations is not None and self.iteration >= cfg.max_iterations:
             self.message = self.message or f"max_iterations={cfg.max_iterations} reached"
             return True
-        if cfg.max_epochs is not None and self.sampler.epoch >= cfg.max_epochs - _EPS:
+        if cfg.max_epochs is not None and self.sampler.epoch >= cfg.max_epochs - EPS:
             self.message = self.message or f"max_epochs={cfg.max_epochs:g} reached"
             return True
         return False
@@ -637,16 +557,7 @@ class Trainer:
         every = self.config.eval_every_iterations
         if every is not None:
             return self.iteration % every == 0
-        return self.sampler.epoch + _EPS >= self.next_eval_epoch
-
-    def diversity_due(self) -> bool:
-        return self.sampler.epoch + _EPS >= self.next_diversity_epoch
-
-    def snapshot_due(self) -> bool:
-        return self.sampler.epoch + _EPS >= self.next_snapshot_epoch
-
-    def adapt_due(self) -> bool:
-        return self.policy.adaptive and self.iteration % self.policy.every == 0
+        return self.sampler.epoch + EPS >= self.next_eval_epoch
 
     def checkpoint_due(self) -> bool:
         every = self.config.checkpoint_every
@@ -718,19 +629,22 @@ class Trainer:
         "batch_size",
         "lr",
         "lr_factor",
-        "warm_state",
         "initial_loss",
         "last_batch_loss",
         "next_eval_epoch",
-        "next_diversity_epoch",
-        "next_snapshot_epoch",
-        "snapshots",
         "last_eval_iteration",
         "metrics",
         "curves",
         "status",
         "message",
     )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run state a checkpoint keeps: the trainer's and every callback's."""
+        state = {name: getattr(self, name) for name in self._STATE}
+        for callback in self.callbacks:
+            state.update(callback.state_dict())
+        return state
 
     def checkpoint_step(self) -> None:
         if self.checkpoint_path is None:
@@ -753,7 +667,7 @@ class Trainer:
                     "monitor": self.monitor.state_dict(),
                     "timer": self.timer.state_dict(),
                     "targets": [t.to_dict() for t in self.targets],
-                    "state": {name: getattr(self, name) for name in self._STATE},
+                    "state": self.state_dict(),
                 },
             )
         self.timer.totals.setdefault("checkpoint", 0.0)
@@ -781,8 +695,8 @@ class Trainer:
             for name in self._STATE:  # only the run state's names, whatever the file holds
                 if name in saved["state"]:  # one added later keeps its fresh value
                     setattr(self, name, saved["state"][name])
-            # saved as tensors (a checkpoint holds no numpy); the trainer keeps numpy arrays
-            self.snapshots = [(i, e, w.numpy()) for i, e, w in self.snapshots]
+            for callback in self.callbacks:
+                callback.load_state_dict(saved["state"])
             set_rng_state(saved["rng"])
         except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
             reason = " ".join(str(exc).split())[:200]
@@ -790,6 +704,4 @@ class Trainer:
                 f"checkpoint {self.checkpoint_path} does not fit this run "
                 f"({type(exc).__name__}: {reason})"
             ) from None
-        if not self.ctx.is_main:
-            self.snapshots = []  # rank 0 keeps them (snapshot_step)
         self.status, self.message = "complete", ""
