@@ -195,3 +195,40 @@ def test_micro_batches_above_the_timed_maximum_are_extrapolated() -> None:
     assert micro_batch_sizes(60000)[-1] == TIMED_MAX
     curve = ComputeCurve((1024, 2048), (1.0, 2.0), (0.3, 0.6))
     assert curve.step(60000) == pytest.approx(60000 / 1024)  # linear past the largest timed
+
+
+def test_timing_is_flagged_by_other_processes_not_by_its_own_work() -> None:
+    """OtherWork counts the CPU another process takes while timing, and not what this
+    process or a child it waited for used (the 1-minute load average counts both)."""
+    import subprocess
+    import sys
+    import time
+
+    from batchbound.advise.timing import OtherWork, busy_reason
+
+    def spin(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+
+    own = OtherWork()
+    if not own.known:
+        pytest.skip("no /proc/stat here")
+    with own:  # this process and a child it waits for, both busy
+        subprocess.run([sys.executable, "-c", "import time\nend = time.monotonic() + 0.6\n"
+                        "while time.monotonic() < end: pass"], check=True)
+        spin(0.6)
+    assert own.cores is not None and own.cores < 0.5
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        other = OtherWork()
+        with other:
+            spin(1.0)
+    finally:
+        hog.kill()
+        hog.wait()
+    assert other.cores is not None and other.cores > 0.3  # a whole core on ≥ 2 cores
+    assert "cores busy while timing" in busy_reason(max(other.cores, 0.6), 1.0, 1.0)
+    assert busy_reason(0.1, 1.0, 1.1) is None
+    assert "timed 1e+03 ms, then 2e+03 ms" in busy_reason(0.1, 1.0, 2.0)

@@ -38,9 +38,9 @@ from batchbound.advise.timing import (
     OVERLAPS,
     Cluster,
     ComputeCurve,
+    OtherWork,
     busy_reason,
     load_cluster,
-    load_per_core,
     micro_batch_sizes,
     time_allreduce,
     time_compute,
@@ -191,9 +191,10 @@ def advise(
     micro_limit = min(n, spec.max_micro_batch if spec and spec.max_micro_batch else n)
     counts = worker_counts(limit)
     payload = _payload(config, data_set, parts)
-    load = load_per_core()
-    curves, communication = _timings(config, data_set, spec, counts, micro_limit, payload, None,
-                                     log, parts)
+    others = OtherWork()
+    with others:
+        curves, communication = _timings(config, data_set, spec, counts, micro_limit, payload,
+                                         None, log, parts)
     log(_pilot_plan(config, planned, pilot_steps, curves[1], estimator))
     run = run_pilot(config, data_set, device_, iterations=pilot_steps, estimator=estimator,
                     exact_every_epochs=diversity_every_epochs, parts=parts, progress=progress)
@@ -201,7 +202,7 @@ def advise(
     path = extrapolate(run.segments, run.iterations, horizon, config.batch_size, config.lr)
     log(f"pilot: {run.iterations} iterations; B_noise {run.segments[0].noise:.4g} at the "
         f"start, {run.segments[-1].noise:.4g} at its end; κ = B_noise·L = {path.kappa:.3g}")
-    busy = _timing_check(config, data_set, curves.get(1), load, parts, spec)
+    busy = _timing_check(config, data_set, curves.get(1), others, parts, spec)
     rows = _prediction_rows(config, path, strategy, counts, n, micro_limit, curves,
                             communication, overlap, busy)
     best = [r for r in rows if r.best]
@@ -297,15 +298,15 @@ def _pilot_plan(config: TrainConfig, planned: int | None, steps: int | None,
 
 
 def _timing_check(config: TrainConfig, data: Dataset, curve: ComputeCurve | None,
-                  load: float | None, parts: Parts | None, spec: Cluster | None) -> str | None:
-    """Whether the step timing can be trusted: the step at B0 timed again after the pilot."""
+                  others: OtherWork, parts: Parts | None, spec: Cluster | None) -> str | None:
+    """Whether the step timing can be trusted: what other processes took while timing, and
+    the step at B0 timed again after the pilot."""
     if (spec is not None and spec.examples_per_second) or curve is None:
         return None
     size = min(config.batch_size, data.n_train)
-    retimed = time_compute(config, data, [size], os.cpu_count() or 1, parts=parts).step(size)
-    after = load_per_core()
-    loads = [x for x in (load, after) if x is not None]
-    return busy_reason(max(loads) if loads else None, curve.step(size), retimed)
+    with others:
+        retimed = time_compute(config, data, [size], os.cpu_count() or 1, parts=parts).step(size)
+    return busy_reason(others.cores, curve.step(size), retimed)
 
 
 def _lr(config: TrainConfig, strategy: str, pilot: Pilot, batch: int) -> float:
@@ -382,11 +383,11 @@ def advise_from_study(
     counts = worker_counts(limit)
     payload = _payload(config, data)
     log(f"{source.study}, {source.model}: k(B) measured at B = {list(measured.batches)}")
-    load = load_per_core()
-    curves, communication = _timings(config, data, spec, counts, micro_limit, payload,
-                                     source.step, log)
-    loads = [x for x in (load, load_per_core()) if x is not None]
-    busy = busy_reason(max(loads) if loads else None, 1.0, 1.0) if spec is None else None
+    others = OtherWork()
+    with others:
+        curves, communication = _timings(config, data, spec, counts, micro_limit, payload,
+                                         source.step, log)
+    busy = busy_reason(others.cores, 1.0, 1.0) if spec is None else None
     rows = _rows(counts, source.n, micro_limit, curves, communication, overlap, measured.at,
                  measured.lr)
     recommended, stop = finish(rows)

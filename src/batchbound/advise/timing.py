@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,23 +218,69 @@ def time_workers(config: TrainConfig, workers: int, sizes: Sequence[int], thread
     return curve, statistics.median(r["communication"] for r in rows)
 
 
-def busy_reason(load_per_core: float | None, timed: float, retimed: float) -> str | None:
-    """Why this machine's step timing cannot be trusted, or None: other work loading the
-    cores (the 1-minute load average above one per core), or the same step timed twice
-    (before and after the pilot) disagreeing by more than 25 %."""
+OTHER_CORES_LIMIT = 0.5  # other work using half a core on average while timing: flagged
+
+
+class OtherWork:
+    """The CPU other processes take while a block runs (``with others: ...``, summed over
+    every block): the busy time /proc/stat counts, steal included (a virtual machine's host
+    taking its cores), less this process's own and its finished children's. The 1-minute
+    load average cannot tell: it counts the timing's own threads and the minute before."""
+
+    def __init__(self) -> None:
+        self.cpu_seconds, self.wall_seconds = 0.0, 0.0
+        self.known = _machine_busy_seconds() is not None
+        self._start: tuple[float, float, float] | None = None
+
+    def __enter__(self) -> OtherWork:
+        self._start = _snapshot()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._start is not None
+        wall, busy, own = _snapshot()
+        self.wall_seconds += wall - self._start[0]
+        self.cpu_seconds += max(0.0, (busy - self._start[1]) - (own - self._start[2]))
+
+    @property
+    def cores(self) -> float | None:
+        """Cores other processes kept busy on average, None where the system does not say."""
+        if not self.known or self.wall_seconds <= 0:
+            return None
+        return self.cpu_seconds / self.wall_seconds
+
+
+def _machine_busy_seconds() -> float | None:
+    """CPU seconds all processes have used since boot (user, nice, system, irq, softirq,
+    steal of /proc/stat's first line), None without /proc/stat."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        ticks = [int(v) for v in fields[1:9]]
+    except (OSError, ValueError, IndexError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _snapshot() -> tuple[float, float, float]:
+    """(wall clock, the machine's busy CPU seconds, this process's and its children's)."""
+    import resource
+
+    own = sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+    return time.monotonic(), _machine_busy_seconds() or 0.0, own
+
+
+def busy_reason(other_cores: float | None, timed: float, retimed: float) -> str | None:
+    """Why this machine's step timing cannot be trusted, or None: other processes keeping
+    more than OTHER_CORES_LIMIT of a core busy while timing (``OtherWork``), or the same
+    step timed twice (before and after the pilot) disagreeing by more than 25 %."""
     reasons = []
-    if load_per_core is not None and load_per_core > 1.0:
-        reasons.append(f"the load average was {load_per_core:.2f} per core while timing")
+    if other_cores is not None and other_cores > OTHER_CORES_LIMIT:
+        reasons.append(f"other processes kept {other_cores:.2g} of the {os.cpu_count() or 1} "
+                       "cores busy while timing")
     ratio = retimed / timed if timed > 0 else math.nan
     if not 0.8 <= ratio <= 1.25:
         reasons.append(f"the step at B0 timed {timed * 1e3:.3g} ms, then {retimed * 1e3:.3g} "
                        "ms after the pilot")
     return "; ".join(reasons) or None
-
-
-def load_per_core() -> float | None:
-    """The 1-minute load average per core (None where the system does not say)."""
-    try:
-        return os.getloadavg()[0] / (os.cpu_count() or 1)
-    except (AttributeError, OSError):
-        return None
