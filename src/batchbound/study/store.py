@@ -224,7 +224,10 @@ class Store:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         db.execute("PRAGMA foreign_keys=ON")
-        db.executescript(SCHEMA)  # idempotent: every statement is IF NOT EXISTS
+        # idempotent (IF NOT EXISTS, OR IGNORE) and one transaction: a reader never sees the
+        # tables of a store being created without its schema version
+        db.executescript(f"BEGIN IMMEDIATE;{SCHEMA}INSERT OR IGNORE INTO meta VALUES "
+                         f"('schema', '{SCHEMA_VERSION}');COMMIT;")
         return db
 
     def _refuse_foreign(self, db: sqlite3.Connection) -> None:
