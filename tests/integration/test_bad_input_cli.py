@@ -788,3 +788,21 @@ def test_workers_are_checked_against_available_memory(monkeypatch, capsys) -> No
     available = launch.available_memory_bytes()
     assert available is not None and 0 < available <= os.sysconf("SC_PAGE_SIZE") * os.sysconf(
         "SC_PHYS_PAGES")
+
+
+def test_a_reader_that_stops_early_is_no_traceback() -> None:
+    """`batchbound study plan PRESET | head`: the pipe closes before the plan is written; the
+    command ends quietly with 141, as a process ended by SIGPIPE (it used to print a
+    BrokenPipeError traceback)."""
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    try:
+        out = subprocess.run([sys.executable, "-m", "batchbound", "study", "plan",
+                              "width-depth-digits"], stdout=write, stderr=subprocess.PIPE,
+                             text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert out.returncode == 141 and "Traceback" not in out.stderr, out.stderr
