@@ -99,7 +99,11 @@ def replication(a: Any) -> Section | None:
               f"diversity should widen the gap between the large batch B = {large} and the "
               f"small batch B = {small}. The loss ratio is the median over seeds of each "
               f"seed's ratio after the same number of passes (both runs share the seed); "
-              f"the gap is the ratio of the median epochs to {target}."),
+              f"the gap is the ratio of the median epochs to {target}. At fixed weights n·Δ "
+              f"of an r-replicated set equals m·Δ over its m = n/r distinct examples, which "
+              f"stays near 1 + B_noise while m is well above B_noise: replication lowers "
+              f"the diversity only once n/r comes down towards n·Δ, and the manipulation "
+              f"check says whether it did."),
         tables=[("Per replication factor r", table)],
         figures=[("replication_loss_ratio", f"Training loss at B = {large} over B = {small} "
                   "against passes, per replication factor r [diversity, Figure 2]. Above 1: "
