@@ -157,6 +157,9 @@ def test_stability_distances_from_the_snapshots(tmp_path):
     assert expected > 0
     draws = b.sections[0].data["distance"][16]
     assert draws[0] == pytest.approx(np.mean([expected, _last_distance(b, 16, 1)]))
+    # the spread's unit is the pair: 2 seeds, 4 runs per batch size
+    assert b.sections[0].data["spread_pairs"][16] == 2
+    assert b.sections[0].data["runs"][16] == 4
     assert "<section id='stability'>" in paths.html.read_text()
 
 

@@ -20,7 +20,12 @@ from batchbound.study.claims import (
     Context,
     evaluate,
 )
-from batchbound.study.evidence import Evidence, permutation_p, rank_correlation
+from batchbound.study.evidence import (
+    Evidence,
+    bootstrap_units,
+    permutation_p,
+    rank_correlation,
+)
 
 BATCHES = [16, 32, 64, 128, 256, 512, 1024]
 
@@ -169,3 +174,19 @@ def test_critical_batch_flags_outside_grid_and_one_run():
     fit = A.critical_batch(pd.DataFrame(rows), bootstrap=10).iloc[0]
     assert fit["outside"] == "above" and fit["one_run"]
     assert fit["low"] == fit["high"]  # one run per batch: no spread, and flagged as such
+
+
+def test_a_unit_bootstrap_resamples_whole_pairs():
+    # the two runs of a stability pair are one unit: a draw takes both or neither, so the
+    # spread's interval rests on the pairs (2 here), never on the runs (4)
+    pairs = [np.array([0.80, 0.80]), np.array([0.90, 0.90])]
+
+    def sd(v: np.ndarray) -> float:
+        return float(np.std(v, ddof=1))
+
+    draws = bootstrap_units(pairs, sd, draws=200)
+    assert draws[0] == pytest.approx(sd(np.array([0.8, 0.8, 0.9, 0.9])))
+    # a draw of one pair twice has no spread at all; one of each pair has the full one
+    assert set(np.round(draws[1:], 12)) <= {0.0, round(draws[0], 12)}
+    assert (draws[1:] == 0).any()
+    assert math.isnan(bootstrap_units([], sd)[0])

@@ -29,9 +29,9 @@ CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;
 color:#222}table{border-collapse:collapse;font-size:13px;margin:1em 0}td,th{border:1px solid
 #ccc;padding:3px 7px;text-align:right}th{background:#f2f2f2}figure{margin:1.5em 0}
 figcaption{font-size:13px;color:#555}.supported{color:#176317}.not{color:#a31515}
-.inconclusive{color:#8a6d00}.untestable{color:#777}#answer{background:#f4f8fc;border:1px solid
-#c9dbee;padding:0.5em 1.2em 1em;border-radius:6px}.failed{background:#fdecea;border:1px solid
-#e6a29c;padding:0.6em 1em}table.glossary td{text-align:left}
+.inconclusive{color:#8a6d00}.untestable{color:#777}#answer{overflow-x:auto;background:#f4f8fc;
+border:1px solid #c9dbee;padding:0.5em 1.2em 1em;border-radius:6px}.failed{background:#fdecea;
+border:1px solid #e6a29c;padding:0.6em 1em}table.glossary td{text-align:left}
 table.glossary th{text-align:left;white-space:nowrap}.differs{color:#7a4b00}
 pre{background:#f7f7f7;padding:1em;font-size:12px;white-space:pre-wrap;word-break:break-all}"""
 

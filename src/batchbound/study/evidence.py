@@ -52,21 +52,24 @@ def _medians(values: np.ndarray, draws: int, rng: np.random.Generator) -> np.nda
     return np.concatenate([[np.median(values)], np.median(values[picks], axis=1)])
 
 
-def bootstrap(values: np.ndarray, statistic: Callable[[np.ndarray], float] = np.mean,
-              draws: int = DRAWS, rng: np.random.Generator | None = None) -> np.ndarray:
-    """``statistic`` of ``values`` (row 0) and of each bootstrap draw of them (NaN when
-    empty): the same resampling as the cells', for a quantity measured once per run."""
+def bootstrap_units(units: list[np.ndarray],
+                    statistic: Callable[[np.ndarray], float] = np.mean, draws: int = DRAWS,
+                    rng: np.random.Generator | None = None) -> np.ndarray:
+    """``statistic`` of the pooled values (row 0) and of each bootstrap draw (NaN when empty),
+    for values that come in dependent groups (the two runs of a pair): each draw resamples
+    whole units, so the interval rests on the number of units, not of values."""
     rng = rng if rng is not None else np.random.default_rng(0)
-    values = np.asarray(values, float)
-    if not len(values):
+    units = [np.asarray(u, float) for u in units if len(u)]
+    if not units:
         return np.full(draws + 1, math.nan)
-    picks = rng.integers(0, len(values), size=(draws, len(values)))
-    return np.array([statistic(values), *[statistic(values[p]) for p in picks]])
+    picks = rng.integers(0, len(units), size=(draws, len(units)))
+    return np.array([statistic(np.concatenate(units)),
+                     *[statistic(np.concatenate([units[i] for i in p])) for p in picks]])
 
 
 def means(values: np.ndarray, draws: int = DRAWS, rng: np.random.Generator | None = None
           ) -> np.ndarray:
-    """``bootstrap`` of the mean, vectorised."""
+    """The mean (row 0) and its value in each bootstrap draw of the values, vectorised."""
     rng = rng if rng is not None else np.random.default_rng(0)
     values = np.asarray(values, float)
     if not len(values):

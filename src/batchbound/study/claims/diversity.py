@@ -142,4 +142,4 @@ def larger_batch_wider_test_spread(context: Context) -> Finding:
     data = context.sections["stability"].data
     found = against_batch(context, SOURCE, claim, data["spread"], +1, "test-accuracy sd")
     return replace(found, differs=settings.stability(context.spec),
-                   n=seeds_per_cell(list(data["runs"].values()), "runs", "per B"))
+                   n=seeds_per_cell(list(data["spread_pairs"].values()), "pairs", "per B"))

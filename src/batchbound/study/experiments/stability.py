@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from batchbound.study.evidence import bootstrap, means
+from batchbound.study.evidence import bootstrap_units, means
 from batchbound.study.experiments.frames import finals, transform_of
 from batchbound.study.experiments.registry import Section, register_experiment
 
@@ -76,9 +76,11 @@ def stability(a: Any) -> Section | None:
     curve = distances.groupby(["batch_size", "epoch"], as_index=False)["distance"].median()
     draws = {int(b): means(part["distance"].to_numpy(float))
              for b, part in last.reset_index().groupby("batch_size")}
-    spread = {int(b): bootstrap(part["final_test_acc"].dropna().to_numpy(float),
-                                lambda v: float(np.std(v, ddof=1)) if len(v) > 1 else np.nan)
-              for b, part in cells}
+    # the two runs of a pair share seed, weights and batch order: the pair is the unit
+    spread = {int(b): bootstrap_units(
+        [pair["final_test_acc"].dropna().to_numpy(float) for _, pair in part.groupby("seed")],
+        lambda v: float(np.std(v, ddof=1)) if len(v) > 1 else np.nan)
+        for b, part in cells}
 
     def draw(fig: Any) -> None:
         fig.set_size_inches(11, 4.6)  # two panels
@@ -103,12 +105,13 @@ def stability(a: Any) -> Section | None:
               "seed (same changed example, initial weights and batch order) and the same step "
               "size; the distance is √(‖w−w'‖²/(‖w‖²+‖w'‖²)) between their weights after "
               "each pass. The test accuracy spread is over every run at that batch size "
-              "(both sides, every seed)."),
+              "(both sides, every seed); its interval resamples pairs, the independent unit."),
         tables=[("Per batch size: distance at the end and spread of test accuracy", table)],
         figures=[("stability", "Normalised distance between the models trained on "
                   "neighbouring data sets against passes, per B (left) and the final test "
                   "accuracy of every run per B (right) [diversity, Figure 3].", draw)],
         data={"distance": draws, "spread": spread,
               "pairs": {int(b): len(part) for b, part in last.reset_index().groupby("batch_size")},
-              "runs": {int(b): len(part) for b, part in cells}},
+              "runs": {int(b): len(part) for b, part in cells},
+              "spread_pairs": {int(b): part["seed"].nunique() for b, part in cells}},
     )
