@@ -119,6 +119,27 @@ def test_answer_marks_grid_edges_and_interpolated_advice():
     assert "Collapsed runs" in collapsed and "2 of 21" in collapsed
 
 
+def test_a_target_reached_by_the_first_evaluation_is_marked():
+    # evaluated every 0.25 epochs: a run that records 0.26 crossed the target somewhere in
+    # (0, 0.26]; one that records 0.51 was seen unreached at 0.25
+    config = '{"eval_every_epochs": 0.25}'
+    runs = pd.DataFrame({"key": ["a", "b", "c"], "role": "final", "model_label": "m",
+                         "batch_size": [16, 16, 64], "seed": [0, 1, 0], "lr": 0.1,
+                         "status": "complete", "config_json": config})
+    targets = pd.DataFrame({"key": ["a", "b", "c"], "name": "t", "reached": 1,
+                            "epoch": [0.26, 0.51, 0.26], "iteration": [10, 20, 3]})
+    per_run = A.per_run_to_target(runs, targets)
+    assert list(per_run["first_eval"]) == [True, False, True]
+    assert list(A.summarize_to_target(per_run)["first_eval"]) == [1, 1]
+    early = answer(first=16.0, linear=64.0, first_eval=(16.0, 64.0))
+    text = sentence(early, "t")
+    assert "at the first evaluation at B = 16, 64" in text and "not measured" in text
+    table = answer_table([early])
+    assert table["first reached"].iloc[0] == "16 (at the first evaluation)"
+    assert table["near-linear up to"].iloc[0] == "64 (at the first evaluation)"
+    assert "first evaluation" not in sentence(answer(), "t")
+
+
 def test_workers_table_marks_a_batch_and_step_size_no_run_used(monkeypatch):
     import batchbound.advise.workers as advise_workers
 

@@ -156,7 +156,9 @@ def _trained(runs: pd.DataFrame) -> pd.Series:
 def per_run_to_target(runs: pd.DataFrame, targets: pd.DataFrame,
                       target: str | None = None) -> pd.DataFrame:
     """One row per final run: its labels, ``reached``, ``epochs`` and ``iterations`` to
-    ``target`` (the first target when None), +∞ when not reached."""
+    ``target`` (the first target when None), +∞ when not reached, and ``first_eval``: reached
+    by the run's first evaluation, so the true epochs may be anything below the recorded
+    ones."""
     final = finals(runs)
     if target is None:
         names = targets[targets["key"].isin(final["key"])]["name"]
@@ -171,7 +173,19 @@ def per_run_to_target(runs: pd.DataFrame, targets: pd.DataFrame,
     out["iterations"] = np.where(reached, out["iteration"], np.inf).astype(float)
     out["ran_iterations"] = [_ran_iterations(f) for f in out.get("final_json", [None] * len(out))]
     out["target"] = target
+    spacing = np.array([_eval_every(c) for c in out.get("config_json", [None] * len(out))])
+    out["first_eval"] = reached.to_numpy() & (out["epochs"].to_numpy() < 2 * spacing)
     return out.drop(columns=["epoch", "iteration"])
+
+
+def _eval_every(config_json: object) -> float:
+    """A run's evaluation spacing in epochs (NaN when it evaluates by iterations or its config
+    does not say): a target is seen only at an evaluation, so one reached before the second
+    evaluation was reached somewhere in (0, first evaluation]."""
+    if not isinstance(config_json, str):
+        return math.nan
+    value = json.loads(config_json).get("eval_every_epochs")
+    return float(value) if isinstance(value, (int, float)) else math.nan
 
 
 def _ran_iterations(final_json: object) -> float:
@@ -207,6 +221,7 @@ def summarize_to_target(per_run: pd.DataFrame, value: str = "epochs") -> pd.Data
             "censored": int((~np.isfinite(values) & ~dead).sum()),
             "diverged": int(frame["diverged"].sum()) if "diverged" in frame else 0,
             "collapsed": int(frame["collapsed"].sum()) if "collapsed" in frame else 0,
+            "first_eval": int(frame["first_eval"].sum()) if "first_eval" in frame else 0,
             "median": float(np.median(values)),
             "mean_reached": float(finite.mean()) if len(finite) else math.nan,
             "std_reached": float(finite.std(ddof=1)) if len(finite) > 1 else math.nan,

@@ -43,6 +43,9 @@ GLOSSARY = (
      "every fit", ""),
     ("at the grid edge", "a result at the smallest or largest batch tried, or a tuned η at "
      "the top or bottom of its grid: the true value may lie beyond the grid", ""),
+    ("at the first evaluation", "a batch whose runs (most of them) reached the target by "
+     "their first evaluation: the target was crossed somewhere before it, so its epochs are "
+     "an upper bound and a speedup from it is not measured (evaluate more often)", ""),
     ("degenerate", "a B_crit fit outside the grid by more than ×2, or whose 95 % interval "
      "spans more than two orders of magnitude: it identifies no critical batch size", ""),
     ("interpolated", "a recommended batch or step size that no run of the study used: read "
@@ -53,6 +56,7 @@ GLOSSARY = (
 
 
 EDGE = "at the grid edge"
+FIRST_EVAL = "at the first evaluation"
 INTERPOLATED = "interpolated"
 
 
@@ -78,6 +82,7 @@ class Answer:
     interpolated: bool  # no run used the recommended (B, η)
     diverged: str  # "k of n"
     collapsed: str  # "k of n"
+    first_eval: tuple[float, ...] = ()  # batches whose runs reached the target at once
 
     def edge(self, value: float) -> str:
         """"smallest"/"largest" when ``value`` is at that end of the grid."""
@@ -132,8 +137,16 @@ def answers(a: Any, workers: pd.DataFrame | None) -> list[Answer]:
             seconds=pick(rec, "s to target"),
             interpolated=rec is not None and INTERPOLATED in str(rec.get("note", "")),
             diverged=f"{int(frame['diverged'].sum())} of {len(frame)}",
-            collapsed=f"{collapsed} of {len(frame)}"))
+            collapsed=f"{collapsed} of {len(frame)}", first_eval=_at_first_eval(frame)))
     return out
+
+
+def _at_first_eval(frame: pd.DataFrame) -> tuple[float, ...]:
+    """The batches where most runs reached the target by their first evaluation."""
+    if "first_eval" not in frame:
+        return ()
+    share = frame.groupby("batch_size")["first_eval"].mean()
+    return tuple(float(b) for b, s in share.items() if s > 0.5)
 
 
 def _num(value: float) -> str:
@@ -145,13 +158,17 @@ def _edged(value: float, edge: str) -> str:
     return f"{_num(value)} ({EDGE})" if edge and math.isfinite(value) else _num(value)
 
 
+def _early(r: Answer, batch: float, text: str) -> str:
+    return f"{text} ({FIRST_EVAL})" if batch in r.first_eval else text
+
+
 def answer_table(rows: list[Answer]) -> pd.DataFrame:
     """The answers as the report's table: one row per model, marks written beside the
     numbers they qualify; a degenerate B_crit is shown as such, never as a number alone."""
     return pd.DataFrame([{
         "model": r.model,
-        "first reached": _num(r.first),
-        "near-linear up to": _edged(r.linear, r.linear_edge()),
+        "first reached": _early(r, r.first, _num(r.first)),
+        "near-linear up to": _early(r, r.linear, _edged(r.linear, r.linear_edge())),
         "stagnant from": _edged(r.stagnant, r.edge(r.stagnant)),
         "B_crit": f"degenerate ({_num(r.b_crit)}: {r.degenerate})" if r.degenerate
         else _num(r.b_crit),
@@ -212,6 +229,11 @@ def sentence(r: Answer, target: str) -> str:
                 if r.edge(r.first) == "smallest" else "")
         parts.append(f"to {target}, no doubling past B = {_num(r.first)} (the smallest batch "
                      f"that reaches it) is near-linear{edge}")
+    if r.first_eval:
+        batches = ", ".join(_num(b) for b in r.first_eval)
+        parts.append(f" ({FIRST_EVAL} at B = {batches}: the target was crossed before the "
+                     "first evaluation, so these epochs are upper bounds and the speedup "
+                     "between them is not measured)")
     if math.isfinite(r.stagnant) and r.edge(r.stagnant) == "smallest":
         parts.append(f"; it is stagnant from the smallest batch tried ({EDGE})")
     if r.degenerate:

@@ -17,6 +17,17 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 PLAIN = FuncFormatter(lambda value, _: f"{value:g}")
 
+
+def _one_two_five(value: float, _: object) -> str:
+    """A minor log tick's label only at 2 and 5 times a power of ten: every minor tick
+    labelled overprints its neighbours."""
+    if value <= 0:
+        return ""
+    return f"{value:g}" if round(value / 10 ** math.floor(math.log10(value))) in (2, 5) else ""
+
+
+MINOR = FuncFormatter(_one_two_five)
+
 from batchbound.study.analysis import display_names, model_keys  # noqa: E402
 
 
@@ -112,7 +123,7 @@ def epochs_heatmap(ax: Axes, summary: pd.DataFrame, rows: str = "depth",
     ax.set_title(f"{title} (median over runs)")
     bar = ax.figure.colorbar(image, ax=ax, label="epochs (log scale)")
     bar.ax.yaxis.set_major_formatter(PLAIN)
-    bar.ax.yaxis.set_minor_formatter(PLAIN)
+    bar.ax.yaxis.set_minor_formatter(MINOR)
 
 
 def _segments(frame: pd.DataFrame, column: str) -> list[pd.DataFrame]:
@@ -161,7 +172,7 @@ def epochs_vs_batch(ax: Axes, summary: pd.DataFrame, budget: float | None = None
     log2_batch_axis(ax, summary["batch_size"].unique())
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(PLAIN)
-    ax.yaxis.set_minor_formatter(PLAIN)
+    ax.yaxis.set_minor_formatter(MINOR)
     ax.set_ylabel("epochs to target (log)")
     ax.set_title("epochs to target against batch size")
     ax.legend(fontsize=7)

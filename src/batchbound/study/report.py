@@ -413,7 +413,9 @@ def document(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, Pa
              *[D.Figure(*f) for f in figure_paths if f[0] not in in_sections],
              D.Heading(2, "Tables"),
              D.Heading(3, "Epochs to target per model and B (η: the tuned step size; censored: "
-                       "stopped short of the target; diverged and collapsed: left out of fits)"),
+                       "stopped short of the target; diverged and collapsed: left out of fits; "
+                       "first_eval: reached by the first evaluation, so the true epochs lie "
+                       "lower)"),
              D.Table(epochs),
              D.Heading(3, "Speedup"), D.Table(a.speedups),
              D.Heading(3, "Regimes"), D.Table(a.regimes),
