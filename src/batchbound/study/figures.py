@@ -52,8 +52,9 @@ def figures(a: Any) -> list[Figure]:
                 lambda fig: P.epochs_vs_batch(fig.add_subplot(), a.epochs, max_epochs)))
     if len(a.speedups):
         out.append(("speedup", f"Speedup s(m; m0) in iterations to {target}, with the linear "
-                    "ideal [inefficiency, Figure 2]; red ✕ at the bottom: every run at that "
-                    "batch diverged.",
+                    "ideal [inefficiency, Figure 2]; red ✕ at the bottom: the median run missed "
+                    "the target and some runs at that batch diverged (the heatmap counts "
+                    "them).",
                     lambda fig: P.speedup_curves(fig.add_subplot(), a.speedups,
                                                  "speedup to the target")))
     if len(a.loss_speedups):

@@ -181,7 +181,7 @@ def epochs_vs_batch(ax: Axes, summary: pd.DataFrame, budget: float | None = None
 
 def speedup_curves(ax: Axes, speedups: pd.DataFrame, title: str = "speedup") -> None:
     """s(m; m0) per model with the linear ideal m/m0 (dashed); no line across a batch size
-    that missed; a red ✕ on the bottom edge where every run diverged."""
+    that missed; a red ✕ on the bottom edge where the median missed and some runs diverged."""
     bottom = ax.get_xaxis_transform()
     for i, (label, part) in enumerate(_groups(speedups)):
         for j, segment in enumerate(_segments(part, "speedup")):
