@@ -159,7 +159,8 @@ def test_stability_distances_from_the_snapshots(tmp_path):
     assert draws[0] == pytest.approx(np.mean([expected, _last_distance(b, 16, 1)]))
     # the spread's unit is the pair: 2 seeds, 4 runs per batch size
     assert b.sections[0].data["spread_pairs"][16] == 2
-    assert b.sections[0].data["runs"][16] == 4
+    table = b.sections[0].tables[0][1]
+    assert int(table.loc[table["batch_size"] == 16, "runs"].iloc[0]) == 4
     assert "<section id='stability'>" in paths.html.read_text()
 
 

@@ -17,6 +17,8 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 PLAIN = FuncFormatter(lambda value, _: f"{value:g}")
 
+from batchbound.study.analysis import display_names, model_keys  # noqa: E402
+
 
 def _one_two_five(value: float, _: object) -> str:
     """A minor log tick's label only at 2 and 5 times a power of ten: every minor tick
@@ -27,8 +29,6 @@ def _one_two_five(value: float, _: object) -> str:
 
 
 MINOR = FuncFormatter(_one_two_five)
-
-from batchbound.study.analysis import display_names, model_keys  # noqa: E402
 
 
 def _groups(frame: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:

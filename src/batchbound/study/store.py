@@ -241,12 +241,9 @@ class Store:
     def _check_schema(self) -> None:
         if self.readonly:
             self._refuse_foreign(self.db)
+        # a writable store got its version when _connect created or opened it
         row = self.db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
-        if row is None and not self.readonly:
-            with self.transaction():
-                self.db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)",
-                                (str(SCHEMA_VERSION),))
-        elif row is None or row[0] != str(SCHEMA_VERSION):
+        if row is None or row[0] != str(SCHEMA_VERSION):
             found = "no schema" if row is None else f"schema {row[0]!r}"
             raise BatchboundError(f"store {self.path} has {found}; this batchbound reads "
                                   f"schema {SCHEMA_VERSION}")

@@ -112,6 +112,5 @@ def stability(a: Any) -> Section | None:
                   "accuracy of every run per B (right) [diversity, Figure 3].", draw)],
         data={"distance": draws, "spread": spread,
               "pairs": {int(b): len(part) for b, part in last.reset_index().groupby("batch_size")},
-              "runs": {int(b): len(part) for b, part in cells},
               "spread_pairs": {int(b): part["seed"].nunique() for b, part in cells}},
     )
