@@ -115,3 +115,16 @@ def test_replace_finals_unlinks_a_stale_choice(store):
     seed1 = {**LABELS, "seed": 1}
     store.replace_finals("demo", [("k3", {"lr": 0.1}, seed1)])
     assert sorted(store.frames("demo")["runs"]["key"]) == ["k2", "k3"]
+
+
+def test_labels_come_back_in_the_spec_order_not_string_order(tmp_path):
+    data = ["digits", "digits | replicate(r=8)", "digits | replicate(r=64)",
+            "digits | replicate(r=512)"]
+    with Store(tmp_path / "s.sqlite") as s:
+        s.register_study("demo", {"name": "demo"})
+        s.register_runs("demo", [(f"k{i}", "final", {"lr": 0.1}, {**LABELS, "data": d})
+                                 for i, d in enumerate(data)])
+        runs = s.frames("demo")["runs"]
+    assert [name for name, _ in runs.groupby("data")] == data
+    assert list(runs.sort_values("data")["data"]) == data
+    assert list(runs.astype({"data": str})["data"].sort_values()) != data  # as strings

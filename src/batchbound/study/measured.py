@@ -151,7 +151,7 @@ def advice_inputs(frames: dict[str, Any], study: str
     strategies = final["strategy"] if "strategy" in final else pd.Series([None] * len(final))
     several = strategies.nunique() > 1
     out: list[tuple[str, dict[str, Any] | str]] = []
-    for name, strategy in sorted(set(zip(names, strategies, strict=True)), key=str):
+    for name, strategy in dict.fromkeys(zip(names, strategies, strict=True)):  # spec order
         label = f"{name} · {strategy}" if several else name
         try:
             out.append((label, advice_input(frames, study, name,

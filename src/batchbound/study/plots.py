@@ -4,6 +4,7 @@ creates a figure; batch-size axes are log2. Inputs are the analysis tables."""
 from __future__ import annotations
 
 import math
+import textwrap
 
 import matplotlib
 
@@ -29,6 +30,16 @@ def _one_two_five(value: float, _: object) -> str:
 
 
 MINOR = FuncFormatter(_one_two_five)
+
+
+def wrapped_title(ax: Axes, text: str) -> None:
+    """The title broken into lines that fit the axes' width: a long data label
+    (``fashion-mnist | neighbour_pair(side=0)``) on one line runs off the figure."""
+    size = plt.rcParams["axes.titlesize"]
+    points = ax.get_position().width * ax.figure.get_figwidth() * 72
+    chars = max(20, int(points / (0.55 * matplotlib.font_manager.FontProperties(
+        size=size).get_size_in_points())))
+    ax.set_title(textwrap.fill(text, chars))
 
 
 def _groups(frame: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
@@ -120,8 +131,8 @@ def epochs_heatmap(ax: Axes, summary: pd.DataFrame, rows: str = "depth",
     ax.set_yticks(range(len(table.index)), [str(i) for i in table.index])
     ax.set_xlabel("batch size B")
     ax.set_ylabel(label if key == rows else "model")
-    ax.set_title(f"{title} (median over runs)")
     bar = ax.figure.colorbar(image, ax=ax, label="epochs (log scale)")
+    wrapped_title(ax, f"{title} (median over runs)")  # after the colour bar took its width
     bar.ax.yaxis.set_major_formatter(PLAIN)
     bar.ax.yaxis.set_minor_formatter(MINOR)
 
@@ -232,7 +243,7 @@ def loss_contour(ax: Axes, surface: pd.DataFrame, title: str = "",
     log2_batch_axis(ax, batches)
     ax.set_yscale("log")
     ax.set_ylabel("iterations (log)")
-    ax.set_title(title or "training loss over (B, iterations)")
+    wrapped_title(ax, title or "training loss over (B, iterations)")
 
 
 def delta_vs_shape(ax: Axes, along: pd.DataFrame, summary: pd.DataFrame,

@@ -39,6 +39,7 @@ LABELS = ("data", "model", "model_label", "depth", "width", "params", "batch_siz
           "seed", "mechanism", "strategy", "n_train")
 # Curve metrics that are gradient-diversity measurements go to their own table.
 DIVERSITY_PREFIXES = ("diversity", "batch_bound", "online_")
+SPEC_ORDERED = ("data", "model", "model_label", "mechanism", "strategy")  # text labels
 
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -381,13 +382,19 @@ class Store:
         return json.loads(row[0])
 
     def frames(self, study: str) -> dict[str, pd.DataFrame]:
-        """The study's tables as DataFrames: runs (labels + status), targets, curves, ...;
-        ``snapshots`` lists (key, epoch, numel) without the weights (``snapshots(keys)``)."""
+        """The study's tables as DataFrames: runs (labels + status; the SPEC_ORDERED labels
+        ordered as the spec lists them), targets, curves, ...; ``snapshots`` lists (key,
+        epoch, numel) without the weights (``snapshots(keys)``)."""
         self.study_spec(study)
         runs = pd.read_sql_query(
             "SELECT s.*, r.status, r.attempts, r.wall_seconds, r.final_json, r.config_json "
             "FROM study_runs s JOIN runs r USING (key) WHERE s.study=? ORDER BY s.rowid",
             self.db, params=(study,))
+        for column in SPEC_ORDERED:
+            # in the order the plan wrote them (the spec's), so every table and figure lists
+            # r = 8, 64, 512 or L = 2, 10 as the spec does, not as strings sort
+            runs[column] = pd.Categorical(runs[column], categories=list(
+                dict.fromkeys(runs[column].dropna())), ordered=True)
         frames = {"runs": runs}
         for table in ("targets", "curves", "diversity", "timings"):
             frames[table] = pd.read_sql_query(
