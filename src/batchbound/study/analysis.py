@@ -73,6 +73,8 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import minimize_scalar
 
+from batchbound.train.cadence import first_evaluations
+
 MODEL_KEYS = ("data", "strategy", "mechanism", "model_label")
 SHAPE_COLUMNS = ("depth", "width", "params")
 
@@ -173,19 +175,26 @@ def per_run_to_target(runs: pd.DataFrame, targets: pd.DataFrame,
     out["iterations"] = np.where(reached, out["iteration"], np.inf).astype(float)
     out["ran_iterations"] = [_ran_iterations(f) for f in out.get("final_json", [None] * len(out))]
     out["target"] = target
-    spacing = np.array([_eval_every(c) for c in out.get("config_json", [None] * len(out))])
-    out["first_eval"] = reached.to_numpy() & (out["epochs"].to_numpy() < 2 * spacing)
+    sizes = out["n_train"] if "n_train" in out else pd.Series(math.nan, out.index)
+    second = np.array([_second_evaluation(c, n) for c, n in zip(
+        out.get("config_json", [None] * len(out)), sizes, strict=True)])
+    out["first_eval"] = reached.to_numpy() & (out["epochs"].to_numpy() < second - 1e-9)
     return out.drop(columns=["epoch", "iteration"])
 
 
-def _eval_every(config_json: object) -> float:
-    """A run's evaluation spacing in epochs (NaN when it evaluates by iterations or its config
-    does not say): a target is seen only at an evaluation, so one reached before the second
-    evaluation was reached somewhere in (0, first evaluation]."""
+def _second_evaluation(config_json: object, n_train: object) -> float:
+    """The epoch of a run's second evaluation (NaN when it evaluates by iterations or its
+    config does not say): a target is seen only at an evaluation, so one reached before the
+    second was reached somewhere in (0, first evaluation]."""
     if not isinstance(config_json, str):
         return math.nan
-    value = json.loads(config_json).get("eval_every_epochs")
-    return float(value) if isinstance(value, (int, float)) else math.nan
+    config = json.loads(config_json)
+    every, growth = config.get("eval_every_epochs"), config.get("eval_growth")
+    if not isinstance(every, (int, float)) or config.get("eval_every_iterations") is not None:
+        return math.nan
+    n = float(n_train) if isinstance(n_train, (int, float)) else math.nan
+    step = float(config.get("batch_size", 0)) / n if n > 0 else 0.0
+    return first_evaluations(float(every), growth, step)[1]
 
 
 def _ran_iterations(final_json: object) -> float:

@@ -16,6 +16,7 @@ smallest batch size and the strategy (blr/lsr/srsr) carries it to the others. Wi
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -270,7 +271,9 @@ def estimate_seconds(run: PlannedRun) -> float:
     examples = run.epochs * run.n_train
     weights = run.model.params or 10_000
     steps = examples / run.batch_size
-    evals = run.epochs / float(run.fields.get("eval_every_epochs") or 1.0)
+    first, growth = float(run.fields.get("eval_every_epochs") or 1.0), run.fields.get("eval_growth")
+    evals = min(steps, run.epochs / first if growth is None else
+                1 + math.log(max(run.epochs / first, 1.0), float(growth)))
     every = run.fields.get("diversity_every_epochs")
     measurements = 1 + run.epochs / float(every) if every else 0.0  # one at initialisation
     return (examples * 6 * weights / FLOPS_PER_SECOND + steps * SECONDS_PER_STEP

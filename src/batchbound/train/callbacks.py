@@ -16,7 +16,6 @@ those checkpoints resume.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -24,22 +23,12 @@ import numpy as np
 
 from batchbound.diversity.online import OnlineDiversity
 from batchbound.train.adaptive import BatchPolicy
+from batchbound.train.cadence import EPS, next_due
 
 if TYPE_CHECKING:
     from batchbound.train.loop import Trainer
 
 WARM_DECAY = 0.99  # warmup's estimate: an average over about the last 100 steps
-EPS = 1e-9  # epoch comparisons: samples_seen / n is exact, but sums of fractions are not
-
-
-def next_due(due: float, epoch: float, every: float) -> float:
-    """The first of due, due + every, due + 2·every, ... past ``epoch``, computed, not
-    stepped to: a cadence far below one step (1e-12 epochs) cannot spin the loop."""
-    if due > epoch + EPS:
-        return due
-    return due + every * (math.floor((epoch + EPS - due) / every) + 1)
-
-
 class Callback:
     """The hooks, each doing nothing; a callback overrides what it needs."""
 

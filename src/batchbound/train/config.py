@@ -34,7 +34,7 @@ NOT_HASHED = ("data_dir",)
 # Fields added after stores keyed runs by config_hash(): hashed only when they differ from
 # their default, so a config that leaves them alone keeps the key it had before they existed
 # (and finds its stored runs and checkpoints). A new field goes here, not into the hash.
-HASHED_WHEN_SET = ("snapshot_every_epochs", "final_probes", "micro_batch")
+HASHED_WHEN_SET = ("snapshot_every_epochs", "final_probes", "micro_batch", "eval_growth")
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,10 @@ class TrainConfig:
         10.0, "stopping", "diverged when the batch loss exceeds this × the initial loss")
     # evaluation
     eval_every_epochs: float | None = option(0.5, "evaluation", "evaluate every k epochs")
+    eval_growth: float | None = option(
+        None, "evaluation", "evaluate at k, k·q, k·q², ... epochs (k: --eval-every-epochs), "
+        "not every k: epochs to a target then carry the same relative resolution (q − 1) at "
+        "every batch size, for far fewer evaluations", metavar="Q")
     eval_every_iterations: int | None = option(
         None, "evaluation", "evaluate every k iterations (replaces --eval-every-epochs)")
     eval_subset: int | None = option(None, "evaluation",
@@ -226,6 +230,14 @@ class TrainConfig:
             )
         if self.eval_every_epochs is None and self.eval_every_iterations is None:
             raise BatchboundError("set eval_every_epochs or eval_every_iterations")
+        if self.eval_growth is not None:
+            if not (math.isfinite(self.eval_growth) and self.eval_growth > 1):
+                raise BatchboundError(f"eval_growth must be > 1 (or unset), got "
+                                      f"{self.eval_growth}")
+            if self.eval_every_epochs is None or self.eval_every_iterations is not None:
+                raise BatchboundError("eval_growth spaces evaluations in epochs: set "
+                                      "eval_every_epochs (the first one) and not "
+                                      "eval_every_iterations")
         if self.divergence_factor is not None and not self.divergence_factor > 1:
             raise BatchboundError(
                 f"divergence_factor must be > 1 (or unset to disable), got {self.divergence_factor}"

@@ -37,7 +37,8 @@ from batchbound.diversity import PreparedStats, measure
 from batchbound.diversity.losses import resolve_loss
 from batchbound.errors import BatchboundError, NonFiniteLossError
 from batchbound.models import build_model
-from batchbound.train.callbacks import EPS, Callback, Snapshots, callbacks_for, next_due
+from batchbound.train.cadence import EPS, next_due
+from batchbound.train.callbacks import Callback, Snapshots, callbacks_for
 from batchbound.train.checkpoint import StopFlag, load_checkpoint, save_checkpoint
 from batchbound.train.config import TrainConfig
 from batchbound.train.distributed import (
@@ -447,7 +448,8 @@ class Trainer:
         self.last_eval_iteration = self.iteration
         if cfg.eval_every_iterations is None:
             self.next_eval_epoch = next_due(self.next_eval_epoch, self.sampler.epoch,
-                                            cfg.eval_every_epochs)  # type: ignore[arg-type]
+                                            cfg.eval_every_epochs,  # type: ignore[arg-type]
+                                            cfg.eval_growth)
         self.timer.totals.setdefault("eval", 0.0)
         self.timer.totals["eval"] += time.perf_counter() - started
 

@@ -1,0 +1,81 @@
+"""When evaluations fall due (train/cadence.py): every k epochs, or at k, k·q, k·q², ...;
+the trainer evaluates exactly where the arithmetic says, and the report's first-evaluation
+mark reads the same arithmetic."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pandas as pd
+import pytest
+
+from batchbound.errors import BatchboundError
+from batchbound.study import analysis as A
+from batchbound.train import TrainConfig, train
+from batchbound.train.cadence import first_evaluations, next_due
+
+N = 1438  # digits' training set
+
+
+def test_geometric_cadence_steps_by_powers_of_q() -> None:
+    assert next_due(0.01, 0.0, 0.01, 2.0) == 0.01  # not due yet
+    assert next_due(0.01, 0.01, 0.01, 2.0) == pytest.approx(0.02)
+    assert next_due(0.01, 0.05, 0.01, 2.0) == pytest.approx(0.08)  # skips 0.02 and 0.04
+    assert next_due(0.01, 0.08, 0.01, 2.0) == pytest.approx(0.16)  # exactly at a power
+    assert next_due(1e-12, 5.0, 1e-12, 1.001) > 5.0  # computed, not stepped
+
+
+def _eval_epochs(batch: int, every: float, growth: float | None, epochs: float) -> list[float]:
+    result = train(TrainConfig(dataset="digits", model="fc(depth=1,params=800)",
+                               batch_size=batch, lr=0.1, max_epochs=epochs,
+                               eval_every_epochs=every, eval_growth=growth))
+    return sorted({e for _, e, _, _ in result.curve("train_loss")})
+
+
+@pytest.mark.parametrize(("batch", "every", "growth"), [(16, 0.01, 1.5), (256, 0.01, 1.2),
+                                                        (64, 0.05, None)])
+def test_the_trainer_evaluates_where_the_cadence_says(batch, every, growth) -> None:
+    seen = _eval_epochs(batch, every, growth, 3.0)
+    step, expected, due, epoch = batch / N, [0.0], every, 0.0
+    while epoch < 3.0 - 1e-9:  # step by step, as the loop does; the last step may overshoot
+        epoch += step
+        if epoch + 1e-9 >= due or epoch >= 3.0 - 1e-9:
+            expected.append(epoch)
+            due = next_due(due, epoch, every, growth)
+    assert seen == pytest.approx(expected, abs=1e-6)
+    assert first_evaluations(every, growth, step) == pytest.approx(tuple(seen[1:3]), abs=1e-6)
+    if growth:  # the relative spacing stays q once a step is finer than the spacing
+        ratios = [b / a for a, b in itertools.pairwise(seen[1:]) if b - a > 2 * step]
+        assert ratios and max(ratios) < growth * 1.5
+
+
+def test_geometric_evaluation_is_far_cheaper_over_a_long_run() -> None:
+    # k = 0.005 epochs, q = 1.05 to 12 epochs: 161 evaluations, against 2400 every 0.005
+    due, count = 0.005, 0
+    while due <= 12:
+        count, due = count + 1, next_due(due, due, 0.005, 1.05)
+    assert count == math.floor(math.log(12 / 0.005, 1.05)) + 1 == 160
+
+
+def test_eval_growth_is_checked_and_leaves_the_run_key_alone() -> None:
+    base = dict(dataset="digits", model="fc(depth=1,params=800)", batch_size=16, lr=0.1)
+    for bad in (1.0, 0.5, math.inf):
+        with pytest.raises(BatchboundError, match="eval_growth"):
+            TrainConfig(**base, eval_growth=bad)
+    with pytest.raises(BatchboundError, match="eval_every_epochs"):
+        TrainConfig(**base, eval_growth=1.1, eval_every_iterations=10)
+    assert TrainConfig(**base).config_hash() == TrainConfig(**base, eval_growth=None).config_hash()
+    assert TrainConfig(**base).config_hash() != TrainConfig(**base, eval_growth=1.1).config_hash()
+
+
+def test_the_report_marks_a_target_seen_at_the_first_geometric_evaluation() -> None:
+    # every 0.01 epochs growing ×1.5 with B = 16 (0.0111 epochs a step): the first
+    # evaluation is after step 1 (0.0111), the second after step 2 (0.0222 ≥ 0.0167)
+    config = '{"eval_every_epochs": 0.01, "eval_growth": 1.5, "batch_size": 16}'
+    runs = pd.DataFrame({"key": ["a", "b"], "role": "final", "model_label": "m",
+                         "batch_size": 16, "seed": [0, 1], "lr": 0.1, "n_train": N,
+                         "status": "complete", "config_json": config})
+    targets = pd.DataFrame({"key": ["a", "b"], "name": "t", "reached": 1,
+                            "epoch": [16 / N, 32 / N], "iteration": [1, 2]})
+    assert list(A.per_run_to_target(runs, targets)["first_eval"]) == [True, False]
