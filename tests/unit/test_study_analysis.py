@@ -227,3 +227,25 @@ def test_tuning_rules():
                            "value": [2.0, 0.5, 1.0]})
     assert final_loss(curves, "complete") == 0.5  # the last by iteration, not by row
     assert final_loss(curves, "diverged") == INF
+
+
+def test_each_cells_bootstrap_draws_are_its_own():
+    from batchbound.study.evidence import bootstrap_units, means
+
+    # one seed for every cell resampled each at the same positions: two cells' draws moved
+    # together (correlation 1 here), so a rank correlation across cells barely varied
+    low, high = np.arange(1.0, 6.0), np.arange(10.0, 60.0, 10.0)
+    a, b = means(low)[1:], means(high)[1:]
+    assert abs(np.corrcoef(a, b)[0, 1]) < 0.3
+    assert np.array_equal(means(low), means(low.copy()))  # same values, same draws
+    pairs = [np.array([1.0, 2.0]), np.array([3.0, 5.0]), np.array([4.0, 9.0])]
+    shifted = [p + 100 for p in pairs]
+    assert abs(np.corrcoef(bootstrap_units(pairs)[1:], bootstrap_units(shifted)[1:])[0, 1]) < 0.3
+    # a fit's interval rests on its own model's runs: adding another model leaves it alone
+    one = steps_table({"M": 100.0}, 200.0, seeds=3)
+    rng = np.random.default_rng(3)
+    one = one.assign(iterations=one["iterations"] * rng.lognormal(0, 0.1, len(one)))
+    two = pd.concat([steps_table({"A": 50.0}, 100.0, seeds=3), one])
+    alone = A.critical_batch(one, bootstrap=40).set_index("model_label").loc["M"]
+    beside = A.critical_batch(two, bootstrap=40).set_index("model_label").loc["M"]
+    assert (alone["low"], alone["high"]) == (beside["low"], beside["high"])

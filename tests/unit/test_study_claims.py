@@ -190,3 +190,16 @@ def test_a_unit_bootstrap_resamples_whole_pairs():
     assert set(np.round(draws[1:], 12)) <= {0.0, round(draws[0], 12)}
     assert (draws[1:] == 0).any()
     assert math.isnan(bootstrap_units([], sd)[0])
+
+
+def test_b_star_says_whether_it_or_only_its_interval_is_at_the_grid_edge():
+    from batchbound.study.claims.width import _edge
+
+    assert "at the grid edge: the smallest batch" in _edge(32, (32, 128), 32, 4096)
+    inside = _edge(256, (128, 512), 64, 8192)  # inside 64-8192 with its interval
+    assert "its interval reaches" not in inside and "grid edge" not in inside
+    touching = _edge(128, (64, 128), 64, 8192)
+    assert "its interval reaches the grid edge, the smallest batch" in touching
+    assert "no flat part" not in touching
+    assert "at the grid edge: the largest batch" in _edge(4096, (1024, 4096), 32, 4096)
+    assert "its interval reaches the grid edge, the largest" in _edge(1024, (512, 4096), 32, 4096)

@@ -142,6 +142,14 @@ def test_cli_plan_json(capsys):
     assert main(["study", "plan", "no-such-study"]) == 2
 
 
+def test_cli_plan_prints_whole_data_labels(capsys):
+    from batchbound.cli import main
+
+    assert main(["study", "plan", "replication-digits"]) == 0
+    out = capsys.readouterr().out
+    assert "digits | replicate(r=8)" in out  # cut at 12 characters, every r looked alike
+
+
 def test_cli_plan_reads_user_files_from_data_dir(tmp_path, monkeypatch, capsys):
     import json
 

@@ -111,11 +111,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     print(f"study {spec.name}: {len(tuning)} tuning runs + {len(finals)} final runs "
           f"(tuning rule {spec.lr.tuning}; final η chosen after tuning)")
-    header = f"{'role':6} {'data':12} {'model':34} {'B':>5} {'η':>8} {'seed':>4} {'epochs':>6}"
-    print(header)
+    # columns as wide as their longest label: a cut one hid which replicate(r=..) a run used
+    wd = max([4, *(len(r["data"]) for r in rows)])
+    wm = max([5, *(len(r["model"]) for r in rows)])
+    print(f"{'role':6} {'data':{wd}} {'model':{wm}} {'B':>5} {'η':>8} {'seed':>4} {'epochs':>6}")
     for r in rows:
         eta = f"{r['lr']:g}" if r["role"] == "tune" or not tuning else "tuned"
-        print(f"{r['role']:6} {r['data'][:12]:12} {r['model'][:34]:34} {r['batch_size']:>5} "
+        print(f"{r['role']:6} {r['data']:{wd}} {r['model']:{wm}} {r['batch_size']:>5} "
               f"{eta:>8} {r['seed']:>4} {r['epochs']:>6g}")
     print(f"estimated cost: at most {total / 60:.1f} CPU-minutes (final runs stop at their "
           "targets, so usually far less)")

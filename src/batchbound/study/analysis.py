@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -415,10 +416,13 @@ def critical_batch(per_run: pd.DataFrame, value: str = "iterations", by: Sequenc
     usable = per_run.assign(_censored=~np.isfinite(per_run[value]),
                             _steps=per_run[value].where(np.isfinite(per_run[value]), ran),
                             _diverged=diverged)
-    rng = np.random.default_rng(seed)
     rows = []
     grouped = [((), usable)] if not keys else usable.groupby(keys, sort=True, dropna=False)
     for group, everything in grouped:
+        group = group if isinstance(group, tuple) else (group,)
+        # each model's draws from its own stream: its interval does not move when the spec
+        # adds, drops or reorders another model
+        rng = np.random.default_rng([seed, *(zlib.crc32(str(g).encode()) for g in group)])
         frame = everything[~everything["_diverged"] & np.isfinite(everything["_steps"])]
         reached = frame[~frame["_censored"]]
         if reached["batch_size"].nunique() < 3:
@@ -437,7 +441,6 @@ def critical_batch(per_run: pd.DataFrame, value: str = "iterations", by: Sequenc
                 draws.append(_fit_steps(batch[idx], steps[idx], model_of[idx],
                                         censored[idx])[0])
         s_min = next(iter(mins.values())) if len(mins) == 1 else math.nan
-        group = group if isinstance(group, tuple) else (group,)
         edge = (batch.min() / 999, batch.max() * 999)
         hit = reached["batch_size"]
         low = float(np.percentile(draws, 2.5)) if draws else math.nan

@@ -54,7 +54,7 @@ def threshold_exists(context: Context) -> Finding:
     never = len(b_star) - len(trains)
     verdict = INCONCLUSIVE if context.evidence.one_run or not inside else SUPPORTED
     text = ("B* (95 % interval) per model: " + "; ".join(
-        f"{n}: {fmt(trains[n][0])} {span(*bounds[n])}{_edge(bounds[n], floor, top)}"
+        f"{n}: {fmt(trains[n][0])} {span(*bounds[n])}{_edge(trains[n][0], bounds[n], floor, top)}"
         for n in trains)
         + f"; batches tried {fmt(floor)}–{fmt(top)}"
         + (f"; {never} model(s) never reach the target (left out)" if never else "")
@@ -62,14 +62,21 @@ def threshold_exists(context: Context) -> Finding:
     return Finding(SOURCE, claim, verdict, text)
 
 
-def _edge(bounds: tuple[float, float], floor: float, top: float) -> str:
+def _edge(value: float, bounds: tuple[float, float], floor: float, top: float) -> str:
+    """Where B* or its interval meets the grid's edge, and what that leaves unknown."""
     low, high = bounds
-    if low <= floor:
+    if value <= floor:
         return (" (at the grid edge: the smallest batch; no flat part measured, the threshold "
                 "may lie below the grid)")
-    if high >= top:
+    if low <= floor:
+        return (" (its interval reaches the grid edge, the smallest batch: the threshold may "
+                "lie below the grid)")
+    if value >= top:
         return (" (at the grid edge: the largest batch; the threshold, if any, lies beyond "
                 "the grid)")
+    if high >= top:
+        return (" (its interval reaches the grid edge, the largest batch: the threshold, if "
+                "any, may lie beyond the grid)")
     return ""
 
 
