@@ -33,6 +33,7 @@ PILOT_EXCLUDED = {
     "stop_at_targets": "set by advise", "max_iterations": "set from the plan",
     "max_seconds": "the pilot's length is the plan's fraction",
     "eval_every_epochs": "set by advise", "eval_every_iterations": "set by advise",
+    "eval_growth": "set by advise (the pilot evaluates by iterations)",
     "diversity_every_epochs": "--diversity-every", "online_diversity": "--estimator",
     "mechanism": "advise predicts plain SGD", "mechanism_granularity": "as mechanism",
     "batch_policy": "the rows are fixed batches; the warmup schedule is printed beside",
