@@ -249,3 +249,47 @@ def test_each_cells_bootstrap_draws_are_its_own():
     alone = A.critical_batch(one, bootstrap=40).set_index("model_label").loc["M"]
     beside = A.critical_batch(two, bootstrap=40).set_index("model_label").loc["M"]
     assert (alone["low"], alone["high"]) == (beside["low"], beside["high"])
+
+
+def test_tables_built_row_by_row_keep_the_spec_order_and_strategies_shorten_in_place():
+    order = ["d", "d | replicate(r=8)", "d | replicate(r=64)", "d | replicate(r=512)"]
+    runs = pd.DataFrame({"data": pd.Categorical(order, categories=order, ordered=True)})
+    table = pd.DataFrame({"data": sorted(order * 2), "batch_size": [16, 64] * 4})
+    out = A.in_spec_order(table, runs)
+    assert list(dict.fromkeys(out["data"])) == order
+    assert list(out["batch_size"]) == [16, 64] * 4  # stable within a data set
+    strategies = ["blr", "lsr(base_batch=16)", None]
+    runs = pd.DataFrame({"strategy": pd.Categorical(strategies, categories=strategies[:2],
+                                                    ordered=True)})
+    short = A.short_strategies(runs)["strategy"]
+    assert list(short.cat.categories) == ["blr", "lsr"] and short.isna().tolist()[2]
+
+
+def test_an_interval_stays_when_a_model_on_other_data_joins():
+    one = steps_table({"M": 100.0}, 200.0, seeds=3).assign(data="a")
+    rng = np.random.default_rng(3)
+    one = one.assign(iterations=one["iterations"] * rng.lognormal(0, 0.1, len(one)))
+    other = steps_table({"N": 50.0}, 100.0, seeds=3).assign(data="b")
+    alone = A.critical_batch(one, bootstrap=40).iloc[0]
+    beside = A.critical_batch(pd.concat([one, other]), bootstrap=40)
+    beside = beside[beside["model_label"] == "M"].iloc[0]
+    assert (alone["low"], alone["high"]) == (beside["low"], beside["high"])
+    from batchbound.study.evidence import means
+
+    assert np.array_equal(means(np.array([-0.0, 1.0])), means(np.array([0.0, 1.0])))
+
+
+def test_the_loss_threshold_is_a_quantile_over_training_time_under_geometric_evaluation():
+    # a loss falling as 1/(1 + t) over 1000 iterations: at even evaluations the lower
+    # quartile is ≈ 1/751; evaluations at 1, 2, 4, ... crowd the early, high losses
+    runs = pd.DataFrame({"key": ["g", "e"], "role": "final", "model_label": ["G", "E"],
+                         "batch_size": 64, "status": "complete",
+                         "config_json": ['{"eval_growth": 2.0}', '{}']})
+    geometric = [0, *[2 ** i for i in range(11)]]
+    even = list(range(0, 1025, 64))
+    curves = pd.DataFrame([{"key": k, "iteration": t, "epoch": t / 100, "metric": "train_loss",
+                            "value": 1 / (1 + t)} for k, ts in (("g", geometric), ("e", even))
+                           for t in ts])
+    found = A.loss_threshold(runs, curves).set_index("model_label")["threshold"]
+    assert found["G"] == pytest.approx(found["E"], rel=0.35)
+    assert np.quantile([1 / (1 + t) for t in geometric], 0.25) > 3 * found["E"]  # unweighted

@@ -203,3 +203,5 @@ def test_b_star_says_whether_it_or_only_its_interval_is_at_the_grid_edge():
     assert "no flat part" not in touching
     assert "at the grid edge: the largest batch" in _edge(4096, (1024, 4096), 32, 4096)
     assert "its interval reaches the grid edge, the largest" in _edge(1024, (512, 4096), 32, 4096)
+    both = _edge(4096, (32, 4096), 32, 4096)  # B* at the top, its interval over the whole grid
+    assert "at the grid edge: the largest batch" in both and "interval reaches" in both

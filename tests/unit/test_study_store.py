@@ -128,3 +128,18 @@ def test_labels_come_back_in_the_spec_order_not_string_order(tmp_path):
     assert [name for name, _ in runs.groupby("data")] == data
     assert list(runs.sort_values("data")["data"]) == data
     assert list(runs.astype({"data": str})["data"].sort_values()) != data  # as strings
+
+
+def test_a_data_set_added_to_the_spec_later_is_listed_where_the_spec_lists_it(tmp_path):
+    spec = {"name": "demo", "data": [{"dataset": "digits", "transform": None},
+                                     {"dataset": "digits", "transform": "replicate(r=8)"},
+                                     {"dataset": "digits", "transform": "replicate(r=64)"}],
+            "lr": {"strategies": ["blr"]}, "train": {"mechanisms": ["none"]}}
+    with Store(tmp_path / "s.sqlite") as s:
+        s.register_study("demo", spec)
+        # r = 8 was added between two data sets that had already run: stored last
+        for i, d in enumerate(["digits", "digits | replicate(r=64)", "digits | replicate(r=8)"]):
+            s.register_runs("demo", [(f"k{i}", "final", {"lr": 0.1}, {**LABELS, "data": d})])
+        runs = s.frames("demo")["runs"]
+    assert list(runs["data"].cat.categories) == ["digits", "digits | replicate(r=8)",
+                                                 "digits | replicate(r=64)"]

@@ -79,3 +79,21 @@ def test_the_report_marks_a_target_seen_at_the_first_geometric_evaluation() -> N
     targets = pd.DataFrame({"key": ["a", "b"], "name": "t", "reached": 1,
                             "epoch": [16 / N, 32 / N], "iteration": [1, 2]})
     assert list(A.per_run_to_target(runs, targets)["first_eval"]) == [True, False]
+
+
+def test_advise_pilots_evaluate_by_iterations_whatever_the_users_cadence() -> None:
+    from batchbound.advise.pilot import pilot_config
+    from batchbound.train import Target
+
+    user = TrainConfig(dataset="digits", model="fc(depth=1,params=800)", batch_size=16,
+                       lr=0.1, eval_every_epochs=0.01, eval_growth=1.05,
+                       targets=(Target("train_acc", 0.9),))
+    planned = pilot_config(user, 100, "norms", 1.0)
+    assert planned.eval_growth is None and planned.eval_every_iterations == 100
+    assert pilot_config(user, None, "norms", 1.0).eval_growth is None
+
+
+def test_a_changing_batch_leaves_the_first_evaluation_unjudged_by_step() -> None:
+    config = ('{"eval_every_epochs": 0.01, "eval_growth": 1.5, "batch_size": 16, '
+              '"batch_policy": "warmup(every=5)"}')
+    assert A._second_evaluation(config, N) == pytest.approx(0.015)  # by epochs alone

@@ -98,9 +98,10 @@ def pilot_config(config: TrainConfig, iterations: int | None, estimator: str,
     if iterations is not None:
         return config.replace(max_iterations=iterations, max_epochs=None, targets=(),
                               eval_every_epochs=None, eval_every_iterations=iterations,
-                              stop_at_targets=False, **cheap)
+                              eval_growth=None, stop_at_targets=False, **cheap)
     return config.replace(eval_every_epochs=exact_every_epochs / 4, eval_every_iterations=None,
-                          stop_at_targets=True, targets=config.targets[:1], **cheap)
+                          eval_growth=None, stop_at_targets=True, targets=config.targets[:1],
+                          **cheap)
 
 
 def run_pilot(config: TrainConfig, data: Dataset, device: torch.device, *,
@@ -223,8 +224,9 @@ def _branch(config: TrainConfig, data: Dataset, device: torch.device,
     branch diverges)."""
     branch = config.replace(batch_size=batch, lr=lr, strategy="blr", targets=(),
                             max_iterations=steps, max_epochs=None, eval_every_epochs=None,
-                            eval_every_iterations=steps, diversity_every_epochs=None,
-                            online_diversity="off", micro_batch=None)
+                            eval_every_iterations=steps, eval_growth=None,
+                            diversity_every_epochs=None, online_diversity="off",
+                            micro_batch=None)
     trainer = Trainer(branch, DistContext(device=device), dataset=data, parts=parts)
     trainer.model.load_state_dict(state)
     result = trainer.run()

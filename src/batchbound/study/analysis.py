@@ -102,9 +102,33 @@ def short_strategies(runs: pd.DataFrame) -> pd.DataFrame:
         return runs
     full = runs["strategy"].dropna().unique()
     short = {s: s.split("(")[0] for s in full}
-    if len(set(short.values())) == len(full):
-        return runs.assign(strategy=runs["strategy"].map(short).fillna(runs["strategy"]))
-    return runs
+    if len(set(short.values())) != len(full):
+        return runs
+    if isinstance(runs["strategy"].dtype, pd.CategoricalDtype):  # renamed, order and NaN kept
+        column = runs["strategy"].cat.remove_unused_categories()
+        return runs.assign(strategy=column.cat.rename_categories(
+            {c: short[c] for c in column.cat.categories}))
+    return runs.assign(strategy=runs["strategy"].map(short).fillna(runs["strategy"]))
+
+
+def in_spec_order(table: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
+    """``table`` with every label column that ``runs`` orders (``Store.frames``: as the spec
+    lists them) ordered the same way, values ``runs`` lacks last, and its rows stably sorted
+    by them: a table built row by row holds plain strings in string order (r = 512 before
+    r = 64), and so would every later sort or groupby of it."""
+    out, ordered = table, []
+    for column in MODEL_KEYS:
+        if column not in table or column not in runs \
+                or not isinstance(runs[column].dtype, pd.CategoricalDtype):
+            continue
+        ordered.append(column)
+        if isinstance(table[column].dtype, pd.CategoricalDtype):
+            continue
+        known = list(runs[column].cat.categories)
+        extra = [v for v in dict.fromkeys(table[column].dropna()) if v not in set(known)]
+        out = out.assign(**{column: pd.Categorical(table[column], categories=[*known, *extra],
+                                                   ordered=True)})
+    return out.sort_values(ordered, kind="stable") if ordered and len(out) else out
 
 
 def finals(runs: pd.DataFrame) -> pd.DataFrame:
@@ -193,6 +217,8 @@ def _second_evaluation(config_json: object, n_train: object) -> float:
     every, growth = config.get("eval_every_epochs"), config.get("eval_growth")
     if not isinstance(every, (int, float)) or config.get("eval_every_iterations") is not None:
         return math.nan
+    if config.get("batch_policy", "fixed") != "fixed":  # the step changes: take it as fine
+        n_train = math.nan
     n = float(n_train) if isinstance(n_train, (int, float)) else math.nan
     step = float(config.get("batch_size", 0)) / n if n > 0 else 0.0
     return first_evaluations(float(every), growth, step)[1]
@@ -422,7 +448,8 @@ def critical_batch(per_run: pd.DataFrame, value: str = "iterations", by: Sequenc
         group = group if isinstance(group, tuple) else (group,)
         # each model's draws from its own stream: its interval does not move when the spec
         # adds, drops or reorders another model
-        rng = np.random.default_rng([seed, *(zlib.crc32(str(g).encode()) for g in group)])
+        labels = [str(everything[k].iloc[0]) for k in MODEL_KEYS if k in everything]
+        rng = np.random.default_rng([seed, *(zlib.crc32(v.encode()) for v in labels)])
         frame = everything[~everything["_diverged"] & np.isfinite(everything["_steps"])]
         reached = frame[~frame["_censored"]]
         if reached["batch_size"].nunique() < 3:
@@ -525,7 +552,7 @@ def loss_threshold(runs: pd.DataFrame, curves: pd.DataFrame, metric: str = "trai
         largest = frame[frame["batch_size"] == frame["batch_size"].max()]["key"]
         recorded = curves[(curves["key"].isin(largest)) & (curves["metric"] == metric)]
         recorded = recorded[np.isfinite(recorded["value"].astype(float))]
-        values = recorded["value"]
+        values = _evenly_spaced(recorded, frame)
         starts = recorded.sort_values("iteration").groupby("key")["value"].first()
         threshold = float(np.quantile(values, quantile)) if len(values) else math.nan
         if len(starts) and not threshold < float(starts.min()):
@@ -536,6 +563,24 @@ def loss_threshold(runs: pd.DataFrame, curves: pd.DataFrame, metric: str = "trai
                      "from_batch": float(frame["batch_size"].max()) if len(frame) else math.nan,
                      "diverged_left_out": int((~_trained(everything)).sum())})
     return pd.DataFrame(rows)
+
+
+def _evenly_spaced(recorded: pd.DataFrame, runs: pd.DataFrame) -> np.ndarray:
+    """The recorded values, each geometric run's (``eval_growth``: most evaluations early)
+    read instead at as many evenly spaced iterations, so that a quantile is one over
+    training time, as for a run evaluated at a fixed cadence."""
+    growth = {k: json.loads(c).get("eval_growth") if isinstance(c, str) else None
+              for k, c in zip(runs["key"], runs.get("config_json", [None] * len(runs)),
+                              strict=True)}
+    out = []
+    for key, curve in recorded.groupby("key", sort=False):
+        curve = curve.sort_values("iteration")
+        values = curve["value"].to_numpy(float)
+        if growth.get(key) is not None and len(curve) > 1:
+            steps = curve["iteration"].to_numpy(float)
+            values = np.interp(np.linspace(steps[0], steps[-1], len(steps)), steps, values)
+        out.append(values)
+    return np.concatenate(out) if out else np.array([])
 
 
 def per_run_to_loss(runs: pd.DataFrame, curves: pd.DataFrame, thresholds: pd.DataFrame,

@@ -117,7 +117,10 @@ def analyze(frames: dict[str, pd.DataFrame], spec: dict[str, Any],
         by_target=target_table(runs, frames["targets"], targets, float(budget))
         if len(targets) > 1 else pd.DataFrame(),
     )
-    out.shapes = shape_table(out)
+    for name, value in vars(out).items():
+        if isinstance(value, pd.DataFrame) and name != "per_run":
+            setattr(out, name, A.in_spec_order(value, runs))
+    out.shapes = A.in_spec_order(shape_table(out), runs)
     out.snapshots = snapshots or {}
     out.sections = sections(out)
     return out

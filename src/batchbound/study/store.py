@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 
 from batchbound.errors import BatchboundError, FaultError
+from batchbound.study.spec import DataSpec
 from batchbound.train.config import TrainConfig
 from batchbound.train.result import RunResult, TargetResult
 
@@ -40,6 +41,17 @@ LABELS = ("data", "model", "model_label", "depth", "width", "params", "batch_siz
 # Curve metrics that are gradient-diversity measurements go to their own table.
 DIVERSITY_PREFIXES = ("diversity", "batch_bound", "online_")
 SPEC_ORDERED = ("data", "model", "model_label", "mechanism", "strategy")  # text labels
+
+
+def spec_order(spec: Mapping[str, Any]) -> dict[str, list[str]]:
+    """The labels a stored study spec lists, per label column, in its order: data sets (as
+    ``DataSpec.label`` writes them), strategies and mechanisms; models are labelled by the
+    plan and keep the order it stored them in."""
+    data = [DataSpec(d["dataset"], d.get("transform")).label for d in spec.get("data", ())
+            if isinstance(d, Mapping) and isinstance(d.get("dataset"), str)]
+    lr, train = spec.get("lr", {}), spec.get("train", {})
+    return {"data": data, "strategy": list(lr.get("strategies", ())),
+            "mechanism": list(train.get("mechanisms", ()))}
 
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -390,11 +402,14 @@ class Store:
             "SELECT s.*, r.status, r.attempts, r.wall_seconds, r.final_json, r.config_json "
             "FROM study_runs s JOIN runs r USING (key) WHERE s.study=? ORDER BY s.rowid",
             self.db, params=(study,))
+        listed = spec_order(self.study_spec(study))
         for column in SPEC_ORDERED:
-            # in the order the plan wrote them (the spec's), so every table and figure lists
-            # r = 8, 64, 512 or L = 2, 10 as the spec does, not as strings sort
-            runs[column] = pd.Categorical(runs[column], categories=list(
-                dict.fromkeys(runs[column].dropna())), ordered=True)
+            # as the spec lists them (then in the order they were stored), so every table
+            # and figure lists r = 8, 64, 512 as the spec does, not as strings sort
+            seen = list(dict.fromkeys(runs[column].dropna()))
+            first = [v for v in listed.get(column, ()) if v in set(seen)]
+            runs[column] = pd.Categorical(runs[column], categories=[
+                *first, *[v for v in seen if v not in first]], ordered=True)
         frames = {"runs": runs}
         for table in ("targets", "curves", "diversity", "timings"):
             frames[table] = pd.read_sql_query(

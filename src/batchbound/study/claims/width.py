@@ -63,21 +63,22 @@ def threshold_exists(context: Context) -> Finding:
 
 
 def _edge(value: float, bounds: tuple[float, float], floor: float, top: float) -> str:
-    """Where B* or its interval meets the grid's edge, and what that leaves unknown."""
+    """Where B* or its interval meets the grid's edges, and what that leaves unknown."""
     low, high = bounds
+    notes = []
     if value <= floor:
-        return (" (at the grid edge: the smallest batch; no flat part measured, the threshold "
-                "may lie below the grid)")
-    if low <= floor:
-        return (" (its interval reaches the grid edge, the smallest batch: the threshold may "
-                "lie below the grid)")
+        notes.append("at the grid edge: the smallest batch; no flat part measured, the "
+                     "threshold may lie below the grid")
+    elif low <= floor:
+        notes.append("its interval reaches the grid edge, the smallest batch: the threshold "
+                     "may lie below the grid")
     if value >= top:
-        return (" (at the grid edge: the largest batch; the threshold, if any, lies beyond "
-                "the grid)")
-    if high >= top:
-        return (" (its interval reaches the grid edge, the largest batch: the threshold, if "
-                "any, may lie beyond the grid)")
-    return ""
+        notes.append("at the grid edge: the largest batch; the threshold, if any, lies "
+                     "beyond the grid")
+    elif high >= top:
+        notes.append("its interval reaches the grid edge, the largest batch: the threshold, "
+                     "if any, may lie beyond the grid")
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 @register_claim(SOURCE, needs=("depth",))
