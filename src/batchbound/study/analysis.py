@@ -448,7 +448,8 @@ def critical_batch(per_run: pd.DataFrame, value: str = "iterations", by: Sequenc
         group = group if isinstance(group, tuple) else (group,)
         # each model's draws from its own stream: its interval does not move when the spec
         # adds, drops or reorders another model
-        labels = [str(everything[k].iloc[0]) for k in MODEL_KEYS if k in everything]
+        labels = [str(everything[k].iloc[0]) for k in MODEL_KEYS if k in everything] \
+            if keys else []  # one joint fit: its own stream, whatever its first row
         rng = np.random.default_rng([seed, *(zlib.crc32(v.encode()) for v in labels)])
         frame = everything[~everything["_diverged"] & np.isfinite(everything["_steps"])]
         reached = frame[~frame["_censored"]]
