@@ -125,7 +125,8 @@ def in_spec_order(table: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
         if isinstance(table[column].dtype, pd.CategoricalDtype):
             continue
         known = list(runs[column].cat.categories)
-        extra = [v for v in dict.fromkeys(table[column].dropna()) if v not in set(known)]
+        have = set(known)
+        extra = [v for v in dict.fromkeys(table[column].dropna()) if v not in have]
         out = out.assign(**{column: pd.Categorical(table[column], categories=[*known, *extra],
                                                    ordered=True)})
     return out.sort_values(ordered, kind="stable") if ordered and len(out) else out

@@ -143,7 +143,7 @@ def advice_inputs(frames: dict[str, Any], study: str
     study: what the report's workers table is made from."""
     runs = marked_runs(frames)
     per_run = A.per_run_to_target(runs, frames["targets"])
-    final = per_run[per_run["status"].isin(FINISHED)]
+    final = A.in_spec_order(per_run[per_run["status"].isin(FINISHED)], runs)
     if final.empty:
         return []
     keys = [k for k in A.model_keys(final) if k != "strategy"]

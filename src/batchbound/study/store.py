@@ -407,7 +407,8 @@ class Store:
             # as the spec lists them (then in the order they were stored), so every table
             # and figure lists r = 8, 64, 512 as the spec does, not as strings sort
             seen = list(dict.fromkeys(runs[column].dropna()))
-            first = [v for v in listed.get(column, ()) if v in set(seen)]
+            present = set(seen)
+            first = [v for v in listed.get(column, ()) if v in present]
             runs[column] = pd.Categorical(runs[column], categories=[
                 *first, *[v for v in seen if v not in first]], ordered=True)
         frames = {"runs": runs}
