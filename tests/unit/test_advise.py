@@ -10,11 +10,11 @@ import pytest
 
 from batchbound.advise.answer import best_row, finish, worker_counts
 from batchbound.advise.iterations import (
-    STRATEGIES,
     Pilot,
     lr_scale,
     minimum_iterations,
     predict_iterations,
+    strategies,
 )
 from batchbound.advise.timing import (
     Cluster,
@@ -29,7 +29,7 @@ def flat_pilot(noise: float, b0: int = 16, k0: int = 200) -> Pilot:
     return Pilot(b0, 0.1, k0, (0, k0 // 2), (noise + 1, noise + 1))
 
 
-@pytest.mark.parametrize("rule", STRATEGIES)
+@pytest.mark.parametrize("rule", strategies())
 def test_the_pilots_own_batch_takes_the_pilots_iterations(rule: str) -> None:
     pilot = Pilot(16, 0.1, 300, (0, 100, 250), (40.0, 90.0, 200.0))
     assert predict_iterations(pilot, 16, rule) == pytest.approx(300)

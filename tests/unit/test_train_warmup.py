@@ -32,11 +32,11 @@ def test_the_rule_doubles_once_within_the_fraction_and_never_lowers():
 
 
 @pytest.mark.parametrize("rule, factor", [
-    ("noise", (1 + 48 / 16) / (1 + 48 / 32)), ("linear", 2.0), ("sqrt", math.sqrt(2)),
-    ("constant", 1.0)])
+    ("noise", (1 + 48 / 16) / (1 + 48 / 32)), ("lsr", 2.0), ("srsr", math.sqrt(2)),
+    ("blr", 1.0)])
 def test_the_rate_rules(rule, factor):
     policy = parse_batch_policy(f"warmup(lr={rule})")
-    assert policy.lr_change(16, 32, noise=48.0) == pytest.approx(factor)
+    assert policy.lr_change(16, 32, noise=48.0, start=16) == pytest.approx(factor)
 
 
 @pytest.mark.parametrize("spec, words", [

@@ -26,7 +26,7 @@ from torch import nn
 from batchbound.advise.answer import Row, best_row, candidate_rows, finish, worker_counts
 from batchbound.advise.inputs import from_objects
 from batchbound.advise.iterations import (
-    STRATEGIES,
+    NOISE,
     Pilot,
     lr_scale,
     minimum_iterations,
@@ -54,7 +54,7 @@ from batchbound.models import build_model, count_parameters
 from batchbound.train.config import Target, TrainConfig
 from batchbound.train.distributed import resolve_device
 from batchbound.train.loop import Parts
-from batchbound.train.lr_rules import LR_RULES
+from batchbound.train.lr_rules import lr_rule
 
 
 @dataclass
@@ -220,7 +220,7 @@ def advise(
         f"Iterations to {goal}: McCandlish et al.'s model applied step by step along the "
         f"planned run at B0 = {config.batch_size}; {path.assumption}; the pilot's lr taken as "
         f"the best at B0. Learning rate per batch: strategy '{strategy}' "
-        f"({_RULES[strategy]}), constant through training (no warm-up or decay). "
+        f"({_rule_text(strategy)}), constant through training (no warm-up or decay). "
         + _seconds_text(spec, overlap, payload, micro_limit, "timed on this machine"))
     return Advice(
         batch_bound=path.central.mean_batch_bound(),
@@ -268,9 +268,7 @@ def _check_options(config: TrainConfig, strategy: str, overlap: str, probe_toler
                    estimator: str, planned: int | None) -> None:
     if config.workers != 1:
         raise BatchboundError("the pilot runs on one process; leave workers at 1")
-    if strategy not in STRATEGIES:
-        raise BatchboundError(f"unknown strategy {strategy!r}; choose from "
-                              f"{', '.join(STRATEGIES)}")
+    lr_rule(strategy, "strategy", extra=(NOISE,))  # the registry now, not at import
     if overlap not in OVERLAPS:
         raise BatchboundError(f"unknown overlap {overlap!r}; choose from {', '.join(OVERLAPS)}")
     if not 0 < probe_tolerance < 1:
@@ -509,7 +507,13 @@ def _rows(counts: list[int], n: int, micro_limit: int, curves: dict[int, Compute
 
 _OVERLAP = {"none": "after the backward, not overlapped (as batchbound train does)",
             "backward": "overlapping the backward (as DDP does)"}
-_RULES = {"noise": "η(B) = η0·(1 + B_lo/B0)/(1 + B_lo/B), B_lo the pilot's lowest noise scale",
-          **{name: f"η(B) = {rule.formula}" for name, rule in LR_RULES.items()}}
+
+
+def _rule_text(strategy: str) -> str:
+    rule = lr_rule(strategy, "strategy", extra=(NOISE,))
+    return (f"η(B) = {rule.formula}" if rule is not None else
+            "η(B) = η0·(1 + B_lo/B0)/(1 + B_lo/B), B_lo the pilot's lowest noise scale")
+
+
 __all__ = ["Advice", "Cluster", "Pilot", "advise", "advise_from_study", "load_cluster",
            "predict_iterations"]

@@ -13,8 +13,9 @@ scale n·Δ − 1 (H ∝ I; DESIGN.md). Relative to its best value, the step's p
 The pilot's rate η0 is taken to be the best one at B0, so x0 = 1/(1 + B_noise/B0). A rule for
 the learning rate at B gives η(B) = s(B)·η0, hence x = s(B)·x0, and each pilot step at B0
 stands for p(x0, B0)/p(x, B) steps at B. Summed along the pilot, with B_noise(t) interpolated
-between the exact measurements, this gives k(B). The strategies (``STRATEGIES``; ``blr``,
-``lsr`` and ``srsr`` are the trainer's, after warm-up):
+between the exact measurements, this gives k(B). The strategies (``strategies()``: ``noise`` and
+every rule registered in train/lr_rules.py, read when used; ``blr``, ``lsr`` and ``srsr`` are
+the trainer's, after warm-up):
 
 - ``noise``: each pilot step stands for (1 + B_noise/B)/(1 + B_noise/B0) steps at B, McCandlish
   et al.'s S(B)/S(B0) with the rate near its best at every step. The rate the rows give is
@@ -36,9 +37,14 @@ import math
 from dataclasses import dataclass
 
 from batchbound.errors import BatchboundError
-from batchbound.train.lr_rules import LR_RULES
+from batchbound.train.lr_rules import LR_RULES, lr_rule
 
-STRATEGIES = ("noise", *LR_RULES)  # noise: advise's own; the rest: train/lr_rules.py
+NOISE = "noise"  # advise's own strategy; the others are train/lr_rules.py's
+
+
+def strategies() -> tuple[str, ...]:
+    """``noise`` and the registered rules, read now (a rule registered after import counts)."""
+    return (NOISE, *LR_RULES)
 
 
 @dataclass(frozen=True)
@@ -89,11 +95,9 @@ class Pilot:
 
 def lr_scale(strategy: str, batch_size: int, pilot: Pilot) -> float:
     """s(B): the rate at B is s(B)·η0 (see the module docstring)."""
-    if strategy != "noise" and strategy not in LR_RULES:
-        raise BatchboundError(f"unknown strategy {strategy!r}; choose from noise, "
-                              f"{', '.join(LR_RULES)}")
-    if strategy in LR_RULES:
-        return LR_RULES[strategy].scale(batch_size / pilot.batch_size)
+    rule = lr_rule(strategy, "strategy", extra=(NOISE,))
+    if rule is not None:
+        return rule.scale(batch_size / pilot.batch_size)
     low = pilot.lowest_noise_scale()
     return (1.0 + low / pilot.batch_size) / (1.0 + low / batch_size)
 

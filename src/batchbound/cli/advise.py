@@ -11,7 +11,7 @@ import sys
 
 from batchbound.advise import advise, advise_from_study
 from batchbound.advise.figure import plot_advice
-from batchbound.advise.iterations import STRATEGIES
+from batchbound.advise.iterations import strategies
 from batchbound.advise.pilot import ESTIMATORS
 from batchbound.advise.timing import OVERLAPS
 from batchbound.cli.common import add_config_flags, add_data_arguments, writable_file
@@ -19,6 +19,7 @@ from batchbound.errors import BatchboundError
 from batchbound.study.measured import load_advice_input
 from batchbound.train import TrainConfig, target_list
 from batchbound.train.config import GROUPS
+from batchbound.train.lr_rules import rules_help
 
 # The TrainConfig fields a pilot takes from the command line (the schema's flags and help).
 # The others do not apply to a one-process pilot whose cadences advise sets itself:
@@ -80,10 +81,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "two micro-batches), norms (per-example norms from the step's "
                         "backward), exact (exact n·Δ over the data every --diversity-every "
                         "epochs: costly)")
-    parser.add_argument("--strategy", choices=STRATEGIES, default=None,
+    parser.add_argument("--strategy", choices=strategies(), default=None,
                         help="the learning rate at batch B: noise (default) η0·(1+B_lo/B0)/"
-                        "(1+B_lo/B), B_lo the pilot's lowest noise scale n·Δ−1; blr η0; lsr "
-                        "η0·B/B0; srsr η0·√(B/B0). With --from-study: which of the study's "
+                        "(1+B_lo/B), B_lo the pilot's lowest noise scale n·Δ−1; "
+                        f"{rules_help()}. With --from-study: which of the study's "
                         "strategies to read (needed when it ran several)")
     parser.add_argument("--max-workers", "-P", type=int,
                         help="largest worker count (default: this machine's cores, or the "

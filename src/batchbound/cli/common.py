@@ -147,6 +147,7 @@ def add_config_flags(groups: dict[str, Any], only: Collection[str] | None = None
         kind, many = _flag_type(hints[f.name])
         given = (defaults or {}).get(f.name, f.default)
         default = "" if given in (None, ()) else f" (default {given})"
+        text = meta["help"]() if callable(meta["help"]) else meta["help"]
         groups[meta["group"]].add_argument(
             *flags,
             dest=f.name,
@@ -154,7 +155,7 @@ def add_config_flags(groups: dict[str, Any], only: Collection[str] | None = None
             nargs="+" if many else None,
             choices=meta.get("choices"),
             metavar=meta.get("metavar"),
-            help=meta["help"] + default,
+            help=text + default,
         )
 
 

@@ -42,6 +42,7 @@ class AccumulationWarmup:
                                   max=max_batch or 1 << 30, every=every, fraction=fraction,
                                   lr=lr)
         self.micro_batch, self.accumulation, self.world_size = micro_batch, accumulation, world_size
+        self.start = self.batch_size  # B0, where the rate rule's s(B/B0) is 1
         self.steps = 0
         self.pending = False  # a doubling decided, waiting for an accumulation boundary
         self.history: list[tuple[int, int, int, float]] = []
@@ -76,7 +77,7 @@ class AccumulationWarmup:
         self.pending = False
         self.history.append((self.steps, self.batch_size, self.accumulation,
                              monitor.batch_bound))
-        return self.policy.lr_change(old, self.batch_size, monitor.noise_scale)
+        return self.policy.lr_change(old, self.batch_size, monitor.noise_scale, self.start)
 
     @staticmethod
     def scale_rates(optimizer: Any, factor: float, scheduler: Any = None) -> None:

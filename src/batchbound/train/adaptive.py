@@ -5,11 +5,12 @@ iterations to B = clip(⌊δ·n·Δ̂(w)⌋ + 1, b_min, b_max), the bound of [di
 the measured diversity Δ̂ in place of Δ_S(w). The learning rate then follows the strategy
 for the new B (see schedule.py). ``fixed`` keeps the configured batch size.
 
-``warmup(max=M, every=K, fraction=f, lr=noise|linear|sqrt|constant)``, batch-size warmup
+``warmup(max=M, every=K, fraction=f, lr=noise|blr|lsr|srsr|...)``, batch-size warmup
 (Merrill et al. 2025, *Critical Batch Size Revisited*): the batch starts at the configured B0
 and, every K iterations, doubles once when twice the batch is still within a fraction f of
 the online estimate of the noise scale B_noise (less its standard error), never past M and
-never down; the rate changes by the named rule (``BatchPolicy.lr_change``). It decides from
+never down; the rate changes by the named rule (``BatchPolicy.lr_change``: ``noise``, or any
+rule registered in lr_rules.py, the trainer's vocabulary). It decides from
 the trainer's cheap online estimate (two-batch from micro-batches or ranks, or per-example
 norms), so deciding costs a few scalars; B grows in whole micro-batches (accumulation).
 
@@ -32,10 +33,11 @@ from dataclasses import dataclass
 
 from batchbound.errors import BatchboundError
 from batchbound.spec import parse_spec
+from batchbound.train.lr_rules import LR_RULES, lr_rule
 
 SOURCES = ("exact", "online")
 PICKS = ("bound", "time", "warmup")
-LR_RULES = ("noise", "linear", "sqrt", "constant")
+NOISE = "noise"  # warmup's own rate rule; the others are lr_rules.py's, read when used
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class BatchPolicy:
     source: str = "exact"
     pick: str = "bound"
     fraction: float = 0.5  # warmup: double B when 2B ≤ fraction·(B_noise − its SE)
-    lr: str = "noise"  # warmup: the rate's change when B doubles
+    lr: str = NOISE  # warmup: the rate's change when B doubles
 
     @property
     def warmup(self) -> bool:
@@ -73,9 +75,7 @@ class BatchPolicy:
             )
         if not 0 < self.fraction <= 1:
             raise BatchboundError(f"warmup: fraction must be in (0, 1], got {self.fraction}")
-        if self.lr not in LR_RULES:
-            raise BatchboundError(f"warmup: unknown lr rule {self.lr!r}; choose from "
-                                  f"{', '.join(LR_RULES)}")
+        lr_rule(self.lr, "lr rule", extra=(NOISE,))
         if self.source not in SOURCES:
             raise BatchboundError(
                 f"adaptive batch: unknown source {self.source!r}; choose from {', '.join(SOURCES)}"
@@ -123,18 +123,16 @@ class BatchPolicy:
             return doubled
         return batch
 
-    def lr_change(self, old: int, new: int, noise: float) -> float:
-        """The factor on the rate when B goes from ``old`` to ``new``: ``noise`` keeps it at
-        McCandlish et al.'s best, ε(B) ∝ 1/(1 + B_noise/B); ``linear`` B_new/B_old (Goyal et
-        al.); ``sqrt`` its square root; ``constant`` 1."""
-        if self.lr == "noise":
-            noise = max(noise, 0.0) if math.isfinite(noise) else 0.0
-            return (1.0 + noise / old) / (1.0 + noise / new)
-        if self.lr == "linear":
-            return new / old
-        if self.lr == "sqrt":
-            return math.sqrt(new / old)
-        return 1.0
+    def lr_change(self, old: int, new: int, noise: float, start: int) -> float:
+        """The factor on the rate when B goes from ``old`` to ``new``, the run having started
+        at B0 = ``start``: ``noise`` keeps it at McCandlish et al.'s best, ε(B) ∝
+        1/(1 + B_noise/B); a registered rule s (lsr: B/B0, srsr: √(B/B0), blr: 1) moves it
+        from s(old/B0) to s(new/B0), so the rate is s(B/B0)·η0 after any doublings."""
+        rule = lr_rule(self.lr, "lr rule", extra=(NOISE,))
+        if rule is not None:
+            return rule.scale(new / start) / rule.scale(old / start)
+        noise = max(noise, 0.0) if math.isfinite(noise) else 0.0
+        return (1.0 + noise / old) / (1.0 + noise / new)
 
 
 def parse_batch_policy(text: str) -> BatchPolicy:
@@ -156,8 +154,8 @@ def parse_batch_policy(text: str) -> BatchPolicy:
     if spec.name != "adaptive":
         raise BatchboundError(
             f"unknown batch policy {spec.name!r}; choose fixed, warmup(max=..,every=..,"
-            "fraction=..,lr=noise|linear|sqrt|constant) or adaptive(delta=..,min=..,max=..,"
-            "every=..)"
+            f"fraction=..,lr={'|'.join((NOISE, *LR_RULES))}) or adaptive(delta=..,"
+            "min=..,max=..,every=..)"
         )
     allowed = {"delta", "min", "max", "every", "source", "pick"}
     unknown = sorted(set(spec.kwargs) - allowed)

@@ -161,7 +161,8 @@ class BatchPolicyCallback(Callback):
         old = trainer.batch_size
         new = min(self.policy.warmed(old, noise, se), trainer.n)
         if new != old:
-            trainer.lr_factor *= self.policy.lr_change(old, new, noise)
+            trainer.lr_factor *= self.policy.lr_change(old, new, noise,
+                                                       start=trainer.config.batch_size)
             trainer.set_batch_size(new)
             self.warm = OnlineDiversity(trainer.n, decay=WARM_DECAY, sampling=warm.sampling)
         trainer.train_seconds += time.perf_counter() - started

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +20,7 @@ from batchbound.errors import BatchboundError
 from batchbound.train.adaptive import BatchPolicy, parse_batch_policy
 from batchbound.train.mechanisms import GRANULARITIES, Mechanism, parse_mechanism
 from batchbound.train.probes import PROBES
-from batchbound.train.schedule import Strategy, parse_strategy
+from batchbound.train.schedule import Strategy, parse_strategy, strategy_help
 
 CONVENTIONS = ("mean", "sum")
 SAMPLINGS = ("epoch", "replacement")
@@ -74,11 +75,12 @@ class Target:
         return value <= self.threshold
 
 
-def option(default: Any, group: str, help: str, **cli: Any) -> Any:
+def option(default: Any, group: str, help: str | Callable[[], str], **cli: Any) -> Any:
     """A TrainConfig field with its group and help: ``batchbound train``'s flags, their help
     and their defaults are generated from these (cli/train.py). ``cli`` holds argparse
     extras: ``flags`` (the option strings, default ``--field-name``), ``choices``,
-    ``metavar``, or ``flags=()`` for a field the CLI sets another way."""
+    ``metavar``, or ``flags=()`` for a field the CLI sets another way. ``help`` may be a
+    function, called when the help is shown (a registry's names, read then)."""
     return field(default=default, metadata={"group": group, "help": help, **cli})
 
 
@@ -112,9 +114,7 @@ class TrainConfig:
     batch_size: int = option(64, "optimisation", "global batch size B, split across workers",
                              flags=("--batch-size", "-B"))
     lr: float = option(0.1, "optimisation", "base learning rate η0, which the strategy scales")
-    strategy: str = option("blr", "optimisation",
-                           "blr | lsr(base_batch=m0,warmup_epochs=W) | "
-                           "srsr(base_batch=m0,warmup_epochs=W), optional decay=step|cosine")
+    strategy: str = option("blr", "optimisation", strategy_help)  # the registry's, at --help
     momentum: float = option(0.0, "optimisation", "SGD momentum")
     weight_decay: float = option(0.0, "optimisation", "L2 weight decay")
     convention: str = option("mean", "optimisation",
@@ -167,7 +167,8 @@ class TrainConfig:
         flags=("--granularity",), choices=GRANULARITIES)
     batch_policy: str = option(
         "fixed", "mechanisms",
-        "fixed | adaptive(delta=..,min=..,max=..,every=..[,source=online][,pick=time])")
+        "fixed | adaptive(delta=..,min=..,max=..,every=..[,source=online][,pick=time]) | "
+        "warmup(max=..,every=..,fraction=..,lr=noise or a strategy's rule)")
     # bookkeeping
     checkpoint_every: int | None = option(None, "execution",
                                           "iterations between periodic checkpoints")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from batchbound.errors import BatchboundError
 from batchbound.spec import parse_spec
-from batchbound.train.lr_rules import LR_RULES
+from batchbound.train.lr_rules import LR_RULES, rules_help
 
 DECAYS = ("none", "step", "cosine")
 
@@ -75,6 +75,13 @@ class Strategy:
         if self.decay == "cosine":
             return 0.5 * (1.0 + math.cos(math.pi * min(epoch / self.decay_epochs, 1.0)))
         return 1.0
+
+
+def strategy_help() -> str:
+    """The strategies' help, from the registry as it is now (a later rule is listed)."""
+    forms = [f"{name}(base_batch=m0,warmup_epochs=W)" if rule.needs_base_batch else name
+             for name, rule in LR_RULES.items()]
+    return f"{' | '.join(forms)}, optional decay=step|cosine ({rules_help()})"
 
 
 def parse_strategy(text: str) -> Strategy:
