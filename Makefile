@@ -38,8 +38,10 @@ test-slow: install
 test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu
 
+# ruff, then dead code: a function, class, constant or method nothing uses (tools/deadcode.py)
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/python tools/deadcode.py
 
 bench: install
 	$(BIN)/python benchmarks/diversity.py

@@ -129,12 +129,6 @@ def _nesting(value: Any) -> int:
     return deepest
 
 
-def dump_toml(data: dict[str, Any], path: str | Path) -> None:
-    import tomli_w
-
-    Path(path).write_text(tomli_w.dumps(to_plain(data)))
-
-
 def check_types(obj: Any, fail: Callable[[str, str], Exception]) -> None:
     """Check every field of the dataclass ``obj`` against its annotation, so a value of the
     wrong type from a file (a string for a list, 2.5 for a count, NaN for a rate) is refused

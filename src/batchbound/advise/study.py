@@ -28,8 +28,6 @@ from typing import Any
 
 from batchbound.advise.timing import ComputeCurve
 
-STEP_PHASES = ("data_per_iteration", "compute_per_iteration", "step_per_iteration")
-
 
 @dataclass(frozen=True)
 class MeasuredIterations:

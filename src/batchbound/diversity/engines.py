@@ -196,9 +196,6 @@ def vmap_gradients(
     return grads
 
 
-FALLBACKS = ("vmap", "loop")
-
-
 def fallback_sq_norms(
     model: nn.Module,
     x: Tensor,

@@ -97,10 +97,6 @@ class HookPlan:
                 for name in names}
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
 def plan_hooks(model: nn.Module, params: dict[str, nn.Parameter] | None = None) -> HookPlan:
     params = trainable_parameters(model) if params is None else params
     name_of_param = {id(p): name for name, p in params.items()}

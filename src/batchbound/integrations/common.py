@@ -273,11 +273,6 @@ class MicroBatchProbe:
         return torch.stack([small, as_tensor(window.harmonic_size(), device), big,
                             as_tensor(window.effective_size(), device)])
 
-    def reset(self) -> None:
-        """Forget a partly seen step (e.g. when a step is abandoned)."""
-        self._open = False
-        self.window, self._norms, self._micro, self._dots = Window(), [], [], []
-
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()

@@ -45,7 +45,6 @@ from batchbound.models.registry import register_family
 from batchbound.spec import Spec
 
 RESNET18 = (2, 2, 2, 2)
-RESNET34 = (3, 4, 6, 3)
 
 
 def conv3x3(c_in: int, c_out: int, stride: int, norm: str) -> nn.Conv2d:

@@ -86,13 +86,6 @@ def config_key(fields: dict[str, Any]) -> str:
     return cls.from_dict(dict(fields)).config_hash()
 
 
-def validate_fields(fields: dict[str, Any]) -> None:
-    """Raise BatchboundError if the trainer would reject these fields."""
-    cls = _train_config_class()
-    if cls is not None:
-        cls.from_dict(dict(fields))
-
-
 def load_data(data: DataSpec) -> Any:
     """The data set as planning sees it: sizes after the transform. The trainer applies the
     transform itself with each run's seed; sizes do not depend on the seed."""

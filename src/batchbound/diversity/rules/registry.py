@@ -69,10 +69,6 @@ Rule = Callable[[Call], dict[str, PerExampleGrad]]
 ExampleAxis = Callable[[nn.Module], int] | None
 
 
-def _own_weight_and_bias(module: nn.Module) -> tuple[str, ...]:
-    return ("weight", "bias")
-
-
 @dataclass(frozen=True)
 class RuleEntry:
     rule: Rule
