@@ -1,7 +1,7 @@
 """The report's answer: per model, how large the batch can be and how many workers pay, in
 one sentence and one small table, with a glossary of every batch number the report uses.
 
-Everything here is read off the analyses (``report.StudyAnalysis``) and the workers table
+Everything here is read off the analyses (``summary.StudyAnalysis``) and the workers table
 (``workers.workers_table``); nothing is computed twice.
 """
 
@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
 from batchbound.study import analysis as A
 from batchbound.study.claims.registry import fmt
+
+if TYPE_CHECKING:  # for the annotation only
+    from batchbound.study.summary import StudyAnalysis
 
 GLOSSARY = (
     ("n·Δ", "the bound on the batch size from gradient diversity Δ over n training examples: "
@@ -103,7 +106,7 @@ def _recommended(workers: pd.DataFrame | None, name: str) -> pd.Series | None:
     return mine.iloc[0] if len(mine) else None
 
 
-def answers(a: Any, workers: pd.DataFrame | None) -> list[Answer]:
+def answers(a: StudyAnalysis, workers: pd.DataFrame | None) -> list[Answer]:
     """One answer per model: near-linear up to, stagnant from, B_crit with its 95 %
     interval and flags, n·Δ with how it was measured, the time-optimal workers, batch and
     η here, and the diverged and collapsed runs."""

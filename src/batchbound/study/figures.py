@@ -1,6 +1,6 @@
 """Which figures a study's report shows, with their captions, drawn by ``plots``.
 
-``figures(a)`` takes a ``report.StudyAnalysis`` and lists (file stem, caption, draw) for
+``figures(a)`` takes a ``summary.StudyAnalysis`` and lists (file stem, caption, draw) for
 every figure its data supports; ``render_figures`` writes each as PNG and SVG. Panels that
 are compared share one colour scale, and every title names what its panel shows.
 """
@@ -10,11 +10,14 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from batchbound.study import analysis as A
+
+if TYPE_CHECKING:  # for the annotation only
+    from batchbound.study.summary import StudyAnalysis
 
 Figure = tuple[str, str, Callable[[Any], None]]
 NOT_REACHED = ("Grey: not reached within max_epochs; red: every run diverged; "
@@ -22,7 +25,7 @@ NOT_REACHED = ("Grey: not reached within max_epochs; red: every run diverged; "
                "train; left out of every fit).")
 
 
-def figures(a: Any) -> list[Figure]:
+def figures(a: StudyAnalysis) -> list[Figure]:
     """(file stem, caption, draw(fig)) for every figure the data supports."""
     from batchbound.study import plots as P
 
@@ -101,7 +104,7 @@ def figures(a: Any) -> list[Figure]:
     return out
 
 
-def render_figures(a: Any, directory: Path) -> list[tuple[str, str, Path]]:
+def render_figures(a: StudyAnalysis, directory: Path) -> list[tuple[str, str, Path]]:
     """Draw every figure to ``directory`` as PNG and SVG (stale ones removed first)."""
     import matplotlib.pyplot as plt
 

@@ -11,11 +11,14 @@ reaches (``claims/inefficiency.py``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from batchbound.spec import parse_spec
 from batchbound.study import analysis as A
 from batchbound.study.experiments.registry import Section, register_experiment
+
+if TYPE_CHECKING:  # the bundle's module imports this one
+    from batchbound.study.summary import StudyAnalysis
 
 
 def family(model_spec: str) -> str:
@@ -23,7 +26,7 @@ def family(model_spec: str) -> str:
 
 
 @register_experiment
-def architectures(a: Any) -> Section | None:
+def architectures(a: StudyAnalysis) -> Section | None:
     runs = a.frames["runs"]
     families = {spec: family(spec) for spec in runs["model"].unique()}
     if len(set(families.values())) < 2 or a.speedups.empty:

@@ -4,13 +4,16 @@ their recorded end-of-training values, and curves resampled on a common grid of 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
 from batchbound.spec import Spec, parse_spec
 from batchbound.study.analysis import COLLAPSED
+
+if TYPE_CHECKING:  # the bundle's module imports this one
+    from batchbound.study.summary import StudyAnalysis
 
 
 def transform_of(data_label: str) -> Spec | None:
@@ -19,7 +22,7 @@ def transform_of(data_label: str) -> Spec | None:
     return parse_spec(transform) if bar else None
 
 
-def finals(a: Any) -> pd.DataFrame:
+def finals(a: StudyAnalysis) -> pd.DataFrame:
     """Final runs that finished (complete, diverged or collapsed), with their ``final``
     values as columns prefixed ``final_`` (test_acc, osg_mean, linear_error, …)."""
     runs = a.frames["runs"]
@@ -31,7 +34,7 @@ def finals(a: Any) -> pd.DataFrame:
     return pd.concat([runs, extra.apply(pd.to_numeric, errors="coerce")], axis=1)
 
 
-def curve_on_grid(a: Any, keys: pd.Series, metric: str, grid: np.ndarray) -> pd.DataFrame:
+def curve_on_grid(a: StudyAnalysis, keys: pd.Series, metric: str, grid: np.ndarray) -> pd.DataFrame:
     """One row per run key, one column per pass in ``grid``: ``metric`` interpolated
     linearly in epochs between evaluations; NaN past the run's last evaluation."""
     curves = a.frames["curves"]

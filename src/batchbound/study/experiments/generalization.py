@@ -11,7 +11,7 @@ The claims (``claims/inefficiency.py``, ``claims/slides.py``) read the per-seed 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -20,12 +20,15 @@ from batchbound.study.evidence import means
 from batchbound.study.experiments.frames import finals
 from batchbound.study.experiments.registry import Section, register_experiment
 
+if TYPE_CHECKING:  # the bundle's module imports this one
+    from batchbound.study.summary import StudyAnalysis
+
 PROBES = {"final_test_acc": "test acc", "final_train_acc": "train acc",
           "final_linear_error": "linear-approx. error", "final_osg_mean": "E[OSG]"}
 
 
 @register_experiment
-def generalization(a: Any) -> Section | None:
+def generalization(a: StudyAnalysis) -> Section | None:
     runs = finals(a)
     probes = [c for c in ("final_linear_error", "final_osg_mean") if c in runs]
     if not probes or runs[probes].notna().sum().sum() == 0:

@@ -1,7 +1,7 @@
 """The registry of the papers' experiments a report can show a section for.
 
 Each experiment is one function ``build(a) -> Section | None`` registered with
-``@register_experiment``: it looks at a ``report.StudyAnalysis`` and returns its section
+``@register_experiment``: it looks at a ``summary.StudyAnalysis`` and returns its section
 (what the experiment measures, its tables, its figures, and the numbers its claims read)
 when the study holds the data it needs, else None. Which experiment applies is decided by
 the data (a study with replicated data sets gets the replication section, whatever its
@@ -14,9 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
+
+if TYPE_CHECKING:  # the bundle's module imports this one
+    from batchbound.study.summary import StudyAnalysis
 
 Figure = tuple[str, str, Callable[[Any], None]]  # (file stem, caption, draw(fig))
 
@@ -32,7 +35,7 @@ class Section:
     data: dict[str, Any] = field(default_factory=dict)  # what the claims read
 
 
-Builder = Callable[[Any], Section | None]
+Builder = Callable[["StudyAnalysis"], "Section | None"]
 EXPERIMENTS: dict[str, Builder] = {}
 
 
@@ -41,6 +44,6 @@ def register_experiment(build: Builder) -> Builder:
     return build
 
 
-def sections(a: Any) -> list[Section]:
+def sections(a: StudyAnalysis) -> list[Section]:
     """The section of every registered experiment the study's data supports, in order."""
     return [s for s in (build(a) for build in EXPERIMENTS.values()) if s is not None]

@@ -11,7 +11,7 @@ bootstrapped over seeds, and the gap e(B_max)/e(B_min) in epochs to target.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -19,6 +19,9 @@ import pandas as pd
 from batchbound.study.evidence import means
 from batchbound.study.experiments.frames import curve_on_grid, finals, transform_of
 from batchbound.study.experiments.registry import Section, register_experiment
+
+if TYPE_CHECKING:  # the bundle's module imports this one
+    from batchbound.study.summary import StudyAnalysis
 
 PASS_STEP = 0.25
 
@@ -33,7 +36,7 @@ def replication_factor(data_label: str) -> int | None:
     return int(spec.kwargs["r"])
 
 
-def loss_ratios(a: Any, small: int, large: int) -> pd.DataFrame:
+def loss_ratios(a: StudyAnalysis, small: int, large: int) -> pd.DataFrame:
     """Per (data, seed, pass): L_large/L_small (training loss), both runs with that seed."""
     runs = finals(a)
     runs = runs[runs["batch_size"].isin([small, large])]
@@ -51,7 +54,7 @@ def loss_ratios(a: Any, small: int, large: int) -> pd.DataFrame:
 
 
 @register_experiment
-def replication(a: Any) -> Section | None:
+def replication(a: StudyAnalysis) -> Section | None:
     runs = a.frames["runs"]
     labels = list(dict.fromkeys(runs["data"]))
     factors = {label: replication_factor(label) for label in labels}

@@ -12,7 +12,7 @@ their weights every ``snapshot_every_epochs`` (``Store.snapshots``); pairs are m
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -20,6 +20,9 @@ import pandas as pd
 from batchbound.study.evidence import bootstrap_units, means
 from batchbound.study.experiments.frames import finals, transform_of
 from batchbound.study.experiments.registry import Section, register_experiment
+
+if TYPE_CHECKING:  # the bundle's module imports this one
+    from batchbound.study.summary import StudyAnalysis
 
 
 def side(data_label: str) -> int | None:
@@ -54,7 +57,7 @@ def pair_distances(runs: pd.DataFrame, snapshots: dict[str, tuple[np.ndarray, np
 
 
 @register_experiment
-def stability(a: Any) -> Section | None:
+def stability(a: StudyAnalysis) -> Section | None:
     sides = {label: side(label) for label in a.frames["runs"]["data"].unique()}
     if set(sides.values()) != {0, 1} or not a.snapshots:
         return None

@@ -13,7 +13,7 @@ unit; with several outputs the bound is shown as the theorem states it.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -22,6 +22,9 @@ from batchbound.spec import parse_spec
 from batchbound.study.evidence import means
 from batchbound.study.experiments.registry import Section, register_experiment
 from batchbound.theory import linear_network_rho_bound
+
+if TYPE_CHECKING:  # the bundle's module imports this one
+    from batchbound.study.summary import StudyAnalysis
 
 
 def input_dim(data_label: str) -> int:
@@ -33,7 +36,7 @@ def input_dim(data_label: str) -> int:
 
 
 @register_experiment
-def theory(a: Any) -> Section | None:
+def theory(a: StudyAnalysis) -> Section | None:
     runs = a.frames["runs"]
     families = {parse_spec(m).name for m in runs["model"].unique()}
     if families != {"linear"} or a.along.empty or runs["data"].nunique() != 1:

@@ -14,7 +14,7 @@ by side share the machine, so compare settings of one study, not across studies.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -23,8 +23,11 @@ from batchbound.study.evidence import means
 from batchbound.study.experiments.frames import finals
 from batchbound.study.experiments.registry import Section, register_experiment
 
+if TYPE_CHECKING:  # the bundle's module imports this one
+    from batchbound.study.summary import StudyAnalysis
 
-def seconds_to_targets(a: Any) -> pd.DataFrame:
+
+def seconds_to_targets(a: StudyAnalysis) -> pd.DataFrame:
     """Final runs × targets: mechanism, batch_size, lr, seed, target, reached, seconds."""
     runs = finals(a)[["key", "mechanism", "batch_size", "lr", "seed"]]
     targets = a.frames["targets"].rename(columns={"name": "target"})
@@ -47,7 +50,7 @@ def best_batches(times: pd.DataFrame, order: list[str]) -> tuple[str, dict[str, 
 
 
 @register_experiment
-def timing(a: Any) -> Section | None:
+def timing(a: StudyAnalysis) -> Section | None:
     mechanisms = list(dict.fromkeys(a.frames["runs"]["mechanism"]))
     if "none" not in mechanisms or len(mechanisms) < 2 or not a.targets:
         return None
