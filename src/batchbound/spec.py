@@ -9,6 +9,7 @@ int when integral), booleans ``true``/``false``, bare words, quoted strings and 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,3 +140,13 @@ def _scalar(token: str) -> Any:
     except ValueError:
         return token
     return int(number) if number.is_integer() and "e" in lowered and "." not in token else number
+
+
+def check_options(what: str, given: Iterable[str], options: Iterable[str]) -> None:
+    """Refuse options a spec does not take, naming them and the ones it does:
+    ``model 'fc' has no option 'widht'; options: depth, width, params``."""
+    options = list(options)
+    unknown = sorted(set(given) - set(options))
+    if unknown:
+        raise BatchboundError(f"{what} has no option {', '.join(map(repr, unknown))}; "
+                              f"options: {', '.join(options) or '(none)'}")

@@ -19,7 +19,7 @@ from typing import Any
 
 from batchbound.data.dataset import Dataset, check_dataset
 from batchbound.errors import BatchboundError
-from batchbound.spec import parse_spec
+from batchbound.spec import check_options, parse_spec
 
 Loader = Callable[..., Dataset]
 MissingCheck = Callable[[Path], "str | None"]
@@ -118,12 +118,7 @@ def load_dataset(spec: str, data_dir: str | Path | None = None) -> Dataset:
     parsed = parse_spec(spec)
     entry = get_entry(parsed.name)
     accepted = options_of(entry)
-    unknown = sorted(set(parsed.kwargs) - set(accepted))
-    if unknown:
-        raise BatchboundError(
-            f"data set {parsed.name!r} has no option {', '.join(map(repr, unknown))}; "
-            f"options: {', '.join(accepted) or '(none)'}"
-        )
+    check_options(f"data set {parsed.name!r}", parsed.kwargs, accepted)
     hints = typing.get_type_hints(entry.loader)
     for key, value in parsed.kwargs.items():
         allowed = _scalar_types(hints.get(key))

@@ -29,7 +29,7 @@ import torch
 
 from batchbound.data.dataset import Dataset
 from batchbound.errors import BatchboundError
-from batchbound.spec import Spec, parse_spec
+from batchbound.spec import Spec, check_options, parse_spec
 
 
 def _record(dataset: Dataset, name: str, **options: object) -> tuple[str, ...]:
@@ -134,13 +134,8 @@ def apply_transform(dataset: Dataset, spec: str, seed: int) -> Dataset:
         raise BatchboundError(f"unknown transform {parsed.name!r}; known: {known}")
     options = dict(parsed.kwargs)
     seed = options.pop("seed", seed)
-    unknown = sorted(set(options) - set(_OPTIONS[parsed.name]))
-    if unknown:
-        raise BatchboundError(
-            f"transform {parsed.name!r} has no option "
-            f"{', '.join(map(repr, unknown))}; options: "
-            f"{', '.join(_OPTIONS[parsed.name])}, seed"
-        )
+    check_options(f"transform {parsed.name!r}", [*options, "seed"],
+                  [*_OPTIONS[parsed.name], "seed"])
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise BatchboundError(f"transform {parsed.name!r}: seed must be an integer, got {seed!r}")
     return TRANSFORMS[parsed.name](dataset, seed, **options)

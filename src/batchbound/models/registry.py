@@ -19,7 +19,7 @@ from torch import nn
 
 from batchbound.errors import BatchboundError
 from batchbound.models.user import build_user_model, is_user_spec
-from batchbound.spec import Spec, parse_spec
+from batchbound.spec import Spec, check_options, parse_spec
 
 Builder = Callable[..., nn.Module]
 _FAMILIES: dict[str, Builder] = {}
@@ -96,12 +96,7 @@ def build_model(
     builder = get_family(parsed.name)
     options = [p for p in inspect.signature(builder).parameters
                if p not in ("input_shape", "num_outputs")]
-    unknown = [key for key in parsed.kwargs if key not in options]
-    if unknown:
-        raise BatchboundError(
-            f"model {parsed.name!r} has no option {', '.join(map(repr, unknown))}; "
-            f"options: {', '.join(options)}"
-        )
+    check_options(f"model {parsed.name!r}", parsed.kwargs, options)
     if torch.get_default_device().type != "meta":
         # a real build: count on the meta device first (no memory, no RNG drawn), so a model
         # that cannot fit is refused with its size instead of hanging in the allocator

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from batchbound.errors import BatchboundError
-from batchbound.spec import parse_spec
+from batchbound.spec import check_options, parse_spec
 from batchbound.train.lr_rules import LR_RULES, lr_rule
 
 SOURCES = ("exact", "online")
@@ -140,11 +140,7 @@ def parse_batch_policy(text: str) -> BatchPolicy:
     [,pick=bound|time])``; with pick=time, delta is not used and may be left out."""
     spec = parse_spec(text)
     if spec.name == "warmup":
-        allowed = {"max", "every", "fraction", "lr"}
-        unknown = sorted(set(spec.kwargs) - allowed)
-        if unknown:
-            raise BatchboundError(f"warmup has no option {', '.join(map(repr, unknown))}; "
-                                  f"options: {', '.join(sorted(allowed))}")
+        check_options("warmup", spec.kwargs, ("every", "fraction", "lr", "max"))
         return BatchPolicy(adaptive=True, source="online", pick="warmup", min=1,
                            **{"max": 1 << 30, "every": 50, **spec.kwargs})
     if spec.name == "fixed":
@@ -157,13 +153,8 @@ def parse_batch_policy(text: str) -> BatchPolicy:
             f"fraction=..,lr={'|'.join((NOISE, *LR_RULES))}) or adaptive(delta=..,"
             "min=..,max=..,every=..)"
         )
-    allowed = {"delta", "min", "max", "every", "source", "pick"}
-    unknown = sorted(set(spec.kwargs) - allowed)
-    if unknown:
-        raise BatchboundError(
-            f"adaptive batch has no option {', '.join(map(repr, unknown))}; "
-            f"options: {', '.join(sorted(allowed))}"
-        )
+    check_options("adaptive batch", spec.kwargs,
+                  ("delta", "every", "max", "min", "pick", "source"))
     needed = {"min", "max", "every"} | ({"delta"} if spec.kwargs.get("pick") != "time" else set())
     missing = sorted(needed - set(spec.kwargs))
     if missing:

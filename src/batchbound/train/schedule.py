@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from batchbound.errors import BatchboundError
-from batchbound.spec import parse_spec
+from batchbound.spec import check_options, parse_spec
 from batchbound.train.lr_rules import LR_RULES, rules_help
 
 DECAYS = ("none", "step", "cosine")
@@ -88,13 +88,8 @@ def parse_strategy(text: str) -> Strategy:
     """``blr``, ``lsr(base_batch=32,warmup_epochs=5)``, ``srsr(base_batch=32,decay=cosine,
     decay_epochs=100)``; raises BatchboundError naming the bad part."""
     spec = parse_spec(text)
-    allowed = {"base_batch", "warmup_epochs", "decay", "milestones", "gamma", "decay_epochs"}
-    unknown = sorted(set(spec.kwargs) - allowed)
-    if unknown:
-        raise BatchboundError(
-            f"strategy {spec.name!r} has no option {', '.join(map(repr, unknown))}; "
-            f"options: {', '.join(sorted(allowed))}"
-        )
+    check_options(f"strategy {spec.name!r}", spec.kwargs, sorted(
+        ("base_batch", "warmup_epochs", "decay", "milestones", "gamma", "decay_epochs")))
     kwargs = dict(spec.kwargs)
     rule = LR_RULES.get(spec.name)
     if rule is not None and rule.needs_base_batch and "base_batch" not in kwargs:
