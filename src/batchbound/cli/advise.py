@@ -17,7 +17,7 @@ from batchbound.advise.timing import OVERLAPS
 from batchbound.cli.common import add_config_flags, add_data_arguments, writable_file
 from batchbound.errors import BatchboundError
 from batchbound.study.measured import load_advice_input
-from batchbound.train import TrainConfig, target_list
+from batchbound.train import TARGET_METRICS, TrainConfig, target_list
 from batchbound.train.config import GROUPS
 from batchbound.train.lr_rules import rules_help
 
@@ -66,7 +66,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     # --batch-size (default 16 here) and its lr η0 is taken as the best at B0
     add_config_flags(groups, PILOT_FIELDS, defaults={"batch_size": 16})
     parser.set_defaults(batch_size=16)
-    for metric in ("train_acc", "train_loss", "test_acc", "test_loss"):
+    for metric in TARGET_METRICS:
         parser.add_argument(f"--target-{metric.replace('_', '-')}", dest=f"target_{metric}",
                             type=float, metavar="X", help=f"the target: {metric} reaches X")
     parser.add_argument("--planned-epochs", type=float, metavar="E",
@@ -122,7 +122,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     targets = target_list(**{m: getattr(args, f"target_{m}")
-                             for m in ("train_acc", "train_loss", "test_acc", "test_loss")})
+                             for m in TARGET_METRICS})
     if args.from_study and args.probe:
         raise BatchboundError("--probe branches a pilot; it does not apply to --from-study")
     values = {name: getattr(args, name) for name in PILOT_FIELDS

@@ -16,7 +16,7 @@ from typing import Any
 from batchbound.config import INT64_MAX, check_types, load_toml, to_plain
 from batchbound.errors import BatchboundError
 from batchbound.spec import parse_spec
-from batchbound.train.config import TrainConfig
+from batchbound.train.config import TARGET_METRICS, TrainConfig
 from batchbound.train.lr_rules import LR_RULES
 
 TUNING_RULES = {
@@ -33,7 +33,6 @@ TUNE_AT = ("each_batch", "base_batch")
 # set, so that runs compared across data sets share it ([diversity]'s stability pairs train
 # "the same mini-batch SGD algorithm" on two data sets that differ in one example).
 TUNE_DATA = ("each", "first")
-TARGET_METRICS = ("train_acc", "test_acc", "train_loss", "test_loss")
 
 
 # A plan is built in memory before any run starts: bigger sweeps are split into studies.
