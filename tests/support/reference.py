@@ -3,6 +3,7 @@ one forward and one backward per example."""
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 from typing import Any
@@ -65,3 +66,15 @@ def assert_exact(
     assert abs(got.S - reference.S) <= RTOL * reference.S
     assert abs(got.T - reference.T) <= RTOL * max(reference.T, reference.S)
     return got
+
+
+def loop_gradients(model: nn.Module, x: Tensor, y: Tensor, loss: Any) -> Tensor:
+    """(n, d) per-example gradients of a float64 copy of ``model`` (left as it is), one
+    backward per example: the reference the engines are checked against."""
+    model = copy.deepcopy(model).double()
+    rows = []
+    for i in range(x.shape[0]):
+        model.zero_grad()
+        loss(model(x[i : i + 1].double()), y[i : i + 1]).sum().backward()
+        rows.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    return torch.stack(rows)

@@ -6,21 +6,11 @@ import copy
 
 import pytest
 import torch
+from reference import loop_gradients
 from torch import nn
 
 from batchbound.diversity.differential import differential_diversity
 from batchbound.errors import BatchboundError
-
-
-def loop_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss) -> torch.Tensor:
-    """(n, d) per-example gradients, one backward per example, float64: the reference."""
-    model = copy.deepcopy(model).double()
-    rows = []
-    for i in range(x.shape[0]):
-        model.zero_grad()
-        loss(model(x[i : i + 1].double()), y[i : i + 1]).sum().backward()
-        rows.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
-    return torch.stack(rows)
 
 
 def two_states(seed: int = 0):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from reference import loop_gradients
 from torch import nn
 
 from batchbound.diversity.mechanisms import (
@@ -30,17 +31,6 @@ from batchbound.errors import BatchboundError
 
 MECHANISMS = ["dropconnect(p=0.3)", "dropconnect(p=0.8)", "sgld(sigma=0.2)", "quantization",
               "quantize(per_tensor=true)", "none"]
-
-
-def loop_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss) -> torch.Tensor:
-    """(n, d) per-example gradients, one backward per example, float64: the reference."""
-    model = model.double()
-    rows = []
-    for i in range(x.shape[0]):
-        model.zero_grad()
-        loss(model(x[i : i + 1].double()), y[i : i + 1]).sum().backward()
-        rows.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
-    return torch.stack(rows)
 
 
 def closed_form(mechanism: str, g: torch.Tensor, slices=None) -> float:
