@@ -2,8 +2,9 @@
 
 A run is identified by ``config.config_hash()``: the hash of its canonical dict without the
 fields that only say where things live (``data_dir``). Checks that need the data set (B ≤ n,
-accuracy targets only on classification) are in ``validate_against(dataset)``, which
-``train()`` calls before building the model.
+accuracy targets only on classification, the model built on the meta device, its memory)
+are in ``preflight.py``, through ``validate_against(dataset)``, which ``train()`` calls
+before building the model. A field's declared ``choices`` are enforced from its metadata.
 """
 
 from __future__ import annotations
@@ -181,14 +182,28 @@ class TrainConfig:
         (), "records", f"measure at the final weights: {' | '.join(PROBES)}", metavar="PROBE")
 
     def __post_init__(self) -> None:
+        """Normalise, then check: types, sizes, the fields' declared choices, ranges, limits,
+        and the spec strings and how the fields combine; each a one-line BatchboundError."""
         if not isinstance(self.targets, (list, tuple)):
             raise BatchboundError(f"targets is a list of {{metric, threshold}}, got "
                                   f"{self.targets!r}")
-        targets = tuple(_target(t) for t in self.targets)
-        object.__setattr__(self, "targets", targets)
+        object.__setattr__(self, "targets", tuple(_target(t) for t in self.targets))
         object.__setattr__(self, "final_probes", _probes(self.final_probes))
         # every field against its annotation first (a file's "64" or NaN), then the ranges
         check_types(self, lambda name, problem: BatchboundError(f"{name}: {problem}"))
+        self._check_sizes()
+        for f in dataclasses.fields(self):  # the choices the fields declare (--help shows them)
+            if "choices" in f.metadata:
+                _choice(f.name, getattr(self, f.name), f.metadata["choices"])
+        self._warmup_defaults()
+        if not DEVICE.fullmatch(self.device):
+            raise BatchboundError(f"unknown device {self.device!r}; choose from "
+                                  f"{', '.join(DEVICES)} or cuda:i (a GPU's index)")
+        self._check_ranges()
+        self._check_limits()
+        self._check_combinations()
+
+    def _check_sizes(self) -> None:
         _positive_int("batch_size", self.batch_size)
         _positive_int("workers", self.workers)
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
@@ -198,20 +213,13 @@ class TrainConfig:
                 f"more workers ({self.workers}) than examples in the global batch "
                 f"({self.batch_size}): every worker needs at least one example"
             )
-        _choice("convention", self.convention, CONVENTIONS)
-        _choice("sampling", self.sampling, SAMPLINGS)
-        _choice("online_diversity", self.online_diversity, ONLINE_MODES)
-        _choice("mechanism_granularity", self.mechanism_granularity, GRANULARITIES)
-        self._warmup_defaults()
-        if not DEVICE.fullmatch(self.device):
-            raise BatchboundError(f"unknown device {self.device!r}; choose from "
-                                  f"{', '.join(DEVICES)} or cuda:i (a GPU's index)")
-        _choice("dtype", self.dtype, DTYPES)
+
+    def _check_ranges(self) -> None:
         if not 0 <= self.momentum < 1:
             raise BatchboundError(f"momentum must be in [0, 1), got {self.momentum}")
         if self.weight_decay < 0:
             raise BatchboundError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if len({t.name for t in targets}) != len(targets):
+        if len({t.name for t in self.targets}) != len(self.targets):
             raise BatchboundError("the same target is given twice")
         for name in ("max_epochs", "max_seconds", "eval_every_epochs", "diversity_every_epochs",
                      "snapshot_every_epochs"):
@@ -224,6 +232,9 @@ class TrainConfig:
             if value is not None:
                 _positive_int(name, value)
         _positive_int("eval_batch_size", self.eval_batch_size)
+
+    def _check_limits(self) -> None:
+        """The run ends, evaluates, and can tell a divergence."""
         if self.max_epochs is None and self.max_iterations is None and self.max_seconds is None:
             raise BatchboundError(
                 "no limit: set max_epochs, max_iterations or max_seconds so the run ends "
@@ -243,17 +254,20 @@ class TrainConfig:
             raise BatchboundError(
                 f"divergence_factor must be > 1 (or unset to disable), got {self.divergence_factor}"
             )
-        # parse the spec strings now, so a typo fails before any work
+
+    def _check_combinations(self) -> None:
+        """The spec strings parse now (a typo fails before any work) and fit together."""
         self.parsed_strategy()
-        self.parsed_mechanism()
-        if self.online_diversity != "off" and not self.parsed_mechanism().is_identity:
+        mechanism = self.parsed_mechanism()
+        if self.online_diversity != "off" and not mechanism.is_identity:
             raise BatchboundError(
                 "online_diversity estimates the plain gradient's diversity and cannot be "
                 "combined with a mechanism; measure a mechanism's Δ with "
                 "diversity_every_epochs or batchbound.diversity.mechanisms"
             )
+        policy = self.parsed_batch_policy()
         if self.micro_batch is not None and self.micro_batch >= self.batch_size and (
-                not self.parsed_batch_policy().adaptive):
+                not policy.adaptive):
             raise BatchboundError(
                 f"micro_batch {self.micro_batch} is not below batch_size {self.batch_size}: "
                 "there is nothing to accumulate; leave micro_batch unset")
@@ -262,7 +276,6 @@ class TrainConfig:
             raise BatchboundError(
                 "online_diversity=two_batch needs at least two small batches per step: "
                 "workers >= 2, or micro_batch below batch_size")
-        policy = self.parsed_batch_policy()
         if policy.adaptive and policy.source == "online" and self.online_diversity == "off":
             raise BatchboundError(
                 "adaptive(source=online) needs online_diversity=norms or two_batch"
@@ -307,82 +320,12 @@ class TrainConfig:
 
     # ---- checks that need the data ---------------------------------------------------------
     def validate_against(self, dataset: Any, model_given: bool = False) -> None:
-        """Raise BatchboundError if this config cannot run on ``dataset`` (a Dataset).
-        ``model_given``: the caller trains a module of its own, not ``self.model``."""
-        n = dataset.n_train
-        if self.batch_size > n:
-            raise BatchboundError(
-                f"batch size {self.batch_size} is larger than the training set ({n} examples)"
-            )
-        # accuracy: of labels (classification) or of next tokens (text); regression has none
-        if dataset.task not in ("classification", "text"):
-            bad = [t.name for t in self.targets if t.metric.endswith("_acc")]
-            if bad:
-                raise BatchboundError(
-                    f"target {', '.join(bad)} needs accuracy, which a {dataset.task} task does "
-                    "not have; use train_loss or test_loss targets"
-                )
-        text_loss = "sequence_cross_entropy"
-        if self.loss is not None and (self.loss == text_loss) != (dataset.task == "text"):
-            raise BatchboundError(
-                f"loss {self.loss!r} does not fit a {dataset.task} task; "
-                + (f"text needs {text_loss} (the default)" if dataset.task == "text"
-                   else f"{text_loss} is for text data sets")
-            )
-        if dataset.n_test == 0 and any(t.metric.startswith("test_") for t in self.targets):
-            raise BatchboundError(f"data set {dataset.name!r} has no test split for a test target")
-        if self.eval_subset is not None and self.eval_subset > n:
-            raise BatchboundError(f"eval_subset {self.eval_subset} exceeds the {n} train examples")
-        policy = self.parsed_batch_policy()
-        if policy.adaptive and policy.min > n:
-            raise BatchboundError(f"adaptive batch min={policy.min} exceeds n={n}")
-        if self.loss is not None:
-            from batchbound.diversity.losses import resolve_loss
+        """Raise BatchboundError if this config cannot run on ``dataset`` (a Dataset):
+        ``preflight.py``'s checks, the model built on the meta device and its memory
+        estimated. ``model_given``: the caller trains a module of its own."""
+        from batchbound.train.preflight import preflight
 
-            resolve_loss(self.loss, dataset.task)
-        # token models (gpt, lstm) read text, the others float features: say so before a
-        # dtype error in the first layer. Built on the meta device: no memory, no RNG.
-        import torch
-
-        from batchbound.models import build_model, check_fits, model_shape
-        from batchbound.models.layers import check_task
-        from batchbound.models.user import is_user_spec, load_factory
-
-        if model_given:
-            return
-        if is_user_spec(self.model):  # a user's factory may not build on the meta device:
-            load_factory(self.model)  # it must import; the trainer's real build checks the rest
-            return
-        with torch.device("meta"):
-            model = build_model(self.model, dataset.input_shape, dataset.num_outputs)
-        check_task(model_shape(model), dataset.task, dataset.name)
-        width = 8 if self.dtype == "float64" else 4
-        check_fits(self.model, model, width)
-        self._check_activations(dataset, width)
-
-    def _check_activations(self, dataset: Any, bytes_per_value: int) -> None:
-        """The largest layer output, for the most examples ever in memory at once (an
-        evaluation chunk, a worker's step), is a lower bound on what the run needs: refuse a
-        run that cannot fit now, not at its first evaluation."""
-        from batchbound.models import describe_model
-        from batchbound.models.registry import memory_bytes
-
-        memory = memory_bytes()
-        layers = describe_model(self.model, dataset.input_shape, dataset.num_outputs).layers
-        largest = max((math.prod(row.output_shape) for row in layers), default=0)
-        evaluated = max(dataset.n_test, self.eval_subset or dataset.n_train)
-        chunk = min(self.eval_batch_size, evaluated)
-        step = self.micro_batch or -(-self.batch_size // self.workers)
-        need = largest * max(chunk, step) * bytes_per_value
-        if memory is None or need <= memory:
-            return
-        what, lower = (("an evaluation chunk", "eval_batch_size") if chunk >= step
-                       else ("a worker's step", "batch_size, or set micro_batch"))
-        raise BatchboundError(
-            f"model {self.model}: {what} of {max(chunk, step):,} examples holds a layer output "
-            f"of {largest:,} values per example, {need / 1e9:,.1f} GB, more than this "
-            f"machine's {memory / 1e9:.1f} GB of memory; lower {lower}"
-        )
+        preflight(self, dataset, model_given)
 
     # ---- serialisation ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
