@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from batchbound.config import config_hash
+from batchbound.train.config import TrainConfig
 
 if TYPE_CHECKING:
     from batchbound.study.spec import DataSpec, StudySpec
@@ -24,16 +24,10 @@ DEFAULT_TRAINER = "batchbound.study.adapter:execute"
 def train_fields(spec: StudySpec, data: DataSpec, model: str, batch_size: int, lr: float,
                  strategy: str, seed: int, mechanism: str, epochs: float,
                  with_targets: bool) -> dict[str, Any]:
-    """TrainConfig fields for one run. Tuning runs (no targets) skip Δ measurements."""
+    """TrainConfig fields for one run: the cell's own, then what the spec gives every run
+    (``TrainSpec.run_fields``; tuning runs, without targets, skip Δ measurements), then the
+    spec's other TrainConfig fields, only those it sets."""
     train = spec.train
-    # options added after 0.1 are passed only when set, so older trainers and stores agree
-    later = {"mechanism_granularity": train.mechanism_granularity,
-             "stop_at_targets": train.stop_at_targets,
-             "snapshot_every_epochs": train.snapshot_every_epochs if with_targets else None,
-             "final_probes": list(train.final_probes) if with_targets else []}
-    defaults = {"mechanism_granularity": "worker", "stop_at_targets": True,
-                "snapshot_every_epochs": None,
-                "final_probes": []}
     return {
         "dataset": data.dataset,
         "transform": data.transform,
@@ -41,22 +35,13 @@ def train_fields(spec: StudySpec, data: DataSpec, model: str, batch_size: int, l
         "batch_size": int(batch_size),
         "lr": float(lr),
         "strategy": strategy,
-        "momentum": float(train.momentum),
-        "weight_decay": float(train.weight_decay),
-        "convention": train.convention,
-        "sampling": train.sampling,
         "seed": int(seed),
-        "workers": int(train.workers),
-        "targets": [{"metric": m, "threshold": float(t)} for m, t in train.targets]
-        if with_targets else [],
         "max_epochs": float(epochs),
-        "eval_every_epochs": float(train.eval_every_epochs),
-        "diversity_every_epochs": train.diversity_every_epochs if with_targets else None,
         "mechanism": mechanism,
         "checkpoint_every": None if train.checkpoint_every_epochs is None else max(
             1, round(train.checkpoint_every_epochs * data_n(data) / batch_size)),
-        **{k: v for k, v in later.items() if v != defaults[k]},
-        **train.overrides,  # the spec's other TrainConfig fields, only those it sets
+        **train.run_fields(with_targets),
+        **train.overrides,
     }
 
 
@@ -70,20 +55,11 @@ def data_n(data: DataSpec) -> int:
 _N_CACHE: dict[str, int] = {}
 
 
-def _train_config_class() -> Any:
-    try:
-        from batchbound.train.config import TrainConfig
-    except ImportError:  # the trainer package is optional for planning and analysis
-        return None
-    return TrainConfig
-
-
 def config_key(fields: dict[str, Any]) -> str:
-    """The run's key in the store: the trainer's own config hash when it is installed."""
-    cls = _train_config_class()
-    if cls is None:
-        return config_hash(fields)
-    return cls.from_dict(dict(fields)).config_hash()
+    """The run's key in the store: the trainer's own config hash (one rule: its
+    ``NOT_HASHED`` and ``HASHED_WHEN_SET``), so a study's run and the same run trained
+    alone share a key, and a field added to the trainer at its default changes none."""
+    return TrainConfig.from_dict(dict(fields)).config_hash()
 
 
 def load_data(data: DataSpec) -> Any:

@@ -9,6 +9,7 @@ naming the key (``[batches] sizes: ...``) before any run starts. See ``docs/stud
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,18 @@ class LRSpec:
             raise _fail("lr", "tune_seeds", f"must be >= 1, got {self.tune_seeds!r}")
 
 
+# The TrainSpec fields every run's TrainConfig takes under its own name (with the type its
+# stored value has always had: keys hash the values), and those only runs with targets take
+# (tuning runs skip Δ along training, snapshots and probes). Declared once: the spec's check
+# (TrainConfig itself, at load) and the adapter's run fields both read them.
+RUN_FIELDS: dict[str, Callable[[Any], Any]] = {
+    "momentum": float, "weight_decay": float, "convention": str, "sampling": str,
+    "workers": int, "eval_every_epochs": float, "mechanism_granularity": str,
+    "stop_at_targets": bool}
+FINAL_RUN_FIELDS: dict[str, Any] = {  # name: its value in a run without targets
+    "diversity_every_epochs": None, "snapshot_every_epochs": None, "final_probes": []}
+
+
 @dataclass(frozen=True)
 class TrainSpec:
     """What every run shares: targets, budget, optimiser, cadences and execution."""
@@ -211,19 +224,23 @@ class TrainSpec:
         not only when a run starts."""
         for mechanism in self.mechanisms:
             try:
-                TrainConfig(targets=self.targets, max_epochs=self.max_epochs,
-                            momentum=self.momentum, weight_decay=self.weight_decay,
-                            convention=self.convention, sampling=self.sampling,
-                            eval_every_epochs=self.eval_every_epochs,
-                            diversity_every_epochs=self.diversity_every_epochs,
-                            mechanism=mechanism,
-                            mechanism_granularity=self.mechanism_granularity,
-                            workers=self.workers, batch_size=self.workers,
-                            snapshot_every_epochs=self.snapshot_every_epochs,
-                            final_probes=self.final_probes, seed=self.seed,
+                TrainConfig(**self.run_fields(with_targets=True), max_epochs=self.max_epochs,
+                            mechanism=mechanism, batch_size=self.workers, seed=self.seed,
                             **self.overrides)
             except BatchboundError as exc:
                 raise BatchboundError(f"study spec [train]: {exc}") from None
+
+    def run_fields(self, with_targets: bool) -> dict[str, Any]:
+        """The TrainConfig fields this spec gives every run (``RUN_FIELDS``, and with
+        targets ``FINAL_RUN_FIELDS``); a run's own (data, model, B, η, strategy, seed,
+        epochs, mechanism) come from the plan, the spec's other fields from ``overrides``."""
+        out = {name: kind(getattr(self, name)) for name, kind in RUN_FIELDS.items()}
+        out["targets"] = ([{"metric": m, "threshold": float(t)} for m, t in self.targets]
+                          if with_targets else [])
+        for name, without in FINAL_RUN_FIELDS.items():
+            value = getattr(self, name) if with_targets else without
+            out[name] = list(value) if isinstance(value, tuple) else value
+        return out
 
     @property
     def budget(self) -> float:
