@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import html
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,12 +40,7 @@ def cell(value: Any) -> str:
     if isinstance(value, (bool, np.bool_)):
         return "yes" if value else "no"
     if isinstance(value, (float, np.floating)):
-        value = float(value)
-        if math.isnan(value):
-            return "n/a"
-        if math.isinf(value):
-            return "miss" if value > 0 else "−∞"
-        return fmt(value)
+        return fmt(float(value))  # n/a, miss, −∞, whole numbers, 3 significant digits
     return str(value)
 
 
