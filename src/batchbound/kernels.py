@@ -19,8 +19,8 @@ pins that path with the libraries' documented settings:
 - oneDNN and NNPACK off, so convolutions run through ATen and MKL;
 - one thread per run (the study's executors already set it; MKL's CNR needs a fixed count).
 
-``native`` leaves every library to choose. Portable costs speed (see the README's
-Reproducibility section for the measured factor) and guarantees nothing on other
+``native`` leaves every library to choose. Portable costs speed (docs/trust.md, "Same
+command, same numbers", has the measured factor) and guarantees nothing on other
 architectures (ARM uses other libraries) or on CUDA.
 """
 

@@ -326,7 +326,7 @@ def _prediction_rows(config: TrainConfig, path: Trajectory, strategy: str, count
         ends = [predict_iterations(p, batch, strategy, scale) for p in (path.high, path.low)]
         return min(ends), max(ends)
 
-    spread = 0.25 if busy else 0.1  # the step timing's own uncertainty (see README)
+    spread = 0.25 if busy else 0.1  # the step timing's own uncertainty (docs/advise.md)
     rows = []
     for workers in counts:
         rows += candidate_rows(workers, n, micro_limit, curves[workers], communication[workers],
