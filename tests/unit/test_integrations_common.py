@@ -1,4 +1,4 @@
-"""The integrations' shared pieces without any framework: the micro-batch probe against a
+"""The integrations' shared pieces without any framework: the micro-batch norms against a
 brute-force accumulation loop (mean and sum losses, unequal micro-batches, a loss scale),
 non-finite steps left out, the metric names, and imports that stay optional."""
 
@@ -18,7 +18,7 @@ from torch import nn
 from batchbound.diversity.online import OnlineDiversity
 from batchbound.errors import BatchboundError
 from batchbound.integrations.common import (
-    MicroBatchProbe,
+    MicroBatchNorms,
     MissingExtraError,
     StepRecords,
     diversity_metrics,
@@ -35,21 +35,21 @@ def model() -> nn.Module:
 @given(sizes=st.lists(st.integers(1, 6), min_size=2, max_size=4),
        reduction=st.sampled_from(["mean", "sum"]), scale=st.sampled_from([1.0, 2.0**7]),
        seed=st.integers(0, 1000))
-def test_probe_matches_brute_force_accumulation(sizes, reduction, scale, seed) -> None:
+def test_micro_batch_norms_match_brute_force_accumulation(sizes, reduction, scale, seed) -> None:
     net = model()
     params = list(net.parameters())
     g = torch.Generator().manual_seed(seed)
     batches = [(torch.randn(b, 4, generator=g, dtype=torch.float64),
                 torch.randint(0, 2, (b,), generator=g)) for b in sizes]
     k = len(sizes)
-    probe = MicroBatchProbe(params)
+    norms = MicroBatchNorms(params)
     # the framework's accumulation: each micro-batch's loss / k, times the AMP scale
     for x, y in batches:
-        probe.start(float(len(y)), 1.0 if reduction == "mean" else float(len(y)))
+        norms.start(float(len(y)), 1.0 if reduction == "mean" else float(len(y)))
         (scale * F.cross_entropy(net(x), y, reduction=reduction) / k).backward()
-        probe.stop()
-    row = probe.record(1.0 / k, scale).tolist()
-    probe.remove()
+        norms.stop()
+    row = norms.record(1.0 / k, scale).tolist()
+    norms.remove()
     # brute force: every micro-batch's mean gradient, and the accumulated .grad itself
     means = [torch.cat([t.reshape(-1) for t in torch.autograd.grad(
         F.cross_entropy(net(x), y), params)]) for x, y in batches]
@@ -64,15 +64,15 @@ def test_probe_matches_brute_force_accumulation(sizes, reduction, scale, seed) -
                                                            zip(weights, sizes, strict=True)))
 
 
-def test_probe_needs_two_micro_batches_and_ignores_outside_backward() -> None:
+def test_micro_batch_norms_need_two_micro_batches_and_ignores_outside_backward() -> None:
     net = model()
-    probe = MicroBatchProbe(net.parameters())
+    norms = MicroBatchNorms(net.parameters())
     x, y = torch.randn(3, 4, dtype=torch.float64), torch.tensor([0, 1, 0])
     F.cross_entropy(net(x), y).backward()  # no micro-batch open: not seen
-    probe.start(3.0, 1.0)
+    norms.start(3.0, 1.0)
     F.cross_entropy(net(x), y).backward()
-    assert probe.record(1.0, 1.0) is None  # one micro-batch: no small/big pair
-    probe.remove()
+    assert norms.record(1.0, 1.0) is None  # one micro-batch: no small/big pair
+    norms.remove()
 
 
 def test_records_skip_non_finite_steps() -> None:

@@ -192,7 +192,7 @@ class Window:
             w * w / b for w, b in zip(self.weights, self.sizes, strict=True))
 
 
-class MicroBatchProbe:
+class MicroBatchNorms:
     """Per-parameter tensor hooks that see each micro-batch's gradient h_j before it is
     added to ``.grad``: one squared norm per parameter per micro-batch, and ⟨.grad, h_j⟩
     with what ``.grad`` already holds, so that

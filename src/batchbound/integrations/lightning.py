@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from batchbound.diversity.online import OnlineDiversity
 from batchbound.errors import BatchboundError
 from batchbound.integrations.common import (
-    MicroBatchProbe,
+    MicroBatchNorms,
     StepRecords,
     Window,
     check_options,
@@ -75,7 +75,7 @@ class DiversityCallback(L.Callback):
         self.metrics: dict[str, float] = {}
         self.mode: str | None = None  # "ddp" or "accumulation" once training starts
         self._records: StepRecords | None = None
-        self._probe: MicroBatchProbe | None = None
+        self._norms: MicroBatchNorms | None = None
         self._hook_state: GNSHookState | None = None
         self._window = Window()
         self._batch_size = 0
@@ -111,7 +111,7 @@ class DiversityCallback(L.Callback):
                                       "so drop the strategy's ddp_comm_hook") from exc
             self._records, self.mode = self._hook_state.records, "ddp"
         elif trainer.accumulate_grad_batches >= 2:
-            self._probe = MicroBatchProbe(pl_module.parameters())
+            self._norms = MicroBatchNorms(pl_module.parameters())
             self._records, self.mode = StepRecords(self.monitor), "accumulation"
         else:
             raise BatchboundError(
@@ -132,8 +132,8 @@ class DiversityCallback(L.Callback):
     ) -> None:
         b = float(self._batch_size)
         weight = 1.0 if self.reduction == "mean" else b
-        if self._probe is not None:
-            self._probe.start(b, weight)
+        if self._norms is not None:
+            self._norms.start(b, weight)
         elif self._hook_state is not None:
             self._window.add(b, weight)
             self._hook_state.set_window(
@@ -141,16 +141,16 @@ class DiversityCallback(L.Callback):
                 self._window.effective_size())
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._probe is not None:
-            self._probe.stop()
+        if self._norms is not None:
+            self._norms.stop()
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
     ) -> None:
         if self._records is None:
             return
-        if self._probe is not None:
-            row = self._probe.record(1.0 / trainer.accumulate_grad_batches,
+        if self._norms is not None:
+            row = self._norms.record(1.0 / trainer.accumulate_grad_batches,
                                      loss_scale_of(self._scaler, pl_module.device))
             if row is not None:
                 self._records.add(row)
@@ -181,9 +181,9 @@ class DiversityCallback(L.Callback):
         self._remove()
 
     def _remove(self) -> None:
-        if self._probe is not None:
-            self._probe.remove()
-            self._probe = None
+        if self._norms is not None:
+            self._norms.remove()
+            self._norms = None
 
     def state_dict(self) -> dict[str, Any]:
         if self._records is not None:

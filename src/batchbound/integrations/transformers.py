@@ -50,7 +50,7 @@ from torch.utils.hooks import RemovableHandle
 from batchbound.diversity.online import OnlineDiversity
 from batchbound.errors import BatchboundError
 from batchbound.integrations.common import (
-    MicroBatchProbe,
+    MicroBatchNorms,
     StepRecords,
     check_options,
     dataset_size,
@@ -95,7 +95,7 @@ class DiversityCallback(transformers.TrainerCallback):
         self.unit = "examples"  # or "tokens", once the first training forward shows it
         self._attached = False
         self._records: StepRecords | None = None
-        self._probe: MicroBatchProbe | None = None
+        self._norms: MicroBatchNorms | None = None
         self._forward: RemovableHandle | None = None
         self._scaler: Any = None
         self._world = 1
@@ -138,7 +138,7 @@ class DiversityCallback(transformers.TrainerCallback):
         n = self.n if self.n is not None else dataset_size(train_dataloader)
         self.monitor = OnlineDiversity(n, decay=self.decay, sampling=self.sampling)
         self._records = StepRecords(self.monitor)
-        self._probe = MicroBatchProbe(model.parameters())
+        self._norms = MicroBatchNorms(model.parameters())
         self._device = next(model.parameters()).device
         self._forward = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         self._scaler = getattr(optimizer, "scaler", None)
@@ -152,12 +152,12 @@ class DiversityCallback(transformers.TrainerCallback):
         """A training forward opens a micro-batch: its size and loss weight."""
         if not module.training or not torch.is_grad_enabled():
             return
-        assert self._probe is not None
+        assert self._norms is not None
         self._forwards += 1
         items = kwargs.get("num_items_in_batch")
         if items is None:
             b = float(_batch_size(args, kwargs))
-            self._probe.start(b, 1.0 if self.reduction == "mean" else b)
+            self._norms.start(b, 1.0 if self.reduction == "mean" else b)
             return
         if self.unit != "tokens":  # n counts examples, not tokens: Δ is not defined here
             self._use_tokens(module)
@@ -170,7 +170,7 @@ class DiversityCallback(transformers.TrainerCallback):
             if self._token_rule == "shifted":
                 labels = labels[..., 1:]
         count = labels.ne(_IGNORE).sum().to(torch.float64)  # the items its loss sums over
-        self._probe.start(count, count)
+        self._norms.start(count, count)
 
     def _use_tokens(self, module: nn.Module) -> None:
         """The loss is Σ over label tokens / num_items_in_batch: know which tokens."""
@@ -191,9 +191,9 @@ class DiversityCallback(transformers.TrainerCallback):
     # ------------------------------------------------------------------- a step
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._probe is None or self._records is None:
+        if self._norms is None or self._records is None:
             return
-        self._probe.stop()
+        self._norms.stop()
         forwards, self._forwards = self._forwards, 0
         if self.unit == "tokens":
             # each micro-batch: Σ over its tokens / N, times P when the Trainer averages
@@ -203,7 +203,7 @@ class DiversityCallback(transformers.TrainerCallback):
             constant = self._token_factor / total
         else:  # each micro-batch's loss divided by their number k
             constant = 1.0 / max(forwards, 1)
-        row = self._probe.record(constant, loss_scale_of(self._scaler, self._device))
+        row = self._norms.record(constant, loss_scale_of(self._scaler, self._device))
         if row is not None:
             self._records.add(row)
 
@@ -230,9 +230,9 @@ class DiversityCallback(transformers.TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._records is not None:
             self._records.fold()
-        if self._probe is not None:
-            self._probe.remove()
-            self._probe = None
+        if self._norms is not None:
+            self._norms.remove()
+            self._norms = None
         if self._forward is not None:
             self._forward.remove()
             self._forward = None
