@@ -16,7 +16,8 @@ Rows (each the tool's step against the same plain step, on the same batch):
 
 - ``watch``: ``with watch(model, monitor): loss.backward()`` against the bare forward and
   backward (HF GPT-2 4×128 context 64, batch 8; the MLP and LeNet-5 of
-  benchmarks/diversity.py, batch 64);
+  benchmarks/diversity.py, batch 64); ``watch:norms`` is its cheap mode
+  (``subset="norms"``: LayerNorm parameters only);
 - ``lightning`` / ``hf``: one optimizer step of 2 accumulated micro-batches through
   ``Trainer.fit`` / ``Trainer.train`` with and without the ``DiversityCallback``, per optimizer
   step by difference of runs of 4 and 8 steps (set-up cancels); the plain column is the
@@ -132,7 +133,7 @@ def _case(name: str, batch: int) -> tuple[Case, nn.Module, Tensor, Tensor]:
     return case, model, x, y
 
 
-def watch_row(name: str, batch: int) -> Row:
+def watch_row(name: str, batch: int, subset: str = "all") -> Row:
     case, model, x, y = _case(name, batch)
     monitor = OnlineDiversity()
 
@@ -142,10 +143,11 @@ def watch_row(name: str, batch: int) -> Row:
 
     def watched() -> None:
         model.zero_grad(set_to_none=True)
-        with watch(model, monitor):
+        with watch(model, monitor, subset=subset):
             case.loss(model(x), y).mean().backward()
 
-    return Row("watch", case.name, profiled(plain), profiled(watched))
+    tool = "watch" if subset == "all" else f"watch:{subset}"
+    return Row(tool, case.name, profiled(plain), profiled(watched))
 
 
 def measure_row(name: str, chunk: int, chunks: int = 4) -> Row:
@@ -266,7 +268,8 @@ def hf_row(batch: int) -> Row:
 def rows_for(only: set[str]) -> list[Row]:
     rows = []
     if "watch" in only:
-        rows += [watch_row("hf-gpt2", 8), watch_row("mlp", 64), watch_row("lenet", 64)]
+        rows += [watch_row("hf-gpt2", 8), watch_row("hf-gpt2", 8, "norms"), watch_row("mlp", 64),
+                 watch_row("lenet", 64)]
     if "lightning" in only:
         rows.append(lightning_row(8))
     if "hf" in only:
@@ -277,17 +280,18 @@ def rows_for(only: set[str]) -> list[Row]:
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"{'tool':<10} {'model':<28} {'plain ops':>9} {'tool ops':>9} {'extra':>8} "
+    print(f"{'tool':<12} {'model':<28} {'plain ops':>9} {'tool ops':>9} {'extra':>8} "
           f"{'plain kern':>10} {'tool kern':>9} {'extra':>8}")
     for r in rows:
-        print(f"{r.tool:<10} {r.model:<28} {r.plain.ops:>9} {r.tool_count.ops:>9} "
+        print(f"{r.tool:<12} {r.model:<28} {r.plain.ops:>9} {r.tool_count.ops:>9} "
               f"{r.extra_ops:>+7.0f}% {r.plain.kernels:>10} {r.tool_count.kernels:>9} "
               f"{r.extra_kernels:>+7.0f}%")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default="watch,lightning,hf,measure")
+    parser.add_argument("--only", default="watch,lightning,hf,measure",
+                        help="comma-separated: watch, lightning, hf, measure")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -45,6 +45,7 @@ from batchbound.diversity.stats import (
     check_model_mode,
     trainable_parameters,
 )
+from batchbound.diversity.subsets import monitored_parameters
 from batchbound.errors import BatchboundError
 
 # Checked once per model (the probe runs the model at two batch sizes): model -> state.
@@ -98,7 +99,8 @@ def monitored_step(
 
 
 @contextmanager
-def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean") -> Iterator[None]:
+def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean",
+          subset: str = "all") -> Iterator[None]:
     """Update ``monitor`` from the user's own forward and backward pass, unchanged:
 
         with watch(model, monitor):
@@ -119,10 +121,15 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     planned once and the plan kept while its structure stays the same.
     Whatever cannot be covered raises BatchboundError naming it: use ``monitored_step``,
     which computes it by an exact fallback. BatchNorm must be in eval mode.
+
+    ``subset="norms"``: the cheap mode. Only the LayerNorm and RMSNorm parameters are read
+    (diversity/subsets.py), exactly, and ``monitor`` then holds *their* n·Δ, an estimate of
+    the model's whose agreement is measured in docs/benchmarks.md; the other layers run
+    untouched.
     """
     if reduction not in ("mean", "sum"):
         raise BatchboundError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    planned = _planned(model)
+    planned = _planned(model, subset)
     params = planned.params
     check_model_mode(model, planned.batch_norms)
     before = _grad_copies(params)
@@ -226,9 +233,9 @@ class _Planned:
 _PLANS: weakref.WeakKeyDictionary[nn.Module, _Planned] = weakref.WeakKeyDictionary()
 
 
-def _planned(model: nn.Module) -> _Planned:
-    params = trainable_parameters(model)
-    structure = structure_of(model, params, None, "watch")
+def _planned(model: nn.Module, subset: str = "all") -> _Planned:
+    params = monitored_parameters(model, subset)
+    structure = structure_of(model, params, None, f"watch:{subset}")
     planned = _PLANS.get(model)
     if planned is None or planned.structure != structure:
         plan = plan_hooks(model, params)
