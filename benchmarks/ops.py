@@ -8,9 +8,9 @@ Two counts per step, from one profiled step after two warm-up steps:
 - **ops**: the outermost aten operations (an aten op not called by another aten op): what
   Python and autograd dispatch, each ``torch._foreach_*`` counted once, whatever it loops
   over inside (on a GPU it is one or a few fused kernels);
-- **kernels**: the innermost aten operations that are not views or metadata (``view``,
-  ``reshape``, ``transpose``, ``detach``, ``empty``, ...), a ``torch._foreach_*`` again
-  counted once: closer to what launches device work.
+- **compute**: those of them that are not views or metadata (``view``, ``reshape``,
+  ``transpose``, ``detach``, ``empty``, a no-op ``to``, ...): closer to what launches device
+  work (each at least one kernel on a GPU).
 
 Rows (each the tool's step against the same plain step, on the same batch):
 
@@ -69,7 +69,7 @@ VIEWS = {
 @dataclass
 class Count:
     ops: int
-    kernels: int
+    compute: int
 
 
 def _aten(event: object) -> bool:
@@ -77,26 +77,18 @@ def _aten(event: object) -> bool:
 
 
 def count_events(events: list) -> Count:
-    ops = kernels = 0
+    ops = compute = 0
     for event in events:
         if not _aten(event):
             continue
         parent = event.cpu_parent
-        inside_foreach = False
-        nested = False
-        while parent is not None:
-            if _aten(parent):
-                nested = True
-                inside_foreach |= parent.name.startswith("aten::_foreach_")
+        while parent is not None and not _aten(parent):
             parent = parent.cpu_parent
-        if not nested:
-            ops += 1
-        if inside_foreach:
-            continue
-        leaf = event.name not in VIEWS and not any(_aten(c) for c in event.cpu_children)
-        if leaf or event.name.startswith("aten::_foreach_"):
-            kernels += 1
-    return Count(ops, kernels)
+        if parent is not None:
+            continue  # called by another aten op: part of that one
+        ops += 1
+        compute += event.name not in VIEWS
+    return Count(ops, compute)
 
 
 def profiled(step: Callable[[], object], warm: int = 2) -> Count:
@@ -119,8 +111,8 @@ class Row:
         return 100.0 * (self.tool_count.ops - self.plain.ops) / self.plain.ops
 
     @property
-    def extra_kernels(self) -> float:
-        return 100.0 * (self.tool_count.kernels - self.plain.kernels) / self.plain.kernels
+    def extra_compute(self) -> float:
+        return 100.0 * (self.tool_count.compute - self.plain.compute) / self.plain.compute
 
 
 # ------------------------------------------------------------------------------- watch
@@ -177,7 +169,7 @@ def _per_step(run: Callable[[int], None]) -> Count:
         counts.append(count_events(prof.events()))
     span = STEPS[1] - STEPS[0]
     return Count(round((counts[1].ops - counts[0].ops) / span),
-                 round((counts[1].kernels - counts[0].kernels) / span))
+                 round((counts[1].compute - counts[0].compute) / span))
 
 
 def _tokens(batches: int, batch: int) -> tuple[Tensor, Tensor]:
@@ -281,11 +273,11 @@ def rows_for(only: set[str]) -> list[Row]:
 
 def print_table(rows: list[Row]) -> None:
     print(f"{'tool':<12} {'model':<28} {'plain ops':>9} {'tool ops':>9} {'extra':>8} "
-          f"{'plain kern':>10} {'tool kern':>9} {'extra':>8}")
+          f"{'plain cmp':>10} {'tool cmp':>9} {'extra':>8}")
     for r in rows:
         print(f"{r.tool:<12} {r.model:<28} {r.plain.ops:>9} {r.tool_count.ops:>9} "
-              f"{r.extra_ops:>+7.0f}% {r.plain.kernels:>10} {r.tool_count.kernels:>9} "
-              f"{r.extra_kernels:>+7.0f}%")
+              f"{r.extra_ops:>+7.0f}% {r.plain.compute:>10} {r.tool_count.compute:>9} "
+              f"{r.extra_compute:>+7.0f}%")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = rows_for({part.strip() for part in args.only.split(",")})
     if args.json:
         print(json.dumps([{**asdict(r), "extra_ops_percent": r.extra_ops,
-                           "extra_kernels_percent": r.extra_kernels} for r in rows], indent=1))
+                           "extra_compute_percent": r.extra_compute} for r in rows], indent=1))
     else:
         print_table(rows)
     return 0

@@ -71,3 +71,21 @@ def test_state_round_trip_folds_deferred_steps() -> None:
     copy = OnlineDiversity(100)
     copy.load_state_dict(monitor.state_dict())
     assert copy.steps == 1 and copy.m2 == monitor.m2 == 1.0
+
+
+def test_grouped_row_norms_equal_the_per_tensor_ones() -> None:
+    from batchbound.diversity.hooks import grouped_row_sq_norms
+    from batchbound.diversity.rules import Dense
+
+    g = torch.Generator().manual_seed(2)
+    dense = [("a", torch.randn(6, 4, generator=g)), ("b", torch.randn(6, 4, generator=g)),
+             ("c", torch.randn(6, 2, 3, generator=g)), ("d", torch.randn(6, generator=g)),
+             ("e", torch.randn(6, 4, generator=g, dtype=torch.float64))]
+    got = grouped_row_sq_norms(dense)
+    assert set(got) == {"a", "b", "c", "d", "e"}
+    for name, t in dense:
+        ref = t.double().reshape(6, -1).square().sum(dim=1)
+        assert got[name].dtype == t.dtype
+        assert torch.allclose(got[name].double(), ref, rtol=1e-6)
+        # the same reduction, stacked: equal up to the order of the additions
+        assert torch.allclose(got[name], Dense(t).sq_norms(), rtol=4 * torch.finfo(t.dtype).eps)
