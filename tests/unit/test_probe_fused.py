@@ -118,3 +118,26 @@ def test_a_backward_outside_the_step_is_ignored() -> None:
     data = [(x.double(), y) for x, y in batches(7, [3, 5])]
     row = run_step(model, probe, data)
     assert row.tolist() == pytest.approx(reference(model, data), rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["equal", "unequal", "tensors", "scaled"])
+def test_step_row_matches_the_window_formulas(kind: str) -> None:
+    from batchbound.integrations.common import Window, step_row
+
+    micro = [torch.tensor(v, dtype=torch.float64) for v in (2.0, 3.0, 5.0)]
+    sizes, weights = [4.0, 6.0, 5.0], [1.0, 1.0, 1.0]
+    if kind in ("unequal", "tensors"):
+        weights = list(sizes)
+    constant, scale = (1 / 3, 1.0) if kind != "scaled" else (0.25, torch.tensor(1024.0))
+    window = Window()
+    for b, w in zip(sizes, weights, strict=True):
+        window.add(torch.tensor(b, dtype=torch.float64) if kind == "tensors" else b,
+                   torch.tensor(w, dtype=torch.float64) if kind == "tensors" else w)
+    total = torch.tensor(17.0, dtype=torch.float64)
+    row = step_row(micro, total, window, constant, scale).tolist()
+    s_c = float(scale) * constant
+    small = sum(float(m) / w**2 for m, w in zip(micro, weights, strict=True)) / (3 * s_c**2)
+    big = 17.0 / (sum(weights) * s_c) ** 2
+    harmonic = 3 / sum(1 / b for b in sizes)
+    effective = sum(weights) ** 2 / sum(w * w / b for w, b in zip(weights, sizes, strict=True))
+    assert row == pytest.approx([small, harmonic, big, effective], rel=1e-14)

@@ -341,20 +341,10 @@ class MicroBatchProbe:
             return None
         if window.count < 2:
             return None
-        device = micro[0].device
-        s2 = as_tensor(scale, device) ** 2
-        c = as_tensor(constant, device)
-        small = sum(m / as_tensor(w, device) ** 2 for m, w in zip(micro, window.weights,
-                                                                   strict=True))
-        small = small / (window.count * c * c * s2)
-        if self.fused:
-            assert accumulated is not None
-            total = accumulated
-        else:
+        total = accumulated if self.fused else None
+        if total is None:
             total = torch.stack(micro).sum() + 2 * (_sum64(dots) if dots else 0)
-        big = total / (c * as_tensor(window.total_weight(), device)) ** 2 / s2
-        return torch.stack([small, as_tensor(window.harmonic_size(), device), big,
-                            as_tensor(window.effective_size(), device)])
+        return step_row(micro, total, window, constant, scale)
 
     def reset(self) -> None:
         """Forget a partly seen step (e.g. when a step is abandoned)."""
@@ -367,6 +357,41 @@ class MicroBatchProbe:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def step_row(micro: list[Tensor], total: Tensor, window: Window, constant: Number,
+             scale: Number) -> Tensor:
+    """[mean_j ‖G_j‖², harmonic size, ‖A/(S·c·Σw)‖², B_eff] from the micro-batches' Σ‖h_j‖²
+    and ‖A‖² (module docstring), in few device operations: the sizes and weights are
+    Python numbers (examples counted on the host) or 0-dim device tensors (tokens counted
+    on the device), never copied from the host. tests/unit/test_probe_fused.py checks it
+    against the Window's own formulas."""
+    device = micro[0].device
+    k = window.count
+    m = torch.stack(micro)
+    s_c = scale * constant if not isinstance(scale, Tensor) and not isinstance(
+        constant, Tensor) else as_tensor(scale, device) * as_tensor(constant, device)
+    numbers = all(not isinstance(v, Tensor) for v in (*window.sizes, *window.weights))
+    if numbers:
+        weights = [float(w) for w in window.weights]
+        if len(set(weights)) == 1:  # every micro-batch weighted alike (a mean loss)
+            small = m.sum() / (k * (weights[0] * s_c) ** 2)
+        else:
+            # 1/w_j² as device fills: a copy from the host would wait for the device
+            inverse = torch.stack([as_tensor(1.0 / (w * w), device) for w in weights])
+            small = (m * inverse).sum() / (k * s_c**2)
+        big = total / (float(window.total_weight()) * s_c) ** 2
+        sizes = (float(window.harmonic_size()), float(window.effective_size()))
+        return torch.stack([small, as_tensor(sizes[0], device), big,
+                            as_tensor(sizes[1], device)])
+    w = torch.stack([as_tensor(v, device) for v in window.weights])
+    b = torch.stack([as_tensor(v, device) for v in window.sizes])
+    total_w = w.sum()
+    small = (m / w.square()).sum() / (k * s_c**2)
+    big = total / (total_w * s_c).square()
+    harmonic = k / b.reciprocal().sum()
+    effective = total_w.square() / (w.square() / b).sum()
+    return torch.stack([small, harmonic, big, effective])
 
 
 def _sq_sum(tensors: list[Tensor]) -> Tensor:
