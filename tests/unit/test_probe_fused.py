@@ -141,3 +141,47 @@ def test_step_row_matches_the_window_formulas(kind: str) -> None:
     harmonic = 3 / sum(1 / b for b in sizes)
     effective = sum(weights) ** 2 / sum(w * w / b for w, b in zip(weights, sizes, strict=True))
     assert row == pytest.approx([small, harmonic, big, effective], rel=1e-14)
+
+
+def _extra_ops(layers: int, fused: bool) -> int:
+    """Outermost aten ops the probe adds to a step of 2 micro-batches on ``layers`` Linears."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+    data = batches(8, [3, 3])
+
+    def step(probe: MicroBatchProbe | None) -> None:
+        model.zero_grad(set_to_none=True)
+        for x, _ in data:
+            x = x[:, :4]
+            if probe is not None:
+                probe.start(3.0, 1.0)
+            (model(x).square().mean() / 2).backward()
+            if probe is not None:
+                probe.stop()
+        if probe is not None:
+            probe.record(0.5, 1.0)
+
+    def count(probe: MicroBatchProbe | None) -> int:
+        step(probe)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step(probe)
+        n = 0
+        for e in prof.events():
+            parent = e.cpu_parent
+            while parent is not None and not parent.name.startswith("aten::"):
+                parent = parent.cpu_parent
+            n += e.name.startswith("aten::") and parent is None
+        return n
+
+    probe = MicroBatchProbe(model.parameters(), fused=fused)
+    with_probe = count(probe)
+    probe.remove()
+    return with_probe - count(None)
+
+
+def test_the_fused_probe_costs_the_same_ops_whatever_the_parameter_count() -> None:
+    few, many = _extra_ops(4, fused=True), _extra_ops(16, fused=True)
+    assert few == many  # one multi-tensor norm per micro-batch, not one per parameter
+    assert _extra_ops(16, fused=False) - _extra_ops(4, fused=False) >= 2 * 2 * 12  # the slow way
