@@ -7,7 +7,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PIP    := $(BIN)/python -m pip install --disable-pip-version-check -q $(FIND_LINKS) -c constraints.txt
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-slow test-gpu lint bench clean
+.PHONY: install demo test test-slow test-gpu lint bench bench-ops clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,3 +48,8 @@ bench: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
+
+# Operations per step of watch, the callbacks and measure() against a plain step, counted by
+# the torch profiler on CPU: the deterministic stand-in for their GPU cost (docs/benchmarks.md).
+bench-ops: install
+	$(BIN)/python benchmarks/ops.py

@@ -54,6 +54,7 @@ from batchbound.diversity.losses import PerExampleLoss, check_losses
 from batchbound.diversity.rows import RowTracker
 from batchbound.diversity.rules import (
     Call,
+    Dense,
     PerExampleGrad,
     RuleEntry,
     combined_sq_norms,
@@ -182,6 +183,7 @@ class HooksPass:
         self._contributions: dict[str, int] = {}
         self._pending: defaultdict[str, list[PerExampleGrad]] = defaultdict(list)
         self._deferred: list[CallRecord] = []
+        self._dense: list[tuple[str, Tensor]] = []  # small Dense forms, normed together
         self._broadcasts: dict[tuple[str, int], _Broadcast] = {}
         self._handles: list[RemovableHandle] = []
         self.rows: RowTracker | None = None  # set by ``forward`` (or by watch around its own)
@@ -259,6 +261,8 @@ class HooksPass:
             if not all(f.batch_sum_exact for f in forms):
                 self.totals[name] = sum(f.total() for f in forms).reshape(self.params[name].shape)
         self._pending.clear()
+        self.sq_norms.update(grouped_row_sq_norms(self._dense))
+        self._dense.clear()
         for name, p in self.params.items():
             if name not in self.reasons and name not in self.sq_norms:
                 # no use of it reached the loss
@@ -384,7 +388,10 @@ class HooksPass:
             if self._contributions[name] > 1:
                 self._pending[name].append(form)
                 continue
-            self.sq_norms[name] = form.sq_norms()
+            if isinstance(form, Dense) and form.deferrable:  # normed with its like in finish
+                self._dense.append((name, form.grads))
+            else:
+                self.sq_norms[name] = form.sq_norms()
             self._fingerprint(name, form)
             if not form.batch_sum_exact:
                 self.totals[name] = form.total().reshape(self.params[name].shape)
@@ -443,6 +450,27 @@ class HooksPass:
 
     def _device(self, call: CallRecord) -> torch.device:
         return next(iter(self.params.values())).device
+
+
+def grouped_row_sq_norms(dense: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
+    """‖row i‖² of each (n, ...) tensor, those of one shape, dtype and device stacked and
+    reduced together: one norm for all of a model's same-width biases and LayerNorm weights
+    instead of one per parameter (tests/unit/test_watch_fused.py compares it with the
+    per-tensor reduction)."""
+    groups: defaultdict[tuple, list[tuple[str, Tensor]]] = defaultdict(list)
+    for name, t in dense:
+        groups[(tuple(t.shape), t.dtype, t.device)].append((name, t))
+    out: dict[str, Tensor] = {}
+    for members in groups.values():
+        if len(members) == 1:
+            name, t = members[0]
+            out[name] = Dense(t).sq_norms()
+            continue
+        stacked = torch.stack([t for _, t in members])
+        rows = stacked.reshape(len(members), stacked.shape[1], -1)
+        norms = torch.linalg.vector_norm(rows, dim=2).square()
+        out.update(zip([name for name, _ in members], norms.unbind(), strict=True))
+    return out
 
 
 def _widened(value: Any) -> Any:

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
 from batchbound.data.dataset import Dataset
+from batchbound.diversity.budget import PROBE, chunk_for_budget
 from batchbound.diversity.distributed import all_reduce_sum, world_size
 from batchbound.diversity.losses import PerExampleLoss, loss_name, resolve_loss
 from batchbound.diversity.prepared import PreparedStats
@@ -119,6 +120,7 @@ def measure(
     engine: str = "auto",
     dtype: torch.dtype | None = None,
     progress: bool = False,
+    memory_budget: int | None = None,
 ) -> DiversityReport:
     """Exact gradient diversity of ``model`` over all of ``data``.
 
@@ -128,6 +130,11 @@ def measure(
     the data set's task default. ``engine``: ``"auto"``, ``"hooks"``, ``"vmap"`` or ``"loop"``
     (see ``per_example_stats``). ``dtype=torch.float64`` measures a float64 copy of the model;
     the user's model is never converted. Computation runs where the model's parameters are.
+
+    ``chunk_size``: the most examples per chunk (one forward and backward each).
+    ``memory_budget``: bytes the work may take; the chunk is then made smaller where needed,
+    from what the model's forward saves per example (diversity/budget.py); the report's
+    ``extra["chunk_size"]`` says which chunk was used.
 
     Under torch.distributed each rank passes its own shard; every rank gets the global report.
     """
@@ -141,9 +148,13 @@ def measure(
 
     start = time.perf_counter()
     with measuring(model, dtype) as work:
+        if memory_budget is not None:
+            chunk_size = _budget_chunk(work, data, loss_fn, memory_budget, chunk_size)
+            chunks, n_known, _ = data_chunks(data, chunk_size)
         totals = _accumulate(work, chunks, n_known, loss_fn, engine, progress)
     dtype = _model_dtype(work)
-    extra: dict[str, object] = {"loss_name": loss_name(loss_fn), "fallback_parameters": []}
+    extra: dict[str, object] = {"loss_name": loss_name(loss_fn), "fallback_parameters": [],
+                                "chunk_size": chunk_size}
     if dtype in LOW_PRECISION:
         name = str(dtype).removeprefix("torch.")
         extra["precision"] = (f"{name} gradients (unit roundoff {torch.finfo(dtype).eps / 2:.1e}), "
@@ -173,6 +184,22 @@ def measure(
         world_size=world_size(),
         extra={**extra, "fallback_parameters": fallback},
     )
+
+
+def _budget_chunk(work: nn.Module, data: Data, loss_fn: PerExampleLoss, budget: int,
+                  most: int) -> int:
+    """The chunk ``memory_budget`` allows, probed on the data's first examples."""
+    first, _, _ = data_chunks(data, 2 * PROBE)
+    x, y = next(first)
+    device, dtype = _device_dtype(work)
+    x = x.to(device=device, dtype=dtype if x.dtype.is_floating_point else None)
+    y = y.to(device=device, dtype=dtype if y.dtype.is_floating_point else None)
+    return chunk_for_budget(work, x, y, loss_fn, budget, most)
+
+
+def _device_dtype(work: nn.Module) -> tuple[torch.device, torch.dtype]:
+    first = next(iter(trainable_parameters(work).values()))
+    return first.device, first.dtype
 
 
 def _digits(dtype: torch.dtype) -> int:
@@ -212,8 +239,8 @@ def _accumulate(
             y = y.to(device=device, dtype=dtype if y.dtype.is_floating_point else None)
             stats = stats_of(x, y, offset=seen)
             per_param += torch.stack([stats.sq_norms[k] for k in params]).sum(dim=1, dtype=acc)
-            for i, name in enumerate(params):
-                block[i].add_(stats.grad_sum[name].reshape(block[i].shape))
+            torch._foreach_add_(block, [stats.grad_sum[k].reshape(b.shape)
+                                        for k, b in zip(params, block, strict=True)])
             chunks_in_block += 1
             if chunks_in_block == BLOCK:
                 _flush(grad_sum, block)
@@ -231,6 +258,5 @@ BLOCK = 16
 
 
 def _flush(totals: list[Tensor], block: list[Tensor]) -> None:
-    for total, part in zip(totals, block, strict=True):
-        total.add_(part)
-        part.zero_()
+    torch._foreach_add_(totals, block)  # one multi-tensor op each, not one per parameter
+    torch._foreach_zero_(block)

@@ -62,6 +62,7 @@ from batchbound.errors import BatchboundError
 SAMPLINGS = ("without_replacement", "with_replacement")
 GradientLike = Tensor | Mapping[str, Tensor] | Sequence[Tensor]
 _SUMS = ("w", "w2", "m", "c", "mm", "cc", "mc")
+MAX_DEFERRED = 64  # steps kept on the device before they are folded (bounds their memory)
 
 
 class OnlineDiversity:
@@ -92,22 +93,41 @@ class OnlineDiversity:
                 f"unknown sampling {sampling!r}; choose from {', '.join(SAMPLINGS)}"
             )
         self.n, self.decay, self.sampling = n, decay, sampling
-        self.steps = 0
-        self.last: tuple[float, float] | None = None
+        self._steps = 0
+        self._last: tuple[float, float] | None = None
+        # Device numbers of steps not yet folded in (``defer_from_norms``): one host sync
+        # for all of them when an estimate is read, none inside the training step.
+        self._deferred: list[tuple[Tensor, int]] = []
         # Weighted sums over steps (EMA or equal weights): Σw, Σw², and Σw·x for
         # x in M2, C, M2², C², M2·C; the second moments give the standard error.
         self._sums = dict.fromkeys(_SUMS, 0.0)
 
     # ------------------------------------------------------------------ updates
 
+    @property
+    def steps(self) -> int:
+        """Steps folded in (deferred ones included)."""
+        self.fold()
+        return self._steps
+
+    @property
+    def last(self) -> tuple[float, float] | None:
+        """The last step's raw (M2, C), for callers that keep their own windows."""
+        self.fold()
+        return self._last
+
     def update(self, m2: float, cross: float) -> None:
         """Fold in one step's unbiased estimates of M2 and C (see the module docstring)."""
+        self.fold()
+        self._update(m2, cross)
+
+    def _update(self, m2: float, cross: float) -> None:
         m2, cross = float(m2), float(cross)
         if not (math.isfinite(m2) and math.isfinite(cross)):
             raise BatchboundError(f"non-finite diversity estimates: M2={m2}, C={cross}")
-        self.steps += 1
-        self.last = (m2, cross)  # the raw step, for callers that keep their own windows
-        keep = 1.0 - 1.0 / self.steps if self.decay is None else self.decay
+        self._steps += 1
+        self._last = (m2, cross)
+        keep = 1.0 - 1.0 / self._steps if self.decay is None else self.decay
         new = {"w": 1.0, "m": m2, "c": cross, "mm": m2 * m2, "cc": cross * cross,
                "mc": m2 * cross}
         for key, value in new.items():
@@ -116,10 +136,35 @@ class OnlineDiversity:
 
     def update_from_norms(self, S_B: float, T_B: float, batch_size: int) -> None:
         """From a batch's Σ‖g_i‖² and ‖Σg_i‖² (per-example losses, summed)."""
+        self.fold()
+        self._from_norms(S_B, T_B, batch_size)
+
+    def _from_norms(self, S_B: float, T_B: float, batch_size: int) -> None:
         if batch_size < 2:
             raise BatchboundError(f"per-example estimates need a batch of ≥ 2, got {batch_size}")
         b = batch_size
-        self.update(S_B / b, (T_B - S_B) / (b * (b - 1)))
+        self._update(S_B / b, (T_B - S_B) / (b * (b - 1)))
+
+    def defer_from_norms(self, S_B: Tensor, T_B: Tensor, batch_size: int) -> None:
+        """``update_from_norms`` with S_B and T_B as 0-dim tensors on the device: kept there
+        and folded in, in order, when any estimate (or ``steps``) is next read, so a training
+        step never waits for the device. Past ``MAX_DEFERRED`` steps they are folded."""
+        if batch_size < 2:
+            raise BatchboundError(f"per-example estimates need a batch of ≥ 2, got {batch_size}")
+        row = torch.stack([S_B.reshape(()), T_B.reshape(())]).to(torch.float64)
+        self._deferred.append((row, batch_size))
+        if len(self._deferred) >= MAX_DEFERRED:
+            self.fold()
+
+    def fold(self) -> None:
+        """Fold deferred steps in (one host sync); a no-op when there are none."""
+        if not self._deferred:
+            return
+        deferred, self._deferred = self._deferred, []
+        rows = [row if row.device.type == "cpu" else row.cpu() for row, _ in deferred]
+        values = torch.stack(rows).tolist() if len(rows) > 1 else [rows[0].tolist()]
+        for (S_B, T_B), (_, b) in zip(values, deferred, strict=True):
+            self._from_norms(S_B, T_B, b)
 
     def update_from_stats(self, stats: PerExampleStats) -> None:
         """From ``per_example_stats`` of the current mini-batch."""
@@ -261,7 +306,8 @@ class OnlineDiversity:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         fresh = OnlineDiversity(state["n"], decay=state["decay"], sampling=state["sampling"])
         self.n, self.decay, self.sampling = fresh.n, fresh.decay, fresh.sampling
-        self.steps = int(state["steps"])
+        self._deferred = []
+        self._steps = int(state["steps"])
         self._sums = {key: float(state["sums"][key]) for key in _SUMS}
 
 

@@ -45,6 +45,7 @@ from batchbound.diversity.stats import (
     check_model_mode,
     trainable_parameters,
 )
+from batchbound.diversity.subsets import monitored_parameters
 from batchbound.errors import BatchboundError
 
 # Checked once per model (the probe runs the model at two batch sizes): model -> state.
@@ -98,7 +99,8 @@ def monitored_step(
 
 
 @contextmanager
-def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean") -> Iterator[None]:
+def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean",
+          subset: str = "all") -> Iterator[None]:
     """Update ``monitor`` from the user's own forward and backward pass, unchanged:
 
         with watch(model, monitor):
@@ -119,13 +121,18 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     planned once and the plan kept while its structure stays the same.
     Whatever cannot be covered raises BatchboundError naming it: use ``monitored_step``,
     which computes it by an exact fallback. BatchNorm must be in eval mode.
+
+    ``subset="norms"``: the cheap mode. Only the LayerNorm and RMSNorm parameters are read
+    (diversity/subsets.py), exactly, and ``monitor`` then holds *their* n·Δ, an estimate of
+    the model's whose agreement is measured in docs/benchmarks.md; the other layers run
+    untouched.
     """
     if reduction not in ("mean", "sum"):
         raise BatchboundError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    planned = _planned(model)
+    planned = _planned(model, subset)
     params = planned.params
     check_model_mode(model, planned.batch_norms)
-    before = {k: None if p.grad is None else p.grad.detach().clone() for k, p in params.items()}
+    before = _grad_copies(params)
     with _Watched(model, planned) as watched:
         yield
     run = watched.finish()
@@ -134,10 +141,7 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     if run is None or not run.backward_seen:
         raise BatchboundError("watch() saw no backward pass through the model; call the model "
                               "and loss.backward() inside the block")
-    delta = {}
-    for name, p in params.items():
-        now = torch.zeros_like(p) if p.grad is None else p.grad.detach()
-        delta[name] = now if before[name] is None else now - before[name]
+    delta = _grad_changes(params, before)
     unseen = _unseen_uses(run, delta)
     if unseen:
         _refuse(unseen)
@@ -145,11 +149,50 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     # examples divides every per-example gradient by b.
     b = run.n
     scale = float(b) if reduction == "mean" else 1.0
+    S_B, T_B = batch_sums(run.sq_norms, [run.totals.get(k, delta[k]) for k in params])
+    monitor.defer_from_norms(scale**2 * S_B, scale**2 * T_B, b)  # no host sync in the step
+
+
+def batch_sums(sq_norms: dict[str, Tensor], sums: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """S_B = Σ over parameters and examples of ‖g_i‖² and T_B = ‖Σ_i g_i‖², as float64 device
+    tensors, in a few fused operations: one concatenation and one sum for S_B, one
+    multi-tensor norm for T_B (tests/unit/test_watch_fused.py checks them against a loop)."""
     f64 = torch.float64
-    S_B = torch.stack([sq.sum(dtype=f64) for sq in run.sq_norms.values()]).sum()
-    T_B = torch.stack([torch.linalg.vector_norm(run.totals.get(k, delta[k]), dtype=f64)
-                       for k in params]).square().sum()
-    monitor.update_from_norms(scale**2 * float(S_B), scale**2 * float(T_B), b)
+    norms = list(sq_norms.values())
+    S_B = (torch.cat(norms).sum(dtype=f64) if len({t.dtype for t in norms}) == 1
+           else torch.stack([t.sum(dtype=f64) for t in norms]).sum())
+    T_B = torch.stack(torch._foreach_norm(sums, 2, dtype=f64)).square().sum()
+    return S_B, T_B
+
+
+def _grad_copies(params: dict[str, nn.Parameter]) -> dict[str, Tensor | None]:
+    """What each ``.grad`` holds before the block (None: no gradient yet), copied by one
+    multi-tensor operation."""
+    held = [k for k, p in params.items() if p.grad is not None]
+    copies = dict.fromkeys(params)
+    if held:
+        with torch.no_grad():
+            copied = torch._foreach_mul([params[k].grad for k in held], 1.0)
+        copies.update(zip(held, copied, strict=True))
+    return copies
+
+
+def _grad_changes(params: dict[str, nn.Parameter],
+                  before: dict[str, Tensor | None]) -> dict[str, Tensor]:
+    """The change in each ``.grad`` over the block (zeros where there is none)."""
+    delta: dict[str, Tensor] = {}
+    both = [k for k, p in params.items() if p.grad is not None and before[k] is not None]
+    for name, p in params.items():
+        if p.grad is None:
+            delta[name] = torch.zeros_like(p)
+        elif before[name] is None:
+            delta[name] = p.grad
+    if both:
+        with torch.no_grad():
+            changes = torch._foreach_sub([params[k].grad for k in both],
+                                         [before[k] for k in both])
+        delta.update(zip(both, changes, strict=True))
+    return {k: delta[k] for k in params}
 
 
 def _refuse(reasons: dict[str, str]) -> None:
@@ -190,9 +233,9 @@ class _Planned:
 _PLANS: weakref.WeakKeyDictionary[nn.Module, _Planned] = weakref.WeakKeyDictionary()
 
 
-def _planned(model: nn.Module) -> _Planned:
-    params = trainable_parameters(model)
-    structure = structure_of(model, params, None, "watch")
+def _planned(model: nn.Module, subset: str = "all") -> _Planned:
+    params = monitored_parameters(model, subset)
+    structure = structure_of(model, params, None, f"watch:{subset}")
     planned = _PLANS.get(model)
     if planned is None or planned.structure != structure:
         plan = plan_hooks(model, params)

@@ -192,28 +192,58 @@ class Window:
             w * w / b for w, b in zip(self.weights, self.sizes, strict=True))
 
 
+# Micro-batch gradients held (fused way) before their norms are taken in one operation.
+STASH_BYTES = 256 * 2**20
+
+
 class MicroBatchNorms:
     """Per-parameter tensor hooks that see each micro-batch's gradient h_j before it is
-    added to ``.grad``: one squared norm per parameter per micro-batch, and ⟨.grad, h_j⟩
-    with what ``.grad`` already holds, so that
+    added to ``.grad``, for the step's
 
-        ‖A‖² = Σ_j ‖h_j‖² + 2 Σ_j ⟨A_{j−1}, h_j⟩
+        ‖h_j‖² per micro-batch j,   and   ‖A‖² = Σ_j ‖h_j‖² + 2 Σ_j ⟨A_{j−1}, h_j⟩,
 
-    is the accumulated gradient's squared norm as backward produced it: before DDP averages
+    the accumulated gradient's squared norm as backward produced it: before DDP averages
     it, a GradScaler unscales it or a clipper shrinks it, whenever the framework lets a
     callback look. The numbers stay on the device; ``.grad`` is never written.
+
+    Two ways to the same numbers (tests/unit/test_probe_fused.py checks they agree):
+
+    - ``fused=True`` (one process): the hooks only keep references; at the end of each
+      backward pass (an autograd final callback, before any framework code runs) one
+      multi-tensor norm over the held gradients and the ``.grad`` fields gives ‖h_j‖² and
+      ‖A_j‖², and the step's ‖A‖² is the last micro-batch's ‖A_j‖² (by the identity above,
+      with ``.grad`` zeroed before the step, as the trainers do). A parameter with no
+      ``.grad`` yet needs no reference: its h_j is what ``.grad`` then holds. Held gradients
+      past ``STASH_BYTES`` are reduced early. A backward pass that runs other backward passes
+      inside it (reentrant checkpointing), or two in one micro-batch, is seen by the graph
+      task ids: that step is dropped and the probe goes on the exact per-parameter way.
+    - ``fused=False`` (any process group): one norm, and one dot product with what ``.grad``
+      already holds, per parameter in its hook; under DDP with bucket views ``.grad`` may be
+      rewritten by the all-reduce while the backward runs, so the integrations use it there.
 
     ``start(size, weight)`` opens a micro-batch and ``stop()`` closes it; ``record(c, S)``
     turns the step's micro-batches into a StepRecords row (None with fewer than two)."""
 
-    def __init__(self, params: Iterable[nn.Parameter]) -> None:
+    def __init__(self, params: Iterable[nn.Parameter], *, fused: bool = True) -> None:
         self.window = Window()
+        self.fused = fused
+        self.params = [p for p in params if p.requires_grad]
         self._norms: list[Tensor] = []  # this micro-batch: ‖h‖ per parameter
         self._dots: list[Tensor] = []  # this step: ⟨A_{j−1}, h_j⟩ per parameter and j
         self._micro: list[Tensor] = []  # this step: Σ_params ‖h_j‖² per micro-batch
         self._open = False
+        # fused: this micro-batch's held gradients, parameters with no .grad before it, the
+        # early-reduced part of Σ‖h_j‖², the graph tasks its hooks ran in, and its ‖A_j‖²
+        self._held: list[Tensor] = []
+        self._held_bytes = 0
+        self._fresh: list[nn.Parameter] = []
+        self._early: list[Tensor] = []
+        self._tasks: set[int] = set()
+        self._queued = False
+        self._accumulated: Tensor | None = None
+        self._broken = False  # this step saw nested or repeated backward passes
         self._handles: list[RemovableHandle] = [
-            p.register_hook(self._hook_for(p)) for p in params if p.requires_grad
+            p.register_hook(self._hook_for(p)) for p in self.params
         ]
         if not self._handles:
             raise BatchboundError("the model has no trainable parameters to watch")
@@ -227,6 +257,9 @@ class MicroBatchNorms:
                                       "supported by the diversity callbacks")
             if not self._open:
                 return  # a backward outside the training step the callback follows
+            if self.fused:
+                self._hold(param, grad)
+                return
             with torch.no_grad():
                 self._norms.append(torch.linalg.vector_norm(grad, dtype=acc))
                 before = param.grad
@@ -236,10 +269,52 @@ class MicroBatchNorms:
 
         return hook
 
+    # ------------------------------------------------------------------ fused
+
+    def _hold(self, param: nn.Parameter, grad: Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        self._tasks.add(task)
+        if len(self._tasks) > 1:  # nested or repeated backward passes: not one A_j to read
+            self._broken = True
+            return
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+        if param.grad is None:
+            self._fresh.append(param)
+            return
+        self._held.append(grad)
+        self._held_bytes += grad.numel() * grad.element_size()
+        if self._held_bytes > STASH_BYTES:
+            self._early.append(_sq_sum(self._held))
+            self._held, self._held_bytes = [], 0
+
+    def _after_backward(self) -> None:
+        """At the end of the backward pass: ‖h_j‖² and ‖A_j‖² in one multi-tensor norm."""
+        if self._broken:
+            return
+        fresh = [p.grad for p in self._fresh if p.grad is not None]
+        seen = {id(p) for p in self._fresh}
+        others = [p.grad for p in self.params if p.grad is not None and id(p) not in seen]
+        tensors = [*fresh, *others, *self._held]
+        if not tensors:
+            return
+        sq = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64)).square()
+        f, o = len(fresh), len(fresh) + len(others)
+        micro = sq[:f].sum() + sq[o:].sum()
+        if self._early:
+            micro = micro + torch.stack(self._early).sum()
+        self._norms = [micro]  # Σ_params ‖h_j‖², as the exact way's per-parameter norms
+        self._accumulated = sq[:o].sum()
+        self._held, self._held_bytes, self._fresh, self._early = [], 0, [], []
+
+    # ------------------------------------------------------------------ a step
+
     def start(self, size: Number, weight: Number) -> None:
         self.stop()
         self.window.add(size, weight)
         self._open = True
+        self._tasks, self._queued = set(), False
 
     def stop(self) -> None:
         """Close the open micro-batch; one that saw no gradient is dropped from the step (its
@@ -248,35 +323,73 @@ class MicroBatchNorms:
             return
         self._open = False
         if self._norms:
-            self._micro.append(_sum64(self._norms, square=True))
+            self._micro.append(self._norms[0] if self.fused else _sum64(self._norms, square=True))
             self._norms = []
         else:
             self.window.sizes.pop()
             self.window.weights.pop()
+        self._held, self._held_bytes, self._fresh, self._early = [], 0, [], []
 
     def record(self, constant: Number, scale: Number) -> Tensor | None:
         """The step's row: the micro-batches' mean ‖G_j‖² against A's, in the units of the
         examples' mean gradient (``constant`` is c, ``scale`` S; module docstring)."""
         self.stop()
-        window, micro, dots = self.window, self._micro, self._dots
-        self.window, self._micro, self._dots = Window(), [], []
+        window, micro, dots, accumulated = self.window, self._micro, self._dots, self._accumulated
+        self.window, self._micro, self._dots, self._accumulated = Window(), [], [], None
+        if self._broken:  # this step's numbers cannot be trusted: drop it, go the exact way
+            self._broken, self.fused = False, False
+            return None
         if window.count < 2:
             return None
-        device = micro[0].device
-        s2 = as_tensor(scale, device) ** 2
-        c = as_tensor(constant, device)
-        small = sum(m / as_tensor(w, device) ** 2 for m, w in zip(micro, window.weights,
-                                                                   strict=True))
-        small = small / (window.count * c * c * s2)
-        total = torch.stack(micro).sum() + 2 * (_sum64(dots) if dots else 0)
-        big = total / (c * as_tensor(window.total_weight(), device)) ** 2 / s2
-        return torch.stack([small, as_tensor(window.harmonic_size(), device), big,
-                            as_tensor(window.effective_size(), device)])
+        total = accumulated if self.fused else None
+        if total is None:
+            total = torch.stack(micro).sum() + 2 * (_sum64(dots) if dots else 0)
+        return step_row(micro, total, window, constant, scale)
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def step_row(micro: list[Tensor], total: Tensor, window: Window, constant: Number,
+             scale: Number) -> Tensor:
+    """[mean_j ‖G_j‖², harmonic size, ‖A/(S·c·Σw)‖², B_eff] from the micro-batches' Σ‖h_j‖²
+    and ‖A‖² (module docstring), in few device operations: the sizes and weights are
+    Python numbers (examples counted on the host) or 0-dim device tensors (tokens counted
+    on the device), never copied from the host. tests/unit/test_probe_fused.py checks it
+    against the Window's own formulas."""
+    device = micro[0].device
+    k = window.count
+    m = torch.stack(micro)
+    s_c = scale * constant if not isinstance(scale, Tensor) and not isinstance(
+        constant, Tensor) else as_tensor(scale, device) * as_tensor(constant, device)
+    numbers = all(not isinstance(v, Tensor) for v in (*window.sizes, *window.weights))
+    if numbers:
+        weights = [float(w) for w in window.weights]
+        if len(set(weights)) == 1:  # every micro-batch weighted alike (a mean loss)
+            small = m.sum() / (k * (weights[0] * s_c) ** 2)
+        else:
+            # 1/w_j² as device fills: a copy from the host would wait for the device
+            inverse = torch.stack([as_tensor(1.0 / (w * w), device) for w in weights])
+            small = (m * inverse).sum() / (k * s_c**2)
+        big = total / (float(window.total_weight()) * s_c) ** 2
+        sizes = (float(window.harmonic_size()), float(window.effective_size()))
+        return torch.stack([small, as_tensor(sizes[0], device), big,
+                            as_tensor(sizes[1], device)])
+    w = torch.stack([as_tensor(v, device) for v in window.weights])
+    b = torch.stack([as_tensor(v, device) for v in window.sizes])
+    total_w = w.sum()
+    small = (m / w.square()).sum() / (k * s_c**2)
+    big = total / (total_w * s_c).square()
+    harmonic = k / b.reciprocal().sum()
+    effective = total_w.square() / (w.square() / b).sum()
+    return torch.stack([small, harmonic, big, effective])
+
+
+def _sq_sum(tensors: list[Tensor]) -> Tensor:
+    """Σ ‖t‖² over the tensors, in float64, by one multi-tensor norm."""
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64)).square().sum()
 
 
 def _sum64(values: list[Tensor], *, square: bool = False) -> Tensor:

@@ -138,7 +138,9 @@ class DiversityCallback(transformers.TrainerCallback):
         n = self.n if self.n is not None else dataset_size(train_dataloader)
         self.monitor = OnlineDiversity(n, decay=self.decay, sampling=self.sampling)
         self._records = StepRecords(self.monitor)
-        self._norms = MicroBatchNorms(model.parameters())
+        # Under DDP the all-reduce may rewrite .grad (bucket views) while backward runs: there
+        # the hooks take their norms and dots as the gradients arrive (MicroBatchNorms).
+        self._norms = MicroBatchNorms(model.parameters(), fused=self._world == 1)
         self._device = next(model.parameters()).device
         self._forward = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         self._scaler = getattr(optimizer, "scaler", None)

@@ -86,7 +86,8 @@ def launch_local(
     data = dataset if dataset is not None else load_dataset(config.dataset, config.data_dir)
     checked = apply_transform(data, config.transform, config.seed) if config.transform else data
     config.validate_against(checked)
-    resolve_device(config.device)  # a missing CUDA fails here, not in P workers
+    device = resolve_device(config.device)  # a missing CUDA fails here, not in P workers
+    _check_gpus(config.device, device, config.workers)
     _check_local_workers(config.workers)
     threads = max(1, (os.cpu_count() or 1) // config.workers)
     # the rendezvous store lives here, not in a rank, so a roll call works whichever is silent
@@ -146,6 +147,22 @@ def _rank_fault(exc: Exception, ranks: int, out: Path,
             kind, _, message = left.read_text().partition("\n")
             return FaultError(message) if kind == "fault" else BatchboundError(message)
     return exc
+
+
+def _check_gpus(name: str, device: torch.device, workers: int) -> None:
+    """One GPU per local worker, checked before any is spawned: NCCL refuses two ranks on
+    one device, but only after start-up and with its own message."""
+    if device.type != "cuda":
+        return
+    if ":" in name:  # cuda:i pins every rank to the same device
+        raise BatchboundError(
+            f"--workers {workers} with --device {name}: every worker would use that one GPU, "
+            "and NCCL needs one GPU per worker; use --device cuda (worker r on GPU r)")
+    count = torch.cuda.device_count()
+    if workers > count:
+        raise BatchboundError(
+            f"--workers {workers} on CUDA needs {workers} GPUs, one per worker, but this "
+            f"machine has {count}; use --workers {count} or fewer, or --device cpu")
 
 
 # What one spawned worker costs before it holds any data: Python with torch imported.

@@ -28,6 +28,9 @@ from torch import Tensor
 
 # Numbers a materialised block of per-example gradients may hold in ``inner``.
 MATERIALISE_BUDGET = 2**24
+# Dense per-example gradients up to this many numbers may wait for the end of the backward
+# pass, to be normed together with others of their shape (hooks.grouped_row_sq_norms).
+DEFER_NUMEL = 2**20
 
 
 def _row_sq(t: Tensor) -> Tensor:
@@ -72,6 +75,11 @@ class Dense(PerExampleGrad):
 
     def sq_norms(self) -> Tensor:
         return _row_sq(self.grads) if self._sq is None else self._sq
+
+    @property
+    def deferrable(self) -> bool:
+        """Small, with no norms of its own yet: cheaper normed beside others of its shape."""
+        return self._sq is None and self.grads.dim() >= 1 and self.grads.numel() <= DEFER_NUMEL
 
     def dense(self) -> Tensor:
         return self.grads

@@ -1,0 +1,27 @@
+"""benchmarks/gpu.py runs every path on CPU (--device cpu --smoke): the table a GPU run
+prints comes from the same code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_smoke_on_cpu() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--smoke",
+         "--cases", "mlp,gpt2-tiny", "--no-callbacks", "--json"],
+        capture_output=True, text=True, timeout=600, check=True)
+    rows = json.loads(done.stdout)["tools"]
+    assert [r["case"] for r in rows] == ["MLP 784-512³-10", "HF GPT-2 2×64, context 32"]
+    for row in rows:
+        assert row["errors"] == {} and row["plain_ms"] > 0 and row["measure_ratio"] > 0
+        assert row["watch_extra"] is not None
+    assert rows[1]["norms_extra"] is not None  # GPT-2 has LayerNorms: the cheap mode ran

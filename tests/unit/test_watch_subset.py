@@ -1,0 +1,53 @@
+"""``watch(subset="norms")``: the LayerNorm/RMSNorm parameters' own n·Δ, exactly, against the
+per-example statistics of the whole model restricted to those parameters (float64)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from batchbound.diversity import OnlineDiversity, per_example_stats, watch
+from batchbound.diversity.subsets import monitored_parameters, norm_layer_modules
+from batchbound.errors import BatchboundError
+
+
+def model_with_norms() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 8),
+                         nn.RMSNorm(8), nn.Linear(8, 3)).double()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_norms_subset_is_exact_for_those_parameters(reduction: str) -> None:
+    model = model_with_norms()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(12, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (12,),
+                                                                               generator=g)
+    exact = per_example_stats(copy.deepcopy(model), x, y, "cross_entropy")
+    names = ["1.weight", "1.bias", "4.weight"]
+    assert list(monitored_parameters(model, "norms")) == names
+    S = sum(float(exact.sq_norms[k].sum()) for k in names)
+    T = sum(float(exact.grad_sum[k].square().sum()) for k in names)
+    expected = OnlineDiversity(100, decay=0.0)
+    expected.update_from_norms(S, T, 12)
+    monitor = OnlineDiversity(100, decay=0.0)
+    with watch(model, monitor, reduction=reduction, subset="norms"):
+        nn.functional.cross_entropy(model(x), y, reduction=reduction).backward()
+    assert monitor.m2 == pytest.approx(expected.m2, rel=1e-10)
+    assert monitor.cross == pytest.approx(expected.cross, rel=1e-8)
+    # the whole model's gradients are the user's own, untouched
+    scale = 1 / 12 if reduction == "mean" else 1.0
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, scale * exact.grad_sum[name], rtol=1e-12)
+
+
+def test_a_model_without_norm_layers_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(3, 2))
+    assert norm_layer_modules(model) == []
+    with pytest.raises(BatchboundError, match="no trainable ones"):
+        monitored_parameters(model, "norms")
+    with pytest.raises(BatchboundError, match="unknown parameter subset"):
+        monitored_parameters(model, "layers")
