@@ -16,7 +16,7 @@ import inspect
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from types import TracebackType
 from typing import Any
 
@@ -33,6 +33,7 @@ class Output:
     node: Node | None  # the autograd node that made it (None: it does not require grad)
     index: int  # its output_nr on that node
     shape: torch.Size
+    dtype: torch.dtype = torch.float32  # the precision the call computed it in
 
 
 @dataclass
@@ -107,11 +108,14 @@ def bind(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, An
 
 
 def flatten(value: Any) -> list[Any]:
-    """The leaves of nested tuples, lists and dicts, in order."""
+    """The leaves of nested tuples, lists, dicts (a Hugging Face ``ModelOutput`` is one) and
+    dataclass instances, in order."""
     if isinstance(value, (tuple, list)):
         return [leaf for item in value for leaf in flatten(item)]
     if isinstance(value, dict):
         return [leaf for item in value.values() for leaf in flatten(item)]
+    if is_dataclass(value) and not isinstance(value, type):
+        return [leaf for f in fields(value) for leaf in flatten(getattr(value, f.name))]
     return [value]
 
 
@@ -139,7 +143,11 @@ class CallRecorder:
     def __enter__(self) -> CallRecorder:
         for prefix, (module, entry) in self.modules.items():
             hook = self._hook(prefix, entry)
-            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+            # First of the module's forward hooks: the record is the layer's own output,
+            # before any user hook replaces it (a clamp): the rule needs the gradient with
+            # respect to what the layer itself computed, which its own node receives.
+            self._handles.append(module.register_forward_hook(hook, with_kwargs=True,
+                                                              prepend=True))
         return self
 
     def __exit__(
@@ -181,7 +189,8 @@ class CallRecorder:
                 if isinstance(leaf, Tensor) and leaf.grad_fn is not None
             }
             outputs = [
-                Output(leaf.grad_fn if leaf.requires_grad else None, leaf.output_nr, leaf.shape)
+                Output(leaf.grad_fn if leaf.requires_grad else None, leaf.output_nr, leaf.shape,
+                       leaf.dtype)
                 for leaf in flatten(output)
                 if isinstance(leaf, Tensor)
             ]

@@ -92,6 +92,7 @@ class OnlineDiversity:
                 f"unknown sampling {sampling!r}; choose from {', '.join(SAMPLINGS)}"
             )
         self.n, self.decay, self.sampling = n, decay, sampling
+        self.precision: str | None = None  # what the last step computed in (watch sets it)
         self.steps = 0
         self.last: tuple[float, float] | None = None
         # Weighted sums over steps (EMA or equal weights): Σw, Σw², and Σw·x for

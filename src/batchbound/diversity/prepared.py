@@ -169,7 +169,7 @@ class PreparedStats:
                              self.layout, excluded=excluded, offset=offset)
         if self.checked is None:  # the first chunk, in eval mode: check it against the loop
             self._checked(check_rows(self.model, x, y, self.loss_fn, self.params,
-                                     result.sq_norms, result.losses))
+                                     result.sq_norms, result.losses, result.precision))
             if self.checked:
                 return self(x, y, offset)
         if not result.reasons:

@@ -7,10 +7,11 @@ exact, or the step raises BatchboundError naming the parameter and the reason.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -31,6 +32,7 @@ from batchbound.diversity.hooks import (
 )
 from batchbound.diversity.losses import resolve_loss
 from batchbound.diversity.online import OnlineDiversity
+from batchbound.diversity.precision import LOW_PRECISION, name, statement
 from batchbound.diversity.prepared import PreparedStats, describe, structure_of
 from batchbound.diversity.rows import RowTracker
 from batchbound.diversity.rule_check import (
@@ -150,6 +152,18 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     T_B = torch.stack([torch.linalg.vector_norm(run.totals.get(k, delta[k]), dtype=f64)
                        for k in params]).square().sum()
     monitor.update_from_norms(scale**2 * float(S_B), scale**2 * float(T_B), b)
+    _state_precision(monitor, planned, run.precision)
+
+
+def _state_precision(monitor: OnlineDiversity, planned: _Planned, used: torch.dtype) -> None:
+    """The precision the step computed in, on the monitor (``monitor.precision``), and a
+    warning once per model when it is below the parameters' (autocast) or low itself."""
+    parameters = next(iter(planned.params.values())).dtype
+    monitor.precision = name(used) if used == parameters else (
+        f"{name(used)} (autocast or casts in the forward; {name(parameters)} parameters)")
+    if used in LOW_PRECISION and used not in planned.warned:
+        planned.warned.add(used)
+        warnings.warn(f"batchbound: watch(): {statement(used, parameters)}", stacklevel=4)
 
 
 def _refuse(reasons: dict[str, str]) -> None:
@@ -165,7 +179,7 @@ def _unseen_uses(run: HooksPass, delta: dict[str, Tensor]) -> dict[str, str]:
     names = [k for k in run.fingerprints if k not in run.totals]
     if not names:
         return {}
-    rtol = tolerance(delta[names[0]].dtype)
+    rtol = tolerance(run.precision)
     ours = torch.stack([torch.as_tensor(run.fingerprints[k]) for k in names])
     seen = torch.stack([fingerprint_of(delta[k], run.probes[k]) for k in names])
     scale = torch.stack([torch.linalg.vector_norm(delta[k]) for k in names]) + torch.stack(
@@ -185,6 +199,7 @@ class _Planned:
     probes: dict[str, tuple[Tensor, Tensor]]
     batch_norms: list[tuple[str, nn.Module]]
     layout: Layout | None = None  # from the first watched call (the probe, the self-check)
+    warned: set[torch.dtype] = field(default_factory=set)  # low precisions stated already
 
 
 _PLANS: weakref.WeakKeyDictionary[nn.Module, _Planned] = weakref.WeakKeyDictionary()
