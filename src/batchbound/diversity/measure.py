@@ -8,7 +8,6 @@ every module's mode is restored afterwards; ``.grad`` fields are never touched.
 from __future__ import annotations
 
 import copy
-import math
 import sys
 import time
 import warnings
@@ -24,11 +23,11 @@ from torch.utils.data import Dataset as TorchDataset
 from batchbound.data.dataset import Dataset
 from batchbound.diversity.distributed import all_reduce_sum, world_size
 from batchbound.diversity.losses import PerExampleLoss, loss_name, resolve_loss
+from batchbound.diversity.precision import LOW_PRECISION, lowest, statement
 from batchbound.diversity.prepared import PreparedStats
 from batchbound.diversity.report import DiversityReport
 from batchbound.diversity.stats import (
     ENGINES,
-    LOW_PRECISION,
     eval_mode,
     norm_dtype,
     trainable_parameters,
@@ -144,17 +143,13 @@ def measure(
         totals = _accumulate(work, chunks, n_known, loss_fn, engine, progress)
     dtype = _model_dtype(work)
     extra: dict[str, object] = {"loss_name": loss_name(loss_fn), "fallback_parameters": []}
-    if dtype in LOW_PRECISION:
-        name = str(dtype).removeprefix("torch.")
-        extra["precision"] = (f"{name} gradients (unit roundoff {torch.finfo(dtype).eps / 2:.1e}), "
-                              "norms and sums accumulated in float32 and float64")
-        warnings.warn(
-            f"batchbound: the model computes in {name}, so its per-example gradients carry "
-            f"{name} rounding and S, T and Δ hold about {_digits(dtype)} significant digits "
-            "(norms and sums are accumulated in float32 and float64); dtype=torch.float64 "
-            "measures a float64 copy", stacklevel=2)
+    count, loss_sum, per_param, grad_sum, fallback, seen = totals
+    used = lowest(dtype, seen)  # autocast or casts in the forward: below the parameters'
+    if used in LOW_PRECISION:
+        extra["precision"] = statement(used, dtype)
+        warnings.warn(f"batchbound: {statement(used, dtype)}; dtype=torch.float64 measures a "
+                      "float64 copy (outside autocast)", stacklevel=2)
     names = list(trainable_parameters(work))
-    count, loss_sum, per_param, grad_sum, fallback = totals
     reduced = all_reduce_sum([count, loss_sum, *per_param, *grad_sum])
     n = round(float(reduced[0]))
     if n == 0:
@@ -169,15 +164,10 @@ def measure(
         loss=float(reduced[1]) / n,
         seconds=time.perf_counter() - start,
         engine=engine,
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=str(used).removeprefix("torch."),
         world_size=world_size(),
         extra={**extra, "fallback_parameters": fallback},
     )
-
-
-def _digits(dtype: torch.dtype) -> int:
-    """Significant decimal digits of a floating dtype's mantissa (bfloat16: 2, float16: 3)."""
-    return int(-math.log10(torch.finfo(dtype).eps))
 
 
 def _accumulate(
@@ -187,7 +177,7 @@ def _accumulate(
     loss_fn: PerExampleLoss,
     engine: str,
     progress: bool,
-) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor], list[str]]:
+) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor], list[str], torch.dtype | None]:
     """Sums over this rank's chunks, in float64 on the model's device: (n, Σ loss, per-parameter
     S, per-parameter Σg), and the parameters an exact fallback handled.
 
@@ -224,7 +214,8 @@ def _accumulate(
             bar.update(stats.n)
     _flush(grad_sum, block)
     count = torch.tensor(float(seen), dtype=acc, device=device)
-    return count, loss_sum, list(per_param.unbind()), grad_sum, sorted(fallback)
+    return (count, loss_sum, list(per_param.unbind()), grad_sum, sorted(fallback),
+            stats_of.precision)
 
 
 BLOCK = 16

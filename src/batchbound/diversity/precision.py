@@ -39,9 +39,9 @@ def digits(dtype: torch.dtype) -> int:
 
 def statement(used: torch.dtype, parameters: torch.dtype) -> str:
     """One sentence for a report: the precision used, where it came from, what it costs."""
-    where = (f"{name(used)} parameters" if used == parameters else
-             f"{name(used)} operations (autocast or casts in the forward) on {name(parameters)} "
-             "parameters")
-    return (f"{where}: per-example gradients carry {name(used)} rounding (unit roundoff "
-            f"{torch.finfo(used).eps / 2:.1e}), norms and sums accumulated in float32 and "
-            f"float64; S, T and Δ hold about {digits(used)} significant digits")
+    where = "" if used == parameters else (
+        f" (autocast or casts in the forward; its parameters are {name(parameters)})")
+    return (f"{name(used)} gradients: the model computes in {name(used)}{where}, so its "
+            f"per-example gradients carry {name(used)} rounding (unit roundoff "
+            f"{torch.finfo(used).eps / 2:.1e}) and S, T and Δ hold about {digits(used)} "
+            "significant digits (norms and sums accumulated in float32 and float64)")

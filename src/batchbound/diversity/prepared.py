@@ -30,6 +30,7 @@ from batchbound.diversity.engines import (
 from batchbound.diversity.graph import loss_users
 from batchbound.diversity.hooks import HookPlan, Layout, hooks_stats, output_nodes, plan_hooks
 from batchbound.diversity.losses import PerExampleLoss, check_losses, resolve_loss
+from batchbound.diversity.precision import lowest
 from batchbound.diversity.rule_check import (
     COUPLED,
     INTERACTING,
@@ -104,6 +105,7 @@ class PreparedStats:
         self._vmap_checked = False  # vmap's rows checked against the loop's once
         self._warned: set[str] = set()
         self._vmap_error = ""
+        self.precision: torch.dtype | None = None  # the lowest a hooks forward ran in
         self._methods = ""
         self._structure = structure_of(model, self.params, loss, engine)
         if engine in ("auto", "hooks"):
@@ -167,6 +169,7 @@ class PreparedStats:
         excluded = self.checked if self.checked is not None else self.plan.static_reasons()
         result = hooks_stats(self.model, x, y, self.loss_fn, self.plan, self.params,
                              self.layout, excluded=excluded, offset=offset)
+        self.precision = lowest(self.precision, result.precision)
         if self.checked is None:  # the first chunk, in eval mode: check it against the loop
             self._checked(check_rows(self.model, x, y, self.loss_fn, self.params,
                                      result.sq_norms, result.losses, result.precision))

@@ -32,7 +32,8 @@ from batchbound.diversity.hooks import (
 )
 from batchbound.diversity.losses import resolve_loss
 from batchbound.diversity.online import OnlineDiversity
-from batchbound.diversity.precision import LOW_PRECISION, name, statement
+from batchbound.diversity.precision import LOW_PRECISION, statement
+from batchbound.diversity.precision import name as dtype_name
 from batchbound.diversity.prepared import PreparedStats, describe, structure_of
 from batchbound.diversity.rows import RowTracker
 from batchbound.diversity.rule_check import (
@@ -159,8 +160,9 @@ def _state_precision(monitor: OnlineDiversity, planned: _Planned, used: torch.dt
     """The precision the step computed in, on the monitor (``monitor.precision``), and a
     warning once per model when it is below the parameters' (autocast) or low itself."""
     parameters = next(iter(planned.params.values())).dtype
-    monitor.precision = name(used) if used == parameters else (
-        f"{name(used)} (autocast or casts in the forward; {name(parameters)} parameters)")
+    monitor.precision = dtype_name(used) if used == parameters else (
+        f"{dtype_name(used)} (autocast or casts in the forward; {dtype_name(parameters)} "
+        "parameters)")
     if used in LOW_PRECISION and used not in planned.warned:
         planned.warned.add(used)
         warnings.warn(f"batchbound: watch(): {statement(used, parameters)}", stacklevel=4)
