@@ -197,3 +197,107 @@ class CallRecorder:
             self.calls.append(CallRecord(prefix, module, entry, index, inputs, nodes, outputs))
 
         return hook
+
+
+class Inputs:
+    """A model called with several arguments, ``model(*args, **kwargs)`` (a FiLM
+    ``model(img, cond)``, a Hugging Face ``model(input_ids, attention_mask=..., labels=...)``),
+    split by example the way a tensor of examples is: every tensor among the arguments (in
+    tuples, lists and dicts too) whose first dimension holds the ``n`` examples is indexed by
+    example; any other argument (a mask shared by the batch, a flag) is passed whole.
+
+    It answers ``shape[0]``, ``[index]`` and ``device`` as a tensor of examples does, so the
+    engines, the probe and the self-check take either; ``call_model`` runs the model on it.
+    """
+
+    def __init__(self, args: tuple, kwargs: dict[str, Any], n: int) -> None:
+        self.args, self.kwargs, self.n = tuple(args), dict(kwargs), n
+
+    @staticmethod
+    def of(args: tuple, kwargs: dict[str, Any]) -> Tensor | Inputs | None:
+        """The examples of a call: its one tensor argument itself, or an ``Inputs``; None
+        when no argument is a tensor with a first dimension."""
+        first = next((t for t in flatten([args, kwargs]) if isinstance(t, Tensor)
+                      and t.dim() > 0), None)
+        if first is None:
+            return None
+        if len(args) == 1 and not kwargs and args[0] is first:
+            return first
+        return Inputs(args, kwargs, int(first.shape[0]))
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([self.n])
+
+    @property
+    def device(self) -> torch.device:
+        first = next(t for t in flatten([self.args, self.kwargs]) if isinstance(t, Tensor))
+        return first.device
+
+    def __getitem__(self, index: Any) -> Inputs:
+        picked = _take((self.args, self.kwargs), index, self.n)
+        count = len(range(self.n)[index]) if isinstance(index, slice) else int(
+            torch.as_tensor(index).numel())
+        return Inputs(picked[0], picked[1], count)
+
+    def batched(self) -> tuple[Any, Any]:
+        """(args and kwargs, the same structure with 0 at example-split tensors and None
+        elsewhere): the ``in_dims`` torch.func.vmap needs."""
+        tree = (self.args, self.kwargs)
+        return tree, _dims(tree, self.n)
+
+
+def vmap_parts(x: Tensor | Inputs) -> tuple[Any, Any]:
+    """(what to hand torch.func.vmap, its in_dims) for a tensor of examples or ``Inputs``."""
+    return x.batched() if isinstance(x, Inputs) else (x, 0)
+
+
+def one_example(x: Any, dims: Any) -> Any:
+    """Inside vmap: the per-example slice ``x`` (from ``vmap_parts``) as a batch of one, of
+    the type it came as (a tensor, or ``Inputs``)."""
+    if dims == 0:
+        return x.unsqueeze(0)
+    args, kwargs = _lift(x, dims)
+    return Inputs(args, kwargs, 1)
+
+
+def _lift(value: Any, dims: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.unsqueeze(0) if dims == 0 else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_lift(v, d) for v, d in zip(value, dims, strict=True)))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_lift(v, d) for v, d in zip(value, dims, strict=True))
+    if isinstance(value, dict):
+        return {k: _lift(v, dims[k]) for k, v in value.items()}
+    return value
+
+
+def _take(value: Any, index: Any, n: int) -> Any:
+    if isinstance(value, Tensor):
+        return value[index] if value.dim() > 0 and value.shape[0] == n else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_take(v, index, n) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_take(v, index, n) for v in value)
+    if isinstance(value, dict):
+        return {k: _take(v, index, n) for k, v in value.items()}
+    return value
+
+
+def _dims(value: Any, n: int) -> Any:
+    if isinstance(value, Tensor):
+        return 0 if value.dim() > 0 and value.shape[0] == n else None
+    if isinstance(value, (tuple, list)):
+        return type(value)(_dims(v, n) for v in value) if not hasattr(value, "_fields") else (
+            type(value)(*(_dims(v, n) for v in value)))
+    if isinstance(value, dict):
+        return {k: _dims(v, n) for k, v in value.items()}
+    return None
+
+
+def call_model(model: nn.Module, x: Tensor | Inputs) -> Any:
+    """``model(x)``, or ``model(*args, **kwargs)`` for ``Inputs``."""
+    if isinstance(x, Inputs):
+        return model(*x.args, **x.kwargs)
+    return model(x)

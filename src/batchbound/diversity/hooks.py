@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from batchbound.diversity.calls import CallRecord, CallRecorder, flatten
+from batchbound.diversity.calls import CallRecord, CallRecorder, Inputs, call_model, flatten
 from batchbound.diversity.graph import (
     Edge,
     Node,
@@ -193,10 +193,11 @@ class HooksPass:
 
     # -------------------------------------------------------------------- phases
 
-    def forward(self, model: nn.Module, *args: Any) -> Any:
-        self.rows = RowTracker(args, model.buffers()) if self.layout is not None else None
+    def forward(self, model: nn.Module, x: Tensor | Inputs) -> Any:
+        given = (x.args, x.kwargs) if isinstance(x, Inputs) else (x,)
+        self.rows = RowTracker(given, model.buffers()) if self.layout is not None else None
         with self.recorder, self.recorder.recording(), self.rows or nullcontext():
-            return model(*args)
+            return call_model(model, x)
 
     def attach(self, roots: Sequence[Node], outputs: Sequence[Node] = ()) -> None:
         """Read the graph and hook the calls, between the forward and the backward pass.

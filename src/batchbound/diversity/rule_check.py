@@ -26,7 +26,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import Tensor, nn
 
-from batchbound.diversity.calls import flatten
+from batchbound.diversity.calls import call_model, flatten
 from batchbound.diversity.engines import loop_sq_norms
 from batchbound.diversity.hooks import (
     CallLayout,
@@ -208,7 +208,7 @@ def self_check(
     size = max(3, rows.numel())
     xs, ys = examples(x[rows], size), examples(y[rows], size)
     with buffers_kept(model), rng_kept(params):
-        mode = nullcontext() if _deterministic(model, xs) else eval_mode(model)
+        mode = nullcontext() if deterministic(model, xs) else eval_mode(model)
         with mode:
             fast = hooks_stats(model, xs, ys, loss_fn, plan, params, layout, excluded=excluded)
             slow_sq, _, slow_losses = loop_sq_norms(model, xs, ys, loss_fn, list(params),
@@ -217,13 +217,13 @@ def self_check(
     return disagreements(fast.sq_norms, fast.losses, slow_sq, slow_losses, fast.precision)
 
 
-def _deterministic(model: nn.Module, x: Tensor) -> bool:
+def deterministic(model: nn.Module, x: Tensor) -> bool:
     """Whether two forward passes under different random seeds give the same outputs."""
     outputs = []
     with torch.no_grad():
         for seed in (1, 2):
             torch.manual_seed(seed)
-            outputs.append([t for t in flatten(model(x)) if isinstance(t, Tensor)])
+            outputs.append([t for t in flatten(call_model(model, x)) if isinstance(t, Tensor)])
     return all(torch.equal(a, b) for a, b in zip(*outputs, strict=True))
 
 

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from batchbound.diversity.calls import flatten
+from batchbound.diversity.calls import Inputs, flatten
 from batchbound.diversity.graph import Node, loss_users
 from batchbound.diversity.hooks import (
     HookPlan,
@@ -32,6 +32,7 @@ from batchbound.diversity.hooks import (
 )
 from batchbound.diversity.losses import resolve_loss
 from batchbound.diversity.online import OnlineDiversity
+from batchbound.diversity.outputs import OutputGrads, autocast_state, fallback_from_outputs
 from batchbound.diversity.precision import LOW_PRECISION, statement
 from batchbound.diversity.precision import name as dtype_name
 from batchbound.diversity.prepared import PreparedStats, describe, structure_of
@@ -39,7 +40,10 @@ from batchbound.diversity.rows import RowTracker
 from batchbound.diversity.rule_check import (
     COUPLED,
     INTERACTING,
+    buffers_kept,
+    deterministic,
     probe_layout,
+    rng_kept,
     self_check,
     tolerance,
 )
@@ -128,32 +132,42 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     planned = _planned(model)
     params = planned.params
     check_model_mode(model, planned.batch_norms)
-    before = {k: None if p.grad is None else p.grad.detach().clone() for k, p in params.items()}
+    before = {k: None if p.grad is None else _dense(p.grad).clone() for k, p in params.items()}
     with _Watched(model, planned) as watched:
         yield
     run = watched.finish()
-    if run is not None and run.reasons:
-        _refuse(run.reasons)
     if run is None or not run.backward_seen:
         raise BatchboundError("watch() saw no backward pass through the model; call the model "
                               "and loss.backward() inside the block")
+    refused = {k: why for k, why in run.reasons.items() if why in REFUSED}
+    if refused:
+        _refuse(refused)
     delta = {}
     for name, p in params.items():
-        now = torch.zeros_like(p) if p.grad is None else p.grad.detach()
+        now = torch.zeros_like(p) if p.grad is None else _dense(p.grad)
         delta[name] = now if before[name] is None else now - before[name]
     unseen = _unseen_uses(run, delta)
     if unseen:
         _refuse(unseen)
+    sq_norms = dict(run.sq_norms)
+    if run.reasons:  # no layer rule can take these: the exact fallback, in this step
+        sq_norms.update(watched.fallback(run.reasons, delta, run.precision))
     # The rules saw the user's loss, so their norms and sums carry its scale: a mean over b
     # examples divides every per-example gradient by b.
     b = run.n
     scale = float(b) if reduction == "mean" else 1.0
     f64 = torch.float64
-    S_B = torch.stack([sq.sum(dtype=f64) for sq in run.sq_norms.values()]).sum()
+    S_B = torch.stack([sq.sum(dtype=f64) for sq in sq_norms.values()]).sum()
     T_B = torch.stack([torch.linalg.vector_norm(run.totals.get(k, delta[k]), dtype=f64)
                        for k in params]).square().sum()
     monitor.update_from_norms(scale**2 * float(S_B), scale**2 * float(T_B), b)
     _state_precision(monitor, planned, run.precision)
+
+
+def _dense(grad: Tensor) -> Tensor:
+    """A ``.grad`` as a dense tensor (``nn.Embedding(sparse=True)`` leaves a sparse one)."""
+    grad = grad.detach()
+    return grad.to_dense() if grad.is_sparse else grad
 
 
 def _state_precision(monitor: OnlineDiversity, planned: _Planned, used: torch.dtype) -> None:
@@ -201,7 +215,9 @@ class _Planned:
     probes: dict[str, tuple[Tensor, Tensor]]
     batch_norms: list[tuple[str, nn.Module]]
     layout: Layout | None = None  # from the first watched call (the probe, the self-check)
-    warned: set[torch.dtype] = field(default_factory=set)  # low precisions stated already
+    warned: set[object] = field(default_factory=set)  # precisions and fallbacks stated
+    checked: dict[str, str] = field(default_factory=dict)  # disagreed with the loop: fallback
+    deterministic: bool = True  # two forward passes agree (no dropout drawn)
 
 
 _PLANS: weakref.WeakKeyDictionary[nn.Module, _Planned] = weakref.WeakKeyDictionary()
@@ -213,12 +229,6 @@ def _planned(model: nn.Module) -> _Planned:
     planned = _PLANS.get(model)
     if planned is None or planned.structure != structure:
         plan = plan_hooks(model, params)
-        if plan.uncovered:
-            raise BatchboundError(
-                "watch() needs a layer rule for every trainable parameter: "
-                f"{describe(plan.static_reasons())}. Use monitored_step(), which computes "
-                "them by an exact fallback"
-            )
         planned = _PLANS[model] = _Planned(structure, params, plan, probe_vectors(params),
                                            batch_norm_modules(model))
     return planned
@@ -233,6 +243,9 @@ class _Watched:
         self.plan, self.params = planned.plan, planned.params
         self.run: HooksPass | None = None
         self.calls = 0
+        self.inputs: Tensor | Inputs | None = None  # the examples of the watched call
+        self.outputs: OutputGrads | None = None  # for the fallback, when it is needed
+        self.autocast: list[tuple[str, torch.dtype]] = []  # active at the model's call
         self._inside = False  # the probe's own calls of the model
         self._rows: RowTracker | None = None  # active during the model's forward
         self._loss: _LossWatch | None = None  # active from the forward's end to the backward
@@ -255,6 +268,8 @@ class _Watched:
             handle.remove()
         self._stop_rows()  # the model's forward raised before its end
         self._stop_loss()
+        if self.outputs is not None:
+            self.outputs.close()
         if self.run is not None:
             self.run.recorder.__exit__(None, None, None)
             if exc_type is not None:
@@ -267,10 +282,11 @@ class _Watched:
         if self.calls > 1:
             raise BatchboundError("the model ran more than once inside watch(); per-example "
                                   "norms need one forward and one backward per block")
-        x = next((t for t in flatten([args, kwargs]) if isinstance(t, Tensor)), None)
-        if x is None or x.dim() == 0:
-            raise BatchboundError("watch() needs the model's first argument to be a tensor of "
-                                  "examples")
+        x = Inputs.of(args, kwargs)
+        if x is None:
+            raise BatchboundError("watch() needs a tensor of examples among the model's "
+                                  "arguments (the examples along its first dimension)")
+        self.inputs, self.autocast = x, autocast_state()
         layout = self.planned.layout
         if layout is None:
             self._inside = True
@@ -281,26 +297,27 @@ class _Watched:
                 self.planned.layout = layout
             finally:
                 self._inside = False
-        self.run = HooksPass(self.plan, self.params, layout, int(x.shape[0]),
+        excluded = {**self.plan.static_reasons(), **self.planned.checked}
+        self.run = HooksPass(self.plan, self.params, layout, int(x.shape[0]), excluded,
                              probes=self.planned.probes)
         self.run.recorder.__enter__()
         self.run.recorder.start()
         self._rows = self.run.rows = RowTracker((args, kwargs), model.buffers())
         self._rows.__enter__()
 
-    def _check(self, x: Tensor, layout: Layout) -> None:
+    def _check(self, x: Tensor | Inputs, layout: Layout) -> None:
         """Once per model: the rules beside the per-example loop on a few examples, with a
         fixed random projection of the outputs standing in for the user's loss (the rules
-        do not depend on the loss; the check shows examples that interact or are reordered)."""
+        do not depend on the loss; the check shows examples that interact or are reordered).
+        Parameters whose rules disagree go to the exact fallback."""
         y = torch.zeros(x.shape[0], device=x.device)
         reasons = self_check(self.model, x, y, _stand_in_loss, self.plan, self.params, layout,
                              self.plan.static_reasons())
         if INTERACTING in reasons.values():
             raise BatchboundError(f"watch(): {COUPLED}")
-        if reasons:
-            raise BatchboundError(f"watch() cannot compute these parameters' per-example "
-                                  f"gradients exactly: {describe(reasons)}. Use "
-                                  "monitored_step(), which computes them by an exact fallback")
+        self.planned.checked = reasons
+        with torch.enable_grad(), buffers_kept(self.model), rng_kept(self.params):
+            self.planned.deterministic = deterministic(self.model, x)
 
     def _after(self, model: nn.Module, args: tuple, output: Any) -> None:
         if self._inside or self.run is None:
@@ -309,6 +326,8 @@ class _Watched:
         self.run.recorder.stop()
         roots = [t.grad_fn for t in flatten(output) if isinstance(t, Tensor) and t.grad_fn]
         self.run.attach(roots)
+        if self.run.reasons:  # the fallback will need the outputs' gradients
+            self.outputs = OutputGrads(output, self.run.n)
         self._loss = _LossWatch(self.run, roots)
         self._loss.__enter__()
 
@@ -325,6 +344,42 @@ class _Watched:
         if self.run is not None:
             self.run.finish()
         return self.run
+
+    def fallback(self, reasons: dict[str, str], delta: dict[str, Tensor],
+                 precision: torch.dtype) -> dict[str, Tensor]:
+        """Squared norms of the parameters no rule took, by the exact fallback on the
+        outputs' gradients (``outputs.py``); a warning once per set of reasons with the cost.
+        Its gradient sum must match the step's own (the change in ``.grad``) unless the model
+        draws random numbers (dropout), whose masks a second forward cannot replay: a
+        mismatch is a use the outputs do not show (a regulariser through
+        ``torch.autograd.backward``), or a loss that is not a sum over examples."""
+        assert self.outputs is not None and self.inputs is not None
+        names = [k for k in self.params if k in reasons]
+        try:
+            sq, sums, method, seconds = fallback_from_outputs(
+                self.model, self.inputs, self.outputs, names, self.autocast)
+        except BatchboundError as exc:
+            _refuse({k: str(exc) for k in names})
+        if self.planned.deterministic:
+            rtol = tolerance(precision)
+            wrong = {k: "its gradient in this step is not the sum of the per-example gradients "
+                        "read off the model's outputs (a regulariser in the loss, or a loss that "
+                        "is not a sum over the examples?)"
+                     for k in names
+                     if float(torch.linalg.vector_norm(sums[k].to(delta[k].dtype) - delta[k]))
+                     > rtol * (float(torch.linalg.vector_norm(delta[k]))
+                               + float(sq[k].sum()) ** 0.5) + 1e-30}
+            if wrong:
+                _refuse(wrong)
+        else:
+            method += " (the model draws random numbers, dropout: under masks of its own)"
+        key = describe({k: reasons[k] for k in names})
+        if key not in self.planned.warned:
+            self.planned.warned.add(key)
+            warnings.warn(f"batchbound: watch(): computing exact per-example gradients by "
+                          f"{method} ({seconds:.2g} s on this step) for the parameters no layer "
+                          f"rule can take: {key}", stacklevel=4)
+        return sq
 
 
 class _LossWatch(TorchFunctionMode):
@@ -345,7 +400,7 @@ class _LossWatch(TorchFunctionMode):
             if root is not None:
                 ids = {id(p): name for name, p in self.run.params.items()}
                 for name in loss_users(root, self.outputs, ids):
-                    self.run.reasons.setdefault(name, LOSS_USE_IN_WATCH)
+                    self.run.reasons[name] = LOSS_USE_IN_WATCH  # also over 'no rule'
                 self.run.probes = {}  # the graph answered: no fingerprints
         return func(*args, **(kwargs or {}))
 
@@ -354,8 +409,23 @@ LOSS_USE_IN_WATCH = ("used by the loss outside the model's layers (a regulariser
                      "into the loss?)")
 
 
+# Reasons the fallback on the outputs' gradients cannot remedy (it sees the model only).
+REFUSED = (LOSS_USE_IN_WATCH,)
+
+
 def _stand_in_loss(outputs: Any, targets: Tensor) -> Tensor:
-    """Per example: ⟨output_i, r⟩ for a fixed random r (the same on every call)."""
-    out = next(t for t in flatten(outputs) if isinstance(t, Tensor) and t.is_floating_point())
-    r = torch.randn(out.shape[1:], generator=torch.Generator().manual_seed(0), dtype=out.dtype)
-    return (out * r.to(out.device)).reshape(out.shape[0], -1).sum(dim=1)
+    """Per example: Σ_k ⟨output_k,i, r_k⟩ over the outputs that hold the examples along dim 0,
+    for fixed random r_k (the same on every call)."""
+    n, total = targets.shape[0], None
+    generator = torch.Generator().manual_seed(0)
+    for out in flatten(outputs):
+        if not (isinstance(out, Tensor) and out.is_floating_point() and out.dim() > 0
+                and out.shape[0] == n and out.requires_grad):
+            continue
+        r = torch.randn(out.shape[1:], generator=generator, dtype=out.dtype)
+        term = (out * r.to(out.device)).reshape(n, -1).sum(dim=1)
+        total = term if total is None else total + term
+    if total is None:
+        raise BatchboundError(f"watch(): none of the model's outputs holds the {n} examples "
+                              "along its first dimension")
+    return total
