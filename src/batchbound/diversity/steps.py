@@ -136,7 +136,7 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     with _Watched(model, planned) as watched:
         yield
     run = watched.finish()
-    if run is None or not run.backward_seen:
+    if run is None or not (run.backward_seen or (watched.outputs and watched.outputs.grads)):
         raise BatchboundError("watch() saw no backward pass through the model; call the model "
                               "and loss.backward() inside the block")
     refused = {k: why for k, why in run.reasons.items() if why in REFUSED}
