@@ -8,10 +8,10 @@ the same gradient as f_i: ∇f̃_i = J_iᵀ G_i = ∇f_i. The engines' exact fal
 vmap, or the per-example loop where vmap cannot run the model) then computes ‖∇f_i‖² for
 the parameters left over, on the same examples, under the same autocast, in the same step.
 
-Which outputs: those not computed from another output (a Hugging Face model's ``loss``,
-computed from its ``logits``, is left out: the logits' gradient already holds its part). Each
-kept output that received a gradient must hold the examples along dim 0; one that does not
-(a scalar over the batch) makes the fallback impossible, and the parameters are refused.
+G is read on views of the outputs that the model hands back (``OutputGrads``), so it is the
+loss's own partial derivative. Each output that receives one must hold the examples along
+dim 0; one that does not (a loss over the batch computed inside the model) makes the
+fallback impossible, and the parameters are refused.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import fields, is_dataclass, replace
 from typing import Any
 
 import torch
@@ -27,7 +28,6 @@ from torch.utils.hooks import RemovableHandle
 
 from batchbound.diversity.calls import Inputs, flatten
 from batchbound.diversity.engines import VmapUnsupported, fallback_sq_norms
-from batchbound.diversity.graph import walk
 from batchbound.diversity.rule_check import buffers_kept
 from batchbound.errors import BatchboundError
 
@@ -49,23 +49,41 @@ def autocast_as(state: list[tuple[str, torch.dtype]]) -> Iterator[None]:
 
 
 class OutputGrads:
-    """Tensor hooks on the model's outputs, set before the backward pass: their gradients."""
+    """The model's output, each tensor in it handed back as a view of itself with a hook:
+    the gradient that reaches a view is the loss's own partial derivative ∂L/∂out_k, none
+    of it from the model's internal uses of that tensor (a Hugging Face model's logits feed
+    its returned cache and loss too), so Σ_k ⟨out_k, G_k⟩ has exactly the loss's gradient."""
 
     def __init__(self, output: Any, n: int) -> None:
-        leaves = [t for t in flatten(output) if isinstance(t, Tensor)]
         self.n = n
-        self.kept: list[int] = []  # flatten positions of the outputs the fallback uses
-        self.grads: dict[int, Tensor] = {}
-        self.problem: str | None = None
+        self.grads: dict[int, Tensor] = {}  # flatten position -> ∂L/∂out_k
+        self._shapes: dict[int, tuple[int, ...]] = {}
         self._handles: list[RemovableHandle] = []
-        live = {k: t for k, t in enumerate(leaves) if t.requires_grad and t.is_floating_point()}
-        nodes = {t.grad_fn for t in live.values() if t.grad_fn is not None}
-        for k, t in live.items():
-            if t.grad_fn is not None and _computed_from(t.grad_fn, nodes - {t.grad_fn}):
-                continue  # its gradient reaches the outputs it is computed from
-            self.kept.append(k)
-            self._handles.append(t.register_hook(self._store(k)))
-        self._shapes = {k: tuple(live[k].shape) for k in self.kept}
+        self._count = 0
+        self.output = self._wrap(output)
+
+    def _wrap(self, value: Any) -> Any:
+        if isinstance(value, Tensor):
+            k = self._count
+            self._count += 1
+            if not (value.requires_grad and value.is_floating_point()):
+                return value
+            view = value.view_as(value)
+            self._shapes[k] = tuple(value.shape)
+            self._handles.append(view.register_hook(self._store(k)))
+            return view
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*(self._wrap(v) for v in value))
+        if isinstance(value, (tuple, list)):
+            return type(value)(self._wrap(v) for v in value)
+        if isinstance(value, dict):  # in place: a ModelOutput keeps its attributes in step
+            for key in list(value):
+                value[key] = self._wrap(value[key])
+            return value
+        if is_dataclass(value) and not isinstance(value, type):
+            return replace(value, **{f.name: self._wrap(getattr(value, f.name))
+                                     for f in fields(value) if f.init})
+        return value
 
     def _store(self, k: int):  # type: ignore[no-untyped-def]
         def hook(grad: Tensor) -> None:
@@ -87,19 +105,11 @@ class OutputGrads:
                     f"output {k} of the model, shape {shape}, receives a gradient but does not "
                     f"hold the {self.n} examples along dim 0 (a loss over the whole batch "
                     "computed inside the model?), so the examples' own gradients cannot be read "
-                    "off it")
+                    "off it; compute the loss outside the model")
         return Inputs((dict(self.grads),), {}, self.n)
 
 
-def _computed_from(start: Any, others: set[Any]) -> bool:
-    """Whether the node ``start`` lies downstream of one of ``others`` (strictly)."""
-    if not others:
-        return False
-    nodes, _ = walk([child for child, _ in start.next_functions if child is not None])
-    return not others.isdisjoint(nodes)
-
-
-def stand_in_loss(kept: list[int]):  # type: ignore[no-untyped-def]
+def stand_in_loss():  # type: ignore[no-untyped-def]
     """f̃_i = Σ_k ⟨out_k[i], G_k[i]⟩ over the kept outputs (see the module docstring)."""
 
     def loss(outputs: Any, targets: Inputs) -> Tensor:
@@ -109,8 +119,10 @@ def stand_in_loss(kept: list[int]):  # type: ignore[no-untyped-def]
         for k, g in grads.items():
             term = (leaves[k].to(g.dtype) * g).reshape(g.shape[0], -1).sum(dim=1)
             total = term if total is None else total + term
-        if total is None:  # no output received a gradient
-            return leaves[kept[0]].reshape(targets.n, -1).sum(dim=1) * 0
+        if total is None:  # no output received a gradient: zero, still on the graph
+            first = next(t for t in leaves if t.is_floating_point())
+            return first.reshape(-1)[:1].sum() * torch.zeros(targets.n, dtype=first.dtype,
+                                                              device=first.device)
         return total
 
     return loss
@@ -126,7 +138,7 @@ def fallback_from_outputs(
     """Per-example squared norms and gradient sums of ``names`` (the user's loss's scale),
     the method used and its seconds."""
     targets = captured.targets()
-    loss = stand_in_loss(captured.kept)
+    loss = stand_in_loss()
     start = time.perf_counter()
     with torch.enable_grad(), autocast_as(state), buffers_kept(model):
         try:

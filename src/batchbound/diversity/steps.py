@@ -319,17 +319,19 @@ class _Watched:
         with torch.enable_grad(), buffers_kept(self.model), rng_kept(self.params):
             self.planned.deterministic = deterministic(self.model, x)
 
-    def _after(self, model: nn.Module, args: tuple, output: Any) -> None:
+    def _after(self, model: nn.Module, args: tuple, output: Any) -> Any:
         if self._inside or self.run is None:
             return
         self._stop_rows()
         self.run.recorder.stop()
         roots = [t.grad_fn for t in flatten(output) if isinstance(t, Tensor) and t.grad_fn]
         self.run.attach(roots)
-        if self.run.reasons:  # the fallback will need the outputs' gradients
-            self.outputs = OutputGrads(output, self.run.n)
         self._loss = _LossWatch(self.run, roots)
         self._loss.__enter__()
+        if self.run.reasons:  # the fallback will need the loss's gradients of the outputs
+            self.outputs = OutputGrads(output, self.run.n)
+            return self.outputs.output
+        return None
 
     def _stop_rows(self) -> None:
         if self._rows is not None:
