@@ -47,6 +47,9 @@ class CallRecord:
     outputs: list[Output]
     grads: list[Tensor | None] = field(default_factory=list)
     main: str = ""  # the argument the rule reads the examples from
+    # Saved-tensor hooks were active (non-reentrant checkpointing): what the forward saved
+    # may be unpacked only once, by the backward itself, so no rule may read it.
+    saved_hooks: bool = False
 
     def __post_init__(self) -> None:
         self.main = self.entry.main or first_argument(self.module)
@@ -105,6 +108,13 @@ def bind(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, An
     arguments = dict(bound.arguments)
     arguments.pop(next(iter(signature.parameters)), None)  # self
     return arguments
+
+
+def saved_tensor_hooks_active() -> bool:
+    """Whether ``torch.autograd.graph.saved_tensors_hooks`` are in force (checkpointing);
+    True where this torch cannot tell."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return True if top is None else top(False) is not None
 
 
 def flatten(value: Any) -> list[Any]:
@@ -194,7 +204,8 @@ class CallRecorder:
                 for leaf in flatten(output)
                 if isinstance(leaf, Tensor)
             ]
-            self.calls.append(CallRecord(prefix, module, entry, index, inputs, nodes, outputs))
+            self.calls.append(CallRecord(prefix, module, entry, index, inputs, nodes, outputs,
+                                         saved_hooks=saved_tensor_hooks_active()))
 
         return hook
 

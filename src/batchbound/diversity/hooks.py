@@ -368,7 +368,7 @@ class HooksPass:
         ]
         call.grads = []  # release them with the rule's forms
         main = call.main
-        nodes = [o.node for o in call.outputs]
+        nodes = [] if call.saved_hooks else [o.node for o in call.outputs]
         if entry.example_axis is None and layout.axis != 0:
             nodes = []
             x = inputs[main]
