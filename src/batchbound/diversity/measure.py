@@ -104,9 +104,23 @@ def measuring(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[nn
         raise BatchboundError(f"dtype must be a floating torch dtype, got {dtype!r}")
     work = model
     if dtype is not None and dtype != _model_dtype(model):
+        _no_parameter_hooks(model, dtype)
         work = copy.deepcopy(model).to(dtype)
     with eval_mode(work):
         yield work
+
+
+def _no_parameter_hooks(model: nn.Module, dtype: torch.dtype) -> None:
+    """A dtype copy does not carry hooks registered on the parameter tensors (``p.register_hook``
+    changes what the gradient is), so it would measure another model: refused."""
+    hooked = [name for name, p in model.named_parameters()
+              if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks",
+                                                                  None)]
+    if hooked:
+        raise BatchboundError(
+            f"dtype={dtype} measures a copy of the model, and a copy drops the tensor hooks on "
+            f"its parameters ({', '.join(hooked)}); measure the model in its own dtype, or "
+            "convert it yourself with the hooks registered again")
 
 
 def measure(
