@@ -22,7 +22,14 @@ from training_models import (
     loop_S_T,
 )
 
-from batchbound.diversity import OnlineDiversity, measure, watch
+from batchbound.diversity import (
+    OnlineDiversity,
+    inputs,
+    measure,
+    monitored_step,
+    per_example_stats,
+    watch,
+)
 from batchbound.errors import BatchboundError
 
 transformers = pytest.importorskip("transformers")
@@ -293,3 +300,21 @@ def test_float64_copy_of_a_model_with_parameter_hooks_is_refused() -> None:
     x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
     with pytest.raises(BatchboundError, match=r"hook.*0\.weight"):
         measure(model, (x, y), "cross_entropy", dtype=torch.float64)
+
+
+def test_film_model_through_monitored_step_and_per_example_stats() -> None:
+    """Several inputs through the other paths: ``inputs(img, cond=...)``."""
+    torch.manual_seed(15)
+    img, cond = torch.randn(5, 3, 6, 6, dtype=torch.float64), torch.randn(5, 4,
+                                                                          dtype=torch.float64)
+    y = torch.randint(0, 3, (5,))
+    model = FiLM().double()
+    S, T = loop_S_T(copy.deepcopy(model), (img,), {"cond": cond},
+                    lambda out, i: ce(out, y[i : i + 1]), 5)
+    stats = per_example_stats(model, inputs(img, cond=cond), y, "cross_entropy")
+    assert pytest.approx(S, rel=1e-9) == stats.S and pytest.approx(T, rel=1e-9) == stats.T
+    monitor = OnlineDiversity(1000, decay=0.0)
+    monitored_step(model, inputs(img, cond=cond), y, "cross_entropy", monitor, reduction="sum")
+    expected = OnlineDiversity(1000, decay=0.0)
+    expected.update_from_norms(S, T, 5)
+    assert monitor.m2 == pytest.approx(expected.m2, rel=1e-9)

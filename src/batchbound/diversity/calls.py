@@ -26,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from batchbound.diversity.graph import Node
 from batchbound.diversity.rules import RuleEntry
+from batchbound.errors import BatchboundError
 
 
 @dataclass
@@ -282,6 +283,16 @@ def _lift(value: Any, dims: Any) -> Any:
     if isinstance(value, dict):
         return {k: _lift(v, dims[k]) for k, v in value.items()}
     return value
+
+
+def inputs(*args: Any, **kwargs: Any) -> Inputs:
+    """The examples of a model called as ``model(*args, **kwargs)``, for ``monitored_step``
+    and ``per_example_stats`` (``watch`` reads them off the call itself): n is the first
+    dimension of the first tensor among them."""
+    found = Inputs.of(args, kwargs)
+    if found is None:
+        raise BatchboundError("inputs(...) needs a tensor of examples among its arguments")
+    return found if isinstance(found, Inputs) else Inputs(args, kwargs, int(found.shape[0]))
 
 
 def _take(value: Any, index: Any, n: int) -> Any:
