@@ -318,3 +318,31 @@ def test_film_model_through_monitored_step_and_per_example_stats() -> None:
     expected = OnlineDiversity(1000, decay=0.0)
     expected.update_from_norms(S, T, 5)
     assert monitor.m2 == pytest.approx(expected.m2, rel=1e-9)
+
+
+def test_float16_autocast_with_a_grad_scaler() -> None:
+    """fp16 with a GradScaler: M2 carries the scale squared (Δ does not); a step whose
+    gradients overflow is skipped by the monitor, as by the scaler, with a warning."""
+    torch.manual_seed(16)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    S, T = loop_S_T(copy.deepcopy(model).double(), (x.double(),), {},
+                    lambda out, i: ce(out, y[i : i + 1]), 6)
+    expected = OnlineDiversity(1000, decay=0.0)
+    expected.update_from_norms(S, T, 6)
+    for scale, steps in ((2.0**12, 1), (2.0**100, 0)):
+        scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+        monitor = OnlineDiversity(1000, decay=0.0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with watch(model, monitor, reduction="sum"):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = model(x)
+                scaler.scale(ce(out.float(), y)).backward()
+        model.zero_grad()
+        assert monitor.steps == steps
+        assert monitor.precision.startswith("float16 (autocast")
+        if steps:
+            assert monitor.m2 / scale**2 == pytest.approx(expected.m2, rel=0.02)
+        else:
+            assert any("overflowed" in str(w.message) for w in caught)

@@ -160,8 +160,14 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     S_B = torch.stack([sq.sum(dtype=f64) for sq in sq_norms.values()]).sum()
     T_B = torch.stack([torch.linalg.vector_norm(run.totals.get(k, delta[k]), dtype=f64)
                        for k in params]).square().sum()
-    monitor.update_from_norms(scale**2 * float(S_B), scale**2 * float(T_B), b)
     _state_precision(monitor, planned, run.precision)
+    if run.precision == torch.float16 and not bool(torch.isfinite(S_B + T_B)):
+        # float16 overflow: a GradScaler skips this step's update too, and lowers its scale
+        warnings.warn("batchbound: watch(): this float16 step's gradients overflowed (inf or "
+                      "NaN); the monitor skips it, as a GradScaler skips the optimizer step",
+                      stacklevel=3)
+        return
+    monitor.update_from_norms(scale**2 * float(S_B), scale**2 * float(T_B), b)
 
 
 def _dense(grad: Tensor) -> Tensor:
