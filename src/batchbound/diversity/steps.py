@@ -117,15 +117,18 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     ``per_example_stats`` does) and T_B comes from the change in ``.grad``, so the step costs
     about what it did and its gradients are untouched. ``reduction`` says how the loss
     combines the examples' losses: ``"mean"`` (norms rescaled by b²) or ``"sum"``. Call the
-    model once per block, on a batch whose first argument holds the examples along dim 0,
-    and run one backward. Every use of a parameter must be one its layer rule covers: inside
-    the model this is checked on the autograd graph, and a use in the loss (a regulariser
-    written into it) on the loss's graph at ``loss.backward()``, or, for a backward started
-    another way, by comparing the rules' gradient sum with the change in ``.grad`` (put
-    regularisers outside the block, or in the optimizer's weight decay). The model is
-    planned once and the plan kept while its structure stays the same.
-    Whatever cannot be covered raises BatchboundError naming it: use ``monitored_step``,
-    which computes it by an exact fallback. BatchNorm must be in eval mode.
+    model once per block, with any positional and keyword arguments (every tensor whose
+    first dimension holds the batch is split by example), and run one backward. Inside the
+    model the autograd graph shows which uses a layer rule covers; a parameter no rule can
+    take is computed in the same step by the exact fallback (``outputs.py``: vmap or the
+    per-example loop on the gradients the loss left on the model's outputs), with its cost
+    warned once. A use in the loss itself (a regulariser written into it) is refused: seen on
+    the loss's graph at ``loss.backward()``, or, for a backward started another way, by
+    comparing the gradient sums with the change in ``.grad`` (put regularisers outside the
+    block, or in the optimizer's weight decay). Under autocast the precision the forward
+    actually ran in sets the self-check's tolerance and is stated (``monitor.precision``,
+    a warning); see docs/precision.md. The model is planned once and the plan kept while
+    its structure stays the same. BatchNorm must be in eval mode.
     """
     if reduction not in ("mean", "sum"):
         raise BatchboundError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
