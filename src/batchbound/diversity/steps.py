@@ -150,6 +150,7 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
         now = torch.zeros_like(p) if p.grad is None else _dense(p.grad)
         delta[name] = now if before[name] is None else now - before[name]
     unseen = _unseen_uses(run, delta)
+    unseen.update({k: UNACCOUNTED for k in run.unused if bool(delta[k].any())})
     if unseen:
         _refuse(unseen)
     sq_norms = dict(run.sq_norms)
@@ -420,6 +421,8 @@ LOSS_USE_IN_WATCH = ("used by the loss outside the model's layers (a regulariser
                      "into the loss?)")
 
 
+UNACCOUNTED = ("it gets a gradient that no operation in the autograd graph accounts for (a "
+               "custom autograd.Function writing it unseen?)")
 # Reasons the fallback on the outputs' gradients cannot remedy (it sees the model only).
 REFUSED = (LOSS_USE_IN_WATCH,)
 
