@@ -239,7 +239,7 @@ class PreparedStats:
                                                 list(sq), sums=False)
         fast = {name: values[rows] for name, values in sq.items()}
         wrong = disagreements(fast, losses[rows], slow_sq, slow_losses,
-                              next(iter(self.params.values())).dtype)
+                              lowest(self.precision, next(iter(self.params.values())).dtype))
         if wrong:
             raise VmapUnsupported(
                 "torch.func vmap disagreed with the per-example loop on "

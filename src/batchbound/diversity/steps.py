@@ -33,7 +33,7 @@ from batchbound.diversity.hooks import (
 from batchbound.diversity.losses import resolve_loss
 from batchbound.diversity.online import OnlineDiversity
 from batchbound.diversity.outputs import OutputGrads, autocast_state, fallback_from_outputs
-from batchbound.diversity.precision import LOW_PRECISION, statement
+from batchbound.diversity.precision import LOW_PRECISION, lowest, statement
 from batchbound.diversity.precision import name as dtype_name
 from batchbound.diversity.prepared import PreparedStats, describe, structure_of
 from batchbound.diversity.rows import RowTracker
@@ -100,6 +100,8 @@ def monitored_step(
         else:
             param.grad.add_(grad)
     monitor.update_from_stats(stats)
+    used = lowest(prepared[key].precision, next(iter(prepared[key].params.values())).dtype)
+    monitor.precision = dtype_name(used)
     total = stats.losses.sum()
     return (total / stats.n if reduction == "mean" else total).detach()
 
