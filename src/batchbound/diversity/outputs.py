@@ -81,8 +81,8 @@ class OutputGrads:
                 value[key] = self._wrap(value[key])
             return value
         if is_dataclass(value) and not isinstance(value, type):
-            return replace(value, **{f.name: self._wrap(getattr(value, f.name))
-                                     for f in fields(value) if f.init})
+            wrapped = {f.name: self._wrap(getattr(value, f.name)) for f in fields(value)}
+            return replace(value, **{f.name: wrapped[f.name] for f in fields(value) if f.init})
         return value
 
     def _store(self, k: int):  # type: ignore[no-untyped-def]
@@ -98,6 +98,9 @@ class OutputGrads:
 
     def targets(self) -> Inputs:
         """The outputs' gradients, as the fallback's per-example targets (an ``Inputs``)."""
+        if not self.grads:
+            raise BatchboundError("no tensor among the model's outputs (in tuples, lists, dicts "
+                                  "and dataclasses) received a gradient from the loss")
         for k in self.grads:
             shape = self._shapes[k]
             if not shape or shape[0] != self.n:
@@ -110,7 +113,8 @@ class OutputGrads:
 
 
 def stand_in_loss():  # type: ignore[no-untyped-def]
-    """f̃_i = Σ_k ⟨out_k[i], G_k[i]⟩ over the kept outputs (see the module docstring)."""
+    """f̃_i = Σ_k ⟨out_k[i], G_k[i]⟩ over the outputs that received a gradient G_k (see the
+    module docstring); k counts the tensors of the output in ``flatten``'s order."""
 
     def loss(outputs: Any, targets: Inputs) -> Tensor:
         leaves = [t for t in flatten(outputs) if isinstance(t, Tensor)]
@@ -119,10 +123,7 @@ def stand_in_loss():  # type: ignore[no-untyped-def]
         for k, g in grads.items():
             term = (leaves[k].to(g.dtype) * g).reshape(g.shape[0], -1).sum(dim=1)
             total = term if total is None else total + term
-        if total is None:  # no output received a gradient: zero, still on the graph
-            first = next(t for t in leaves if t.is_floating_point())
-            return first.reshape(-1)[:1].sum() * torch.zeros(targets.n, dtype=first.dtype,
-                                                              device=first.device)
+        assert total is not None  # targets() holds at least one gradient
         return total
 
     return loss
