@@ -49,6 +49,8 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], Tensor]]] = {
     "torch.nn.modules.conv.Conv2d": (lambda: nn.Conv2d(2, 3, 3, stride=2),
                                      lambda: torch.randn(4, 2, 7, 7)),
     "torch.nn.modules.sparse.Embedding": (lambda: nn.Embedding(11, 4), _tokens),
+    "torch.nn.modules.sparse.EmbeddingBag": (lambda: nn.EmbeddingBag(11, 4, mode="mean"),
+                                             _tokens),
     "torch.nn.modules.normalization.LayerNorm": (lambda: nn.LayerNorm(5),
                                                  lambda: torch.randn(4, 3, 5)),
     "torch.nn.modules.normalization.RMSNorm": (lambda: nn.RMSNorm(5),

@@ -200,19 +200,23 @@ def test_conv_transpose_2d() -> None:
 
 
 class BagClassifier(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, mode: str = "mean") -> None:
         super().__init__()
-        self.bag, self.head = nn.EmbeddingBag(30, 8, mode="mean"), nn.Linear(8, 3)
+        self.bag, self.head = nn.EmbeddingBag(30, 8, mode=mode), nn.Linear(8, 3)
 
-    def forward(self, ids: Tensor) -> Tensor:
-        return self.head(self.bag(ids))
+    def forward(self, ids: Tensor, weights: Tensor | None = None) -> Tensor:
+        return self.head(self.bag(ids, per_sample_weights=weights))
 
 
-def test_embedding_bag() -> None:
+@pytest.mark.parametrize("mode", ["mean", "sum", "weighted", "max"])
+def test_embedding_bag(mode: str) -> None:
+    """Its rule for bags of equal length (sum, mean, per-sample weights); mode='max' by the
+    fallback."""
     torch.manual_seed(7)
     x, y = torch.randint(0, 30, (6, 5)), torch.randint(0, 3, (6,))
-    watch_exact(BagClassifier().double(), (x,), {}, ce, y,
-                warns="EmbeddingBag")
+    kwargs = {"weights": torch.rand(6, 5, dtype=torch.float64)} if mode == "weighted" else {}
+    model = BagClassifier("sum" if mode == "weighted" else mode).double()
+    watch_exact(model, (x,), kwargs, ce, y, warns="mode='max'" if mode == "max" else None)
 
 
 # ------------------------------------------- inputs, outputs, hooks, checkpointing, sparse
