@@ -48,6 +48,12 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], Tensor]]] = {
                                      lambda: torch.randn(4, 2, 7)),
     "torch.nn.modules.conv.Conv2d": (lambda: nn.Conv2d(2, 3, 3, stride=2),
                                      lambda: torch.randn(4, 2, 7, 7)),
+    "torch.nn.modules.conv.ConvTranspose1d": (lambda: nn.ConvTranspose1d(2, 3, 3, stride=2),
+                                              lambda: torch.randn(4, 2, 5)),
+    "torch.nn.modules.conv.ConvTranspose2d": (
+        lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2,
+                                   dilation=2),
+        lambda: torch.randn(4, 4, 5, 4)),
     "torch.nn.modules.sparse.Embedding": (lambda: nn.Embedding(11, 4), _tokens),
     "torch.nn.modules.sparse.EmbeddingBag": (lambda: nn.EmbeddingBag(11, 4, mode="mean"),
                                              _tokens),
