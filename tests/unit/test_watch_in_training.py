@@ -324,11 +324,22 @@ def test_film_model_through_monitored_step_and_per_example_stats() -> None:
     assert monitor.m2 == pytest.approx(expected.m2, rel=1e-9)
 
 
+class Gain(nn.Module):
+    """A layer of the user's own, with no rule: the fallback takes it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.gain
+
+
 def test_float16_autocast_with_a_grad_scaler() -> None:
     """fp16 with a GradScaler: M2 carries the scale squared (Δ does not); a step whose
     gradients overflow is skipped by the monitor, as by the scaler, with a warning."""
     torch.manual_seed(16)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), Gain(16), nn.Linear(16, 3))
     x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
     S, T = loop_S_T(copy.deepcopy(model).double(), (x.double(),), {},
                     lambda out, i: ce(out, y[i : i + 1]), 6)

@@ -18,7 +18,9 @@ import math
 
 import torch
 
-LOW_PRECISION = (torch.float16, torch.bfloat16)
+from batchbound.diversity.stats import LOW_PRECISION
+
+__all__ = ["LOW_PRECISION", "digits", "lowest", "name", "statement"]
 _RANK = {torch.float16: 0, torch.bfloat16: 0, torch.float32: 1, torch.float64: 2}
 
 

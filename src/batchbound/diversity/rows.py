@@ -49,10 +49,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from batchbound.diversity.graph import Node, is_accumulator
+from batchbound.diversity.stats import LOW_PRECISION
 
 _INDEX_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
                            torch.int64})
-_LOW_PRECISION = frozenset({torch.float16, torch.bfloat16})
 _KINDS: dict[Any, tuple[bool, bool, bool]] = {}  # op -> (dynamic shape, pointwise, random)
 
 
@@ -131,7 +131,7 @@ class RowTracker(TorchDispatchMode):
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if isinstance(out, Tensor) and out.dtype in _LOW_PRECISION:
+        if isinstance(out, Tensor) and out.dtype in LOW_PRECISION:
             self.lowest = out.dtype
         inputs = _tensors(kwargs.values(), _tensors(args, [])) if kwargs else _tensors(args, [])
         dynamic, pointwise, random = _KINDS.get(func) or _kind(func)

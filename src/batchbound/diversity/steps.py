@@ -151,6 +151,13 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     for name, p in params.items():
         now = torch.zeros_like(p) if p.grad is None else _dense(p.grad)
         delta[name] = now if before[name] is None else now - before[name]
+    if run.precision == torch.float16 and not _finite(delta, run.sq_norms):
+        # float16 overflow: a GradScaler skips this step's update too, and lowers its scale
+        _state_precision(monitor, planned, run.precision)
+        warnings.warn("batchbound: watch(): this float16 step's gradients overflowed (inf or "
+                      "NaN); the monitor skips it, as a GradScaler skips the optimizer step",
+                      stacklevel=3)
+        return
     unseen = _unseen_uses(run, delta)
     unseen.update({k: UNACCOUNTED for k in run.unused if bool(delta[k].any())})
     if unseen:
@@ -167,13 +174,11 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     T_B = torch.stack([torch.linalg.vector_norm(run.totals.get(k, delta[k]), dtype=f64)
                        for k in params]).square().sum()
     _state_precision(monitor, planned, run.precision)
-    if run.precision == torch.float16 and not bool(torch.isfinite(S_B + T_B)):
-        # float16 overflow: a GradScaler skips this step's update too, and lowers its scale
-        warnings.warn("batchbound: watch(): this float16 step's gradients overflowed (inf or "
-                      "NaN); the monitor skips it, as a GradScaler skips the optimizer step",
-                      stacklevel=3)
-        return
     monitor.update_from_norms(scale**2 * float(S_B), scale**2 * float(T_B), b)
+
+
+def _finite(*groups: dict[str, Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for group in groups for t in group.values())
 
 
 def _dense(grad: Tensor) -> Tensor:
