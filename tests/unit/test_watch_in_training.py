@@ -377,3 +377,22 @@ def test_conv_transpose_rule_every_strategy(strategy: str, kernel: int, groups: 
     x = torch.randn(3, 4, 5, 4, dtype=torch.float64)
     with force_strategy(strategy):
         assert_exact(model, x, feature_targets(model, x), feature_loss, engine="hooks")
+
+
+def test_film_model_measured_from_a_data_loader_of_input_pairs() -> None:
+    """measure over a DataLoader whose batches are ((img, cond), y): model(img, cond)."""
+    from torch.utils.data import DataLoader
+
+    torch.manual_seed(18)
+    img, cond = torch.randn(10, 3, 6, 6, dtype=torch.float64), torch.randn(10, 4,
+                                                                            dtype=torch.float64)
+    y = torch.randint(0, 3, (10,))
+    model = FiLM().double()
+    S, T = loop_S_T(copy.deepcopy(model), (img, cond), {}, lambda out, i: ce(out, y[i : i + 1]),
+                    10)
+    pairs = [((a, c), t) for a, c, t in zip(img, cond, y, strict=True)]
+    loader = DataLoader(pairs, batch_size=4)
+    report = measure(model, loader, "cross_entropy")
+    assert report.n == 10 and report.extra["fallback_parameters"] == []
+    assert pytest.approx(S, rel=1e-9) == report.S
+    assert pytest.approx(T, rel=1e-9) == report.T

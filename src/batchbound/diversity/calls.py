@@ -252,6 +252,13 @@ class Inputs:
             torch.as_tensor(index).numel())
         return Inputs(picked[0], picked[1], count)
 
+    def to(self, device: torch.device, dtype: torch.dtype | None = None) -> Inputs:
+        """On ``device``, floating tensors in ``dtype`` when given (as ``Tensor.to``)."""
+        def move(t: Tensor) -> Tensor:
+            return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
+
+        return Inputs(*_each((self.args, self.kwargs), move), self.n)
+
     def batched(self) -> tuple[Any, Any]:
         """(args and kwargs, the same structure with 0 at example-split tensors and None
         elsewhere): the ``in_dims`` torch.func.vmap needs."""
@@ -293,6 +300,18 @@ def inputs(*args: Any, **kwargs: Any) -> Inputs:
     if found is None:
         raise BatchboundError("inputs(...) needs a tensor of examples among its arguments")
     return found if isinstance(found, Inputs) else Inputs(args, kwargs, int(found.shape[0]))
+
+
+def _each(value: Any, fn: Any) -> Any:
+    if isinstance(value, Tensor):
+        return fn(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_each(v, fn) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_each(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _each(v, fn) for k, v in value.items()}
+    return value
 
 
 def _take(value: Any, index: Any, n: int) -> Any:

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
 from batchbound.data.dataset import Dataset
+from batchbound.diversity.calls import Inputs
 from batchbound.diversity.distributed import all_reduce_sum, world_size
 from batchbound.diversity.losses import PerExampleLoss, loss_name, resolve_loss
 from batchbound.diversity.precision import LOW_PRECISION, lowest, statement
@@ -49,7 +50,13 @@ def _from_loader(batches: Iterable[Any], chunk_size: int) -> Iterator[tuple[Tens
                 "each batch of the data must be an (inputs, targets) pair, got "
                 f"{type(batch).__name__}"
             )
-        yield from _split(batch[0], batch[1], chunk_size)
+        x = batch[0]
+        if isinstance(x, (tuple, list, dict)):  # a model of several inputs: model(*x) or (**x)
+            found = Inputs.of((), x) if isinstance(x, dict) else Inputs.of(tuple(x), {})
+            if found is None:
+                raise BatchboundError("the batch's inputs hold no tensor of examples")
+            x = found
+        yield from _split(x, batch[1], chunk_size)
 
 
 def data_chunks(
@@ -212,7 +219,8 @@ def _accumulate(
     seen, fallback, chunks_in_block = 0, set(), 0
     with tqdm(total=n_known, unit="ex", file=sys.stderr, disable=not progress, leave=False) as bar:
         for x, y in chunks:
-            x = x.to(device=device, dtype=dtype if x.dtype.is_floating_point else None)
+            x = x.to(device, dtype) if isinstance(x, Inputs) else x.to(
+                device=device, dtype=dtype if x.dtype.is_floating_point else None)
             y = y.to(device=device, dtype=dtype if y.dtype.is_floating_point else None)
             stats = stats_of(x, y, offset=seen)
             per_param += torch.stack([stats.sq_norms[k] for k in params]).sum(dim=1, dtype=acc)
