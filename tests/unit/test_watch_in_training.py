@@ -396,3 +396,33 @@ def test_film_model_measured_from_a_data_loader_of_input_pairs() -> None:
     assert report.n == 10 and report.extra["fallback_parameters"] == []
     assert pytest.approx(S, rel=1e-9) == report.S
     assert pytest.approx(T, rel=1e-9) == report.T
+
+
+def test_hf_gradient_checkpointing() -> None:
+    """HF's gradient_checkpointing_enable() around GPT-2's LayerNorms, in train mode."""
+    torch.manual_seed(19)
+    model = _gpt2(8).double()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    x, y = torch.randint(0, 64, (3, 8)), torch.randint(0, 64, (3, 8))
+    watch_exact(model, (x,), {}, _token_loss, y)
+
+
+def test_bf16_autocast_with_the_fallback() -> None:
+    """A layer without a rule under bf16 autocast: the fallback runs under the same autocast,
+    and the step's precision is stated."""
+    torch.manual_seed(20)
+    model = TinyViT()
+    x, y = torch.randn(6, 3, 8, 8), torch.randint(0, 3, (6,))
+    S, _ = loop_S_T(copy.deepcopy(model).double(), (x.double(),), {},
+                    lambda out, i: ce(out, y[i : i + 1]), 6)
+    monitor = OnlineDiversity(1000, decay=0.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with watch(model, monitor, reduction="sum"):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            ce(out.float(), y).backward()
+    messages = " ".join(str(w.message) for w in caught)
+    assert "cls_token" in messages and "computes in bfloat16" in messages
+    assert monitor.m2 * 6 == pytest.approx(S, rel=0.02)
