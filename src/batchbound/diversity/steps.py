@@ -32,7 +32,12 @@ from batchbound.diversity.hooks import (
 )
 from batchbound.diversity.losses import resolve_loss
 from batchbound.diversity.online import OnlineDiversity
-from batchbound.diversity.outputs import OutputGrads, autocast_state, fallback_from_outputs
+from batchbound.diversity.outputs import (
+    OutputGrads,
+    autocast_as,
+    autocast_state,
+    fallback_from_outputs,
+)
 from batchbound.diversity.precision import LOW_PRECISION, lowest, statement
 from batchbound.diversity.precision import name as dtype_name
 from batchbound.diversity.prepared import PreparedStats, describe, structure_of
@@ -234,7 +239,8 @@ class _Planned:
     layout: Layout | None = None  # from the first watched call (the probe, the self-check)
     warned: set[object] = field(default_factory=set)  # precisions and fallbacks stated
     checked: dict[str, str] = field(default_factory=dict)  # disagreed with the loop: fallback
-    deterministic: bool = True  # two forward passes agree (no dropout drawn)
+    # Per train/eval mode of the modules: whether two forward passes agree (no dropout).
+    deterministic: dict[tuple[bool, ...], bool] = field(default_factory=dict)
 
 
 _PLANS: weakref.WeakKeyDictionary[nn.Module, _Planned] = weakref.WeakKeyDictionary()
@@ -333,8 +339,6 @@ class _Watched:
         if INTERACTING in reasons.values():
             raise BatchboundError(f"watch(): {COUPLED}")
         self.planned.checked = reasons
-        with torch.enable_grad(), buffers_kept(self.model), rng_kept(self.params):
-            self.planned.deterministic = deterministic(self.model, x)
 
     def _after(self, model: nn.Module, args: tuple, output: Any) -> Any:
         if self._inside or self.run is None:
@@ -379,7 +383,11 @@ class _Watched:
                 self.model, self.inputs, self.outputs, names, self.autocast)
         except BatchboundError as exc:
             _refuse({k: str(exc) for k in names})
-        if self.planned.deterministic:
+        modes = tuple(m.training for m in self.model.modules())
+        if modes not in self.planned.deterministic:  # once per mode: two forward passes
+            with autocast_as(self.autocast), buffers_kept(self.model), rng_kept(self.params):
+                self.planned.deterministic[modes] = deterministic(self.model, self.inputs)
+        if self.planned.deterministic[modes]:
             rtol = tolerance(precision)
             wrong = {k: "its gradient in this step is not the sum of the per-example gradients "
                         "read off the model's outputs (a regulariser in the loss, or a loss that "
