@@ -54,3 +54,45 @@ def test_advise_pilots_and_times_on_cuda(capsys: pytest.CaptureFixture[str]):
     advice = json.loads(capsys.readouterr().out)
     assert advice["pilot"]["iterations"] == 50
     assert all(r["seconds_per_iteration"] > 0 for r in advice["rows"])
+
+
+def test_watch_around_a_bf16_autocast_step_of_gpt2_at_context_1024():
+    """watch() around the step almost every GPU user trains in: a GPT-2-size model (HF GPT-2
+    small, 124M parameters) at context 1024 under torch.autocast("cuda", bfloat16). A number,
+    S within 2 % of the float64 per-example loop, the precision stated (issue 35)."""
+    import copy
+    import warnings
+
+    import torch.nn.functional as F
+    from training_models import loop_S_T
+
+    from batchbound.diversity import OnlineDiversity, watch
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_positions=1024, attn_pdrop=0.0, resid_pdrop=0.0,
+                                     embd_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config).cuda()
+    n, vocab = 4, config.vocab_size
+    x = torch.randint(0, vocab, (n, 1024), device="cuda")
+    y = torch.randint(0, vocab, (n, 1024), device="cuda")
+
+    def loss(out, targets):
+        logits = out.logits.float()
+        return F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1), reduction="sum")
+
+    exact = copy.deepcopy(model).double()
+    S, _ = loop_S_T(exact, (x,), {}, lambda out, i: loss(out, y[i : i + 1]), n)
+    del exact
+    monitor = OnlineDiversity(10_000, decay=0.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with watch(model, monitor, reduction="sum"):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(x)
+            loss(out, y).backward()
+    messages = [str(w.message) for w in caught if "batchbound" in str(w.message)]
+    assert any("computes in bfloat16" in m for m in messages), messages
+    assert not any("exact per-example gradients by" in m for m in messages), messages  # rules
+    assert monitor.m2 * n == pytest.approx(S, rel=0.02)
+    assert monitor.precision.startswith("bfloat16 (autocast")

@@ -234,19 +234,6 @@ def test_watch_refuses_what_it_cannot_measure() -> None:
     with pytest.raises(BatchboundError, match="eval"), watch(bn, OnlineDiversity()):
         pass
 
-    class Scaled(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.scale = nn.Parameter(torch.ones(()))
-
-        def forward(self, t: torch.Tensor) -> torch.Tensor:
-            return self.scale * t
-
-    with pytest.raises(BatchboundError, match="layer rule"), watch(
-        nn.Sequential(nn.Linear(2, 2), Scaled()), OnlineDiversity()
-    ):
-        pass
-
 
 def test_watch_refuses_examples_that_interact_or_are_reordered() -> None:
     """watch() has no loss to check against; a projection of the outputs stands in for it."""

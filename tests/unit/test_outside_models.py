@@ -231,13 +231,19 @@ def test_unpadding_encoder_is_exact() -> None:
                                              chunk=4)
 
 
-def test_watch_refuses_routed_rows() -> None:
+def test_watch_computes_routed_rows_by_the_fallback() -> None:
+    """Rows routed by the data are no rule's: the exact fallback takes them, in the step."""
     torch.manual_seed(12)
     model = SwitchMoE().double()
     x, y = torch.randn(6, 2, 8, dtype=torch.float64), torch.randint(0, 4, (6,))
-    with pytest.raises(BatchboundError, match="no layer rule|" + MOVED), \
-            watch(model, OnlineDiversity(100)):
+    exact = per_example_stats(copy.deepcopy(model), x, y, "cross_entropy", engine="loop")
+    monitor = OnlineDiversity(100, decay=0.0)
+    with pytest.warns(UserWarning, match="no layer rule|" + MOVED), watch(model, monitor):
         torch.nn.functional.cross_entropy(model(x), y).backward()
+    expected = OnlineDiversity(100, decay=0.0)
+    expected.update_from_stats(exact)
+    assert monitor.m2 == pytest.approx(expected.m2, rel=1e-9)
+    assert monitor.cross == pytest.approx(expected.cross, rel=1e-8)
 
 
 # -------------------------------------------- examples that interact (issue 26): refused

@@ -9,6 +9,7 @@ gradient sum, from one backward pass) and ``per_example_gradients`` (materialise
 torch.func) are the building blocks for mechanisms, online estimators and the trainer.
 """
 
+from batchbound.diversity.calls import Inputs, inputs
 from batchbound.diversity.differential import DifferentialReport, differential_diversity
 from batchbound.diversity.losses import (
     LOSS_NAMES,
@@ -46,6 +47,7 @@ __all__ = [
     "LOSS_NAMES",
     "DifferentialReport",
     "DiversityReport",
+    "Inputs",
     "MechanismReport",
     "OnlineDiversity",
     "PerExampleStats",
@@ -54,6 +56,7 @@ __all__ = [
     "cross_entropy",
     "differential_diversity",
     "dropconnect_mask",
+    "inputs",
     "measure",
     "mechanism_diversities",
     "mechanism_diversity",

@@ -16,7 +16,7 @@ import inspect
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from types import TracebackType
 from typing import Any
 
@@ -26,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from batchbound.diversity.graph import Node
 from batchbound.diversity.rules import RuleEntry
+from batchbound.errors import BatchboundError
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Output:
     node: Node | None  # the autograd node that made it (None: it does not require grad)
     index: int  # its output_nr on that node
     shape: torch.Size
+    dtype: torch.dtype = torch.float32  # the precision the call computed it in
 
 
 @dataclass
@@ -46,6 +48,9 @@ class CallRecord:
     outputs: list[Output]
     grads: list[Tensor | None] = field(default_factory=list)
     main: str = ""  # the argument the rule reads the examples from
+    # Saved-tensor hooks were active (non-reentrant checkpointing): what the forward saved
+    # may be unpacked only once, by the backward itself, so no rule may read it.
+    saved_hooks: bool = False
 
     def __post_init__(self) -> None:
         self.main = self.entry.main or first_argument(self.module)
@@ -106,12 +111,22 @@ def bind(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, An
     return arguments
 
 
+def saved_tensor_hooks_active() -> bool:
+    """Whether ``torch.autograd.graph.saved_tensors_hooks`` are in force (checkpointing);
+    True where this torch cannot tell."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return True if top is None else top(False) is not None
+
+
 def flatten(value: Any) -> list[Any]:
-    """The leaves of nested tuples, lists and dicts, in order."""
+    """The leaves of nested tuples, lists, dicts (a Hugging Face ``ModelOutput`` is one) and
+    dataclass instances, in order."""
     if isinstance(value, (tuple, list)):
         return [leaf for item in value for leaf in flatten(item)]
     if isinstance(value, dict):
         return [leaf for item in value.values() for leaf in flatten(item)]
+    if is_dataclass(value) and not isinstance(value, type):
+        return [leaf for f in fields(value) for leaf in flatten(getattr(value, f.name))]
     return [value]
 
 
@@ -139,7 +154,11 @@ class CallRecorder:
     def __enter__(self) -> CallRecorder:
         for prefix, (module, entry) in self.modules.items():
             hook = self._hook(prefix, entry)
-            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+            # First of the module's forward hooks: the record is the layer's own output,
+            # before any user hook replaces it (a clamp): the rule needs the gradient with
+            # respect to what the layer itself computed, which its own node receives.
+            self._handles.append(module.register_forward_hook(hook, with_kwargs=True,
+                                                              prepend=True))
         return self
 
     def __exit__(
@@ -181,10 +200,145 @@ class CallRecorder:
                 if isinstance(leaf, Tensor) and leaf.grad_fn is not None
             }
             outputs = [
-                Output(leaf.grad_fn if leaf.requires_grad else None, leaf.output_nr, leaf.shape)
+                Output(leaf.grad_fn if leaf.requires_grad else None, leaf.output_nr, leaf.shape,
+                       leaf.dtype)
                 for leaf in flatten(output)
                 if isinstance(leaf, Tensor)
             ]
-            self.calls.append(CallRecord(prefix, module, entry, index, inputs, nodes, outputs))
+            self.calls.append(CallRecord(prefix, module, entry, index, inputs, nodes, outputs,
+                                         saved_hooks=saved_tensor_hooks_active()))
 
         return hook
+
+
+class Inputs:
+    """A model called with several arguments, ``model(*args, **kwargs)`` (a FiLM
+    ``model(img, cond)``, a Hugging Face ``model(input_ids, attention_mask=..., labels=...)``),
+    split by example the way a tensor of examples is: every tensor among the arguments (in
+    tuples, lists and dicts too) whose first dimension holds the ``n`` examples is indexed by
+    example; any other argument (a mask shared by the batch, a flag) is passed whole.
+
+    It answers ``shape[0]``, ``[index]`` and ``device`` as a tensor of examples does, so the
+    engines, the probe and the self-check take either; ``call_model`` runs the model on it.
+    """
+
+    def __init__(self, args: tuple, kwargs: dict[str, Any], n: int) -> None:
+        self.args, self.kwargs, self.n = tuple(args), dict(kwargs), n
+
+    @staticmethod
+    def of(args: tuple, kwargs: dict[str, Any]) -> Tensor | Inputs | None:
+        """The examples of a call: its one tensor argument itself, or an ``Inputs``; None
+        when no argument is a tensor with a first dimension."""
+        first = next((t for t in flatten([args, kwargs]) if isinstance(t, Tensor)
+                      and t.dim() > 0), None)
+        if first is None:
+            return None
+        if len(args) == 1 and not kwargs and args[0] is first:
+            return first
+        return Inputs(args, kwargs, int(first.shape[0]))
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([self.n])
+
+    @property
+    def device(self) -> torch.device:
+        first = next(t for t in flatten([self.args, self.kwargs]) if isinstance(t, Tensor))
+        return first.device
+
+    def __getitem__(self, index: Any) -> Inputs:
+        picked = _take((self.args, self.kwargs), index, self.n)
+        count = len(range(self.n)[index]) if isinstance(index, slice) else int(
+            torch.as_tensor(index).numel())
+        return Inputs(picked[0], picked[1], count)
+
+    def to(self, device: torch.device, dtype: torch.dtype | None = None) -> Inputs:
+        """On ``device``, floating tensors in ``dtype`` when given (as ``Tensor.to``)."""
+        def move(t: Tensor) -> Tensor:
+            return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
+
+        return Inputs(*_each((self.args, self.kwargs), move), self.n)
+
+    def batched(self) -> tuple[Any, Any]:
+        """(args and kwargs, the same structure with 0 at example-split tensors and None
+        elsewhere): the ``in_dims`` torch.func.vmap needs."""
+        tree = (self.args, self.kwargs)
+        return tree, _dims(tree, self.n)
+
+
+def vmap_parts(x: Tensor | Inputs) -> tuple[Any, Any]:
+    """(what to hand torch.func.vmap, its in_dims) for a tensor of examples or ``Inputs``."""
+    return x.batched() if isinstance(x, Inputs) else (x, 0)
+
+
+def one_example(x: Any, dims: Any) -> Any:
+    """Inside vmap: the per-example slice ``x`` (from ``vmap_parts``) as a batch of one, of
+    the type it came as (a tensor, or ``Inputs``)."""
+    if dims == 0:
+        return x.unsqueeze(0)
+    args, kwargs = _lift(x, dims)
+    return Inputs(args, kwargs, 1)
+
+
+def _lift(value: Any, dims: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.unsqueeze(0) if dims == 0 else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_lift(v, d) for v, d in zip(value, dims, strict=True)))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_lift(v, d) for v, d in zip(value, dims, strict=True))
+    if isinstance(value, dict):
+        return {k: _lift(v, dims[k]) for k, v in value.items()}
+    return value
+
+
+def inputs(*args: Any, **kwargs: Any) -> Inputs:
+    """The examples of a model called as ``model(*args, **kwargs)``, for ``monitored_step``
+    and ``per_example_stats`` (``watch`` reads them off the call itself): n is the first
+    dimension of the first tensor among them."""
+    found = Inputs.of(args, kwargs)
+    if found is None:
+        raise BatchboundError("inputs(...) needs a tensor of examples among its arguments")
+    return found if isinstance(found, Inputs) else Inputs(args, kwargs, int(found.shape[0]))
+
+
+def _each(value: Any, fn: Any) -> Any:
+    if isinstance(value, Tensor):
+        return fn(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_each(v, fn) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_each(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _each(v, fn) for k, v in value.items()}
+    return value
+
+
+def _take(value: Any, index: Any, n: int) -> Any:
+    if isinstance(value, Tensor):
+        return value[index] if value.dim() > 0 and value.shape[0] == n else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_take(v, index, n) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_take(v, index, n) for v in value)
+    if isinstance(value, dict):
+        return {k: _take(v, index, n) for k, v in value.items()}
+    return value
+
+
+def _dims(value: Any, n: int) -> Any:
+    if isinstance(value, Tensor):
+        return 0 if value.dim() > 0 and value.shape[0] == n else None
+    if isinstance(value, (tuple, list)):
+        return type(value)(_dims(v, n) for v in value) if not hasattr(value, "_fields") else (
+            type(value)(*(_dims(v, n) for v in value)))
+    if isinstance(value, dict):
+        return {k: _dims(v, n) for k, v in value.items()}
+    return None
+
+
+def call_model(model: nn.Module, x: Tensor | Inputs) -> Any:
+    """``model(x)``, or ``model(*args, **kwargs)`` for ``Inputs``."""
+    if isinstance(x, Inputs):
+        return model(*x.args, **x.kwargs)
+    return model(x)

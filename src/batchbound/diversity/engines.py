@@ -15,11 +15,13 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from batchbound.diversity.calls import Inputs, call_model, one_example, vmap_parts
 from batchbound.diversity.losses import PerExampleLoss, check_finite, check_losses
 from batchbound.diversity.stats import (
     PerExampleStats,
@@ -61,7 +63,7 @@ def loop_sq_norms(
                 for name, p in zip(names, tensors, strict=True)} if sums else {}
     losses = []
     for i in range(n):
-        value = loss_fn(model(x[i : i + 1]), y[i : i + 1])
+        value = loss_fn(call_model(model, x[i : i + 1]), y[i : i + 1])
         check_losses(value, 1, offset + i)
         grads = gradients(value.sum(), tensors)
         for name, g in zip(names, grads, strict=True):
@@ -90,7 +92,7 @@ def loop_gradients(
     tensors = [params[name] for name in names]
     out = {name: p.new_zeros(x.shape[0], *p.shape) for name, p in zip(names, tensors, strict=True)}
     for i in range(x.shape[0]):
-        value = loss_fn(model(x[i : i + 1]), y[i : i + 1])
+        value = loss_fn(call_model(model, x[i : i + 1]), y[i : i + 1])
         check_losses(value, 1, i)
         grads = gradients(value.sum(), tensors)
         for name, g in zip(names, grads, strict=True):
@@ -106,16 +108,28 @@ def _per_example_fn(
     fixed = {k: v.detach() for k, v in model.named_parameters()}
     fixed.update({k: v.detach() for k, v in model.named_buffers()})
 
-    def loss_of_one(chosen: dict[str, Tensor], xi: Tensor, yi: Tensor) -> tuple[Tensor, Tensor]:
-        out = functional_call(model, {**fixed, **chosen}, (xi.unsqueeze(0),))
-        values = loss_fn(out, yi.unsqueeze(0))
+    def loss_of_one(chosen: dict[str, Tensor], xi: Any, yi: Any, dims: tuple[Any, Any]
+                    ) -> tuple[Tensor, Tensor]:
+        one = one_example(xi, dims[0])
+        args, kwargs = (one.args, one.kwargs) if isinstance(one, Inputs) else ((one,), {})
+        out = functional_call(model, {**fixed, **chosen}, args, kwargs)
+        values = loss_fn(out, one_example(yi, dims[1]))
         if tuple(values.shape) != (1,):
             raise BatchboundError(f"the loss must return one value per example, got shape "
                                   f"{tuple(values.shape)} for one example; use reduction='none'")
         value = values.sum()
         return value, value.detach()
 
-    return vmap(grad(loss_of_one, has_aux=True), in_dims=(None, 0, 0), randomness="different")
+    per_example = grad(loss_of_one, has_aux=True)
+
+    def run(chosen: dict[str, Tensor], x: Tensor | Inputs, y: Any
+            ) -> tuple[dict[str, Tensor], Tensor]:
+        (xs, x_dims), (ys, y_dims) = vmap_parts(x), vmap_parts(y)
+        mapped = vmap(lambda c, a, b: per_example(c, a, b, (x_dims, y_dims)),
+                      in_dims=(None, x_dims, y_dims), randomness="different")
+        return mapped(chosen, xs, ys)
+
+    return run
 
 
 @contextmanager
@@ -164,7 +178,7 @@ def vmap_sq_norms(
     n = x.shape[0]
     sq_norms = {name: p.new_zeros(n, dtype=norm_dtype(p.dtype)) for name, p in chosen.items()}
     grad_sum = {name: torch.zeros_like(p, dtype=norm_dtype(p.dtype)) for name, p in chosen.items()}
-    losses = x.new_zeros(n, dtype=next(iter(chosen.values())).dtype)
+    losses = torch.zeros(n, dtype=next(iter(chosen.values())).dtype, device=x.device)
     for part in _sub_chunks(n, sum(p.numel() for p in chosen.values())):
         with _dense_embeddings(model), _torch_func_errors():
             grads, values = per_example(chosen, x[part], y[part])

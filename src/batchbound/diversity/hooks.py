@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from batchbound.diversity.calls import CallRecord, CallRecorder, flatten
+from batchbound.diversity.calls import CallRecord, CallRecorder, Inputs, call_model, flatten
 from batchbound.diversity.graph import (
     Edge,
     Node,
@@ -51,6 +51,7 @@ from batchbound.diversity.graph import (
     walk,
 )
 from batchbound.diversity.losses import PerExampleLoss, check_losses
+from batchbound.diversity.precision import lowest
 from batchbound.diversity.rows import RowTracker
 from batchbound.diversity.rules import (
     Call,
@@ -190,10 +191,11 @@ class HooksPass:
 
     # -------------------------------------------------------------------- phases
 
-    def forward(self, model: nn.Module, *args: Any) -> Any:
-        self.rows = RowTracker(args, model.buffers()) if self.layout is not None else None
+    def forward(self, model: nn.Module, x: Tensor | Inputs) -> Any:
+        given = (x.args, x.kwargs) if isinstance(x, Inputs) else (x,)
+        self.rows = RowTracker(given, model.buffers()) if self.layout is not None else None
         with self.recorder, self.recorder.recording(), self.rows or nullcontext():
-            return model(*args)
+            return call_model(model, x)
 
     def attach(self, roots: Sequence[Node], outputs: Sequence[Node] = ()) -> None:
         """Read the graph and hook the calls, between the forward and the backward pass.
@@ -366,7 +368,7 @@ class HooksPass:
         ]
         call.grads = []  # release them with the rule's forms
         main = call.main
-        nodes = [o.node for o in call.outputs]
+        nodes = [] if call.saved_hooks else [o.node for o in call.outputs]
         if entry.example_axis is None and layout.axis != 0:
             nodes = []
             x = inputs[main]
@@ -376,9 +378,7 @@ class HooksPass:
             elif layout.axis:
                 inputs[main] = x.movedim(layout.axis, 0)
                 grads = [g.movedim(layout.axis, 0) for g in grads]
-        if self._dtype(call) in LOW_PRECISION:  # the rules compute norms in float32
-            inputs = {k: _widened(v) for k, v in inputs.items()}
-            grads = [_widened(g) for g in grads]
+        inputs, grads = self._in_working_precision(call, inputs, grads)
         forms = entry.rule(Call(call.module, inputs, grads, main, nodes))
         claims = self.plan.claims[call.prefix]
         for local, form in forms.items():
@@ -395,6 +395,29 @@ class HooksPass:
             self._fingerprint(name, form)
             if not form.batch_sum_exact:
                 self.totals[name] = form.total().reshape(self.params[name].shape)
+
+    def _in_working_precision(self, call: CallRecord, inputs: dict[str, Any],
+                              grads: list[Tensor]) -> tuple[dict[str, Any], list[Tensor]]:
+        """The rules compute in one dtype: float32 for low-precision tensors (a bfloat16
+        model, or bfloat16 outputs and output gradients under autocast), else the
+        parameters'. A call whose output is lower precision than its floating inputs ran on
+        inputs cast down (autocast casts a Linear's input to bfloat16): the rule reads them
+        as rounded, the activations the operation actually used."""
+        work = norm_dtype(self._dtype(call))
+        out = lowest(*(o.dtype for o in call.outputs if o.dtype.is_floating_point))
+        if out in LOW_PRECISION and work not in LOW_PRECISION:
+            inputs = {k: _widened(_rounded(v, out), work) for k, v in inputs.items()}
+        else:
+            inputs = {k: _widened(v, work) for k, v in inputs.items()}
+        return inputs, [_widened(g, work) for g in grads]
+
+    @property
+    def precision(self) -> torch.dtype:
+        """The lowest precision this pass computed in: the parameters', or lower where
+        autocast or a cast in the forward made low-precision tensors."""
+        seen = self.rows.lowest if self.rows is not None else None
+        outputs = (o.dtype for c in self.recorder.calls for o in c.outputs)
+        return lowest(self._dtype(None), seen, *outputs)  # type: ignore[arg-type]
 
     def _per_example(self, b: _Broadcast, layout: CallLayout, call: CallRecord) -> Tensor:
         """Row i of the result: ∂f_i/∂(the call's output), from the broadcast's gradient."""
@@ -473,12 +496,27 @@ def grouped_row_sq_norms(dense: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
     return out
 
 
-def _widened(value: Any) -> Any:
-    """Float16 and bfloat16 tensors in ``value`` (and in its tuples and lists) as float32."""
+def _widened(value: Any, dtype: torch.dtype = torch.float32) -> Any:
+    """Floating tensors in ``value`` (and in its tuples and lists) of a lower precision
+    than ``dtype``, as ``dtype`` (exact: widening loses nothing)."""
     if isinstance(value, Tensor):
-        return value.float() if value.dtype in LOW_PRECISION else value
+        if value.is_floating_point() and value.dtype != dtype and lowest(
+                value.dtype, dtype) == value.dtype:
+            return value.to(dtype)
+        return value
     if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
-        return type(value)(_widened(item) for item in value)
+        return type(value)(_widened(item, dtype) for item in value)
+    return value
+
+
+def _rounded(value: Any, dtype: torch.dtype) -> Any:
+    """Floating tensors in ``value`` wider than ``dtype``, rounded to it."""
+    if isinstance(value, Tensor):
+        if value.is_floating_point() and lowest(value.dtype, dtype) == dtype:
+            return value.to(dtype)
+        return value
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        return type(value)(_rounded(item, dtype) for item in value)
     return value
 
 
@@ -508,6 +546,7 @@ class HooksResult:
     grad_sum: dict[str, Tensor]  # every parameter: autograd's, or the rules' own sums
     reasons: dict[str, str]  # parameter -> why the rules could not compute it
     loss_uses: set[str] = field(default_factory=set)  # of those, the loss's own: loop only
+    precision: torch.dtype = torch.float32  # the lowest the forward computed in
 
 
 def hooks_stats(
@@ -547,7 +586,8 @@ def hooks_stats(
             continue
         grad_sum[name] = run.totals.get(name, g)
     sq_norms = {k: v for k, v in run.sq_norms.items() if k in grad_sum}
-    return HooksResult(losses.detach(), sq_norms, grad_sum, run.reasons, run.loss_uses)
+    return HooksResult(losses.detach(), sq_norms, grad_sum, run.reasons, run.loss_uses,
+                       run.precision)
 
 
 def output_nodes(outputs: Any) -> list[Node]:

@@ -8,7 +8,6 @@ every module's mode is restored afterwards; ``.grad`` fields are never touched.
 from __future__ import annotations
 
 import copy
-import math
 import sys
 import time
 import warnings
@@ -23,13 +22,14 @@ from torch.utils.data import Dataset as TorchDataset
 
 from batchbound.data.dataset import Dataset
 from batchbound.diversity.budget import PROBE, chunk_for_budget
+from batchbound.diversity.calls import Inputs
 from batchbound.diversity.distributed import all_reduce_sum, world_size
 from batchbound.diversity.losses import PerExampleLoss, loss_name, resolve_loss
+from batchbound.diversity.precision import LOW_PRECISION, lowest, statement
 from batchbound.diversity.prepared import PreparedStats
 from batchbound.diversity.report import DiversityReport
 from batchbound.diversity.stats import (
     ENGINES,
-    LOW_PRECISION,
     eval_mode,
     norm_dtype,
     trainable_parameters,
@@ -51,7 +51,13 @@ def _from_loader(batches: Iterable[Any], chunk_size: int) -> Iterator[tuple[Tens
                 "each batch of the data must be an (inputs, targets) pair, got "
                 f"{type(batch).__name__}"
             )
-        yield from _split(batch[0], batch[1], chunk_size)
+        x = batch[0]
+        if isinstance(x, (tuple, list, dict)):  # a model of several inputs: model(*x) or (**x)
+            found = Inputs.of((), x) if isinstance(x, dict) else Inputs.of(tuple(x), {})
+            if found is None:
+                raise BatchboundError("the batch's inputs hold no tensor of examples")
+            x = found
+        yield from _split(x, batch[1], chunk_size)
 
 
 def data_chunks(
@@ -106,9 +112,23 @@ def measuring(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[nn
         raise BatchboundError(f"dtype must be a floating torch dtype, got {dtype!r}")
     work = model
     if dtype is not None and dtype != _model_dtype(model):
+        _no_parameter_hooks(model, dtype)
         work = copy.deepcopy(model).to(dtype)
     with eval_mode(work):
         yield work
+
+
+def _no_parameter_hooks(model: nn.Module, dtype: torch.dtype) -> None:
+    """A dtype copy does not carry hooks registered on the parameter tensors (``p.register_hook``
+    changes what the gradient is), so it would measure another model: refused."""
+    hooked = [name for name, p in model.named_parameters()
+              if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks",
+                                                                  None)]
+    if hooked:
+        raise BatchboundError(
+            f"dtype={dtype} measures a copy of the model, and a copy drops the tensor hooks on "
+            f"its parameters ({', '.join(hooked)}); measure the model in its own dtype, or "
+            "convert it yourself with the hooks registered again")
 
 
 def measure(
@@ -155,17 +175,13 @@ def measure(
     dtype = _model_dtype(work)
     extra: dict[str, object] = {"loss_name": loss_name(loss_fn), "fallback_parameters": [],
                                 "chunk_size": chunk_size}
-    if dtype in LOW_PRECISION:
-        name = str(dtype).removeprefix("torch.")
-        extra["precision"] = (f"{name} gradients (unit roundoff {torch.finfo(dtype).eps / 2:.1e}), "
-                              "norms and sums accumulated in float32 and float64")
-        warnings.warn(
-            f"batchbound: the model computes in {name}, so its per-example gradients carry "
-            f"{name} rounding and S, T and Δ hold about {_digits(dtype)} significant digits "
-            "(norms and sums are accumulated in float32 and float64); dtype=torch.float64 "
-            "measures a float64 copy", stacklevel=2)
+    count, loss_sum, per_param, grad_sum, fallback, seen = totals
+    used = lowest(dtype, seen)  # autocast or casts in the forward: below the parameters'
+    if used in LOW_PRECISION:
+        extra["precision"] = statement(used, dtype)
+        warnings.warn(f"batchbound: {statement(used, dtype)}; dtype=torch.float64 measures a "
+                      "float64 copy (outside autocast)", stacklevel=2)
     names = list(trainable_parameters(work))
-    count, loss_sum, per_param, grad_sum, fallback = totals
     reduced = all_reduce_sum([count, loss_sum, *per_param, *grad_sum])
     n = round(float(reduced[0]))
     if n == 0:
@@ -180,7 +196,7 @@ def measure(
         loss=float(reduced[1]) / n,
         seconds=time.perf_counter() - start,
         engine=engine,
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=str(used).removeprefix("torch."),
         world_size=world_size(),
         extra={**extra, "fallback_parameters": fallback},
     )
@@ -192,7 +208,8 @@ def _budget_chunk(work: nn.Module, data: Data, loss_fn: PerExampleLoss, budget: 
     first, _, _ = data_chunks(data, 2 * PROBE)
     x, y = next(first)
     device, dtype = _device_dtype(work)
-    x = x.to(device=device, dtype=dtype if x.dtype.is_floating_point else None)
+    x = x.to(device, dtype) if isinstance(x, Inputs) else x.to(
+        device=device, dtype=dtype if x.dtype.is_floating_point else None)
     y = y.to(device=device, dtype=dtype if y.dtype.is_floating_point else None)
     return chunk_for_budget(work, x, y, loss_fn, budget, most)
 
@@ -202,11 +219,6 @@ def _device_dtype(work: nn.Module) -> tuple[torch.device, torch.dtype]:
     return first.device, first.dtype
 
 
-def _digits(dtype: torch.dtype) -> int:
-    """Significant decimal digits of a floating dtype's mantissa (bfloat16: 2, float16: 3)."""
-    return int(-math.log10(torch.finfo(dtype).eps))
-
-
 def _accumulate(
     work: nn.Module,
     chunks: Iterator[tuple[Tensor, Tensor]],
@@ -214,7 +226,7 @@ def _accumulate(
     loss_fn: PerExampleLoss,
     engine: str,
     progress: bool,
-) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor], list[str]]:
+) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor], list[str], torch.dtype | None]:
     """Sums over this rank's chunks, in float64 on the model's device: (n, Σ loss, per-parameter
     S, per-parameter Σg), and the parameters an exact fallback handled.
 
@@ -235,7 +247,8 @@ def _accumulate(
     seen, fallback, chunks_in_block = 0, set(), 0
     with tqdm(total=n_known, unit="ex", file=sys.stderr, disable=not progress, leave=False) as bar:
         for x, y in chunks:
-            x = x.to(device=device, dtype=dtype if x.dtype.is_floating_point else None)
+            x = x.to(device, dtype) if isinstance(x, Inputs) else x.to(
+                device=device, dtype=dtype if x.dtype.is_floating_point else None)
             y = y.to(device=device, dtype=dtype if y.dtype.is_floating_point else None)
             stats = stats_of(x, y, offset=seen)
             per_param += torch.stack([stats.sq_norms[k] for k in params]).sum(dim=1, dtype=acc)
@@ -251,7 +264,8 @@ def _accumulate(
             bar.update(stats.n)
     _flush(grad_sum, block)
     count = torch.tensor(float(seen), dtype=acc, device=device)
-    return count, loss_sum, list(per_param.unbind()), grad_sum, sorted(fallback)
+    return (count, loss_sum, list(per_param.unbind()), grad_sum, sorted(fallback),
+            stats_of.precision)
 
 
 BLOCK = 16

@@ -93,6 +93,7 @@ class OnlineDiversity:
                 f"unknown sampling {sampling!r}; choose from {', '.join(SAMPLINGS)}"
             )
         self.n, self.decay, self.sampling = n, decay, sampling
+        self.precision: str | None = None  # what the last step computed in (watch sets it)
         self._steps = 0
         self._last: tuple[float, float] | None = None
         # Device numbers of steps not yet folded in (``defer_from_norms``): one host sync

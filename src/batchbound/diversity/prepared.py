@@ -18,6 +18,7 @@ import weakref
 import torch
 from torch import Tensor, nn
 
+from batchbound.diversity.calls import Inputs, call_model
 from batchbound.diversity.engines import (
     VmapUnsupported,
     fallback_sq_norms,
@@ -30,6 +31,7 @@ from batchbound.diversity.engines import (
 from batchbound.diversity.graph import loss_users
 from batchbound.diversity.hooks import HookPlan, Layout, hooks_stats, output_nodes, plan_hooks
 from batchbound.diversity.losses import PerExampleLoss, check_losses, resolve_loss
+from batchbound.diversity.precision import lowest
 from batchbound.diversity.rule_check import (
     COUPLED,
     INTERACTING,
@@ -104,6 +106,7 @@ class PreparedStats:
         self._vmap_checked = False  # vmap's rows checked against the loop's once
         self._warned: set[str] = set()
         self._vmap_error = ""
+        self.precision: torch.dtype | None = None  # the lowest a hooks forward ran in
         self._methods = ""
         self._structure = structure_of(model, self.params, loss, engine)
         if engine in ("auto", "hooks"):
@@ -113,8 +116,13 @@ class PreparedStats:
             else:
                 self.plan = plan_hooks(model, self.params)
 
-    def __call__(self, x: Tensor, y: Tensor, offset: int = 0) -> PerExampleStats:
-        check_chunk(x, y)
+    def __call__(self, x: Tensor | Inputs, y: Tensor, offset: int = 0) -> PerExampleStats:
+        """One chunk: ``x`` a tensor of examples, or ``Inputs`` for a model called with
+        several arguments (``inputs(img, cond=c)``)."""
+        if isinstance(x, Inputs):
+            check_chunk(torch.empty(x.n, 0), y)
+        else:
+            check_chunk(x, y)
         check_model_mode(self.model, self.batch_norms)
         with torch.enable_grad():  # also when called under torch.no_grad()
             if self.engine == "loop":
@@ -147,7 +155,7 @@ class PreparedStats:
             self.layout = probe_layout(self.model, x, self.plan, self.params)
         except BatchboundError:
             with torch.no_grad():  # an error of the user's data: say it in their shapes
-                check_losses(self.loss_fn(self.model(x), y), x.shape[0], offset)
+                check_losses(self.loss_fn(call_model(self.model, x), y), x.shape[0], offset)
             raise
 
     def _checked(self, reasons: dict[str, str]) -> None:
@@ -167,9 +175,10 @@ class PreparedStats:
         excluded = self.checked if self.checked is not None else self.plan.static_reasons()
         result = hooks_stats(self.model, x, y, self.loss_fn, self.plan, self.params,
                              self.layout, excluded=excluded, offset=offset)
+        self.precision = lowest(self.precision, result.precision)
         if self.checked is None:  # the first chunk, in eval mode: check it against the loop
             self._checked(check_rows(self.model, x, y, self.loss_fn, self.params,
-                                     result.sq_norms, result.losses))
+                                     result.sq_norms, result.losses, result.precision))
             if self.checked:
                 return self(x, y, offset)
         if not result.reasons:
@@ -230,7 +239,7 @@ class PreparedStats:
                                                 list(sq), sums=False)
         fast = {name: values[rows] for name, values in sq.items()}
         wrong = disagreements(fast, losses[rows], slow_sq, slow_losses,
-                              next(iter(self.params.values())).dtype)
+                              lowest(self.precision, next(iter(self.params.values())).dtype))
         if wrong:
             raise VmapUnsupported(
                 "torch.func vmap disagreed with the per-example loop on "
@@ -263,7 +272,7 @@ class PreparedStats:
 
     def _one_example(self, x: Tensor, y: Tensor, offset: int) -> PerExampleStats:
         """One example: its gradient is the batch gradient, exact for any model."""
-        losses = self.loss_fn(self.model(x), y)
+        losses = self.loss_fn(call_model(self.model, x), y)
         check_losses(losses, 1, offset)
         names = list(self.params)
         tensors = [self.params[k] for k in names]
@@ -285,7 +294,7 @@ def loss_uses_parameters(
     """The parameters the loss function itself uses (outside the model's forward), read off
     the autograd graph of one forward pass: torch.func cannot see those uses."""
     with torch.enable_grad(), buffers_kept(model):
-        outputs = model(x)
+        outputs = call_model(model, x)
         losses = loss_fn(outputs, y)
     if not isinstance(losses, Tensor) or not losses.requires_grad:
         return set()

@@ -49,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from batchbound.diversity.graph import Node, is_accumulator
+from batchbound.diversity.stats import LOW_PRECISION
 
 _INDEX_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
                            torch.int64})
@@ -111,6 +112,9 @@ class RowTracker(TorchDispatchMode):
         self.marked: dict[int, Tensor] = {}  # rows may belong to other examples
         self.sources: list[Node] = []  # autograd nodes of what row-moving operations read
         self.moved_by: str | None = None
+        # The lowest floating precision an operation produced (autocast, a cast inside the
+        # forward, low-precision parameters): what the self-check's tolerance must allow.
+        self.lowest: torch.dtype | None = None
         for t in _tensors(inputs if isinstance(inputs, (tuple, list)) else (inputs,), []):
             if not t.is_floating_point():  # token ids, masks: positions, not values
                 self.clean[id(t)] = t
@@ -127,6 +131,8 @@ class RowTracker(TorchDispatchMode):
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if isinstance(out, Tensor) and out.dtype in LOW_PRECISION:
+            self.lowest = out.dtype
         inputs = _tensors(kwargs.values(), _tensors(args, [])) if kwargs else _tensors(args, [])
         dynamic, pointwise, random = _KINDS.get(func) or _kind(func)
         clean = not random and all(id(t) in self.clean for t in inputs)

@@ -26,7 +26,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import Tensor, nn
 
-from batchbound.diversity.calls import flatten
+from batchbound.diversity.calls import call_model, flatten
 from batchbound.diversity.engines import loop_sq_norms
 from batchbound.diversity.hooks import (
     CallLayout,
@@ -146,7 +146,9 @@ def _derive(a: ProbeShapes, b: ProbeShapes | None) -> CallLayout:
 
 
 def tolerance(dtype: torch.dtype) -> float:
-    """Relative agreement asked of the rules against the loop, by the precision at hand."""
+    """Relative agreement asked of the rules against the loop, by the precision the forward
+    actually computed in (``hooks.HooksPass.precision``: autocast's bfloat16 for a float32
+    model under autocast): a bfloat16 batch of one rounds differently from a batch of 8."""
     if dtype == torch.float64:
         return 1e-8
     if dtype == torch.float32:
@@ -206,22 +208,22 @@ def self_check(
     size = max(3, rows.numel())
     xs, ys = examples(x[rows], size), examples(y[rows], size)
     with buffers_kept(model), rng_kept(params):
-        mode = nullcontext() if _deterministic(model, xs) else eval_mode(model)
+        mode = nullcontext() if deterministic(model, xs) else eval_mode(model)
         with mode:
             fast = hooks_stats(model, xs, ys, loss_fn, plan, params, layout, excluded=excluded)
             slow_sq, _, slow_losses = loop_sq_norms(model, xs, ys, loss_fn, list(params),
                                                     sums=False)
-    dtype = next(iter(params.values())).dtype
-    return disagreements(fast.sq_norms, fast.losses, slow_sq, slow_losses, dtype)
+    # The tolerance of the precision the forward actually ran in (autocast: bfloat16).
+    return disagreements(fast.sq_norms, fast.losses, slow_sq, slow_losses, fast.precision)
 
 
-def _deterministic(model: nn.Module, x: Tensor) -> bool:
+def deterministic(model: nn.Module, x: Tensor) -> bool:
     """Whether two forward passes under different random seeds give the same outputs."""
     outputs = []
     with torch.no_grad():
         for seed in (1, 2):
             torch.manual_seed(seed)
-            outputs.append([t for t in flatten(model(x)) if isinstance(t, Tensor)])
+            outputs.append([t for t in flatten(call_model(model, x)) if isinstance(t, Tensor)])
     return all(torch.equal(a, b) for a, b in zip(*outputs, strict=True))
 
 
@@ -246,6 +248,7 @@ def check_rows(
     params: dict[str, nn.Parameter],
     fast_sq: dict[str, Tensor],
     fast_losses: Tensor,
+    precision: torch.dtype | None = None,
 ) -> dict[str, str]:
     """The rules' results for the first, middle and last examples of a chunk just computed
     (a model in eval mode) beside the per-example loop's: see ``disagreements``. Spread
@@ -254,5 +257,5 @@ def check_rows(
     slow_sq, _, slow_losses = loop_sq_norms(model, x[picked], y[picked], loss_fn, list(params),
                                             sums=False)
     rows = {name: sq[picked] for name, sq in fast_sq.items()}
-    dtype = next(iter(params.values())).dtype
+    dtype = precision or next(iter(params.values())).dtype
     return disagreements(rows, fast_losses[picked], slow_sq, slow_losses, dtype)

@@ -7,10 +7,11 @@ exact, or the step raises BatchboundError naming the parameter and the reason.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -19,7 +20,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from batchbound.diversity.calls import flatten
+from batchbound.diversity.calls import Inputs, flatten
 from batchbound.diversity.graph import Node, loss_users
 from batchbound.diversity.hooks import (
     HookPlan,
@@ -31,12 +32,23 @@ from batchbound.diversity.hooks import (
 )
 from batchbound.diversity.losses import resolve_loss
 from batchbound.diversity.online import OnlineDiversity
+from batchbound.diversity.outputs import (
+    OutputGrads,
+    autocast_as,
+    autocast_state,
+    fallback_from_outputs,
+)
+from batchbound.diversity.precision import LOW_PRECISION, lowest, statement
+from batchbound.diversity.precision import name as dtype_name
 from batchbound.diversity.prepared import PreparedStats, describe, structure_of
 from batchbound.diversity.rows import RowTracker
 from batchbound.diversity.rule_check import (
     COUPLED,
     INTERACTING,
+    buffers_kept,
+    deterministic,
     probe_layout,
+    rng_kept,
     self_check,
     tolerance,
 )
@@ -94,6 +106,8 @@ def monitored_step(
         else:
             param.grad.add_(grad)
     monitor.update_from_stats(stats)
+    used = lowest(prepared[key].precision, next(iter(prepared[key].params.values())).dtype)
+    monitor.precision = dtype_name(used)
     total = stats.losses.sum()
     return (total / stats.n if reduction == "mean" else total).detach()
 
@@ -112,15 +126,18 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     ``per_example_stats`` does) and T_B comes from the change in ``.grad``, so the step costs
     about what it did and its gradients are untouched. ``reduction`` says how the loss
     combines the examples' losses: ``"mean"`` (norms rescaled by b²) or ``"sum"``. Call the
-    model once per block, on a batch whose first argument holds the examples along dim 0,
-    and run one backward. Every use of a parameter must be one its layer rule covers: inside
-    the model this is checked on the autograd graph, and a use in the loss (a regulariser
-    written into it) on the loss's graph at ``loss.backward()``, or, for a backward started
-    another way, by comparing the rules' gradient sum with the change in ``.grad`` (put
-    regularisers outside the block, or in the optimizer's weight decay). The model is
-    planned once and the plan kept while its structure stays the same.
-    Whatever cannot be covered raises BatchboundError naming it: use ``monitored_step``,
-    which computes it by an exact fallback. BatchNorm must be in eval mode.
+    model once per block, with any positional and keyword arguments (every tensor whose
+    first dimension holds the batch is split by example), and run one backward. Inside the
+    model the autograd graph shows which uses a layer rule covers; a parameter no rule can
+    take is computed in the same step by the exact fallback (``outputs.py``: vmap or the
+    per-example loop on the gradients the loss left on the model's outputs), with its cost
+    warned once. A use in the loss itself (a regulariser written into it) is refused: seen on
+    the loss's graph at ``loss.backward()``, or, for a backward started another way, by
+    comparing the gradient sums with the change in ``.grad`` (put regularisers outside the
+    block, or in the optimizer's weight decay). Under autocast the precision the forward
+    actually ran in sets the self-check's tolerance and is stated (``monitor.precision``,
+    a warning); see docs/precision.md. The model is planned once and the plan kept while
+    its structure stays the same. BatchNorm must be in eval mode.
 
     ``subset="norms"``: the cheap mode. Only the LayerNorm and RMSNorm parameters are read
     (diversity/subsets.py), exactly, and ``monitor`` then holds *their* n·Δ, an estimate of
@@ -136,20 +153,33 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     with _Watched(model, planned) as watched:
         yield
     run = watched.finish()
-    if run is not None and run.reasons:
-        _refuse(run.reasons)
-    if run is None or not run.backward_seen:
+    if run is None or not (run.backward_seen or (watched.outputs and watched.outputs.grads)):
         raise BatchboundError("watch() saw no backward pass through the model; call the model "
                               "and loss.backward() inside the block")
+    refused = {k: why for k, why in run.reasons.items() if why in REFUSED}
+    if refused:
+        _refuse(refused)
     delta = _grad_changes(params, before)
+    if run.precision == torch.float16 and not _finite(delta, run.sq_norms):
+        # float16 overflow: a GradScaler skips this step's update too, and lowers its scale
+        _state_precision(monitor, planned, run.precision)
+        warnings.warn("batchbound: watch(): this float16 step's gradients overflowed (inf or "
+                      "NaN); the monitor skips it, as a GradScaler skips the optimizer step",
+                      stacklevel=3)
+        return
     unseen = _unseen_uses(run, delta)
+    unseen.update({k: UNACCOUNTED for k in run.unused if bool(delta[k].any())})
     if unseen:
         _refuse(unseen)
+    sq_norms = dict(run.sq_norms)
+    if run.reasons:  # no layer rule can take these: the exact fallback, in this step
+        sq_norms.update(watched.fallback(run.reasons, delta, run.precision))
     # The rules saw the user's loss, so their norms and sums carry its scale: a mean over b
     # examples divides every per-example gradient by b.
     b = run.n
     scale = float(b) if reduction == "mean" else 1.0
-    S_B, T_B = batch_sums(run.sq_norms, [run.totals.get(k, delta[k]) for k in params])
+    S_B, T_B = batch_sums(sq_norms, [run.totals.get(k, delta[k]) for k in params])
+    _state_precision(monitor, planned, run.precision)
     monitor.defer_from_norms(scale**2 * S_B, scale**2 * T_B, b)  # no host sync in the step
 
 
@@ -172,7 +202,7 @@ def _grad_copies(params: dict[str, nn.Parameter]) -> dict[str, Tensor | None]:
     copies = dict.fromkeys(params)
     if held:
         with torch.no_grad():
-            copied = torch._foreach_mul([params[k].grad for k in held], 1.0)
+            copied = torch._foreach_mul([_dense(params[k].grad) for k in held], 1.0)
         copies.update(zip(held, copied, strict=True))
     return copies
 
@@ -186,13 +216,35 @@ def _grad_changes(params: dict[str, nn.Parameter],
         if p.grad is None:
             delta[name] = torch.zeros_like(p)
         elif before[name] is None:
-            delta[name] = p.grad
+            delta[name] = _dense(p.grad)
     if both:
         with torch.no_grad():
-            changes = torch._foreach_sub([params[k].grad for k in both],
+            changes = torch._foreach_sub([_dense(params[k].grad) for k in both],
                                          [before[k] for k in both])
         delta.update(zip(both, changes, strict=True))
     return {k: delta[k] for k in params}
+
+
+def _finite(*groups: dict[str, Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for group in groups for t in group.values())
+
+
+def _dense(grad: Tensor) -> Tensor:
+    """A ``.grad`` as a dense tensor (``nn.Embedding(sparse=True)`` leaves a sparse one)."""
+    grad = grad.detach()
+    return grad.to_dense() if grad.is_sparse else grad
+
+
+def _state_precision(monitor: OnlineDiversity, planned: _Planned, used: torch.dtype) -> None:
+    """The precision the step computed in, on the monitor (``monitor.precision``), and a
+    warning once per model when it is below the parameters' (autocast) or low itself."""
+    parameters = next(iter(planned.params.values())).dtype
+    monitor.precision = dtype_name(used) if used == parameters else (
+        f"{dtype_name(used)} (autocast or casts in the forward; {dtype_name(parameters)} "
+        "parameters)")
+    if used in LOW_PRECISION and used not in planned.warned:
+        planned.warned.add(used)
+        warnings.warn(f"batchbound: watch(): {statement(used, parameters)}", stacklevel=4)
 
 
 def _refuse(reasons: dict[str, str]) -> None:
@@ -208,7 +260,7 @@ def _unseen_uses(run: HooksPass, delta: dict[str, Tensor]) -> dict[str, str]:
     names = [k for k in run.fingerprints if k not in run.totals]
     if not names:
         return {}
-    rtol = tolerance(delta[names[0]].dtype)
+    rtol = tolerance(run.precision)
     ours = torch.stack([torch.as_tensor(run.fingerprints[k]) for k in names])
     seen = torch.stack([fingerprint_of(delta[k], run.probes[k]) for k in names])
     scale = torch.stack([torch.linalg.vector_norm(delta[k]) for k in names]) + torch.stack(
@@ -228,6 +280,10 @@ class _Planned:
     probes: dict[str, tuple[Tensor, Tensor]]
     batch_norms: list[tuple[str, nn.Module]]
     layout: Layout | None = None  # from the first watched call (the probe, the self-check)
+    warned: set[object] = field(default_factory=set)  # precisions and fallbacks stated
+    checked: dict[str, str] = field(default_factory=dict)  # disagreed with the loop: fallback
+    # Per train/eval mode of the modules: whether two forward passes agree (no dropout).
+    deterministic: dict[tuple[bool, ...], bool] = field(default_factory=dict)
 
 
 _PLANS: weakref.WeakKeyDictionary[nn.Module, _Planned] = weakref.WeakKeyDictionary()
@@ -239,12 +295,6 @@ def _planned(model: nn.Module, subset: str = "all") -> _Planned:
     planned = _PLANS.get(model)
     if planned is None or planned.structure != structure:
         plan = plan_hooks(model, params)
-        if plan.uncovered:
-            raise BatchboundError(
-                "watch() needs a layer rule for every trainable parameter: "
-                f"{describe(plan.static_reasons())}. Use monitored_step(), which computes "
-                "them by an exact fallback"
-            )
         planned = _PLANS[model] = _Planned(structure, params, plan, probe_vectors(params),
                                            batch_norm_modules(model))
     return planned
@@ -259,6 +309,9 @@ class _Watched:
         self.plan, self.params = planned.plan, planned.params
         self.run: HooksPass | None = None
         self.calls = 0
+        self.inputs: Tensor | Inputs | None = None  # the examples of the watched call
+        self.outputs: OutputGrads | None = None  # for the fallback, when it is needed
+        self.autocast: list[tuple[str, torch.dtype]] = []  # active at the model's call
         self._inside = False  # the probe's own calls of the model
         self._rows: RowTracker | None = None  # active during the model's forward
         self._loss: _LossWatch | None = None  # active from the forward's end to the backward
@@ -281,6 +334,8 @@ class _Watched:
             handle.remove()
         self._stop_rows()  # the model's forward raised before its end
         self._stop_loss()
+        if self.outputs is not None:
+            self.outputs.close()
         if self.run is not None:
             self.run.recorder.__exit__(None, None, None)
             if exc_type is not None:
@@ -293,10 +348,11 @@ class _Watched:
         if self.calls > 1:
             raise BatchboundError("the model ran more than once inside watch(); per-example "
                                   "norms need one forward and one backward per block")
-        x = next((t for t in flatten([args, kwargs]) if isinstance(t, Tensor)), None)
-        if x is None or x.dim() == 0:
-            raise BatchboundError("watch() needs the model's first argument to be a tensor of "
-                                  "examples")
+        x = Inputs.of(args, kwargs)
+        if x is None:
+            raise BatchboundError("watch() needs a tensor of examples among the model's "
+                                  "arguments (the examples along its first dimension)")
+        self.inputs, self.autocast = x, autocast_state()
         layout = self.planned.layout
         if layout is None:
             self._inside = True
@@ -307,28 +363,27 @@ class _Watched:
                 self.planned.layout = layout
             finally:
                 self._inside = False
-        self.run = HooksPass(self.plan, self.params, layout, int(x.shape[0]),
+        excluded = {**self.plan.static_reasons(), **self.planned.checked}
+        self.run = HooksPass(self.plan, self.params, layout, int(x.shape[0]), excluded,
                              probes=self.planned.probes)
         self.run.recorder.__enter__()
         self.run.recorder.start()
         self._rows = self.run.rows = RowTracker((args, kwargs), model.buffers())
         self._rows.__enter__()
 
-    def _check(self, x: Tensor, layout: Layout) -> None:
+    def _check(self, x: Tensor | Inputs, layout: Layout) -> None:
         """Once per model: the rules beside the per-example loop on a few examples, with a
         fixed random projection of the outputs standing in for the user's loss (the rules
-        do not depend on the loss; the check shows examples that interact or are reordered)."""
+        do not depend on the loss; the check shows examples that interact or are reordered).
+        Parameters whose rules disagree go to the exact fallback."""
         y = torch.zeros(x.shape[0], device=x.device)
         reasons = self_check(self.model, x, y, _stand_in_loss, self.plan, self.params, layout,
                              self.plan.static_reasons())
         if INTERACTING in reasons.values():
             raise BatchboundError(f"watch(): {COUPLED}")
-        if reasons:
-            raise BatchboundError(f"watch() cannot compute these parameters' per-example "
-                                  f"gradients exactly: {describe(reasons)}. Use "
-                                  "monitored_step(), which computes them by an exact fallback")
+        self.planned.checked = reasons
 
-    def _after(self, model: nn.Module, args: tuple, output: Any) -> None:
+    def _after(self, model: nn.Module, args: tuple, output: Any) -> Any:
         if self._inside or self.run is None:
             return
         self._stop_rows()
@@ -337,6 +392,10 @@ class _Watched:
         self.run.attach(roots)
         self._loss = _LossWatch(self.run, roots)
         self._loss.__enter__()
+        if self.run.reasons:  # the fallback will need the loss's gradients of the outputs
+            self.outputs = OutputGrads(output, self.run.n)
+            return self.outputs.output
+        return None
 
     def _stop_rows(self) -> None:
         if self._rows is not None:
@@ -351,6 +410,46 @@ class _Watched:
         if self.run is not None:
             self.run.finish()
         return self.run
+
+    def fallback(self, reasons: dict[str, str], delta: dict[str, Tensor],
+                 precision: torch.dtype) -> dict[str, Tensor]:
+        """Squared norms of the parameters no rule took, by the exact fallback on the
+        outputs' gradients (``outputs.py``); a warning once per set of reasons with the cost.
+        Its gradient sum must match the step's own (the change in ``.grad``) unless the model
+        draws random numbers (dropout), whose masks a second forward cannot replay: a
+        mismatch is a use the outputs do not show (a regulariser through
+        ``torch.autograd.backward``), or a loss that is not a sum over examples."""
+        assert self.outputs is not None and self.inputs is not None
+        names = [k for k in self.params if k in reasons]
+        try:
+            sq, sums, method, seconds = fallback_from_outputs(
+                self.model, self.inputs, self.outputs, names, self.autocast)
+        except BatchboundError as exc:
+            _refuse({k: str(exc) for k in names})
+        modes = tuple(m.training for m in self.model.modules())
+        if modes not in self.planned.deterministic:  # once per mode: two forward passes
+            with autocast_as(self.autocast), buffers_kept(self.model), rng_kept(self.params):
+                self.planned.deterministic[modes] = deterministic(self.model, self.inputs)
+        if self.planned.deterministic[modes]:
+            rtol = tolerance(precision)
+            wrong = {k: "its gradient in this step is not the sum of the per-example gradients "
+                        "read off the model's outputs (a regulariser in the loss, or a loss that "
+                        "is not a sum over the examples?)"
+                     for k in names
+                     if float(torch.linalg.vector_norm(sums[k].to(delta[k].dtype) - delta[k]))
+                     > rtol * (float(torch.linalg.vector_norm(delta[k]))
+                               + float(sq[k].sum()) ** 0.5) + 1e-30}
+            if wrong:
+                _refuse(wrong)
+        else:
+            method += " (the model draws random numbers, dropout: under masks of its own)"
+        key = describe({k: reasons[k] for k in names})
+        if key not in self.planned.warned:
+            self.planned.warned.add(key)
+            warnings.warn(f"batchbound: watch(): computing exact per-example gradients by "
+                          f"{method} ({seconds:.2g} s on this step) for the parameters no layer "
+                          f"rule can take: {key}", stacklevel=4)
+        return sq
 
 
 class _LossWatch(TorchFunctionMode):
@@ -371,7 +470,7 @@ class _LossWatch(TorchFunctionMode):
             if root is not None:
                 ids = {id(p): name for name, p in self.run.params.items()}
                 for name in loss_users(root, self.outputs, ids):
-                    self.run.reasons.setdefault(name, LOSS_USE_IN_WATCH)
+                    self.run.reasons[name] = LOSS_USE_IN_WATCH  # also over 'no rule'
                 self.run.probes = {}  # the graph answered: no fingerprints
         return func(*args, **(kwargs or {}))
 
@@ -380,8 +479,25 @@ LOSS_USE_IN_WATCH = ("used by the loss outside the model's layers (a regulariser
                      "into the loss?)")
 
 
+UNACCOUNTED = ("it gets a gradient that no operation in the autograd graph accounts for (a "
+               "custom autograd.Function writing it unseen?)")
+# Reasons the fallback on the outputs' gradients cannot remedy (it sees the model only).
+REFUSED = (LOSS_USE_IN_WATCH,)
+
+
 def _stand_in_loss(outputs: Any, targets: Tensor) -> Tensor:
-    """Per example: ⟨output_i, r⟩ for a fixed random r (the same on every call)."""
-    out = next(t for t in flatten(outputs) if isinstance(t, Tensor) and t.is_floating_point())
-    r = torch.randn(out.shape[1:], generator=torch.Generator().manual_seed(0), dtype=out.dtype)
-    return (out * r.to(out.device)).reshape(out.shape[0], -1).sum(dim=1)
+    """Per example: Σ_k ⟨output_k,i, r_k⟩ over the outputs that hold the examples along dim 0,
+    for fixed random r_k (the same on every call)."""
+    n, total = targets.shape[0], None
+    generator = torch.Generator().manual_seed(0)
+    for out in flatten(outputs):
+        if not (isinstance(out, Tensor) and out.is_floating_point() and out.dim() > 0
+                and out.shape[0] == n and out.requires_grad):
+            continue
+        r = torch.randn(out.shape[1:], generator=generator, dtype=out.dtype)
+        term = (out * r.to(out.device)).reshape(n, -1).sum(dim=1)
+        total = term if total is None else total + term
+    if total is None:
+        raise BatchboundError(f"watch(): none of the model's outputs holds the {n} examples "
+                              "along its first dimension")
+    return total

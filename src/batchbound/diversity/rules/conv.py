@@ -226,3 +226,30 @@ def conv_rule(call: Call) -> dict[str, PerExampleGrad]:
     if trainable(layer, "bias"):
         grads["bias"] = Dense(b.reshape(x.shape[0], layer.out_channels, -1).sum(dim=2))
     return grads
+
+
+class _Adjoint:
+    """The Conv layer whose input gradient a ConvTranspose layer computes: same weight,
+    stride, padding, dilation and groups, channels swapped. ⟨b, convT_W(x)⟩ = ⟨conv_W(b), x⟩,
+    so the transposed layer's weight gradient is this layer's with input b (the output
+    gradient) and output gradient x (the input): the same rule, roles exchanged."""
+
+    padding_mode = "zeros"
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.weight = layer.weight
+        self.in_channels, self.out_channels = layer.out_channels, layer.in_channels
+        self.kernel_size, self.stride = layer.kernel_size, layer.stride
+        self.padding, self.dilation, self.groups = layer.padding, layer.dilation, layer.groups
+
+
+@register_rule(nn.ConvTranspose1d, nn.ConvTranspose2d, example_axis=first_axis,
+               unsupported=_unbatched)
+def conv_transpose_rule(call: Call) -> dict[str, PerExampleGrad]:
+    layer, x, b = call.module, call.input, call.grad
+    grads: dict[str, PerExampleGrad] = {}
+    if trainable(layer, "weight"):
+        grads["weight"] = _weight(_Adjoint(layer), b, x)  # type: ignore[arg-type]
+    if trainable(layer, "bias"):
+        grads["bias"] = Dense(b.reshape(x.shape[0], layer.out_channels, -1).sum(dim=2))
+    return grads

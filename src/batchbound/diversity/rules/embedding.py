@@ -39,3 +39,31 @@ def _counts_in_example(idx: Tensor, rows: int) -> Tensor:
     keys = torch.arange(n, device=idx.device).unsqueeze(1) * rows + idx
     _, inverse, counts = torch.unique(keys.reshape(-1), return_inverse=True, return_counts=True)
     return counts[inverse].reshape(n, steps)
+
+
+def _bag_unsupported(call: Call, n: int) -> str | None:
+    layer = call.module
+    if call.inputs.get("offsets") is not None or call.input.dim() != 2:
+        return "a 1-D input with offsets (bags of different lengths)"
+    if layer.mode == "max":
+        return "mode='max' (each entry's gradient goes to the row that won the max)"
+    if layer.padding_idx is not None or layer.max_norm is not None or layer.scale_grad_by_freq:
+        return "padding_idx, max_norm or scale_grad_by_freq"
+    return None
+
+
+@register_rule(nn.EmbeddingBag, params=("weight",), feature_dims=1, unsupported=_bag_unsupported)
+def embedding_bag_rule(call: Call) -> dict[str, PerExampleGrad]:
+    """Bags of equal length, one per example ((n, T) indices): row v of example i's gradient
+    is Σ_t [idx_t = v]·c_t·b_i, with c_t = 1 (sum), 1/T (mean) or the per-sample weight."""
+    layer, idx, b = call.module, call.input, call.grad
+    if not trainable(layer, "weight"):
+        return {}
+    n, steps = idx.shape
+    v = b.unsqueeze(1).expand(n, steps, b.shape[-1])
+    weights = call.inputs.get("per_sample_weights")
+    if weights is not None:
+        v = v * weights.unsqueeze(-1).to(b.dtype)
+    elif layer.mode == "mean":
+        v = v / steps
+    return {"weight": Outer(idx.long(), v, rows=layer.num_embeddings)}
