@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchbound import kernels
 from batchbound.advise.answer import Row, best_row, candidate_rows, finish, worker_counts
 from batchbound.advise.inputs import from_objects
 from batchbound.advise.iterations import (
@@ -135,6 +136,7 @@ class Advice:
                 f"target; {stop}. {bound}")
 
 
+@kernels.on_threads
 def advise(
     config: TrainConfig | nn.Module | Callable[[], nn.Module],
     data: Any = None,
@@ -305,7 +307,7 @@ def _timing_check(config: TrainConfig, data: Dataset, curve: ComputeCurve | None
         return None
     size = min(config.batch_size, data.n_train)
     with others:
-        retimed = time_compute(config, data, [size], os.cpu_count() or 1, parts=parts).step(size)
+        retimed = time_compute(config, data, [size], kernels.threads(), parts=parts).step(size)
     return busy_reason(others.cores, curve.step(size), retimed)
 
 
@@ -356,6 +358,7 @@ def _pilot_record(config: TrainConfig, run: PilotRun, path: Trajectory, planned:
     }
 
 
+@kernels.on_threads
 def advise_from_study(
     source: StudySource | dict[str, Any],
     *,
@@ -429,7 +432,7 @@ def _worker_limit(max_workers: int | None, cluster: str | Path | Cluster | None
 def _payload(config: TrainConfig, data: Dataset, parts: Parts | None = None) -> int:
     """Bytes all-reduced per iteration: the gradient and the trainer's 3 extras."""
     model = parts.model if parts is not None and parts.model is not None else build_model(
-        config.model, data.input_shape, data.num_outputs)
+        config.model, data.input_shape, data.num_outputs, seed=config.seed)
     params = count_parameters(model)
     return (params + 3) * (4 if config.dtype == "float32" else 8)
 
@@ -450,20 +453,19 @@ def _timings(config: TrainConfig, data: Dataset, spec: Cluster | None, counts: l
              log: Callable[[str], None], parts: Parts | None = None,
              ) -> tuple[dict[int, ComputeCurve], dict[int, float]]:
     """Per worker count: one worker's compute curve and the all-reduce seconds. The curve is
-    ``one_worker`` when given (a study's recorded steps); else timed here: with every core
-    for one worker, and for local P > 1 by running the real step in lockstep
-    (``time_workers``), which also times the all-reduce. A cluster file models the
-    all-reduce, and the compute too with examples_per_second."""
-    cores = os.cpu_count() or 1
+    ``one_worker`` when given (a study's recorded steps); else timed here on the threads
+    training computes on (``kernels.threads()``) for one worker, and for local P > 1 by
+    running the real step in lockstep (``time_workers``), which also times the all-reduce.
+    A cluster file models the all-reduce, and the compute too with examples_per_second."""
     given = one_worker
     n = data.n_train
     curves: dict[int, ComputeCurve] = {}
     communication: dict[int, float] = {}
     for workers in counts:
         if spec is None and workers > 1 and parts is not None:
-            # a Python object cannot be rebuilt in fresh processes: its compute is timed here
-            # with this worker's share of the cores, the all-reduce on P gloo processes
-            threads = max(1, cores // workers)
+            # a Python object cannot be rebuilt in fresh processes: its compute is timed here,
+            # the all-reduce on P gloo processes
+            threads = kernels.threads()
             largest = min(micro_limit, n // workers)
             log(f"timing the step here ({threads} threads) and the all-reduce of {payload} "
                 f"bytes on {workers} local processes")
@@ -477,7 +479,7 @@ def _timings(config: TrainConfig, data: Dataset, spec: Cluster | None, counts: l
             sizes = micro_batch_sizes(largest) if given is None else [min(8, largest)]
             log(f"timing the step on {workers} local processes at micro-batches {sizes}")
             timed, communication[workers] = time_workers(config, workers, sizes,
-                                                         max(1, cores // workers))
+                                                         kernels.threads())
             curves[workers] = given if given is not None else timed
             continue
         if spec is not None and spec.examples_per_second:
@@ -485,8 +487,8 @@ def _timings(config: TrainConfig, data: Dataset, spec: Cluster | None, counts: l
         else:
             if one_worker is None:
                 log(f"timing the step at micro-batches 1 .. {micro_limit}")
-                one_worker = time_compute(config, data, micro_batch_sizes(micro_limit), cores,
-                                          parts=parts)
+                one_worker = time_compute(config, data, micro_batch_sizes(micro_limit),
+                                          kernels.threads(), parts=parts)
             curves[workers] = one_worker
         communication[workers] = (spec.allreduce_seconds(workers, payload) if spec is not None
                                   else 0.0)

@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=(
             "Every command computes on portable CPU kernels, so the same command gives the "
             "same numbers on any x86-64 processor; set BATCHBOUND_KERNELS=native for the "
-            "processor's fastest kernels (numbers may then differ between machines)."
+            "processor's fastest kernels (numbers may then differ between machines). Every "
+            "process computes on one torch thread whatever OMP_NUM_THREADS says; set "
+            "BATCHBOUND_THREADS=N for N (numbers may then differ from one thread's)."
         ),
     )
     parser.add_argument("--version", action="version", version=f"batchbound {__version__}")
@@ -75,7 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         kernels.use()  # before the first tensor: the same numbers on every x86-64 processor
-        return int(args.func(args) or 0)
+        with kernels.computing_threads():  # 1 thread (or $BATCHBOUND_THREADS), not the cores
+            return int(args.func(args) or 0)
     except BatchboundError as exc:  # bad input (2), or a fault mid-work (FaultError, 1)
         print(f"batchbound {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code

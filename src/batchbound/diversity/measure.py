@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
+from batchbound import kernels
 from batchbound.data.dataset import Dataset
 from batchbound.diversity.distributed import all_reduce_sum, world_size
 from batchbound.diversity.losses import PerExampleLoss, loss_name, resolve_loss
@@ -127,7 +128,8 @@ def measure(
     (``"cross_entropy"``, ``"mse"``), a callable returning one loss per example, or None for
     the data set's task default. ``engine``: ``"auto"``, ``"hooks"``, ``"vmap"`` or ``"loop"``
     (see ``per_example_stats``). ``dtype=torch.float64`` measures a float64 copy of the model;
-    the user's model is never converted. Computation runs where the model's parameters are.
+    the user's model is never converted. Computation runs where the model's parameters are,
+    on ``batchbound.kernels.threads()`` torch threads (the caller's count is put back).
 
     Under torch.distributed each rank passes its own shard; every rank gets the global report.
     """
@@ -140,7 +142,8 @@ def measure(
     loss_fn = resolve_loss(loss, task)
 
     start = time.perf_counter()
-    with measuring(model, dtype) as work:
+    # one thread (or $BATCHBOUND_THREADS): S and T's last bits do not follow the cores
+    with kernels.computing_threads(), measuring(model, dtype) as work:
         totals = _accumulate(work, chunks, n_known, loss_fn, engine, progress)
     dtype = _model_dtype(work)
     extra: dict[str, object] = {"loss_name": loss_name(loss_fn), "fallback_parameters": []}

@@ -619,6 +619,7 @@ class Trainer:
                 "device": str(self.ctx.device),
                 "torch": torch.__version__,
                 "kernels": kernels.describe(),
+                "threads": torch.get_num_threads(),
                 "n_train": self.n,
             },
             snapshots=snapshots,
