@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from batchbound.cli.claim import claim_outputs
+from batchbound.cli.commands import SUMMARY
 from batchbound.cli.common import (
     EXIT_STOPPED,
     add_config_flags,
@@ -31,7 +32,7 @@ from batchbound.train.tensorboard import check_logdir, write_run
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "train",
-        help="train with synchronous data-parallel mini-batch SGD until targets or limits",
+        help=SUMMARY["train"],
         description=(
             "Synchronous data-parallel mini-batch SGD ([slides]): each of P workers computes "
             "gradients on its share of the global batch B, an all-reduce sums them, the model "

@@ -1,0 +1,60 @@
+"""``batchbound --help`` (and ``--version``, and a bare ``batchbound``) import none of torch,
+numpy, pandas or matplotlib: the list of commands comes from ``cli/commands.py``, and only
+the command asked for is imported. Checked on sys.modules, not on a clock, so a busy machine
+cannot fail it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch", "numpy", "pandas", "matplotlib")
+PROBE = """
+import contextlib, io, json, sys
+from batchbound.cli import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+    try:
+        code = main({argv!r})
+    except SystemExit as exc:
+        code = exc.code
+print(json.dumps({{"code": code, "out": out.getvalue(),
+                  "heavy": [m for m in {heavy!r} if m in sys.modules]}}))
+"""
+
+
+def _run(argv: list[str]) -> dict:
+    done = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv, heavy=HEAVY)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["-h"], ["--version"], []])
+def test_top_level_help_imports_no_heavy_library(argv: list[str]) -> None:
+    result = _run(argv)
+    assert result["heavy"] == [], result
+    if argv[:1] in (["--help"], ["-h"]):
+        assert result["code"] == 0
+        from batchbound.cli.commands import COMMANDS, SUMMARY
+
+        for name in COMMANDS:  # every command listed, with its line
+            assert name in result["out"] and SUMMARY[name].split()[0] in result["out"]
+
+
+def test_a_commands_help_still_shows_its_own_options() -> None:
+    result = _run(["measure", "--help"])
+    assert result["code"] == 0 and "--engine" in result["out"]
+    assert "torch" in result["heavy"]  # the control: the probe does see an import
+
+
+def test_every_command_uses_its_listed_line() -> None:
+    from batchbound.cli import build_parser
+    from batchbound.cli.commands import COMMANDS, SUMMARY
+
+    actions = build_parser()._subparsers._group_actions[0]  # argparse's own registry
+    listed = {a.dest: a.help for a in actions._choices_actions}
+    assert list(actions.choices) == COMMANDS and listed == SUMMARY
