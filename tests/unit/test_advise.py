@@ -323,3 +323,19 @@ def test_untrusted_seconds_answer_on_iterations_alone_at_the_critical_batch() ->
         again += candidate_rows(p, 60_000, 4096, ComputeCurve((1,), (9.0,), (3.0,)), 5.0,
                                 "none", lambda b: predict_iterations(pilot, b), lambda b: 0.1)
     assert on_iterations(again, fewest).batch_size == chosen.batch_size
+
+
+def test_the_pilots_rate_is_given_once() -> None:
+    """advise(model, data, optimizer=..., lr=...): the optimizer's own rate when lr is not
+    given, lr when the optimizer agrees or sets none, refused when both say different."""
+    import torch
+
+    from batchbound.advise.inputs import DEFAULT_LR, pilot_lr
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.03, momentum=0.9)
+
+    assert pilot_lr(None, None) == DEFAULT_LR and pilot_lr(0.2, None) == 0.2
+    assert pilot_lr(None, sgd) == 0.03 and pilot_lr(0.03, sgd) == 0.03
+    with pytest.raises(BatchboundError, match="optimizer sets lr 0.03 and lr=0.1 was given"):
+        pilot_lr(0.1, sgd)

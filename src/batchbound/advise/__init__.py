@@ -187,7 +187,7 @@ def advise(
     *,
     optimizer: Callable[..., torch.optim.Optimizer] | None = None,
     batch_size: int = 16,
-    lr: float = 0.1,
+    lr: float | None = None,
     seed: int = 0,
     device: str = "auto",
     targets: tuple[Target, ...] = (),
@@ -211,7 +211,8 @@ def advise(
     lr η0, its first target the target), or a user's ``nn.Module`` / zero-argument factory
     with ``data`` (a Dataset, an (x, y) pair, a torch Dataset or a DataLoader), ``loss`` (a
     name or per-example callable), ``optimizer`` (``params -> Optimizer``, default SGD) and
-    ``batch_size``, ``lr``, ``seed``, ``device``, ``targets``.
+    ``batch_size``, ``lr``, ``seed``, ``device``, ``targets``. The pilot's rate η0 is ``lr``,
+    else the one the optimizer sets, else 0.1; both given and different is refused.
 
     The plan: ``planned_epochs`` or ``planned_iterations`` at B0; the pilot trains the first
     ``pilot_fraction`` of it and stops, and the rows predict what reaches the plan's end.
