@@ -48,6 +48,7 @@ def test_top_level_help_imports_no_heavy_library(argv: list[str]) -> None:
 def test_a_commands_help_still_shows_its_own_options() -> None:
     result = _run(["measure", "--help"])
     assert result["code"] == 0 and "--engine" in result["out"]
+    assert "MODULE:CALLABLE" in result["out"]  # a user's own factory, as train's help says
     assert "torch" in result["heavy"]  # the control: the probe does see an import
 
 

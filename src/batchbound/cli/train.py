@@ -148,7 +148,12 @@ def run_command(args: argparse.Namespace) -> int:
 def print_human(result: RunResult, file: Any = None) -> None:
     out = file or sys.stdout
     final = result.final
-    print(f"status: {result.status} ({result.message})", file=out)
+    missed = [t.name for t in result.targets if not t.reached]
+    if missed and result.status == "complete":  # it ran to its limit without them
+        print(f"status: target{'s' if len(missed) > 1 else ''} missed: {', '.join(missed)} "
+              f"(the run completed: {result.message})", file=out)
+    else:
+        print(f"status: {result.status} ({result.message})", file=out)
     print(
         f"ran {final['iterations']} iterations, {final['epochs']:.2f} epochs, "
         f"{final['seconds']:.2f} s training time; B={final['batch_size']}, "
