@@ -337,5 +337,5 @@ def test_the_pilots_rate_is_given_once() -> None:
 
     assert pilot_lr(None, None) == DEFAULT_LR and pilot_lr(0.2, None) == 0.2
     assert pilot_lr(None, sgd) == 0.03 and pilot_lr(0.03, sgd) == 0.03
-    with pytest.raises(BatchboundError, match="optimizer sets lr 0.03 and lr=0.1 was given"):
+    with pytest.raises(BatchboundError, match=r"optimizer sets lr 0\.03 and lr=0\.1 was given"):
         pilot_lr(0.1, sgd)
