@@ -209,7 +209,8 @@ def _accumulate(
     block = [torch.zeros_like(p, dtype=norm_dtype(p.dtype)) for p in params.values()]
     loss_sum = torch.zeros((), dtype=acc, device=device)
     seen, fallback, chunks_in_block = 0, set(), 0
-    with tqdm(total=n_known, unit="ex", file=sys.stderr, disable=not progress, leave=False) as bar:
+    shown = progress and sys.stderr.isatty()  # a bar that erases itself says nothing to a log
+    with tqdm(total=n_known, unit="ex", file=sys.stderr, disable=not shown, leave=False) as bar:
         for x, y in chunks:
             x = x.to(device=device, dtype=dtype if x.dtype.is_floating_point else None)
             y = y.to(device=device, dtype=dtype if y.dtype.is_floating_point else None)

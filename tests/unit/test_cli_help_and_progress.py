@@ -59,3 +59,18 @@ def test_every_command_uses_its_listed_line() -> None:
     actions = build_parser()._subparsers._group_actions[0]  # argparse's own registry
     listed = {a.dest: a.help for a in actions._choices_actions}
     assert list(actions.choices) == COMMANDS and listed == SUMMARY
+
+
+def test_progress_in_a_log_is_plain_lines_not_carriage_returns(capsys) -> None:
+    from batchbound.train.progress import Progress
+
+    progress = Progress(True, 3.0, "epoch", terminal=False)
+    for i in range(1, 200):
+        progress.update(i / 100, i, 1.0 / i, 0.5, 1000.0, 32)
+    progress.close()
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert "\r" not in err and 2 <= len(lines) <= 3  # the first, the last, nothing between
+    assert lines[0] == ("progress: epoch 0.01/3, it 1, loss 1, acc 0.500, samples/s 1000, "
+                        "B 32")
+    assert lines[-1].startswith("progress: epoch 1.99/3, it 199, loss 0.005025")
