@@ -14,7 +14,6 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-
 LOG_INTERVAL = 30.0  # seconds between progress lines in a log
 
 
