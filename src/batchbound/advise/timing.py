@@ -37,6 +37,7 @@ from batchbound.errors import BatchboundError
 from batchbound.train.config import TrainConfig
 from batchbound.train.distributed import free_port
 from batchbound.train.loop import Parts, time_steps
+from batchbound.train.timing import inverted, monotone
 
 OVERLAPS = ("none", "backward")
 
@@ -217,8 +218,10 @@ def time_workers(config: TrainConfig, workers: int, sizes: Sequence[int], thread
         _run_ranks([str(spec), str(out), str(threads), str(repeats), *map(str, sizes)],
                    workers, out, tmp)
         rows = json.loads(out.read_text())
-    curve = ComputeCurve(tuple(r["micro_batch"] for r in rows),
-                         tuple(r["compute"] for r in rows), tuple(r["forward"] for r in rows))
+    sizes = [r["micro_batch"] for r in rows]
+    steps = [r["compute"] for r in rows]
+    curve = ComputeCurve(tuple(sizes), tuple(monotone(steps)),
+                         tuple(monotone([r["forward"] for r in rows])), inverted(sizes, steps))
     return curve, statistics.median(r["communication"] for r in rows)
 
 

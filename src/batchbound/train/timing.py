@@ -84,7 +84,9 @@ class PhaseTimer:
 # step at B = 1 slower than at B = 16.
 CELL_S = 0.002
 MIN_ROUNDS, MAX_ROUNDS = 5, 61
-STABLE = 0.05  # every median within 5 % of the median of the rounds' first half
+# every median within 10 % of the median of the rounds' first half: the share advise already
+# widens its seconds' interval by for the timing
+STABLE = 0.10
 
 
 def interleaved_medians(actions: list[Callable[[], Any]], budget_s: float
