@@ -74,3 +74,15 @@ def test_progress_in_a_log_is_plain_lines_not_carriage_returns(capsys) -> None:
     assert lines[0] == ("progress: epoch 0.01/3, it 1, loss 1, acc 0.500, samples/s 1000, "
                         "B 32")
     assert lines[-1].startswith("progress: epoch 1.99/3, it 199, loss 0.005025")
+
+
+def test_a_studys_progress_in_a_log_is_plain_lines(capsys) -> None:
+    from batchbound.study.runner import _Progress
+
+    progress = _Progress(5, enabled=True)
+    assert progress.bar is None  # no bar: stderr is captured, not a terminal
+    for _ in range(5):
+        progress.advance(None, None)  # type: ignore[arg-type]
+    progress.close()
+    err = capsys.readouterr().err
+    assert "\r" not in err and err.splitlines() == ["study: 5/5 runs"]
