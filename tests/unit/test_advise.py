@@ -339,3 +339,38 @@ def test_the_pilots_rate_is_given_once() -> None:
     assert pilot_lr(None, sgd) == 0.03 and pilot_lr(0.03, sgd) == 0.03
     with pytest.raises(BatchboundError, match=r"optimizer sets lr 0\.03 and lr=0\.1 was given"):
         pilot_lr(0.1, sgd)
+
+
+def test_the_table_shows_b0_and_unknown_seconds_on_a_busy_machine() -> None:
+    from batchbound.advise import Advice
+    from batchbound.advise.answer import candidate_rows, on_iterations
+
+    pilot = flat_pilot(noise=100.0)
+
+    def rows():
+        out = []
+        for p in (1, 2):
+            out += candidate_rows(p, 60_000, 4096, CURVE, 1e-3 * (p > 1), "none",
+                                  lambda b: predict_iterations(pilot, b), lambda b: 0.1)
+        return out
+
+    timed = rows()
+    best = [r for r in timed if r.best]
+    recommended, stop = finish(best)
+    record = {"batch_size": 16, "target": "the plan's loss", "final_loss": [0.5, 0.1, 0.9],
+              "seconds": 1.5, "wall_seconds": 2.5, "iterations": 20, "minimum_iterations": 50}
+    advice = Advice(batch_bound=101.0, rows=timed, recommended=recommended,
+                    workers_stop_paying=stop, assumptions="", pilot=record)
+    table = advice.table()
+    b0 = next(line for line in table.splitlines() if "(B0)" in line)
+    assert b0.startswith("| 1") and "| 16 |" in b0
+    summary = advice.summary()
+    assert "to the plan's loss" in summary and "s to the target" not in summary
+    assert "0.5 (0.1–0.9)" in summary and "1.5 s (training only), 2.5 s in all" in summary
+    busy = rows()
+    chosen = on_iterations(busy, minimum_iterations(pilot))
+    on_busy = Advice(101.0, busy, chosen, None, "", pilot=record,
+                           extra={"recommended_on": "iterations", "timing_warning": "hog"})
+    assert "unknown | unknown" in on_busy.table()
+    assert on_busy.summary().startswith("the seconds cannot be trusted here (hog), so "
+                                              "this answer is on iterations alone")

@@ -122,15 +122,20 @@ class Advice:
                  "| s to goal (interval) | speedup | efficiency |", "|" + "---|" * 8]
         b0 = (self.pilot or {}).get("batch_size")
         shown = [r for r in self.rows if r.best or (r.workers == 1 and r.batch_size == b0)]
+        one = next((r for r in shown if r.best and r.workers == 1), None)
         for r in shown or self.rows:
             mark = (" ←" if r is self.recommended else "") + (
                 " (B0)" if r.workers == 1 and r.batch_size == b0 else "")
             low, high = r.iterations_interval
             s_low, s_high = r.seconds_interval
+            speedup = r.speedup
+            if not r.best and one is not None:  # B0's row: against the best one-worker row
+                speedup = one.seconds_to_target / r.seconds_to_target
             seconds = ("unknown | unknown | – | – " if not math.isfinite(r.seconds_per_iteration)
                        else f"{r.seconds_per_iteration:.3g} ({r.compute_seconds:.3g} + "
                        f"{r.communication_seconds:.3g}) | {r.seconds_to_target:.3g} "
-                       f"({s_low:.3g}–{s_high:.3g}) | {r.speedup:.2f}× | {r.efficiency:.0%} ")
+                       f"({s_low:.3g}–{s_high:.3g}) | {speedup:.2f}× | "
+                       f"{speedup / r.workers:.0%} ")
             lines.append(f"| {r.workers}{mark} | {r.batch_size} | {r.lr:.4g} | "
                          f"{r.iterations:.0f} ({low:.0f}–{high:.0f}) | {seconds}|")
         return "\n".join(lines)
