@@ -29,7 +29,8 @@ def train() -> None:
             optimizer.step()
         m = state.monitor  # folds the steps the hook recorded (every rank holds the same numbers)
         if dist.get_rank() == 0:
-            print(f"epoch {epoch}: n·Δ = {m.batch_bound:.0f} ± {m.batch_bound_se:.0f}, "
+            low, high = m.batch_bound_interval  # ± 2 SE and the EMA's lag behind a moving n·Δ
+            print(f"epoch {epoch}: n·Δ = {m.batch_bound:.0f} ({low:.0f}–{high:.0f}), "
                   f"noise scale {m.noise_scale:.0f}, Δ = {m.diversity:.3f}")
 
 

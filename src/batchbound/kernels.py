@@ -17,7 +17,17 @@ pins that path with the libraries' documented settings:
   Intel and compatible processors (set through ``mkl_cbwr_set`` when torch is already loaded,
   which works until MKL's first call, and checked);
 - oneDNN and NNPACK off, so convolutions run through ATen and MKL;
-- one thread per run (the study's executors already set it; MKL's CNR needs a fixed count).
+- one thread per process (``threads()``): a float sum split over k threads adds in another
+  order than over 1, so ``OMP_NUM_THREADS`` or the machine's cores would otherwise change the
+  last bits, and SGD's chaos the rest (MKL's CNR also needs a fixed count).
+
+Threads: every place batchbound computes (``train`` with any number of workers, each worker;
+``measure``; ``advise``'s pilot and its step timing; a study's runs; the Python functions
+``train``, ``measure`` and ``advise``) runs on ``threads()`` torch threads: 1, or
+``$BATCHBOUND_THREADS``. Neither ``OMP_NUM_THREADS`` nor a caller's ``torch.set_num_threads``
+is read: torchrun, schedulers and notebooks set them for their own reasons, and the default
+count is the machine's cores, so the same call would give other numbers elsewhere. The Python
+functions put the caller's count back when they return.
 
 ``native`` leaves every library to choose. Portable costs speed (docs/trust.md, "Same
 command, same numbers", has the measured factor) and guarantees nothing on other
@@ -27,8 +37,12 @@ architectures (ARM uses other libraries) or on CUDA.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 from batchbound.errors import BatchboundError
 
@@ -36,6 +50,46 @@ KERNELS = ("portable", "native")
 ENV = "BATCHBOUND_KERNELS"  # what a process asked for; spawned workers inherit it
 PORTABLE_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
 MKL_CBWR_BRANCH, MKL_CBWR_COMPATIBLE = 1, 3  # mkl.h's named constants
+THREADS_ENV = "BATCHBOUND_THREADS"  # torch threads per process; 1 unless set
+
+
+def threads() -> int:
+    """The torch threads each batchbound process computes on: $BATCHBOUND_THREADS, else 1."""
+    value = os.environ.get(THREADS_ENV, "1").strip()
+    if not (value.isdigit() and int(value) >= 1):
+        raise BatchboundError(f"{THREADS_ENV}={value!r}: a positive whole number of threads")
+    return int(value)
+
+
+@contextmanager
+def computing_threads(count: int | None = None) -> Iterator[int]:
+    """Compute on ``count`` (default ``threads()``) torch threads inside the block, then put
+    the caller's count back: the Python API's functions run in the caller's process."""
+    import torch
+
+    count = threads() if count is None else count
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield count
+    finally:
+        torch.set_num_threads(previous)
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def on_threads(function: Callable[P, R]) -> Callable[P, R]:
+    """A public function that computes in its caller's process, run inside
+    ``computing_threads()``."""
+
+    @functools.wraps(function)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        with computing_threads():
+            return function(*args, **kwargs)
+
+    return wrapper
 
 
 def requested() -> str:

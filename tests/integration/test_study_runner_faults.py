@@ -141,15 +141,21 @@ def test_a_second_runner_on_the_same_store_is_refused(tmp_path, spec, capsys, ho
 
 @FAULT
 def test_two_runners_under_two_names_execute_each_run_once(tmp_path, spec):
-    """Two `study run`s started together on one store under a hard link: one runs, the other
-    is refused; every run is executed once and recorded once."""
-    store, log = tmp_path / "s.sqlite", tmp_path / "log"
+    """Two `study run`s on one store under a hard link: while one runs, the other is refused;
+    every run is executed once and recorded once. The first is held mid-run (a gate file)
+    until the second has answered, so a slow start on a busy machine cannot let the first
+    finish before the second looks."""
+    store, log, gate = tmp_path / "s.sqlite", tmp_path / "log", tmp_path / "gate"
     Store(store).close()
     os.link(store, tmp_path / "hard.sqlite")
-    first = start_study(spec, store, log, sleep=0.2, jobs=1)
-    wait_for(lambda: log_entries(log), first)
-    second = start_study(spec, tmp_path / "hard.sqlite", log, sleep=0.2, jobs=1)
-    _, err = second.communicate(timeout=120)
+    first = start_study(spec, store, log, sleep=0.0, jobs=1, gate=gate)
+    try:
+        wait_for(lambda: log_entries(log), first)  # its first run started: it holds the store
+        second = start_study(spec, tmp_path / "hard.sqlite", log, sleep=0.0, jobs=1)
+        _, err = second.communicate(timeout=300)
+        assert first.poll() is None  # still mid-run: the second met it, not a finished store
+    finally:
+        gate.touch()
     assert second.returncode == 2 and "in use by another `study run`" in err.decode()
     finish(first)
     keys = [key for key, _ in log_entries(log)]

@@ -240,3 +240,10 @@ def test_tensorboard_directory_is_checked_before_training(tmp_path, capsys) -> N
     assert code == 2
     err = capsys.readouterr().err
     assert "cannot write TensorBoard files" in err and "epoch" not in err
+
+
+def test_a_missed_target_is_said_in_the_status_line(capsys) -> None:
+    assert main([*ARGS, "--target-train-acc", "0.5", "0.9999"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("status: target missed: train_acc>=0.9999 (the run completed:")
+    assert "complete (" not in first

@@ -13,6 +13,9 @@ returns status ``stopped``, as the real trainer does, and appends "key resumed? 
 Ray node, "-" outside Ray) to ``$BATCHBOUND_SIM_LOG`` when set, so tests can see which runs
 executed, and where, and kill a study mid-run.
 With ``$BATCHBOUND_SIM_CRASH_LR`` set, a run with that η kills its own process (os._exit).
+With ``$BATCHBOUND_SIM_GATE`` set, every run waits (at most 10 minutes) until that file exists
+before it trains: a test holds a runner mid-study for as long as it needs, however slowly a
+busy machine starts the processes it races against.
 Lives under tests/ so that no report can be made from it by accident; tests select it with
 ``run_study(..., trainer="simulated_trainer:execute")``.
 """
@@ -67,6 +70,10 @@ def execute(fields: dict[str, Any], checkpoint_dir: Path, resume: bool,
     crash = os.environ.get("BATCHBOUND_SIM_CRASH_LR")  # tests: a worker dying mid-study
     if crash and float(crash) == fields["lr"]:
         os._exit(3)
+    gate = os.environ.get("BATCHBOUND_SIM_GATE")
+    deadline = time.monotonic() + 600
+    while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.05)
     sleep = float(os.environ.get("BATCHBOUND_SIM_SLEEP", "0"))
     model = parse_spec(fields["model"]).kwargs
     depth, width = int(model.get("depth", 1)), int(model.get("width", 32))

@@ -14,10 +14,12 @@ TRAINER = "simulated_trainer:execute"
 
 
 def start_study(spec: Path, store: Path, log: Path, sleep: float, jobs: int = 0,
-                extra: Sequence[str] = ()) -> subprocess.Popen:
+                extra: Sequence[str] = (), gate: Path | None = None) -> subprocess.Popen:
     """A runner in its own session; the simulated trainer sleeps ``sleep`` s per epoch and
-    appends "key resumed?" to ``log`` for every run it starts."""
-    env = {**os.environ, "BATCHBOUND_SIM_LOG": str(log), "BATCHBOUND_SIM_SLEEP": str(sleep)}
+    appends "key resumed?" to ``log`` for every run it starts; with ``gate``, each run waits
+    until that file exists."""
+    env = {**os.environ, "BATCHBOUND_SIM_LOG": str(log), "BATCHBOUND_SIM_SLEEP": str(sleep),
+           **({"BATCHBOUND_SIM_GATE": str(gate)} if gate is not None else {})}
     return subprocess.Popen(
         [sys.executable, "-m", "batchbound", "study", "run", str(spec), "--store", str(store),
          "--jobs", str(jobs), "--trainer", TRAINER, "--no-progress", *extra],

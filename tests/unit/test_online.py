@@ -252,3 +252,23 @@ def test_watch_refuses_examples_that_interact_or_are_reordered() -> None:
     x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
     with pytest.raises(BatchboundError, match="interact"), watch(model, OnlineDiversity(n=100)):
         nn.functional.cross_entropy(model(x), y).backward()
+
+
+def test_the_interval_reaches_a_rising_bound_that_the_standard_error_misses() -> None:
+    """n·Δ rising 1 per step, noiselessly: the EMA trails by about decay/(1 − decay) = 19
+    steps, which ± 2 SE (zero here: no sampling noise) cannot contain; the lag estimate
+    does."""
+    monitor = OnlineDiversity(decay=0.95)
+    for t in range(400):
+        monitor.update(1.0, 1.0 / (50.0 + t))  # M2 = 1, ‖G‖² = 1/(50 + t): n·Δ = 50 + t
+    now = 50.0 + 399
+    assert monitor.batch_bound < now - 10  # the smoothed value lags behind
+    assert 0.5 * (now - monitor.batch_bound) < monitor.batch_bound_lag < 1.5 * (
+        now - monitor.batch_bound)
+    low, high = monitor.batch_bound_interval
+    assert low <= now <= high + 2.0  # within the interval, up to the trend's curvature
+    steady = OnlineDiversity(decay=0.95)
+    for _ in range(400):
+        steady.update(1.0, 0.01)
+    assert steady.batch_bound_lag == pytest.approx(0.0, abs=1e-9)  # no trend, no lag
+    assert math.isnan(OnlineDiversity(decay=None).batch_bound_lag)

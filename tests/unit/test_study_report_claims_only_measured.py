@@ -314,3 +314,14 @@ def test_tune_data_first_tunes_on_the_first_data_set_for_all():
         "digits | neighbour_pair(side=0)", "digits | neighbour_pair(side=1)"}
     # the default plan keeps its keys
     assert [r.key for r in each.tuning_runs()][:4] == [r.key for r in first.tuning_runs()]
+
+
+def test_a_wide_table_scrolls_inside_the_page_and_pre_breaks_between_words() -> None:
+    import pandas as pd
+
+    from batchbound.study.document import CSS, Table
+
+    wide = Table(pd.DataFrame([list(range(17))], columns=[f"column {i}" for i in range(17)]))
+    assert wide.html().startswith("<div class='wide'><table>")
+    assert ".wide{overflow-x:auto" in CSS
+    assert "word-break:break-all" not in CSS and "overflow-wrap:break-word" in CSS

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from batchbound.advise.answer import Row, best_row, candidate_rows, finish, worker_counts
+from batchbound import kernels
+from batchbound.advise.answer import (
+    Row,
+    best_row,
+    candidate_rows,
+    finish,
+    on_iterations,
+    worker_counts,
+)
 from batchbound.advise.inputs import from_objects
 from batchbound.advise.iterations import (
     NOISE,
@@ -101,40 +110,81 @@ class Advice:
         """The fastest batch per worker count (every row when none is marked)."""
         return [r for r in self.rows if r.best] or self.rows
 
+    @property
+    def on_seconds(self) -> bool:
+        """Whether the rows' seconds were trusted (else the answer is on iterations alone)."""
+        return self.extra.get("recommended_on", "seconds") == "seconds"
+
     def table(self) -> str:
+        """The best batch per worker count, and the pilot's own B0 on one worker (marked
+        "B0"), as Markdown; seconds "unknown" where the timing cannot be trusted."""
         lines = ["| workers | batch | lr | iterations (interval) | s/iteration (compute + comm.) "
-                 "| s to target (interval) | speedup | efficiency |", "|" + "---|" * 8]
-        for r in self.best_rows:
-            mark = " ←" if r is self.recommended else ""
+                 "| s to goal (interval) | speedup | efficiency |", "|" + "---|" * 8]
+        b0 = (self.pilot or {}).get("batch_size")
+        shown = [r for r in self.rows if r.best or (r.workers == 1 and r.batch_size == b0)]
+        one = next((r for r in shown if r.best and r.workers == 1), None)
+        for r in shown or self.rows:
+            mark = (" ←" if r is self.recommended else "") + (
+                " (B0)" if r.workers == 1 and r.batch_size == b0 else "")
             low, high = r.iterations_interval
             s_low, s_high = r.seconds_interval
-            lines.append(
-                f"| {r.workers}{mark} | {r.batch_size} | {r.lr:.4g} | {r.iterations:.0f} "
-                f"({low:.0f}–{high:.0f}) | {r.seconds_per_iteration:.3g} "
-                f"({r.compute_seconds:.3g} + {r.communication_seconds:.3g}) | "
-                f"{r.seconds_to_target:.3g} ({s_low:.3g}–{s_high:.3g}) | "
-                f"{r.speedup:.2f}× | {r.efficiency:.0%} |")
+            speedup = r.speedup
+            if not r.best and one is not None:  # B0's row: against the best one-worker row
+                speedup = one.seconds_to_target / r.seconds_to_target
+            seconds = ("unknown | unknown | – | – " if not math.isfinite(r.seconds_per_iteration)
+                       else f"{r.seconds_per_iteration:.3g} ({r.compute_seconds:.3g} + "
+                       f"{r.communication_seconds:.3g}) | {r.seconds_to_target:.3g} "
+                       f"({s_low:.3g}–{s_high:.3g}) | {speedup:.2f}× | "
+                       f"{speedup / r.workers:.0%} ")
+            lines.append(f"| {r.workers}{mark} | {r.batch_size} | {r.lr:.4g} | "
+                         f"{r.iterations:.0f} ({low:.0f}–{high:.0f}) | {seconds}|")
         return "\n".join(lines)
 
     def summary(self) -> str:
         r = self.recommended
         warning = self.extra.get("timing_warning")
-        stop = (f"beyond {self.workers_stop_paying} worker"
-                f"{'s' if self.workers_stop_paying > 1 else ''}, doubling saves less than 10 %"
-                if self.workers_stop_paying else "every doubling of workers in the table pays")
-        if warning:
-            stop = (f"the step timing cannot be trusted ({warning}), so which worker count "
-                    f"pays is uncertain: rerun on a quiet machine (as timed: {stop})")
+        goal = (self.pilot or self.study or {}).get("target", "the target")
         where = "the pilot" if self.pilot is not None else "the study's reference runs"
         bound = (f"n·Δ over {where}: {self.batch_bound:.4g}." if math.isfinite(self.batch_bound)
                  else f"n·Δ was not measured in {where}.")
         low, high = r.iterations_interval
         span = f" ({low:.0f}–{high:.0f})" if math.isfinite(low) and math.isfinite(high) else ""
-        return (f"use {r.workers} worker(s) at batch {r.batch_size} (lr {r.lr:.4g}): about "
-                f"{r.iterations:.0f}{span} iterations, {r.seconds_to_target:.3g} s to the "
-                f"target; {stop}. {bound}")
+        lines = []
+        if not self.on_seconds:
+            fewest = (self.pilot or {}).get("minimum_iterations", math.nan)
+            lines.append(
+                f"the seconds cannot be trusted here ({warning}), so this answer is on "
+                f"iterations alone: use batch {r.batch_size} (lr {r.lr:.4g}): about "
+                f"{r.iterations:.0f}{span} iterations to {goal}, the smallest batch within "
+                f"twice the fewest iterations any batch needs ({fewest:.0f}: the critical "
+                f"batch); how many workers pay is unknown: rerun on a quiet machine, or give "
+                f"--cluster to model the seconds. {bound}")
+        else:
+            stop = (f"beyond {self.workers_stop_paying} worker"
+                    f"{'s' if self.workers_stop_paying > 1 else ''}, doubling saves less than "
+                    "10 %" if self.workers_stop_paying
+                    else "every doubling of workers in the table pays")
+            if warning:  # a study's recorded steps: only the all-reduce was timed here
+                stop = (f"the timing here cannot be trusted ({warning}), so which worker "
+                        f"count pays is uncertain (as timed: {stop})")
+            lines.append(
+                f"use {r.workers} worker(s) at batch {r.batch_size} (lr {r.lr:.4g}): about "
+                f"{r.iterations:.0f}{span} iterations, {r.seconds_to_target:.3g} s to {goal}; "
+                f"{stop}. {bound}")
+        pilot = self.pilot or {}
+        final = pilot.get("final_loss")
+        if final:
+            lines.append(f"predicted training loss at the plan's end: {final[0]:.4g} "
+                         f"({final[1]:.4g}–{final[2]:.4g}), extrapolated from the pilot.")
+        if pilot.get("seconds") is not None:
+            lines.append(f"the pilot ran {pilot['iterations']} iterations in "
+                         f"{pilot['seconds']:.3g} s (training only)"
+                         + (f", {pilot['wall_seconds']:.3g} s in all with its evaluations "
+                            "and estimates" if pilot.get("wall_seconds") else "") + ".")
+        return "\n".join(lines)
 
 
+@kernels.on_threads
 def advise(
     config: TrainConfig | nn.Module | Callable[[], nn.Module],
     data: Any = None,
@@ -142,7 +192,7 @@ def advise(
     *,
     optimizer: Callable[..., torch.optim.Optimizer] | None = None,
     batch_size: int = 16,
-    lr: float = 0.1,
+    lr: float | None = None,
     seed: int = 0,
     device: str = "auto",
     targets: tuple[Target, ...] = (),
@@ -166,7 +216,8 @@ def advise(
     lr η0, its first target the target), or a user's ``nn.Module`` / zero-argument factory
     with ``data`` (a Dataset, an (x, y) pair, a torch Dataset or a DataLoader), ``loss`` (a
     name or per-example callable), ``optimizer`` (``params -> Optimizer``, default SGD) and
-    ``batch_size``, ``lr``, ``seed``, ``device``, ``targets``.
+    ``batch_size``, ``lr``, ``seed``, ``device``, ``targets``. The pilot's rate η0 is ``lr``,
+    else the one the optimizer sets, else 0.1; both given and different is refused.
 
     The plan: ``planned_epochs`` or ``planned_iterations`` at B0; the pilot trains the first
     ``pilot_fraction`` of it and stops, and the rows predict what reaches the plan's end.
@@ -196,17 +247,21 @@ def advise(
         curves, communication = _timings(config, data_set, spec, counts, micro_limit, payload,
                                          None, log, parts)
     log(_pilot_plan(config, planned, pilot_steps, curves[1], estimator))
+    started = time.perf_counter()
     run = run_pilot(config, data_set, device_, iterations=pilot_steps, estimator=estimator,
                     exact_every_epochs=diversity_every_epochs, parts=parts, progress=progress)
+    pilot_wall = time.perf_counter() - started
     horizon = planned if planned is not None else run.iterations
     path = extrapolate(run.segments, run.iterations, horizon, config.batch_size, config.lr)
     log(f"pilot: {run.iterations} iterations; B_noise {run.segments[0].noise:.4g} at the "
         f"start, {run.segments[-1].noise:.4g} at its end; κ = B_noise·L = {path.kappa:.3g}")
-    busy = _timing_check(config, data_set, curves.get(1), others, parts, spec)
+    busy = _timing_check(config, data_set, curves, others, parts, spec)
     rows = _prediction_rows(config, path, strategy, counts, n, micro_limit, curves,
-                            communication, overlap, busy)
-    best = [r for r in rows if r.best]
-    recommended, stop = finish(best)
+                            communication, overlap)
+    if busy:  # seconds not to be trusted: the answer on iterations alone, the same each time
+        recommended, stop = on_iterations(rows, minimum_iterations(path.central)), None
+    else:
+        recommended, stop = finish([r for r in rows if r.best])
     points = None
     if with_probe:
         log("probe: branching short runs from the pilot")
@@ -226,12 +281,14 @@ def advise(
         batch_bound=path.central.mean_batch_bound(),
         rows=rows, recommended=recommended, workers_stop_paying=stop,
         assumptions=assumptions,
-        pilot=_pilot_record(config, run, path, planned, pilot_fraction, goal),
+        pilot={**_pilot_record(config, run, path, planned, pilot_fraction, goal),
+               "wall_seconds": pilot_wall},
         probe=points,
         warmup=warmup_schedule(path.central, max_batch=micro_limit) if planned else None,
         extra={"n": n, "strategy": strategy, "overlap": overlap,
                "timing": "cluster" if spec is not None else "measured",
-               "timing_reliable": busy is None, "timing_warning": busy},
+               "timing_reliable": busy is None, "timing_warning": busy,
+               "recommended_on": "iterations" if busy else "seconds"},
         source=path.central, curves=curves, communication=communication)
 
 
@@ -295,16 +352,21 @@ def _pilot_plan(config: TrainConfig, planned: int | None, steps: int | None,
             f"{estimator}: about {per_step:.3g} s per iteration")
 
 
-def _timing_check(config: TrainConfig, data: Dataset, curve: ComputeCurve | None,
+def _timing_check(config: TrainConfig, data: Dataset, curves: dict[int, ComputeCurve],
                   others: OtherWork, parts: Parts | None, spec: Cluster | None) -> str | None:
-    """Whether the step timing can be trusted: what other processes took while timing, and
-    the step at B0 timed again after the pilot."""
+    """Why the step timing cannot be trusted, or None: other processes' CPU while timing,
+    rounds that did not settle or a step slower at a smaller batch (``time_steps``), and the
+    step at B0 timed again after the pilot disagreeing."""
+    curve = curves.get(1)
     if (spec is not None and spec.examples_per_second) or curve is None:
         return None
     size = min(config.batch_size, data.n_train)
     with others:
-        retimed = time_compute(config, data, [size], os.cpu_count() or 1, parts=parts).step(size)
-    return busy_reason(others.cores, curve.step(size), retimed)
+        retimed = time_compute(config, data, [size], kernels.threads(), parts=parts).step(size)
+    unsettled = [f"P = {p}: {c.unsettled}" if p > 1 else c.unsettled
+                 for p, c in curves.items() if c.unsettled]
+    reasons = [r for r in (busy_reason(others.cores, curve.step(size), retimed), *unsettled) if r]
+    return "; ".join(reasons) or None
 
 
 def _lr(config: TrainConfig, strategy: str, pilot: Pilot, batch: int) -> float:
@@ -314,8 +376,7 @@ def _lr(config: TrainConfig, strategy: str, pilot: Pilot, batch: int) -> float:
 
 def _prediction_rows(config: TrainConfig, path: Trajectory, strategy: str, counts: list[int],
                      n: int, micro_limit: int, curves: dict[int, ComputeCurve],
-                     communication: dict[int, float], overlap: str,
-                     busy: str | None) -> list[Row]:
+                     communication: dict[int, float], overlap: str) -> list[Row]:
     """Every candidate (P, B) with its iterations, interval and seconds (see answer.py)."""
 
     def iterations(batch: int) -> float:
@@ -326,7 +387,7 @@ def _prediction_rows(config: TrainConfig, path: Trajectory, strategy: str, count
         ends = [predict_iterations(p, batch, strategy, scale) for p in (path.high, path.low)]
         return min(ends), max(ends)
 
-    spread = 0.25 if busy else 0.1  # the step timing's own uncertainty (docs/advise.md)
+    spread = 0.1  # the step timing's own uncertainty, when it is trusted (docs/advise.md)
     rows = []
     for workers in counts:
         rows += candidate_rows(workers, n, micro_limit, curves[workers], communication[workers],
@@ -354,6 +415,7 @@ def _pilot_record(config: TrainConfig, run: PilotRun, path: Trajectory, planned:
     }
 
 
+@kernels.on_threads
 def advise_from_study(
     source: StudySource | dict[str, Any],
     *,
@@ -427,7 +489,7 @@ def _worker_limit(max_workers: int | None, cluster: str | Path | Cluster | None
 def _payload(config: TrainConfig, data: Dataset, parts: Parts | None = None) -> int:
     """Bytes all-reduced per iteration: the gradient and the trainer's 3 extras."""
     model = parts.model if parts is not None and parts.model is not None else build_model(
-        config.model, data.input_shape, data.num_outputs)
+        config.model, data.input_shape, data.num_outputs, seed=config.seed)
     params = count_parameters(model)
     return (params + 3) * (4 if config.dtype == "float32" else 8)
 
@@ -448,20 +510,19 @@ def _timings(config: TrainConfig, data: Dataset, spec: Cluster | None, counts: l
              log: Callable[[str], None], parts: Parts | None = None,
              ) -> tuple[dict[int, ComputeCurve], dict[int, float]]:
     """Per worker count: one worker's compute curve and the all-reduce seconds. The curve is
-    ``one_worker`` when given (a study's recorded steps); else timed here: with every core
-    for one worker, and for local P > 1 by running the real step in lockstep
-    (``time_workers``), which also times the all-reduce. A cluster file models the
-    all-reduce, and the compute too with examples_per_second."""
-    cores = os.cpu_count() or 1
+    ``one_worker`` when given (a study's recorded steps); else timed here on the threads
+    training computes on (``kernels.threads()``) for one worker, and for local P > 1 by
+    running the real step in lockstep (``time_workers``), which also times the all-reduce.
+    A cluster file models the all-reduce, and the compute too with examples_per_second."""
     given = one_worker
     n = data.n_train
     curves: dict[int, ComputeCurve] = {}
     communication: dict[int, float] = {}
     for workers in counts:
         if spec is None and workers > 1 and parts is not None:
-            # a Python object cannot be rebuilt in fresh processes: its compute is timed here
-            # with this worker's share of the cores, the all-reduce on P gloo processes
-            threads = max(1, cores // workers)
+            # a Python object cannot be rebuilt in fresh processes: its compute is timed here,
+            # the all-reduce on P gloo processes
+            threads = kernels.threads()
             largest = min(micro_limit, n // workers)
             log(f"timing the step here ({threads} threads) and the all-reduce of {payload} "
                 f"bytes on {workers} local processes")
@@ -475,7 +536,7 @@ def _timings(config: TrainConfig, data: Dataset, spec: Cluster | None, counts: l
             sizes = micro_batch_sizes(largest) if given is None else [min(8, largest)]
             log(f"timing the step on {workers} local processes at micro-batches {sizes}")
             timed, communication[workers] = time_workers(config, workers, sizes,
-                                                         max(1, cores // workers))
+                                                         kernels.threads())
             curves[workers] = given if given is not None else timed
             continue
         if spec is not None and spec.examples_per_second:
@@ -483,8 +544,8 @@ def _timings(config: TrainConfig, data: Dataset, spec: Cluster | None, counts: l
         else:
             if one_worker is None:
                 log(f"timing the step at micro-batches 1 .. {micro_limit}")
-                one_worker = time_compute(config, data, micro_batch_sizes(micro_limit), cores,
-                                          parts=parts)
+                one_worker = time_compute(config, data, micro_batch_sizes(micro_limit),
+                                          kernels.threads(), parts=parts)
             curves[workers] = one_worker
         communication[workers] = (spec.allreduce_seconds(workers, payload) if spec is not None
                                   else 0.0)

@@ -117,3 +117,31 @@ def finish(rows: list[Row]) -> tuple[Row, int | None]:
     if stop is not None:
         return next(r for r in rows if r.workers == stop), stop
     return min(rows, key=lambda r: r.seconds_to_target), None
+
+
+CRITICAL = 2.0  # the critical batch: iterations twice the fewest any batch needs
+
+
+def on_iterations(rows: list[Row], fewest: float) -> Row:
+    """The answer when this machine's seconds cannot be trusted: every row's seconds, speedup
+    and efficiency unknown (NaN), and per worker count the best batch the smallest whose
+    predicted iterations are at most CRITICAL × ``fewest`` (S_min): McCandlish et al.'s
+    critical batch, past which a doubled batch saves under a third of the iterations (at
+    S = 2·S_min the examples are 2·E_min). Else the batch with the fewest iterations. The
+    recommendation is that batch on one worker: which worker count pays is a question of
+    seconds. The same pilot gives the same answer however busy the machine is."""
+    for row in rows:
+        row.seconds_per_iteration = row.compute_seconds = math.nan
+        row.communication_seconds = row.seconds_to_target = math.nan
+        row.seconds_interval = (math.nan, math.nan)
+        row.speedup = row.efficiency = math.nan
+        row.best = False
+    for workers in dict.fromkeys(r.workers for r in rows):
+        own = [r for r in rows if r.workers == workers and math.isfinite(r.iterations)]
+        if not own:
+            continue
+        within = [r for r in own if r.iterations <= CRITICAL * fewest]
+        choice = (min(within, key=lambda r: r.batch_size) if within
+                  else min(own, key=lambda r: (r.iterations, r.batch_size)))
+        choice.best = True
+    return next(r for r in rows if r.best)

@@ -15,6 +15,8 @@ import matplotlib.pyplot as plt
 
 
 def plot_advice(advice: Any, path: str | Path) -> Path:
+    if not advice.on_seconds:
+        return _plot_iterations(advice, path)
     rows = advice.best_rows
     workers = [r.workers for r in rows]
     seconds = [r.seconds_to_target for r in rows]
@@ -42,8 +44,33 @@ def plot_advice(advice: Any, path: str | Path) -> Path:
     ax.set_yscale("log")
     ax.set_xlabel("workers P")
     ax.set_ylabel("predicted seconds to target")
-    target = (advice.pilot or advice.study or {}).get("target", "the target")
-    ax.set_title(f"Time to {target} against workers")
+    ax.set_title("Predicted time to the goal against workers", fontsize=10)
+    return _save(fig, ax, path)
+
+
+def _plot_iterations(advice: Any, path: str | Path) -> Path:
+    """Without trusted seconds: predicted iterations (and interval) against the batch on one
+    worker, the recommended batch starred."""
+    rows = [r for r in advice.rows if r.workers == 1 and math.isfinite(r.iterations)]
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    batches = [r.batch_size for r in rows]
+    ax.fill_between(batches, [r.iterations_interval[0] for r in rows],
+                    [r.iterations_interval[1] for r in rows], color="C0", alpha=0.2,
+                    label="interval")
+    ax.plot(batches, [r.iterations for r in rows], "o-", color="C0",
+            label="predicted iterations")
+    rec = advice.recommended
+    ax.plot([rec.batch_size], [rec.iterations], "*", color="C3", markersize=14,
+            label=f"recommended: B={rec.batch_size} (seconds not trusted here)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size B")
+    ax.set_ylabel("predicted iterations to the goal")
+    ax.set_title("Predicted iterations against the batch size", fontsize=10)
+    return _save(fig, ax, path)
+
+
+def _save(fig: Any, ax: Any, path: str | Path) -> Path:
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()

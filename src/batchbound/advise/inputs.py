@@ -65,14 +65,34 @@ def as_dataset(data: Any) -> Dataset:
 def from_objects(model: nn.Module | Callable[[], nn.Module], data: Any,
                  loss: str | Callable[..., torch.Tensor] | None,
                  optimizer: Callable[..., torch.optim.Optimizer] | None, *, batch_size: int,
-                 lr: float, seed: int, device: str, targets: tuple[Target, ...] = (),
+                 lr: float | None, seed: int, device: str, targets: tuple[Target, ...] = (),
                  max_epochs: float | None = 100.0) -> tuple[TrainConfig, Dataset, Parts]:
     """(config, data, parts) for the trainer from a user's objects."""
     module = as_module(model)
     dataset = as_dataset(data)
     config = TrainConfig(dataset=dataset.name, model=f"{type(module).__name__} (your module)",
                          loss=loss if isinstance(loss, str) else None, batch_size=batch_size,
-                         lr=lr, seed=seed, device=device, targets=targets,
+                         lr=pilot_lr(lr, optimizer), seed=seed, device=device, targets=targets,
                          max_epochs=max_epochs)
     parts = Parts(model=module, loss=loss if callable(loss) else None, optimizer=optimizer)
     return config, dataset, parts
+
+
+DEFAULT_LR = 0.1
+
+
+def pilot_lr(lr: float | None, optimizer: Callable[..., torch.optim.Optimizer] | None) -> float:
+    """The pilot's η0, said once: ``lr`` when given, else the rate the optimizer factory sets
+    (the trainer sets every group's rate from η0 and the strategy), else DEFAULT_LR; both
+    given and different is refused rather than one silently winning."""
+    if optimizer is None:
+        return DEFAULT_LR if lr is None else lr
+    made = optimizer([nn.Parameter(torch.zeros(1))])  # a throwaway parameter, to read its rate
+    own = made.param_groups[0].get("lr") if made.param_groups else None
+    own = float(own) if isinstance(own, (int, float)) else None
+    if lr is None:
+        return DEFAULT_LR if own is None else own
+    if own is not None and own != lr:
+        raise BatchboundError(f"the optimizer sets lr {own:g} and lr={lr:g} was given: give "
+                              "the rate once (lr=, or in the optimizer)")
+    return lr

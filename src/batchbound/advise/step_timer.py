@@ -6,7 +6,8 @@ torchrun-style environment, builds batchbound's ``Trainer`` and runs its real
 ``train_step`` at global batches P·m for each micro-batch m, in lockstep with its peers. The
 trainer's own phase timer splits each iteration into compute (data, forward and backward,
 optimiser step) and communication: the all-reduce and any waiting for a slower peer, which
-an all-reduce timed alone does not see. Rank 0 writes the medians as JSON.
+an all-reduce timed alone does not see. The sizes are timed in interleaved rounds
+(alternating order); rank 0 writes the medians over rounds as JSON.
 
     python -m batchbound.advise.step_timer CONFIG.json OUT.json THREADS REPEATS M1 [M2 ...]
     python -m batchbound.advise.step_timer allreduce OUT.json THREADS REPEATS BYTES
@@ -41,26 +42,37 @@ def main(argv: list[str]) -> None:
         trainer = Trainer(config, ctx)
         trainer.initial_loss = 1.0
         timer = trainer.timer
-        rows = []
-        for m in map(int, sizes):
+        micro = [int(m) for m in sizes]
+        compute: dict[int, list[float]] = {m: [] for m in micro}
+        communication: dict[int, list[float]] = {m: [] for m in micro}
+        forwards: dict[int, list[float]] = {m: [] for m in micro}
+
+        def step(m: int) -> None:
             trainer.batch_size = m * ctx.world_size
-            compute, communication = [], []
-            for i in range(WARMUP + int(repeats)):
-                before = dict(timer.totals)
-                trainer.train_step(False, False)
-                spent = {k: timer.totals[k] - before[k] for k in timer.totals}
-                if i >= WARMUP:
-                    compute.append(spent["data"] + spent["compute"] + spent["step"])
-                    communication.append(spent["communication"])
+            before = dict(timer.totals)
+            trainer.train_step(False, False)
+            spent = {k: timer.totals[k] - before[k] for k in timer.totals}
+            compute[m].append(spent["data"] + spent["compute"] + spent["step"])
+            communication[m].append(spent["communication"])
             x, y = trainer.data.x_train[:m], trainer.data.y_train[:m]
-            forwards = []
-            for _ in range(WARMUP + int(repeats)):
-                start = time.perf_counter()
-                trainer.loss_fn(trainer.model(x), y).sum()
-                forwards.append(time.perf_counter() - start)
-            rows.append({"micro_batch": m, "compute": statistics.median(compute),
-                         "communication": statistics.median(communication),
-                         "forward": statistics.median(forwards[WARMUP:])})
+            start = time.perf_counter()
+            trainer.loss_fn(trainer.model(x), y).sum()
+            forwards[m].append(time.perf_counter() - start)
+
+        # interleaved rounds, every rank in the same order (the steps are collective): a
+        # slow second slows one round of every size, not every repeat of one size
+        for _ in range(WARMUP):
+            for m in micro:
+                step(m)
+        for series in (compute, communication, forwards):
+            for m in micro:
+                series[m].clear()
+        for r in range(int(repeats)):
+            for m in (micro if r % 2 == 0 else reversed(micro)):
+                step(m)
+        rows = [{"micro_batch": m, "compute": statistics.median(compute[m]),
+                 "communication": statistics.median(communication[m]),
+                 "forward": statistics.median(forwards[m])} for m in micro]
         if ctx.rank == 0:
             Path(out).write_text(json.dumps(rows))
         finished = True

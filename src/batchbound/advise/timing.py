@@ -1,8 +1,9 @@
 """Seconds per iteration on P workers at global batch B: compute, communication, step.
 
 - Compute: the trainer's own step (data, forward and backward, optimiser step) on a
-  micro-batch of m = ⌈B/P⌉ examples, timed on this device at a few m, with the torch thread
-  count each worker gets here (cores / P), and interpolated linearly between the m timed
+  micro-batch of m = ⌈B/P⌉ examples, timed on this device at a few m in interleaved rounds
+  (the median per m, non-decreasing in m: ``train.loop.time_steps``), on the torch threads
+  training computes on (``kernels.threads()``), and interpolated linearly between the m timed
   (extrapolated beyond the largest from its last two points; at most TIMED_MAX examples are
   timed). The forward alone is timed too, so the backward's share is known for overlap.
 - On P local workers: the trainer's real step run in lockstep by P gloo processes
@@ -36,6 +37,7 @@ from batchbound.errors import BatchboundError
 from batchbound.train.config import TrainConfig
 from batchbound.train.distributed import free_port
 from batchbound.train.loop import Parts, time_steps
+from batchbound.train.timing import inverted, monotone
 
 OVERLAPS = ("none", "backward")
 
@@ -47,6 +49,7 @@ class ComputeCurve:
     sizes: tuple[int, ...]
     step_seconds: tuple[float, ...]  # data + forward + backward + optimiser step
     forward_seconds: tuple[float, ...]
+    unsettled: str | None = None  # why these timings cannot be trusted, None when they can
 
     def _at(self, values: Sequence[float], m: float) -> float:
         sizes = self.sizes
@@ -151,13 +154,15 @@ def micro_batch_sizes(largest: int) -> list[int]:
 
 def time_compute(config: TrainConfig, data: Dataset, sizes: Sequence[int], threads: int,
                  budget_s: float = 0.2, parts: Parts | None = None) -> ComputeCurve:
-    """The trainer's step timed at each micro-batch size (median of repeats, at least 3 and
-    about ``budget_s`` seconds each), with ``threads`` torch threads, on a throwaway model."""
+    """The trainer's step timed at each micro-batch size (medians over interleaved rounds,
+    about ``budget_s`` seconds per size, non-decreasing in the size: ``time_steps``), with
+    ``threads`` torch threads, on a throwaway model."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        steps, forwards = time_steps(config, data, sizes, budget_s, parts)
-        return ComputeCurve(tuple(sizes), tuple(steps), tuple(forwards))
+        timed = time_steps(config, data, sizes, budget_s, parts)
+        return ComputeCurve(tuple(sizes), tuple(timed.steps), tuple(timed.forwards),
+                            timed.unsettled)
     finally:
         torch.set_num_threads(previous)
 
@@ -213,8 +218,10 @@ def time_workers(config: TrainConfig, workers: int, sizes: Sequence[int], thread
         _run_ranks([str(spec), str(out), str(threads), str(repeats), *map(str, sizes)],
                    workers, out, tmp)
         rows = json.loads(out.read_text())
-    curve = ComputeCurve(tuple(r["micro_batch"] for r in rows),
-                         tuple(r["compute"] for r in rows), tuple(r["forward"] for r in rows))
+    sizes = [r["micro_batch"] for r in rows]
+    steps = [r["compute"] for r in rows]
+    curve = ComputeCurve(tuple(sizes), tuple(monotone(steps)),
+                         tuple(monotone([r["forward"] for r in rows])), inverted(sizes, steps))
     return curve, statistics.median(r["communication"] for r in rows)
 
 

@@ -5,7 +5,7 @@ machine's cores, from the study's measured iterations and recorded step times (h
 as plain data by ``batchbound.study.measured.advice_inputs``), with the all-reduce timed
 here. A model that cannot be advised gets one row saying why. A row whose (B, η) no run of
 the model used says "interpolated" in its note (the report's Answer reads that word); a
-busy timing machine is said in every row's note.
+busy timing machine is said once, in the note of the model's first row.
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ def workers_table(inputs: list[tuple[str, dict[str, Any] | str]],
             continue
         busy = advice.extra.get("timing_warning")
         ran = [tuple(pair) for pair in data.get("ran", [])]
-        for r in advice.rows:
+        for i, r in enumerate(advice.rows):
             notes = ["" if math.isfinite(r.iterations) else "not reached",
                      "" if _ran(ran, r.batch_size, r.lr) else
                      f"{INTERPOLATED}: no run used this (B, η)",
-                     f"timing machine busy ({busy}): seconds uncertain" if busy else ""]
+                     f"timing machine busy ({busy}): every row's seconds uncertain"
+                     if busy and i == 0 else ""]
             rows.append({"model": label, "workers": r.workers, "batch": r.batch_size,
                          "lr": r.lr, "iterations": r.iterations,
                          "s/iteration": r.seconds_per_iteration,

@@ -14,14 +14,12 @@ import argparse
 import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, NoReturn
 
 from batchbound import __version__, kernels
+from batchbound.cli.commands import COMMANDS, SUMMARY
 from batchbound.errors import BatchboundError
-
-# Subcommand modules, in the order `batchbound --help` lists them.
-COMMANDS = ["measure", "data", "models", "train", "advise", "study", "report", "demo"]
 
 
 class BadArguments(SystemExit):
@@ -48,7 +46,9 @@ class Parser(argparse.ArgumentParser):
         return parsed, extras
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Collection[str] = COMMANDS) -> argparse.ArgumentParser:
+    """The parser, with ``commands`` fully registered (their modules imported, which imports
+    torch) and the others as a name and a line, enough for ``batchbound --help``."""
     parser = Parser(
         prog="batchbound",
         description=(
@@ -58,24 +58,40 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=(
             "Every command computes on portable CPU kernels, so the same command gives the "
             "same numbers on any x86-64 processor; set BATCHBOUND_KERNELS=native for the "
-            "processor's fastest kernels (numbers may then differ between machines)."
+            "processor's fastest kernels (numbers may then differ between machines). Every "
+            "process computes on one torch thread whatever OMP_NUM_THREADS says; set "
+            "BATCHBOUND_THREADS=N for N (numbers may then differ from one thread's)."
         ),
     )
     parser.add_argument("--version", action="version", version=f"batchbound {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
-        importlib.import_module(f"batchbound.cli.{name}").register(subparsers)
+        if name in commands:
+            importlib.import_module(f"batchbound.cli.{name}").register(subparsers)
+        else:
+            subparsers.add_parser(name, help=SUMMARY[name], add_help=False)
     return parser
 
 
+def command_in(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names: its first word that is not an option (the top-level
+    parser has only --help and --version), None for ``batchbound --help``."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in COMMANDS else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = command_in(argv)
     try:
-        args = build_parser().parse_args(argv)
+        # only the command asked for is imported: `batchbound --help` stays free of torch
+        args = build_parser([command] if command else []).parse_args(argv)
     except BadArguments:
         return 2
     try:
         kernels.use()  # before the first tensor: the same numbers on every x86-64 processor
-        return int(args.func(args) or 0)
+        with kernels.computing_threads():  # 1 thread (or $BATCHBOUND_THREADS), not the cores
+            return int(args.func(args) or 0)
     except BatchboundError as exc:  # bad input (2), or a fault mid-work (FaultError, 1)
         print(f"batchbound {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -14,6 +14,7 @@ from batchbound.advise.figure import plot_advice
 from batchbound.advise.iterations import strategies
 from batchbound.advise.pilot import ESTIMATORS
 from batchbound.advise.timing import OVERLAPS
+from batchbound.cli.commands import SUMMARY
 from batchbound.cli.common import add_config_flags, add_data_arguments, writable_file
 from batchbound.errors import BatchboundError
 from batchbound.study.measured import load_advice_input
@@ -46,7 +47,7 @@ PILOT_EXCLUDED = {
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "advise",
-        help="how many workers and what batch size, and how long",
+        help=SUMMARY["advise"],
         description=(
             "State the planned run (--planned-epochs or --planned-iterations at B0 = "
             "--batch-size) and advise trains a pilot over its first --pilot-fraction (10 % by "

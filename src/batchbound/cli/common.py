@@ -42,7 +42,9 @@ def add_model_argument(
         action="append" if repeatable else "store",
         metavar="SPEC",
         help="model spec, e.g. 'fc(depth=3,params=16000,act=relu)' (see `batchbound models "
-        "list`)" + ("; repeat for several models" if repeatable else ""),
+        "list`), or your own factory as MODULE:CALLABLE (e.g. mymodels:small_cnn, imported "
+        "from the current directory; called with whichever of input_shape, num_outputs and "
+        "seed it names)" + ("; repeat for several models" if repeatable else ""),
     )
 
 

@@ -7,6 +7,7 @@ import argparse
 import json
 from typing import Any
 
+from batchbound.cli.commands import SUMMARY
 from batchbound.data import dataset_names, get_entry, load_dataset, resolve_data_dir
 from batchbound.data.registry import options_of
 from batchbound.spec import parse_spec
@@ -15,7 +16,7 @@ from batchbound.spec import parse_spec
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "data",
-        help="list the data sets and check which are available",
+        help=SUMMARY["data"],
         description="The data sets batchbound knows: embedded ones work offline; the others "
         "read files you have from --data-dir, else $BATCHBOUND_DATA, else "
         "~/.cache/batchbound/data (each set in DIR/<name>/ or DIR itself).",

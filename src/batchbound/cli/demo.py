@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from batchbound.cli.commands import SUMMARY
 from batchbound.cli.common import count, output_dir, output_file
 
 PRESET = "width-depth-digits"
@@ -16,7 +17,7 @@ PRESET = "width-depth-digits"
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "demo", help="run the width-vs-depth demo study and write its report",
+        "demo", help=SUMMARY["demo"],
         description="Runs the packaged preset study width-depth-digits (fully connected nets "
         "of ~4000 weights at depths 1-8 on the embedded digits, batch sizes 16-1024, tuned η, "
         "two seeds), writes its report, and prints per shape: depth, width, Δ, B = nΔ, the "

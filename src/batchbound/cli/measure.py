@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from batchbound.cli.commands import SUMMARY
 from batchbound.cli.common import add_data_arguments, add_model_argument
 from batchbound.data import load_dataset
 from batchbound.diversity import ENGINES, LOSS_NAMES, measure
@@ -24,7 +25,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "measure",
-        help="measure gradient diversity Δ and the batch-size bound B = n·Δ",
+        help=SUMMARY["measure"],
         description=(
             "Compute S = Σ‖g_i‖², T = ‖Σg_i‖², Δ = S/T and B = n·Δ exactly over the training "
             "split, for each --model at its initialisation (set by --seed). With several "

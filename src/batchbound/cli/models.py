@@ -8,6 +8,7 @@ import inspect
 import json
 from typing import Any
 
+from batchbound.cli.commands import SUMMARY
 from batchbound.cli.common import add_data_arguments, count
 from batchbound.errors import BatchboundError
 from batchbound.models import (
@@ -26,7 +27,7 @@ from batchbound.spec import parse_spec
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "models",
-        help="list model families, describe a spec, print a fixed-budget shape table",
+        help=SUMMARY["models"],
         description="Model families addressed by spec strings such as "
         "'fc(depth=4,params=16000)' or 'resnet(blocks=[2,2,2,2],params=2e6)'. The input shape "
         "and output count come from --dataset (or --input-shape/--outputs).",

@@ -6,13 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from batchbound.cli.commands import SUMMARY
 from batchbound.cli.common import output_dir
 from batchbound.errors import BatchboundError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "report", help="write a study's HTML report and Markdown summary",
+        "report", help=SUMMARY["report"],
         description="Analyses a study in its store (epochs to target, B*, largest B within E "
         "epochs, speedup and regimes, critical batch size, Δ along training) and writes "
         "report.html (self-contained), summary.md and figures/*.png|svg.")

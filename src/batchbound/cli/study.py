@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from batchbound.cli.commands import SUMMARY
 from batchbound.cli.common import EXIT_STOPPED, count, output_dir, output_file
 from batchbound.errors import BatchboundError
 from batchbound.study.executor import EXECUTORS
@@ -25,7 +26,7 @@ def default_store(study: str) -> Path:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "study", help="plan, run and export batch-size studies",
+        "study", help=SUMMARY["study"],
         description="Batch-size studies: a TOML spec names data sets, model shapes (or a family "
         "sweep at fixed parameter count), batch sizes, the learning-rate strategy, grid and "
         "tuning rule, targets, epochs and seeds. FILE is a path or a packaged preset name "

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from batchbound.cli.claim import claim_outputs
+from batchbound.cli.commands import SUMMARY
 from batchbound.cli.common import (
     EXIT_STOPPED,
     add_config_flags,
@@ -31,7 +32,7 @@ from batchbound.train.tensorboard import check_logdir, write_run
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "train",
-        help="train with synchronous data-parallel mini-batch SGD until targets or limits",
+        help=SUMMARY["train"],
         description=(
             "Synchronous data-parallel mini-batch SGD ([slides]): each of P workers computes "
             "gradients on its share of the global batch B, an all-reduce sums them, the model "
@@ -147,7 +148,12 @@ def run_command(args: argparse.Namespace) -> int:
 def print_human(result: RunResult, file: Any = None) -> None:
     out = file or sys.stdout
     final = result.final
-    print(f"status: {result.status} ({result.message})", file=out)
+    missed = [t.name for t in result.targets if not t.reached]
+    if missed and result.status == "complete":  # it ran to its limit without them
+        print(f"status: target{'s' if len(missed) > 1 else ''} missed: {', '.join(missed)} "
+              f"(the run completed: {result.message})", file=out)
+    else:
+        print(f"status: {result.status} ({result.message})", file=out)
     print(
         f"ran {final['iterations']} iterations, {final['epochs']:.2f} epochs, "
         f"{final['seconds']:.2f} s training time; B={final['batch_size']}, "

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
+from batchbound import kernels
 from batchbound.data.dataset import Dataset
 from batchbound.diversity.budget import PROBE, chunk_for_budget
 from batchbound.diversity.calls import Inputs
@@ -149,7 +150,8 @@ def measure(
     (``"cross_entropy"``, ``"mse"``), a callable returning one loss per example, or None for
     the data set's task default. ``engine``: ``"auto"``, ``"hooks"``, ``"vmap"`` or ``"loop"``
     (see ``per_example_stats``). ``dtype=torch.float64`` measures a float64 copy of the model;
-    the user's model is never converted. Computation runs where the model's parameters are.
+    the user's model is never converted. Computation runs where the model's parameters are,
+    on ``batchbound.kernels.threads()`` torch threads (the caller's count is put back).
 
     ``chunk_size``: the most examples per chunk (one forward and backward each).
     ``memory_budget``: bytes the work may take; the chunk is then made smaller where needed,
@@ -167,7 +169,8 @@ def measure(
     loss_fn = resolve_loss(loss, task)
 
     start = time.perf_counter()
-    with measuring(model, dtype) as work:
+    # one thread (or $BATCHBOUND_THREADS): S and T's last bits do not follow the cores
+    with kernels.computing_threads(), measuring(model, dtype) as work:
         if memory_budget is not None:
             chunk_size = _budget_chunk(work, data, loss_fn, memory_budget, chunk_size)
             chunks, n_known, _ = data_chunks(data, chunk_size)
@@ -245,7 +248,8 @@ def _accumulate(
     block = [torch.zeros_like(p, dtype=norm_dtype(p.dtype)) for p in params.values()]
     loss_sum = torch.zeros((), dtype=acc, device=device)
     seen, fallback, chunks_in_block = 0, set(), 0
-    with tqdm(total=n_known, unit="ex", file=sys.stderr, disable=not progress, leave=False) as bar:
+    shown = progress and sys.stderr.isatty()  # a bar that erases itself says nothing to a log
+    with tqdm(total=n_known, unit="ex", file=sys.stderr, disable=not shown, leave=False) as bar:
         for x, y in chunks:
             x = x.to(device, dtype) if isinstance(x, Inputs) else x.to(
                 device=device, dtype=dtype if x.dtype.is_floating_point else None)

@@ -45,6 +45,14 @@ steps) until it is small. On digits with fc(depth=2, params=4000) at initialisat
 training the exact Δ(w) itself can jump between consecutive iterates when the full gradient
 is small; the smoothed value is then the ratio of the window's averages over recent iterates
 (what McCandlish et al.'s B_simple is in practice), not Δ at the current w.
+
+**Its lag.** While n·Δ moves, the smoothed value trails it by about decay/(1 − decay) steps
+of its trend (19 at 0.95), which ``batch_bound_se`` (sampling noise at a fixed w) does not
+contain. ``batch_bound_lag`` estimates that distance from a second, faster EMA (decay²): for a
+steady trend the slow EMA trails by (1 + decay) times the gap between the two, so
+lag = (1 + decay)·(fast − slow), positive while n·Δ rises. ``batch_bound_interval`` is the
+smoothed value ± 2 SE, widened to reach smoothed + lag. With ``decay=None`` (a running mean)
+the lag is not estimated (NaN) and the interval says nothing of it.
 """
 
 from __future__ import annotations
@@ -63,6 +71,7 @@ SAMPLINGS = ("without_replacement", "with_replacement")
 GradientLike = Tensor | Mapping[str, Tensor] | Sequence[Tensor]
 _SUMS = ("w", "w2", "m", "c", "mm", "cc", "mc")
 MAX_DEFERRED = 64  # steps kept on the device before they are folded (bounds their memory)
+_FAST = ("w", "m", "c")  # the faster EMA's sums, for the lag
 
 
 class OnlineDiversity:
@@ -102,6 +111,7 @@ class OnlineDiversity:
         # Weighted sums over steps (EMA or equal weights): Σw, Σw², and Σw·x for
         # x in M2, C, M2², C², M2·C; the second moments give the standard error.
         self._sums = dict.fromkeys(_SUMS, 0.0)
+        self._fast = dict.fromkeys(_FAST, 0.0)
 
     # ------------------------------------------------------------------ updates
 
@@ -134,6 +144,9 @@ class OnlineDiversity:
         for key, value in new.items():
             self._sums[key] = keep * self._sums[key] + (1.0 - keep) * value
         self._sums["w2"] = keep**2 * self._sums["w2"] + (1.0 - keep) ** 2
+        fast = keep * keep
+        for key in _FAST:
+            self._fast[key] = fast * self._fast[key] + (1.0 - fast) * new[key]
 
     def update_from_norms(self, S_B: float, T_B: float, batch_size: int) -> None:
         """From a batch's Σ‖g_i‖² and ‖Σg_i‖² (per-example losses, summed)."""
@@ -269,7 +282,8 @@ class OnlineDiversity:
         method, steps treated as independent, effective count (Σw)²/Σw² for the EMA).
 
         It measures sampling noise at a fixed w only; during training Δ(w) itself moves (and
-        can jump when the full gradient is small), which this does not capture."""
+        can jump when the full gradient is small), which this does not capture: see
+        ``batch_bound_lag`` and ``batch_bound_interval``, which do."""
         if self.steps < 2:
             return math.nan
         shrink = self._sums["w2"] / self._sums["w"] ** 2  # 1 / effective number of steps
@@ -289,6 +303,30 @@ class OnlineDiversity:
         var = ratio**2 * (var_m / m**2 + var_g / g**2 - 2 * cov_mg / (m * g))
         return math.sqrt(max(var, 0.0))
 
+    @property
+    def batch_bound_lag(self) -> float:
+        """How far the smoothed n·Δ trails the current one, (1 + decay)·(fast − slow) from a
+        second EMA at decay² (see the module docstring); NaN for a running mean or before 2
+        steps, 0 when either value is infinite."""
+        if self.decay is None or self.steps < 2:
+            return math.nan
+        w = self._fast["w"]
+        m, c = self._fast["m"] / w, self._fast["c"] / w
+        g = (1.0 - 1.0 / self.n) * c + m / self.n if (
+            self.n is not None and self.sampling == "without_replacement") else c
+        fast, slow = (m / g if g > 0 else math.inf), self.batch_bound
+        if not (math.isfinite(fast) and math.isfinite(slow)):
+            return 0.0
+        return (1.0 + self.decay) * (fast - slow)
+
+    @property
+    def batch_bound_interval(self) -> tuple[float, float]:
+        """The smoothed n·Δ ± 2 standard errors, widened to reach it plus its estimated lag;
+        without a lag estimate (a running mean) the ± 2 SE alone."""
+        bound, se, lag = self.batch_bound, self.batch_bound_se, self.batch_bound_lag
+        lag = 0.0 if math.isnan(lag) else lag
+        return min(bound, bound + lag) - 2 * se, max(bound, bound + lag) + 2 * se
+
     def _mean(self, key: str) -> float:
         return self._sums[key] / self._sums["w"] if self.steps else math.nan
 
@@ -297,12 +335,13 @@ class OnlineDiversity:
             "steps": self.steps, "n": self.n, "m2": self.m2, "cross": self.cross,
             "gradient_sq_norm": self.gradient_sq_norm, "trace_cov": self.trace_cov,
             "noise_scale": self.noise_scale, "batch_bound": self.batch_bound,
-            "batch_bound_se": self.batch_bound_se, "diversity": self.diversity,
+            "batch_bound_se": self.batch_bound_se, "batch_bound_lag": self.batch_bound_lag,
+            "diversity": self.diversity,
         }
 
     def state_dict(self) -> dict[str, Any]:
         return {"n": self.n, "decay": self.decay, "sampling": self.sampling, "steps": self.steps,
-                "sums": dict(self._sums)}
+                "sums": dict(self._sums), "fast": dict(self._fast)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         fresh = OnlineDiversity(state["n"], decay=state["decay"], sampling=state["sampling"])
@@ -310,6 +349,9 @@ class OnlineDiversity:
         self._deferred = []
         self._steps = int(state["steps"])
         self._sums = {key: float(state["sums"][key]) for key in _SUMS}
+        # a state saved before the lag was estimated: the fast EMA starts from the slow one
+        fast = state.get("fast") or {key: self._sums[key] for key in _FAST}
+        self._fast = {key: float(fast[key]) for key in _FAST}
 
 
 def _flat(grad: GradientLike) -> Tensor:

@@ -84,11 +84,14 @@ def build_model(
     seed: int | None = None,
 ) -> nn.Module:
     """Build a model from its spec: a family's (``fc(depth=2)``) or a user's factory
-    (``mymodels:small_cnn``, see user.py). With ``seed``, initialisation is reproducible."""
+    (``mymodels:small_cnn``, see user.py). With ``seed``, initialisation is reproducible.
+    A user's factory always gets an int seed: without one (a build to count parameters or
+    check the shape, whose values nobody reads) it is 0, as measure's and train's default,
+    since a factory that calls ``torch.manual_seed(seed)`` cannot take None."""
     if is_user_spec(spec):
+        seed = 0 if seed is None else seed
         with torch.random.fork_rng(devices=[]):
-            if seed is not None:
-                torch.manual_seed(seed)
+            torch.manual_seed(seed)
             model = build_user_model(str(spec), input_shape, num_outputs, seed)
         check_fits(spec, model)
         return model

@@ -57,7 +57,7 @@ def load_factory(spec: str) -> Any:
 
 
 def build_user_model(spec: str, input_shape: Sequence[int], num_outputs: int,
-                     seed: int | None) -> nn.Module:
+                     seed: int) -> nn.Module:
     """Call the factory with the arguments its signature names; it must return a Module."""
     factory = load_factory(spec)
     given = {"input_shape": tuple(input_shape), "num_outputs": num_outputs, "seed": seed}

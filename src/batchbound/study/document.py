@@ -32,7 +32,8 @@ figcaption{font-size:13px;color:#555}.supported{color:#176317}.not{color:#a31515
 border:1px solid #c9dbee;padding:0.5em 1.2em 1em;border-radius:6px}.failed{background:#fdecea;
 border:1px solid #e6a29c;padding:0.6em 1em}table.glossary td{text-align:left}
 table.glossary th{text-align:left;white-space:nowrap}.differs{color:#7a4b00}
-pre{background:#f7f7f7;padding:1em;font-size:12px;white-space:pre-wrap;word-break:break-all}"""
+pre{background:#f7f7f7;padding:1em;font-size:12px;white-space:pre-wrap;overflow-wrap:break-word}
+.wide{overflow-x:auto;max-width:100%}"""
 
 
 def cell(value: Any) -> str:
@@ -108,7 +109,8 @@ class Table:
         head = "".join(f"<th>{e(str(c))}</th>" for c in self.frame.columns)
         body = "".join("<tr>" + "".join(f"<td>{e(cell(v))}</td>" for v in row) + "</tr>"
                        for row in self.frame.itertuples(index=False))
-        return f"<table><tr>{head}</tr>{body}</table>"
+        # a wide table (17 columns) scrolls inside the page instead of running off it
+        return f"<div class='wide'><table><tr>{head}</tr>{body}</table></div>"
 
     def markdown(self) -> str:
         if self.frame.empty:

@@ -68,13 +68,13 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
-# Every run computes on this many torch threads, whatever the machine: a float sum's order
-# depends on the thread count, so a study's numbers would otherwise change with the cores.
-RUN_THREADS = 1
+# Every run computes on kernels.threads() torch threads (1 unless $BATCHBOUND_THREADS says
+# otherwise), whatever the machine: a float sum's order depends on the thread count, so a
+# study's numbers would otherwise change with the cores.
 
 
 def run_job(job: Job) -> Outcome:
-    """Execute one job on RUN_THREADS torch threads; any exception becomes a failed outcome
+    """Execute one job on kernels.threads() torch threads; any exception becomes a failed outcome
     with its traceback."""
     import torch
 
@@ -82,7 +82,7 @@ def run_job(job: Job) -> Outcome:
 
     start = time.perf_counter()
     threads = torch.get_num_threads()
-    torch.set_num_threads(RUN_THREADS)
+    torch.set_num_threads(kernels.threads())
     try:
         kernels.use()  # the kernels asked for ($BATCHBOUND_KERNELS, portable by default)
         result = resolve_trainer(job.trainer)(job.fields, job.checkpoint_dir, job.resume)
@@ -151,7 +151,7 @@ class LocalPool:
         if jobs is not None and jobs < 1:
             raise BatchboundError(f"jobs must be at least 1 (0 runs inline), got {jobs}")
         self.jobs = jobs or default_jobs()
-        self.threads = RUN_THREADS
+        self.threads = kernels.threads()
         self.pool: ProcessPoolExecutor | None = None  # started by the first submit
         self.pending: dict[Future[Outcome], Job] = {}
 

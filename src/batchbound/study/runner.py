@@ -135,11 +135,17 @@ def _summary_row(store: Store, run: PlannedRun, cell: Any) -> dict[str, Any]:
 
 
 class _Progress:
-    """runs done / total, and the best final run so far (fewest epochs to the first target)."""
+    """runs done / total, and the best final run so far (fewest epochs to the first target):
+    a bar on a terminal; in a log (stderr not a terminal) a plain line every LOG_SECONDS and
+    at the end, since a bar's carriage returns make one endless line there."""
+
+    LOG_SECONDS = 30.0
 
     def __init__(self, total: int, enabled: bool) -> None:
         self.bar = None
-        if enabled:
+        self.total, self.done, self.logged = total, 0, time.monotonic()
+        self.log = enabled and not sys.stderr.isatty()
+        if enabled and not self.log:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True)
@@ -152,15 +158,25 @@ class _Progress:
                 epochs = float(targets[0]["epoch"])
                 if self.best is None or epochs < self.best[0]:
                     self.best = (epochs, f"{run.model.label} B={run.batch_size}")
+        self.done += 1
         if self.bar is not None:
             if self.best:
                 self.bar.set_postfix_str(f"best: {self.best[1]} in {self.best[0]:.2f} ep",
                                          refresh=False)
             self.bar.update(1)
+        elif self.log and time.monotonic() - self.logged >= self.LOG_SECONDS:
+            self._line()
+
+    def _line(self) -> None:
+        self.logged = time.monotonic()
+        best = f", best: {self.best[1]} in {self.best[0]:.2f} ep" if self.best else ""
+        print(f"study: {self.done}/{self.total} runs{best}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        if self.log and self.done:
+            self._line()
 
 
 class StudyRunner:

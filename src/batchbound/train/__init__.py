@@ -26,7 +26,11 @@ __all__ = [
 
 
 def train(config: TrainConfig, **kwargs: Any) -> RunResult:
-    """Train per ``config`` (see batchbound.train.launch.train for the keyword options)."""
+    """Train per ``config`` (see batchbound.train.launch.train for the keyword options), on
+    ``batchbound.kernels.threads()`` torch threads (1 unless $BATCHBOUND_THREADS is set; the
+    caller's count is put back afterwards)."""
+    from batchbound import kernels
     from batchbound.train.launch import train as _train
 
-    return _train(config, **kwargs)
+    with kernels.computing_threads():
+        return _train(config, **kwargs)

@@ -5,10 +5,11 @@ With P local processes, the parent loads and validates the data first (bad input
 before any process starts), hands it to the workers through torch.multiprocessing's shared
 memory, hosts the rendezvous store on a free port, and waits. Rank 0 writes the RunResult to
 a temporary file the parent reads back. SIGINT or SIGTERM to the parent is forwarded to the
-workers as SIGTERM, so they checkpoint and stop together. Each worker gets ⌊cores/P⌋
-intra-op threads so P workers do not oversubscribe. A rank that dies (SIGKILL, the OOM
-killer) or falls silent (stall.py) ends the run with one line naming it and the checkpoint
-to resume from; the other ranks are stopped.
+workers as SIGTERM, so they checkpoint and stop together. Each worker computes on
+``kernels.threads()`` torch threads (1 unless $BATCHBOUND_THREADS says otherwise), as a run
+in this process does, so the numbers depend neither on the cores nor on OMP_NUM_THREADS. A
+rank that dies (SIGKILL, the OOM killer) or falls silent (stall.py) ends the run with one
+line naming it and the checkpoint to resume from; the other ranks are stopped.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def launch_local(
     device = resolve_device(config.device)  # a missing CUDA fails here, not in P workers
     _check_gpus(config.device, device, config.workers)
     _check_local_workers(config.workers)
-    threads = max(1, (os.cpu_count() or 1) // config.workers)
+    threads = kernels.threads()
     # the rendezvous store lives here, not in a rank, so a roll call works whichever is silent
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=stall_timeout))

@@ -20,12 +20,13 @@ processes compute exactly what one would, up to the order of float additions.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -55,7 +56,7 @@ from batchbound.train.monitor import OnlineMonitor
 from batchbound.train.progress import Progress
 from batchbound.train.result import RunResult, TargetResult
 from batchbound.train.stall import collective_fault
-from batchbound.train.timing import PhaseTimer, median_seconds
+from batchbound.train.timing import PhaseTimer, interleaved_medians, inverted, monotone
 
 
 def train_in_group(
@@ -93,25 +94,44 @@ def train_in_group(
             teardown(synchronise=finished)
 
 
+class StepTimes(NamedTuple):
+    steps: list[float]  # seconds of the trainer's step per size, non-decreasing in the size
+    forwards: list[float]  # of the forward alone
+    unsettled: str | None  # why these cannot be trusted (the rounds did not settle), or None
+
+
 def time_steps(
     config: TrainConfig, data: Dataset, sizes: list[int] | tuple[int, ...], budget_s: float = 0.2,
     parts: Parts | None = None,
-) -> tuple[list[float], list[float]]:
+) -> StepTimes:
     """Seconds of the trainer's step, and of the forward pass alone, at each micro-batch size
-    (median of repeats, about ``budget_s`` each), on one process with a throwaway model."""
+    (``sizes`` increasing), on one process with a throwaway model: medians over rounds that
+    interleave every size (``interleaved_medians``, about ``budget_s`` per size and kind in
+    all), made non-decreasing in the size (``monotone``). ``unsettled`` says why they are not
+    to be trusted: the rounds did not settle, or a smaller size timed well above a larger."""
     timed = config.replace(workers=1, lr=1e-9, online_diversity="off",
                            diversity_every_epochs=None, batch_policy="fixed", targets=())
     trainer = Trainer(timed, DistContext(device=resolve_device(config.device)), dataset=data,
                       parts=parts)
     trainer.initial_loss = 1.0
-    steps, forwards = [], []
-    for m in sizes:
+    sizes = list(sizes)
+    if sizes != sorted(set(sizes)):
+        raise BatchboundError(f"time_steps needs increasing sizes, got {sizes}")
+
+    def step(m: int) -> None:
         trainer.batch_size = m
-        steps.append(median_seconds(lambda: trainer.train_step(False, False), budget_s))
+        trainer.train_step(False, False)
+
+    def forward(m: int) -> None:
         x, y = trainer.data.x_train[:m], trainer.data.y_train[:m]
-        forwards.append(median_seconds(
-            lambda x=x, y=y: trainer.loss_fn(trainer.model(x), y).sum(), budget_s))
-    return steps, forwards
+        trainer.loss_fn(trainer.model(x), y).sum()
+
+    actions = [functools.partial(f, m) for f in (step, forward) for m in sizes]
+    medians, settled = interleaved_medians(actions, 2 * budget_s * len(sizes))
+    steps, forwards = medians[:len(sizes)], medians[len(sizes):]
+    reason = None if settled else "the step's timings did not settle over interleaved rounds"
+    reason = inverted(sizes, steps) or reason
+    return StepTimes(monotone(steps), monotone(forwards), reason)
 
 
 def _scaled(grad: torch.Tensor, scale: float, param: torch.Tensor) -> torch.Tensor:
@@ -517,8 +537,8 @@ class Trainer:
             micro = [math.ceil(b / workers) for b in candidates]
             sizes = sorted(set(micro))
             with torch.random.fork_rng(devices=[]):  # the throwaway model reseeds torch
-                steps, _ = time_steps(self.config.replace(transform=None), self.data, sizes,
-                                      budget_s=0.02)
+                steps = time_steps(self.config.replace(transform=None), self.data, sizes,
+                                   budget_s=0.02).steps
             step = dict(zip(sizes, steps, strict=True))
             communication = self.timer.totals["communication"] / max(self.timer.iterations, 1)
             seconds = torch.tensor([step[m] + communication for m in micro],
@@ -619,6 +639,7 @@ class Trainer:
                 "device": str(self.ctx.device),
                 "torch": torch.__version__,
                 "kernels": kernels.describe(),
+                "threads": torch.get_num_threads(),
                 "n_train": self.n,
             },
             snapshots=snapshots,

@@ -1,7 +1,9 @@
 """The progress bar (tqdm, on stderr, rank 0 only): epoch, loss, accuracy, samples/s and B.
 
 The bar appears with the first training step, so that an error found before it (a checkpoint
-that does not fit, bad data) is the only line on stderr.
+that does not fit, bad data) is the only line on stderr. When stderr is not a terminal (a log
+file, a pipe, a scheduler's output) a bar's carriage returns would make one endless line:
+there the same fields are written as a plain line every LOG_INTERVAL seconds, and at the end.
 """
 
 from __future__ import annotations
@@ -12,15 +14,20 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+LOG_INTERVAL = 30.0  # seconds between progress lines in a log
+
 
 class Progress:
-    def __init__(self, enabled: bool, total: float | None, unit: str, interval: float = 0.2):
+    def __init__(self, enabled: bool, total: float | None, unit: str, interval: float = 0.2,
+                 terminal: bool | None = None):
         self.enabled = enabled
         self.total = total
         self.unit = unit  # "epoch" or "it": what the bar counts
-        self.interval = interval
+        self.terminal = sys.stderr.isatty() if terminal is None else terminal
+        self.interval = interval if self.terminal else LOG_INTERVAL
         self._last = 0.0
         self.bar: Any = None  # made by the first update
+        self._line: str | None = None  # a log's progress line not yet written
 
     def update(
         self,
@@ -34,10 +41,21 @@ class Progress:
     ) -> None:
         if not self.enabled:
             return
+        if not self.terminal:
+            done = epoch if self.unit == "epoch" else iteration
+            total = f"/{self.total:g}" if self.total is not None else ""
+            fields = [f"{self.unit} {done:.2f}{total}", f"it {iteration}", f"loss {loss:.4g}",
+                      *([f"acc {acc:.3f}"] if acc is not None else []),
+                      f"samples/s {samples_per_second:.0f}", f"B {batch_size}"]
+            self._line = "progress: " + ", ".join(fields)  # the last state, for close()
         now = time.perf_counter()
-        if not force and now - self._last < self.interval:
+        if not force and now - self._last < self.interval and self._last > 0:
             return
         self._last = now
+        if not self.terminal:
+            print(self._line, file=sys.stderr, flush=True)
+            self._line = None
+            return
         if self.bar is None:
             self.bar = tqdm(
                 total=self.total,
@@ -58,3 +76,6 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        if self._line is not None:  # a log ends on the run's last state
+            print(self._line, file=sys.stderr, flush=True)
+            self._line = None

@@ -102,7 +102,7 @@ class RunResult:
 
     def summary(self) -> dict[str, Any]:
         """What ``batchbound train --json`` prints: status, targets, final metrics, hash, and
-        the kernels it computed with."""
+        the kernels and torch threads it computed with."""
         return {
             "status": self.status,
             "config_hash": self.config_hash,
@@ -110,6 +110,7 @@ class RunResult:
             "final": {k: _json_float(v) for k, v in self.final.items()},
             "message": self.message,
             "kernels": self.environment.get("kernels"),
+            "threads": self.environment.get("threads"),
         }
 
     def to_json(self, **kwargs: Any) -> str:
