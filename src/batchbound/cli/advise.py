@@ -23,7 +23,8 @@ from batchbound.train.config import GROUPS
 # The TrainConfig fields a pilot takes from the command line (the schema's flags and help).
 # The others do not apply to a one-process pilot whose cadences advise sets itself:
 # PILOT_EXCLUDED says why, and a test keeps the two lists covering every field.
-PILOT_FIELDS = ("transform", "model", "loss", "batch_size", "lr", "momentum", "weight_decay",
+PILOT_FIELDS = ("transform", "model", "loss", "batch_size", "lr", "optimizer", "momentum",
+                "betas", "eps", "weight_decay",
                 "convention", "sampling", "seed", "micro_batch", "max_epochs",
                 "divergence_factor", "eval_subset", "eval_batch_size", "device", "dtype")
 PILOT_EXCLUDED = {
