@@ -176,7 +176,7 @@ def advise(
     overlap: str = "none",
     strategy: str | None = None,
     critical_batch: str = "branches",
-    budget: float = BUDGET,
+    budget: float | None = None,
     diversity_every_epochs: float = 0.1,
     with_probe: bool = False,
     probe_tolerance: float = 0.1,
@@ -200,7 +200,8 @@ def advise(
     batch measured by short branches from the pilot's states (``critical.py``), the noise
     scale's prediction shown beside; ``"noise"`` from the noise scale alone. ``budget``: the
     pilot and the branches together train at most this fraction of the plan's examples
-    (default 0.1); ``pilot_fraction`` defaults to half of it with branches, else 0.1.
+    (default 0.1, or twice ``pilot_fraction`` when that is given); ``pilot_fraction``
+    defaults to half of it with branches, else 0.1.
     ``strategy``: the rows' rate rule; default ``noise`` for SGD and ``srsr`` (η0·√(B/B0))
     for Adam-type optimisers.
     ``max_workers``: the largest P (default: this machine's cores, or the cluster's).
@@ -226,6 +227,8 @@ def advise(
                               f"{', '.join(CRITICAL_BATCH)}")
     branches = critical_batch == "branches" and (planned_epochs is not None
                                                  or planned_iterations is not None)
+    if budget is None:  # the pilot and the branches: half each
+        budget = BUDGET if pilot_fraction is None else 2 * pilot_fraction
     if pilot_fraction is None:
         pilot_fraction = budget / 2 if branches else 0.1
     planned = _planned(config, data_set, planned_epochs, planned_iterations, pilot_fraction)

@@ -77,10 +77,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--pilot-fraction", type=float, default=None, metavar="F",
                         help="the pilot trains this fraction of the plan (default: half of "
                         "--budget, or 0.1 with --critical-batch noise)")
-    parser.add_argument("--budget", type=float, default=0.1, metavar="F",
+    parser.add_argument("--budget", type=float, default=None, metavar="F",
                         help="the pilot and the branches together train at most this fraction "
-                        "of the plan's examples (default 0.1); each part's cost is printed "
-                        "before it starts")
+                        "of the plan's examples (default 0.1, or twice --pilot-fraction); "
+                        "each part's cost is printed before it starts")
     parser.add_argument("--critical-batch", choices=("branches", "noise"), default="branches",
                         help="branches (default, with a plan): the critical batch measured by "
                         "short runs at B0·2^k from the pilot's states (Merrill et al. 2025) "
