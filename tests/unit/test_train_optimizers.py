@@ -54,6 +54,7 @@ def test_registry_and_defaults() -> None:
     ({"optimizer": "adam", "betas": "0.9;0.95"}, "betas is two numbers"),
     ({"optimizer": "adam", "betas": (0.9,)}, "betas: expected a list of 2"),
     ({"optimizer": "adam", "eps": 0.0}, "eps must be > 0"),
+    ({"optimizer": "adamw", "final_probes": ("linear_error",)}, "measures SGD's step"),
 ])
 def test_bad_optimizer_settings_are_refused(changes: dict, words: str) -> None:
     with pytest.raises(BatchboundError) as info:

@@ -470,6 +470,9 @@ def _check_optimizer(config: TrainConfig) -> None:
                               "(e.g. --betas 0.9,0.95)")
     if not adam and (config.betas != (0.9, 0.999) or config.eps != 1e-8):
         raise BatchboundError("betas and eps are Adam's; set optimizer adamw or adam")
+    if adam and "linear_error" in config.final_probes:  # it takes the step as SGD's
+        raise BatchboundError(f"final probe linear_error measures SGD's step; it does not "
+                              f"describe {config.optimizer}'s")
 
 
 def _probes(value: Any) -> tuple[str, ...]:
