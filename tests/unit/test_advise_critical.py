@@ -1,6 +1,6 @@
 """The critical batch from branches (advise/critical.py): the inversion, the fit and its
-interval on decreases made by the model itself, the budget, the trajectories past the pilot
-and how the two predictions are combined."""
+interval on ratios made by the model itself, reading a run against B0's curve, the budget,
+the trajectories past the pilot and how the two predictions are combined."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from batchbound.advise.critical import (
     CAP,
     MIN_SPREAD,
     combine,
+    examples_ratio,
     fit_point,
     invert,
     plan_branches,
@@ -21,9 +22,9 @@ from batchbound.advise.iterations import Pilot, predict_iterations
 from batchbound.errors import BatchboundError
 
 
-def model_decreases(b_crit: float, ladder: list[int], scale: float = 1.0) -> dict[int, float]:
-    """What McCandlish's model says a branch over E examples gains: c·E/(B + B_crit)."""
-    return {b: scale / (b + b_crit) for b in ladder}
+def model_ratios(b_crit: float, ladder: list[int]) -> dict[int, float]:
+    """What McCandlish's model says: B keeps (B0 + B_crit)/(B + B_crit) of B0's progress."""
+    return {b: (ladder[0] + b_crit) / (b + b_crit) for b in ladder}
 
 
 @pytest.mark.parametrize("b_crit", [0.0, 5.0, 24.0, 100.0])
@@ -39,14 +40,14 @@ def test_invert_recovers_the_critical_batch(b_crit: float) -> None:
 @pytest.mark.parametrize("b_crit", [4.0, 24.0, 90.0])
 def test_fit_recovers_the_model_and_brackets_it(b_crit: float) -> None:
     ladder = [16, 32, 64, 128]
-    point = fit_point(model_decreases(b_crit, ladder), 16, MIN_SPREAD, iteration=50)
+    point = fit_point(model_ratios(b_crit, ladder), 16, MIN_SPREAD, iteration=50)
     assert point.critical_batch == pytest.approx(b_crit, rel=0.03)
     assert point.low <= b_crit <= point.high
     assert point.low < point.high  # the noise floor still gives an interval
 
 
 def test_a_noisier_branch_gives_a_wider_interval() -> None:
-    decreases = model_decreases(24.0, [16, 32, 64])
+    decreases = model_ratios(24.0, [16, 32, 64])
     quiet = fit_point(decreases, 16, MIN_SPREAD, 1)
     noisy = fit_point(decreases, 16, 3 * MIN_SPREAD, 1)
     assert noisy.low <= quiet.low and noisy.high >= quiet.high
@@ -54,14 +55,21 @@ def test_a_noisier_branch_gives_a_wider_interval() -> None:
 
 
 def test_keeping_up_everywhere_is_capped_not_infinite() -> None:
-    point = fit_point({16: 1.0, 32: 1.02, 64: 1.01}, 16, MIN_SPREAD, 1)
+    point = fit_point({16: 1.0, 32: 1.0, 64: 1.0}, 16, MIN_SPREAD, 1)
     assert point.critical_batch == pytest.approx(CAP * 64, rel=0.02)
     assert point.high == CAP * 64 and math.isfinite(point.high)
 
 
-def test_no_progress_at_b0_is_refused() -> None:
-    with pytest.raises(BatchboundError, match="made no progress"):
-        fit_point({16: -0.1, 32: 0.2}, 16, MIN_SPREAD, 7)
+def test_a_run_is_read_as_the_examples_b0_needed_for_its_loss() -> None:
+    curve = [(0, 10.0), (100, 8.0), (200, 7.0), (300, 7.5), (400, 6.0)]  # noisy, not linear
+    assert examples_ratio(curve, 8.0) == pytest.approx(100 / 400)
+    assert examples_ratio(curve, 7.5) == pytest.approx(150 / 400)
+    # the bump at 300 is ignored (running minimum 7.0 there): 6.5 is half way to 6.0 at 400
+    assert examples_ratio(curve, 6.5) == pytest.approx(350 / 400)
+    assert examples_ratio(curve, 7.0) == pytest.approx(200 / 400)
+    assert examples_ratio(curve, 10.0) == 0.0 and examples_ratio(curve, 11.0) == 0.0
+    assert examples_ratio(curve, math.inf) == 0.0  # a diverged run kept nothing
+    assert examples_ratio(curve, 5.0) == 1.0  # lower than B0 got: keeps up (at least)
 
 
 def test_the_plan_fits_the_budget_and_says_its_cost() -> None:
@@ -82,7 +90,7 @@ def test_the_plan_fits_the_budget_and_says_its_cost() -> None:
 
 def test_trajectories_plateau_and_bracket() -> None:
     ladder = [16, 32, 64]
-    point = fit_point(model_decreases(24.0, ladder), 16, MIN_SPREAD, iteration=100)
+    point = fit_point(model_ratios(24.0, ladder), 16, MIN_SPREAD, iteration=100)
     noise = Pilot(16, 0.1, 1000, (50, 100, 400, 1000), (3.0, 5.0, 9.0, 17.0))
     central, low, high = trajectories([point], noise, 16, 0.1, 100, 1000)
     assert central.noise_scale(1000) == pytest.approx(point.critical_batch)  # the plateau
