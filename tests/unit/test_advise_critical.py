@@ -107,3 +107,17 @@ def test_combine_spans_both_only_when_they_disagree() -> None:
     assert not agree.disagree and agree.interval == (450, 560) and agree.iterations == 500
     split = combine(500, (450, 560), 800, (700, 900))
     assert split.disagree and split.interval == (450, 900) and split.noise_iterations == 800
+
+
+def test_adam_type_is_told_by_name_or_by_the_factorys_betas() -> None:
+    import torch
+
+    from batchbound.advise import _adaptive
+    from batchbound.train import TrainConfig
+    from batchbound.train.loop import Parts
+
+    assert _adaptive(TrainConfig(optimizer="adamw"), None)
+    assert _adaptive(TrainConfig(optimizer="adam"), None)
+    assert not _adaptive(TrainConfig(), None)
+    assert not _adaptive(TrainConfig(), Parts(optimizer=lambda p: torch.optim.SGD(p, lr=0.1)))
+    assert _adaptive(TrainConfig(), Parts(optimizer=lambda p: torch.optim.NAdam(p, lr=0.1)))
