@@ -93,7 +93,8 @@ def test_trajectories_plateau_and_bracket() -> None:
     point = fit_point(model_ratios(24.0, ladder), 16, MIN_SPREAD, iteration=100)
     noise = Pilot(16, 0.1, 1000, (50, 100, 400, 1000), (3.0, 5.0, 9.0, 17.0))
     central, low, high = trajectories([point], noise, 16, 0.1, 100, 1000)
-    assert central.noise_scale(1000) == pytest.approx(point.critical_batch)  # the plateau
+    # half way in log between the plateau and the noise scale's growth (4× past the pilot)
+    assert central.noise_scale(1000) == pytest.approx(point.critical_batch * 2.0)
     assert low.noise_scale(1000) == pytest.approx(point.low)
     assert high.noise_scale(1000) == pytest.approx(point.high * 4.0)  # noise grew 4× past it
     for batch in (32, 128):

@@ -17,9 +17,11 @@ No linearity of the loss in the examples is assumed: only that B0's own curve me
 progress. B_crit is the least-squares fit of r over the rungs; its interval is where every
 rung's inversion at r ± 2σ·√(B/B0) agrees (σ: the replicated B0 run's |1 − r|/√2, at least
 ``MIN_SPREAD``; a rung of B takes B0/B as many steps, so it varies more), or their union when
-they do not. Past the pilot, the central trajectory stays where it was measured (the
-plateau Merrill et al. see); low stays at the low end; high grows from the high end as the
-noise-scale trajectory grows (``trajectory.py``). ``iterations.py`` turns these into k(B)
+they do not. Past the pilot, low stays at the low end (the plateau Merrill et al. see);
+high grows from the high end as the noise-scale trajectory grows (``trajectory.py``); the
+central trajectory lies half way between the two hypotheses in log: the measured value
+times the square root of that growth (a pilot at 5 % of the plan is often still where the
+critical batch rises). ``iterations.py`` turns these into k(B)
 with the tuned-rate relation.
 
 This is the measurement of *this* run that the noise scale n·Δ − 1 only approximates (for
@@ -247,7 +249,8 @@ def trajectories(points: Sequence[CriticalPoint], noise: Pilot, batch_size: int,
                      tuple(1.0 + max(v, 0.0) for v in values + beyond))
 
     last = points[-1]
-    return (pilot([p.critical_batch for p in points], [last.critical_batch for _ in after]),
+    return (pilot([p.critical_batch for p in points],
+                  [last.critical_batch * math.sqrt(g) for g in growth]),
             pilot([p.low for p in points], [last.low for _ in after]),
             pilot([p.high for p in points], [last.high * g for g in growth]))
 
