@@ -2,9 +2,11 @@
 
 Per case (data set, model, B0, lr, planned epochs):
 
-1. ``advise(config, planned_epochs=E, pilot_fraction=0.1, max_workers=2)``: a pilot over the
-   first 10 % of the plan, then, for P = 1, 2 and each candidate batch, the predicted
-   iterations and seconds (with intervals) to reach what the planned run reaches.
+1. ``advise(config, planned_epochs=E, budget=0.1, max_workers=2)``: a pilot over the first
+   5 % of the plan and branches from its end within the other 5 % (the critical batch
+   measured), then, for P = 1, 2 and each candidate batch, the predicted iterations and
+   seconds (with intervals) to reach what the planned run reaches, the noise scale's
+   prediction beside.
 2. The planned run itself (E epochs at B0, one worker): its final training loss L_K (on a
    fixed evaluation subset for the large sets) is what every other run must reach.
 3. For P in (1, 2) and three batch sizes: ``batchbound.train`` at the row's lr to
@@ -16,8 +18,9 @@ covers the measured value; then the median ratios (goal: within ×1.25 for itera
 ×1.5 for seconds) and the coverage (goal ≥ 80 %). The step timing is this machine's, on its
 portable kernels; a busy machine is flagged in the output (``timing_warning``).
 
-    .venv/bin/python benchmarks/advise.py                        # all cases, ≈ 40 min, 2 cores
+    .venv/bin/python benchmarks/advise.py                        # all cases, over an hour
     .venv/bin/python benchmarks/advise.py --cases mnist5k-fc --json
+    .venv/bin/python benchmarks/advise.py --device cuda          # on a GPU: P = 1
 """
 
 from __future__ import annotations
@@ -41,20 +44,42 @@ CASES: dict[str, dict[str, Any]] = {
                           batches=(128, 512, 2048), eval_subset=5000),
     "fortunes-gpt": dict(dataset="fortunes", model="gpt(depth=2,width=64,heads=4)", b0=16,
                          lr=0.003, epochs=10, batches=(32, 64, 128), eval_subset=None),
+    # momentum in the model: the same fc with SGD momentum 0.9 (lr 0.01: the same effective
+    # step η/(1 − μ) as the plain case's 0.1)
+    "mnist5k-fc-momentum": dict(dataset="mnist5k", model="fc(depth=2,params=20000)", b0=16,
+                                lr=0.01, momentum=0.9, epochs=4, batches=(64, 256, 1024),
+                                eval_subset=None),
+    # the jobs people run: AdamW language models (the √ rate rule, advise's default for Adam)
+    "fortunes-gpt-adamw": dict(dataset="fortunes", model="gpt(depth=2,width=64,heads=4)",
+                               b0=16, lr=0.003, optimizer="adamw", betas=(0.9, 0.95),
+                               weight_decay=0.1, epochs=10, batches=(32, 64, 128),
+                               eval_subset=None),
+    "fortunes-lstm": dict(dataset="fortunes", model="lstm(layers=1,hidden=128)", b0=16,
+                          lr=0.003, optimizer="adamw", betas=(0.9, 0.95), epochs=10,
+                          batches=(32, 64, 128), eval_subset=None),
+    "fortunes-all-gpt-adamw": dict(dataset="fortunes(files=all)",
+                                   model="gpt(depth=2,width=64,heads=4)", b0=16, lr=0.003,
+                                   optimizer="adamw", betas=(0.9, 0.95), weight_decay=0.1,
+                                   epochs=1, batches=(64, 128, 256), eval_subset=4096),
 }
+OPTIMISER_KEYS = ("optimizer", "betas", "momentum", "weight_decay")
 
 
 def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def run_case(name: str) -> dict[str, Any]:
+def run_case(name: str, device: str = "auto", budget: float = 0.1,
+             workers: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
     case = CASES[name]
     config = TrainConfig(dataset=case["dataset"], model=case["model"], batch_size=case["b0"],
-                         lr=case["lr"], eval_subset=case["eval_subset"])
+                         lr=case["lr"], eval_subset=case["eval_subset"], device=device,
+                         **{k: case[k] for k in OPTIMISER_KEYS if k in case})
+    # one GPU: P = 1 only (a second worker would share the device)
+    worker_counts = (1,) if device.startswith("cuda") else workers
     start = time.perf_counter()
-    advice = advise(config, planned_epochs=case["epochs"], pilot_fraction=0.1, max_workers=2,
-                    log=lambda t: log(f"  {name}: {t}"))
+    advice = advise(config, planned_epochs=case["epochs"], budget=budget,
+                    max_workers=max(worker_counts), log=lambda t: log(f"  {name}: {t}"))
     advise_seconds = time.perf_counter() - start
     planned = advice.pilot["planned_iterations"]
     full = train(config.replace(max_iterations=planned, max_epochs=None, eval_every_epochs=None,
@@ -63,7 +88,7 @@ def run_case(name: str) -> dict[str, Any]:
     log(f"  {name}: the planned {planned} iterations at B0 reach train_loss {target:.5g} "
         f"({full.final['seconds']:.1f} s)")
     rows = []
-    for workers in (1, 2):
+    for workers in worker_counts:
         for batch in case["batches"]:
             row = next(r for r in advice.rows if r.workers == workers and r.batch_size == batch)
             every = max(1, round(row.iterations / 60))
@@ -83,13 +108,19 @@ def run_case(name: str) -> dict[str, Any]:
                        s_interval=list(row.seconds_interval), s_meas=seconds, every=every)
             out["k_covered"] = row.iterations_interval[0] - every <= k <= \
                 row.iterations_interval[1] + every
+            # the noise scale's prediction beside the branches' (nan with --critical-batch
+            # noise): is the measured critical batch the better predictor?
+            out["k_noise"] = row.noise_iterations
+            out["k_noise_interval"] = list(row.noise_interval)
+            out["disagree"] = row.disagree
             out["s_covered"] = row.seconds_interval[0] <= seconds <= row.seconds_interval[1]
             log(f"  {name}: P={workers} B={batch} lr={row.lr:.4g}: predicted "
                 f"{row.iterations:.0f} it ({row.iterations_interval[0]:.0f}–"
                 f"{row.iterations_interval[1]:.0f}), measured {k} (±{every}); predicted "
                 f"{row.seconds_to_target:.3g} s, measured {seconds:.3g} s")
             rows.append(out)
-    return dict(case=name, planned_iterations=planned,
+    return dict(case=name, planned_iterations=planned, device=device,
+                branches=advice.extra.get("branches"),
                 pilot_iterations=advice.pilot["iterations"],
                 pilot_seconds=advice.pilot["seconds"], advise_seconds=advise_seconds,
                 planned_seconds=full.final["seconds"], target_loss=target,
@@ -97,7 +128,14 @@ def run_case(name: str) -> dict[str, Any]:
 
 
 def summary(results: list[dict[str, Any]]) -> dict[str, float]:
-    rows = [r for c in results for r in c["rows"]]
+    """Over every case's rows; ``per_case`` gives the same within each case (the goals hold
+    overall and within each)."""
+    out = _summary([r for c in results for r in c["rows"]])
+    out["per_case"] = {c["case"]: _summary(c["rows"]) for c in results}  # type: ignore[assignment]
+    return out
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, float]:
     finite = [r for r in rows if math.isfinite(r["k_meas"])]
     k_ratio = [r["k_pred"] / r["k_meas"] for r in finite]
     s_ratio = [r["s_pred"] / r["s_meas"] for r in finite if r["s_meas"] > 0]
@@ -115,17 +153,21 @@ def summary(results: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def print_table(results: list[dict[str, Any]], total: dict[str, float], wall: float) -> None:
-    print(f"{'case':<14} {'P':>2} {'B':>5} {'lr':>7} {'iterations pred (interval)':>28} "
+    print(f"{'case':<22} {'P':>2} {'B':>5} {'lr':>7} {'iterations pred (interval)':>28} "
           f"{'meas':>6} {'in':>3} {'seconds pred (interval)':>26} {'meas':>7} {'in':>3}")
     for c in results:
         for r in c["rows"]:
             lo, hi = r["k_interval"]
             slo, shi = r["s_interval"]
-            print(f"{c['case']:<14} {r['workers']:>2} {r['batch']:>5} {r['lr']:>7.4g} "
+            print(f"{c['case']:<22} {r['workers']:>2} {r['batch']:>5} {r['lr']:>7.4g} "
                   f"{r['k_pred']:>9.0f} ({lo:>6.0f}–{hi:<6.0f})    {r['k_meas']:>6} "
                   f"{'yes' if r['k_covered'] else 'no':>3} {r['s_pred']:>8.3g} "
                   f"({slo:>6.3g}–{shi:<6.3g})   {r['s_meas']:>7.3g} "
                   f"{'yes' if r['s_covered'] else 'no':>3}")
+    for name, part in total["per_case"].items():  # type: ignore[union-attr]
+        print(f"{name}: median predicted/measured iterations "
+              f"{part['iterations_median_ratio']:.2f}, seconds {part['seconds_median_ratio']:.2f};"
+              f" coverage {part['iterations_coverage']:.0%} / {part['seconds_coverage']:.0%}")
     for c in results:
         warn = f"; timing flagged: {c['timing_warning']}" if c["timing_warning"] else ""
         print(f"{c['case']}: pilot {c['pilot_iterations']} of {c['planned_iterations']} planned "
@@ -144,11 +186,18 @@ def print_table(results: list[dict[str, Any]], total: dict[str, float], wall: fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--device", default="auto",
+                        help="auto | cpu | cuda[:i] (with one GPU: P = 1 only)")
+    parser.add_argument("--budget", type=float, default=0.1,
+                        help="advise's budget: pilot + branches, this fraction of the plan")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
+                        help="the worker counts trained (default 1 2)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     kernels.use()
     start = time.perf_counter()
-    results = [run_case(name) for name in args.cases]
+    results = [run_case(name, args.device, args.budget, tuple(args.workers))
+               for name in args.cases]
     total = summary(results)
     if args.json:
         print(json.dumps({"results": results, "summary": total}, indent=1, default=str))

@@ -231,3 +231,15 @@ def test_train_takes_any_trainconfig_field_as_an_override():
         study_from_dict(raw(train__dtype="float16"))
     with pytest.raises(BatchboundError, match="unknown key"):
         study_from_dict(raw(train__no_such_option=1))
+
+
+def test_train_optimizer_reaches_every_run():
+    spec = study_from_dict(raw(train__optimizer="adamw", train__betas=[0.9, 0.95]))
+    runs = make_plan(spec).tuning_runs()
+    assert runs and all(r.fields["optimizer"] == "adamw" and list(r.fields["betas"]) ==
+                        [0.9, 0.95] for r in runs)
+    plain = make_plan(study_from_dict(raw())).tuning_runs()
+    assert {r.key for r in runs}.isdisjoint({r.key for r in plain})
+    assert all("optimizer" not in r.fields for r in plain)  # stored keys unchanged
+    with pytest.raises(BatchboundError, match="momentum is SGD's"):
+        study_from_dict(raw(train__optimizer="adam", train__momentum=0.9))

@@ -33,6 +33,15 @@ from batchbound.advise.answer import (
     on_iterations,
     worker_counts,
 )
+from batchbound.advise.critical import (
+    BranchPlan,
+    Combined,
+    CriticalPoint,
+    combine,
+    measure,
+    plan_branches,
+    trajectories,
+)
 from batchbound.advise.inputs import from_objects
 from batchbound.advise.iterations import (
     NOISE,
@@ -64,6 +73,11 @@ from batchbound.train.config import Target, TrainConfig
 from batchbound.train.distributed import resolve_device
 from batchbound.train.loop import Parts
 from batchbound.train.lr_rules import lr_rule
+from batchbound.train.optimizers import is_adaptive
+
+CRITICAL_BATCH = ("branches", "noise")  # where the rows' critical batch comes from
+BUDGET = 0.1  # pilot + branches: this fraction of the plan's examples, by default
+BRANCH_POINTS = 1  # pilot states the branches start from (the last kept: the pilot's end)
 
 
 @dataclass
@@ -131,13 +145,18 @@ class Advice:
             speedup = r.speedup
             if not r.best and one is not None:  # B0's row: against the best one-worker row
                 speedup = one.seconds_to_target / r.seconds_to_target
+            beside = ""
+            if math.isfinite(r.noise_iterations):  # the branches predict; n·Δ's beside
+                n_low, n_high = r.noise_interval
+                beside = (f"; n·Δ: {r.noise_iterations:.0f} ({n_low:.0f}–{n_high:.0f})"
+                          + (" disagree" if r.disagree else ""))
             seconds = ("unknown | unknown | – | – " if not math.isfinite(r.seconds_per_iteration)
                        else f"{r.seconds_per_iteration:.3g} ({r.compute_seconds:.3g} + "
                        f"{r.communication_seconds:.3g}) | {r.seconds_to_target:.3g} "
                        f"({s_low:.3g}–{s_high:.3g}) | {speedup:.2f}× | "
                        f"{speedup / r.workers:.0%} ")
             lines.append(f"| {r.workers}{mark} | {r.batch_size} | {r.lr:.4g} | "
-                         f"{r.iterations:.0f} ({low:.0f}–{high:.0f}) | {seconds}|")
+                         f"{r.iterations:.0f} ({low:.0f}–{high:.0f}){beside} | {seconds}|")
         return "\n".join(lines)
 
     def summary(self) -> str:
@@ -167,8 +186,11 @@ class Advice:
             if warning:  # a study's recorded steps: only the all-reduce was timed here
                 stop = (f"the timing here cannot be trusted ({warning}), so which worker "
                         f"count pays is uncertain (as timed: {stop})")
+            rule = self.extra.get("strategy")
+            rule = f", rate rule {rule}" if rule else ""
             lines.append(
-                f"use {r.workers} worker(s) at batch {r.batch_size} (lr {r.lr:.4g}): about "
+                f"use {r.workers} worker(s) at batch {r.batch_size} (lr {r.lr:.4g}{rule}): "
+                f"about "
                 f"{r.iterations:.0f}{span} iterations, {r.seconds_to_target:.3g} s to {goal}; "
                 f"{stop}. {bound}")
         pilot = self.pilot or {}
@@ -190,7 +212,7 @@ def advise(
     data: Any = None,
     loss: str | Callable[..., Any] | None = None,
     *,
-    optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+    optimizer: str | Callable[..., torch.optim.Optimizer] | None = None,
     batch_size: int = 16,
     lr: float | None = None,
     seed: int = 0,
@@ -198,12 +220,14 @@ def advise(
     targets: tuple[Target, ...] = (),
     planned_epochs: float | None = None,
     planned_iterations: int | None = None,
-    pilot_fraction: float = 0.1,
+    pilot_fraction: float | None = None,
     estimator: str = "two_batch",
     max_workers: int | None = None,
     cluster: str | Path | Cluster | None = None,
     overlap: str = "none",
-    strategy: str = "noise",
+    strategy: str | None = None,
+    critical_batch: str = "branches",
+    budget: float | None = None,
     diversity_every_epochs: float = 0.1,
     with_probe: bool = False,
     probe_tolerance: float = 0.1,
@@ -215,26 +239,56 @@ def advise(
     ``config``: a TrainConfig (model and data by name; its batch size is the pilot's B0, its
     lr η0, its first target the target), or a user's ``nn.Module`` / zero-argument factory
     with ``data`` (a Dataset, an (x, y) pair, a torch Dataset or a DataLoader), ``loss`` (a
-    name or per-example callable), ``optimizer`` (``params -> Optimizer``, default SGD) and
-    ``batch_size``, ``lr``, ``seed``, ``device``, ``targets``. The pilot's rate η0 is ``lr``,
-    else the one the optimizer sets, else 0.1; both given and different is refused.
+    name or per-example callable), ``optimizer`` and ``batch_size``, ``lr``, ``seed``,
+    ``device``, ``targets``. ``optimizer``: a name (sgd, adamw, adam; with a TrainConfig it
+    replaces the config's) or a factory ``params -> Optimizer`` (a user's objects only). The
+    pilot's rate η0 is ``lr``, else the one the optimizer sets, else 0.1; both given and
+    different is refused.
 
     The plan: ``planned_epochs`` or ``planned_iterations`` at B0; the pilot trains the first
     ``pilot_fraction`` of it and stops, and the rows predict what reaches the plan's end.
     Without a plan the pilot trains to the first target (as long as the job, so state the
     plan when you can). ``estimator``: two_batch | norms | exact (``pilot.py``).
+    ``critical_batch``: ``"branches"`` (default, with a plan) predicts from the critical
+    batch measured by short branches from the pilot's states (``critical.py``), the noise
+    scale's prediction shown beside; ``"noise"`` from the noise scale alone. ``budget``: the
+    pilot and the branches together train at most this fraction of the plan's examples
+    (default 0.1, or twice ``pilot_fraction`` when that is given); ``pilot_fraction``
+    defaults to half of it with branches, else 0.1.
+    ``strategy``: the rows' rate rule; default ``noise`` for SGD and ``srsr`` (η0·√(B/B0))
+    for Adam-type optimisers.
     ``max_workers``: the largest P (default: this machine's cores, or the cluster's).
     ``cluster``: a cluster file or ``Cluster`` to model communication (and compute, with
     ``examples_per_second``) instead of timing it here. ``overlap``: ``"none"``
     (batchbound's trainer) or ``"backward"`` (DDP)."""
+    named = optimizer if isinstance(optimizer, str) else None
     if isinstance(config, TrainConfig):
+        if optimizer is not None and named is None:
+            raise BatchboundError("with a TrainConfig, optimizer is a name (sgd, adamw, adam); "
+                                  "a factory goes with your own model")
+        config = config.replace(optimizer=named) if named else config
         data_set, parts = _data_of(config), None
     else:
-        config, data_set, parts = from_objects(config, data, loss, optimizer,
+        config, data_set, parts = from_objects(config, data, loss, None if named else optimizer,
                                                batch_size=batch_size, lr=lr, seed=seed,
                                                device=device, targets=tuple(targets))
+        config = config.replace(optimizer=named) if named else config
+    adaptive = _adaptive(config, parts)
+    strategy = strategy if strategy is not None else ("srsr" if adaptive else "noise")
+    if critical_batch not in CRITICAL_BATCH:
+        raise BatchboundError(f"unknown critical batch source {critical_batch!r}; choose from "
+                              f"{', '.join(CRITICAL_BATCH)}")
+    branches = critical_batch == "branches" and (planned_epochs is not None
+                                                 or planned_iterations is not None)
+    if budget is None:  # the pilot and the branches: half each
+        budget = BUDGET if pilot_fraction is None else 2 * pilot_fraction
+    if pilot_fraction is None:
+        pilot_fraction = budget / 2 if branches else 0.1
     planned = _planned(config, data_set, planned_epochs, planned_iterations, pilot_fraction)
     _check_options(config, strategy, overlap, probe_tolerance, estimator, planned)
+    if branches and not (isinstance(budget, (int, float)) and pilot_fraction < budget <= 1):
+        raise BatchboundError(f"the budget {budget!r} must exceed the pilot fraction "
+                              f"{pilot_fraction:g} (the branches get the rest) and be <= 1")
     spec, limit = _worker_limit(max_workers, cluster)
     device_ = resolve_device(config.device)
     n = data_set.n_train
@@ -247,6 +301,12 @@ def advise(
         curves, communication = _timings(config, data_set, spec, counts, micro_limit, payload,
                                          None, log, parts)
     log(_pilot_plan(config, planned, pilot_steps, curves[1], estimator))
+    branch_plan = None
+    if branches and planned is not None and pilot_steps is not None:
+        spent = pilot_steps * config.batch_size
+        branch_plan = plan_branches(config.batch_size, n, micro_limit,
+                                    math.floor(budget * planned * config.batch_size) - spent,
+                                    planned * config.batch_size, BRANCH_POINTS)
     started = time.perf_counter()
     run = run_pilot(config, data_set, device_, iterations=pilot_steps, estimator=estimator,
                     exact_every_epochs=diversity_every_epochs, parts=parts, progress=progress)
@@ -255,11 +315,21 @@ def advise(
     path = extrapolate(run.segments, run.iterations, horizon, config.batch_size, config.lr)
     log(f"pilot: {run.iterations} iterations; B_noise {run.segments[0].noise:.4g} at the "
         f"start, {run.segments[-1].noise:.4g} at its end; κ = B_noise·L = {path.kappa:.3g}")
+    measured = None
+    if branch_plan is not None:
+        log(branch_plan.text(curves[1].step))
+        points = measure(run.states, pilot_config(config, pilot_steps, estimator,
+                                                  diversity_every_epochs),
+                         data_set, device_, branch_plan,
+                         lambda b: _lr(config, strategy, path.central, b), parts=parts, log=log)
+        measured = (points, trajectories(points, path.central, config.batch_size, config.lr,
+                                         run.iterations, horizon))
     busy = _timing_check(config, data_set, curves, others, parts, spec)
     rows = _prediction_rows(config, path, strategy, counts, n, micro_limit, curves,
-                            communication, overlap)
+                            communication, overlap, adaptive, measured[1] if measured else None)
     if busy:  # seconds not to be trusted: the answer on iterations alone, the same each time
-        recommended, stop = on_iterations(rows, minimum_iterations(path.central)), None
+        fewest = minimum_iterations(measured[1][0] if measured else path.central)
+        recommended, stop = on_iterations(rows, fewest), None
     else:
         recommended, stop = finish([r for r in rows if r.best])
     points = None
@@ -271,11 +341,21 @@ def advise(
                        largest=micro_limit, parts=parts, log=log)
     goal = (f"the training loss the planned {planned} iterations at B0 reach" if planned
             else config.targets[0].name)
+    critical_text = (_critical_text(measured[0], rows, branch_plan) if measured else
+                     "the critical batch taken as the noise scale B_noise = n·Δ − 1"
+                     + ("" if critical_batch == "noise" else
+                        " (the branches need a plan: --planned-epochs or --planned-iterations)"))
+    named_optimizer = config.optimizer if parts is None or parts.optimizer is None else "yours"
+    optimiser_text = (f"optimizer {named_optimizer}"
+                      + (" (Adam-type: the rate rule's steps taken as the tuned rate's, "
+                         "S(B)/S(B0))" if adaptive else ""))
     assumptions = (
         f"Iterations to {goal}: McCandlish et al.'s model applied step by step along the "
-        f"planned run at B0 = {config.batch_size}; {path.assumption}; the pilot's lr taken as "
-        f"the best at B0. Learning rate per batch: strategy '{strategy}' "
-        f"({_rule_text(strategy)}), constant through training (no warm-up or decay). "
+        f"planned run at B0 = {config.batch_size}; {critical_text}; noise scale: "
+        f"{path.assumption}; the pilot's lr taken as the best at B0; {optimiser_text}. "
+        f"Learning rate per batch: strategy '{strategy}' ({_rule_text(strategy)}"
+        f"{'; the default for Adam-type optimisers' if adaptive and strategy == 'srsr' else ''})"
+        f", constant through training (no warm-up or decay). "
         + _seconds_text(spec, overlap, payload, micro_limit, "timed on this machine"))
     return Advice(
         batch_bound=path.central.mean_batch_bound(),
@@ -286,10 +366,40 @@ def advise(
         probe=points,
         warmup=warmup_schedule(path.central, max_batch=micro_limit) if planned else None,
         extra={"n": n, "strategy": strategy, "overlap": overlap,
+               "optimizer": named_optimizer, "critical_batch": "branches" if measured else "noise",
+               **({"branches": [p.to_dict() for p in measured[0]]} if measured else {}),
                "timing": "cluster" if spec is not None else "measured",
                "timing_reliable": busy is None, "timing_warning": busy,
                "recommended_on": "iterations" if busy else "seconds"},
         source=path.central, curves=curves, communication=communication)
+
+
+def _adaptive(config: TrainConfig, parts: Parts | None) -> bool:
+    """Whether the run's optimiser is Adam-type: by name, or a user's factory whose
+    optimiser has Adam's betas."""
+    if parts is None or parts.optimizer is None:
+        return is_adaptive(config.optimizer)
+    probe_param = torch.zeros(1, requires_grad=True)
+    return "betas" in parts.optimizer([probe_param]).defaults
+
+
+def _critical_text(points: list[CriticalPoint], rows: list[Row], plan: BranchPlan | None
+                   ) -> str:
+    """How the branches measured the critical batch, and where they and the noise scale
+    disagree."""
+    at = ", ".join(f"{p.critical_batch:.3g} ({p.low:.3g}–{p.high:.3g}) at iteration "
+                   f"{p.iteration}" for p in points)
+    ladder = f"B = {', '.join(map(str, plan.ladder))}" if plan else "B0·2^k"
+    text = (f"the critical batch measured by short branches from the pilot's states at "
+            f"{ladder} over the same examples (Merrill et al. 2025): {at}; past the pilot it "
+            f"stays at the last value (low: its low end; high: growing as the noise scale's "
+            f"trend)")
+    split = sorted({r.batch_size for r in rows if r.disagree})
+    if split:
+        text += (f"; at B = {', '.join(map(str, split))} the branches and the noise scale "
+                 f"predict iterations whose intervals do not overlap, so the interval spans "
+                 f"both")
+    return text
 
 
 def _data_of(config: TrainConfig) -> Dataset:
@@ -376,16 +486,31 @@ def _lr(config: TrainConfig, strategy: str, pilot: Pilot, batch: int) -> float:
 
 def _prediction_rows(config: TrainConfig, path: Trajectory, strategy: str, counts: list[int],
                      n: int, micro_limit: int, curves: dict[int, ComputeCurve],
-                     communication: dict[int, float], overlap: str) -> list[Row]:
-    """Every candidate (P, B) with its iterations, interval and seconds (see answer.py)."""
+                     communication: dict[int, float], overlap: str, adaptive: bool = False,
+                     measured: tuple[Pilot, Pilot, Pilot] | None = None) -> list[Row]:
+    """Every candidate (P, B) with its iterations, interval and seconds (see answer.py).
+    An Adam-type optimiser's steps follow the tuned-rate relation whatever its rate rule
+    (the SGD quadratic's penalty does not describe Adam); ``measured``: the branches'
+    (central, low, high) critical batch, which then predicts, the noise scale beside it."""
+    model = "noise" if adaptive else strategy
+
+    def from_noise(batch: int) -> tuple[float, tuple[float, float]]:
+        scale = lr_scale(strategy, batch, path.central)
+        ends = [predict_iterations(p, batch, model, scale) for p in (path.high, path.low)]
+        return predict_iterations(path.central, batch, model, scale), (min(ends), max(ends))
+
+    def both(batch: int) -> Combined:
+        noise, noise_interval = from_noise(batch)
+        if measured is None:
+            return Combined(noise, noise_interval, noise, noise_interval, False)
+        central, low, high = (predict_iterations(p, batch, "noise") for p in measured)
+        return combine(central, (min(low, high), max(low, high)), noise, noise_interval)
 
     def iterations(batch: int) -> float:
-        return predict_iterations(path.central, batch, strategy)
+        return both(batch).iterations
 
     def interval(batch: int) -> tuple[float, float]:
-        scale = lr_scale(strategy, batch, path.central)
-        ends = [predict_iterations(p, batch, strategy, scale) for p in (path.high, path.low)]
-        return min(ends), max(ends)
+        return both(batch).interval
 
     spread = 0.1  # the step timing's own uncertainty, when it is trusted (docs/advise.md)
     rows = []
@@ -394,6 +519,12 @@ def _prediction_rows(config: TrainConfig, path: Trajectory, strategy: str, count
                                overlap, iterations, lambda b: _lr(config, strategy,
                                                                   path.central, b),
                                interval, spread)
+    if measured is not None:
+        for row in rows:
+            beside = both(row.batch_size)
+            row.noise_iterations, row.noise_interval = beside.noise_iterations, \
+                beside.noise_interval
+            row.disagree = beside.disagree
     if not any(r.best for r in rows):
         raise BatchboundError("no batch size is predicted to reach the target")
     return rows

@@ -34,6 +34,11 @@ class Row:
     iterations_interval: tuple[float, float] = (math.nan, math.nan)
     seconds_interval: tuple[float, float] = (math.nan, math.nan)
     best: bool = False  # the fastest batch for its worker count
+    # with the critical batch measured by branches: the noise scale's prediction beside it,
+    # and whether the two intervals miss each other (the interval then spans both)
+    noise_iterations: float = math.nan
+    noise_interval: tuple[float, float] = (math.nan, math.nan)
+    disagree: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         def plain(v: Any) -> Any:

@@ -46,7 +46,8 @@ class _PilotTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.keep_every = max(1, keep_every)
         self.steps: list[Step] = []
-        self.states: list[tuple[int, float, dict[str, torch.Tensor]]] = []
+        # (iteration, epoch, model state, optimiser state): branches resume both
+        self.states: list[tuple[int, float, dict[str, torch.Tensor], dict[str, Any]]] = []
 
     def train_step(self, stop_requested: bool, time_exceeded: bool) -> dict[str, bool]:
         estimator = self.monitor.estimator
@@ -57,7 +58,8 @@ class _PilotTrainer(Trainer):
             self.steps.append(Step(self.iteration, self.last_batch_loss, m2, cross))
         if self.iteration % self.keep_every == 0:
             self.states.append((self.iteration, self.sampler.epoch,
-                                copy.deepcopy(self.model.state_dict())))
+                                copy.deepcopy(self.model.state_dict()),
+                                copy.deepcopy(self.optimizer.state_dict())))
         return flags
 
 
@@ -69,7 +71,7 @@ class PilotRun:
     segments: list[Segment]
     iterations: int
     result: RunResult
-    states: list[tuple[int, float, dict[str, torch.Tensor]]]
+    states: list[tuple[int, float, dict[str, torch.Tensor], dict[str, Any]]]
     estimator: str
 
     @property
@@ -199,7 +201,7 @@ def probe(run: PilotRun, config: TrainConfig, data: Dataset, device: torch.devic
     picks = sorted({round(i * (len(states) - 1) / (points - 1)) for i in range(points)})
     out = []
     for index in picks:
-        iteration, epoch, state = states[index]
+        iteration, epoch, state, _ = states[index]
         progress = {batch: _branch(config, data, device, state, batch, lr(batch),
                                    budget // batch, parts) for batch in ladder}
         base = progress[b0]

@@ -25,7 +25,8 @@ from batchbound.train.lr_rules import rules_help
 # The TrainConfig fields a pilot takes from the command line (the schema's flags and help).
 # The others do not apply to a one-process pilot whose cadences advise sets itself:
 # PILOT_EXCLUDED says why, and a test keeps the two lists covering every field.
-PILOT_FIELDS = ("transform", "model", "loss", "batch_size", "lr", "momentum", "weight_decay",
+PILOT_FIELDS = ("transform", "model", "loss", "batch_size", "lr", "optimizer", "momentum",
+                "betas", "eps", "weight_decay",
                 "convention", "sampling", "seed", "micro_batch", "max_epochs",
                 "divergence_factor", "eval_subset", "eval_batch_size", "device", "dtype")
 PILOT_EXCLUDED = {
@@ -75,17 +76,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "it and advise predicts what reaches its end")
     parser.add_argument("--planned-iterations", type=int, metavar="K",
                         help="the job you plan: K iterations at B0 (instead of epochs)")
-    parser.add_argument("--pilot-fraction", type=float, default=0.1, metavar="F",
-                        help="the pilot trains this fraction of the plan (default 0.1)")
+    parser.add_argument("--pilot-fraction", type=float, default=None, metavar="F",
+                        help="the pilot trains this fraction of the plan (default: half of "
+                        "--budget, or 0.1 with --critical-batch noise)")
+    parser.add_argument("--budget", type=float, default=None, metavar="F",
+                        help="the pilot and the branches together train at most this fraction "
+                        "of the plan's examples (default 0.1, or twice --pilot-fraction); "
+                        "each part's cost is printed before it starts")
+    parser.add_argument("--critical-batch", choices=("branches", "noise"), default="branches",
+                        help="branches (default, with a plan): the critical batch measured by "
+                        "short runs at B0·2^k from the pilot's states (Merrill et al. 2025) "
+                        "predicts the iterations, the noise scale's prediction shown beside; "
+                        "noise: from the noise scale n·Δ − 1 alone")
     parser.add_argument("--estimator", choices=ESTIMATORS, default="two_batch",
                         help="the noise scale along the pilot: two_batch (default; the step's "
                         "two micro-batches), norms (per-example norms from the step's "
                         "backward), exact (exact n·Δ over the data every --diversity-every "
                         "epochs: costly)")
     parser.add_argument("--strategy", choices=strategies(), default=None,
-                        help="the learning rate at batch B: noise (default) η0·(1+B_lo/B0)/"
-                        "(1+B_lo/B), B_lo the pilot's lowest noise scale n·Δ−1; "
-                        f"{rules_help()}. With --from-study: which of the study's "
+                        help="the learning rate at batch B: noise (default for sgd) "
+                        "η0·(1+B_lo/B0)/(1+B_lo/B), B_lo the pilot's lowest noise scale "
+                        f"n·Δ−1; {rules_help()} (srsr is the default for --optimizer adamw "
+                        "and adam). With --from-study: which of the study's "
                         "strategies to read (needed when it ran several)")
     parser.add_argument("--max-workers", "-P", type=int,
                         help="largest worker count (default: this machine's cores, or the "
@@ -141,13 +153,12 @@ def run_command(args: argparse.Namespace) -> int:
         advice = advise_from_study(measured, max_workers=args.max_workers,
                                    cluster=args.cluster, overlap=args.overlap, log=log)
     else:
-        if args.strategy is None:
-            args.strategy = "noise"
         advice = advise(config, planned_epochs=args.planned_epochs,
                         planned_iterations=args.planned_iterations,
                         pilot_fraction=args.pilot_fraction, estimator=args.estimator,
                         max_workers=args.max_workers, cluster=args.cluster,
                         overlap=args.overlap, strategy=args.strategy,
+                        critical_batch=args.critical_batch, budget=args.budget,
                         diversity_every_epochs=args.diversity_every, with_probe=args.probe,
                         probe_tolerance=args.probe_tolerance,
                         progress=sys.stderr.isatty() and not args.json, log=log)

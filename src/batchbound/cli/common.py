@@ -146,7 +146,7 @@ def add_config_flags(groups: dict[str, Any], only: Collection[str] | None = None
         flags = meta.get("flags", (f"--{f.name.replace('_', '-')}",))
         if not flags or (only is not None and f.name not in only):
             continue  # set another way (--dataset, --target-*, --no-stop-at-targets)
-        kind, many = _flag_type(hints[f.name])
+        kind, many = (meta["parse"], False) if "parse" in meta else _flag_type(hints[f.name])
         given = (defaults or {}).get(f.name, f.default)
         default = "" if given in (None, ()) else f" (default {given})"
         text = meta["help"]() if callable(meta["help"]) else meta["help"]

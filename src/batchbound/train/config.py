@@ -20,6 +20,7 @@ from batchbound.config import check_types, config_hash, to_plain
 from batchbound.errors import BatchboundError
 from batchbound.train.adaptive import BatchPolicy, parse_batch_policy
 from batchbound.train.mechanisms import GRANULARITIES, Mechanism, parse_mechanism
+from batchbound.train.optimizers import ADAPTIVE, OPTIMIZERS
 from batchbound.train.probes import PROBES
 from batchbound.train.schedule import Strategy, parse_strategy, strategy_help
 
@@ -36,7 +37,8 @@ NOT_HASHED = ("data_dir",)
 # Fields added after stores keyed runs by config_hash(): hashed only when they differ from
 # their default, so a config that leaves them alone keeps the key it had before they existed
 # (and finds its stored runs and checkpoints). A new field goes here, not into the hash.
-HASHED_WHEN_SET = ("snapshot_every_epochs", "final_probes", "micro_batch", "eval_growth")
+HASHED_WHEN_SET = ("snapshot_every_epochs", "final_probes", "micro_batch", "eval_growth",
+                   "optimizer", "betas", "eps")
 
 
 @dataclass(frozen=True)
@@ -80,9 +82,25 @@ def option(default: Any, group: str, help: str | Callable[[], str], **cli: Any) 
     """A TrainConfig field with its group and help: ``batchbound train``'s flags, their help
     and their defaults are generated from these (cli/train.py). ``cli`` holds argparse
     extras: ``flags`` (the option strings, default ``--field-name``), ``choices``,
-    ``metavar``, or ``flags=()`` for a field the CLI sets another way. ``help`` may be a
+    ``metavar``, ``parse`` (the flag's argparse type, for a field that is one string on the
+    command line), or ``flags=()`` for a field the CLI sets another way. ``help`` may be a
     function, called when the help is shown (a registry's names, read then)."""
     return field(default=default, metadata={"group": group, "help": help, **cli})
+
+
+def _betas(value: Any) -> Any:
+    """betas as a tuple of two floats; "0.9,0.95" (the CLI's) is read as one. Anything else
+    is left for check_types to refuse with the field's name."""
+    if isinstance(value, str):
+        try:
+            value = [float(v) for v in value.split(",")]
+        except ValueError:
+            raise BatchboundError(f"betas is two numbers as B1,B2 (e.g. 0.9,0.95), got "
+                                  f"{value!r}") from None
+    if isinstance(value, list):
+        value = tuple(float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+                      for v in value)
+    return value
 
 
 # The groups, in the order --help shows them.
@@ -116,8 +134,16 @@ class TrainConfig:
                              flags=("--batch-size", "-B"))
     lr: float = option(0.1, "optimisation", "base learning rate η0, which the strategy scales")
     strategy: str = option("blr", "optimisation", strategy_help)  # the registry's, at --help
-    momentum: float = option(0.0, "optimisation", "SGD momentum")
-    weight_decay: float = option(0.0, "optimisation", "L2 weight decay")
+    optimizer: str = option(
+        "sgd", "optimisation", "sgd | adamw | adam; for adamw and adam, advise's default rate "
+        "rule when the batch changes is the square root, η0·√(B/B0)", choices=tuple(OPTIMIZERS))
+    momentum: float = option(0.0, "optimisation", "SGD momentum (sgd only)")
+    betas: tuple[float, float] = option(
+        (0.9, 0.999), "optimisation", "Adam's (β1, β2), as 0.9,0.95 (adamw and adam)",
+        parse=_betas, metavar="B1,B2")
+    eps: float = option(1e-8, "optimisation", "Adam's ε (adamw and adam)")
+    weight_decay: float = option(0.0, "optimisation", "weight decay: L2 in the gradient for "
+                                 "sgd and adam, decoupled for adamw")
     convention: str = option("mean", "optimisation",
                              "mean: w -= γ·(1/B)Σg_i; sum: w -= γ·Σg_i (the papers')",
                              choices=CONVENTIONS)
@@ -189,6 +215,7 @@ class TrainConfig:
                                   f"{self.targets!r}")
         object.__setattr__(self, "targets", tuple(_target(t) for t in self.targets))
         object.__setattr__(self, "final_probes", _probes(self.final_probes))
+        object.__setattr__(self, "betas", _betas(self.betas))
         # every field against its annotation first (a file's "64" or NaN), then the ranges
         check_types(self, lambda name, problem: BatchboundError(f"{name}: {problem}"))
         self._check_sizes()
@@ -219,6 +246,7 @@ class TrainConfig:
             raise BatchboundError(f"momentum must be in [0, 1), got {self.momentum}")
         if self.weight_decay < 0:
             raise BatchboundError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        _check_optimizer(self)
         if len({t.name for t in self.targets}) != len(self.targets):
             raise BatchboundError("the same target is given twice")
         for name in ("max_epochs", "max_seconds", "eval_every_epochs", "diversity_every_epochs",
@@ -370,6 +398,25 @@ def _target(value: Any) -> Target:
             threshold = float(threshold)
         return Target(metric, threshold)
     raise BatchboundError(f"a target is {{metric, threshold}}, got {value!r}")
+
+
+def _check_optimizer(config: TrainConfig) -> None:
+    """The optimiser's name and its own settings; a setting another optimiser would ignore
+    is refused, not dropped."""
+    _choice("optimizer", config.optimizer, tuple(OPTIMIZERS))
+    if not all(0 <= b < 1 for b in config.betas):
+        raise BatchboundError(f"betas must each be in [0, 1), got {config.betas}")
+    if not config.eps > 0:
+        raise BatchboundError(f"eps must be > 0, got {config.eps}")
+    adam = config.optimizer in ADAPTIVE
+    if adam and config.momentum != 0:
+        raise BatchboundError(f"momentum is SGD's; {config.optimizer} uses betas "
+                              "(e.g. --betas 0.9,0.95)")
+    if not adam and (config.betas != (0.9, 0.999) or config.eps != 1e-8):
+        raise BatchboundError("betas and eps are Adam's; set optimizer adamw or adam")
+    if adam and "linear_error" in config.final_probes:  # it takes the step as SGD's
+        raise BatchboundError(f"final probe linear_error measures SGD's step; it does not "
+                              f"describe {config.optimizer}'s")
 
 
 def _probes(value: Any) -> tuple[str, ...]:

@@ -53,6 +53,7 @@ from batchbound.train.distributed import (
 from batchbound.train.evaluate import evaluate
 from batchbound.train.mechanisms import apply_to_worker, example_gradients, worker_seed
 from batchbound.train.monitor import OnlineMonitor
+from batchbound.train.optimizers import build_optimizer
 from batchbound.train.progress import Progress
 from batchbound.train.result import RunResult, TargetResult
 from batchbound.train.stall import collective_fault
@@ -187,12 +188,8 @@ class Trainer:
         self.names = [name for name, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.numels = [p.numel() for p in self.params]
-        self.optimizer = parts.optimizer(self.params) if parts.optimizer else torch.optim.SGD(
-            self.params,
-            lr=config.lr,
-            momentum=config.momentum,
-            weight_decay=config.weight_decay,
-        )
+        self.optimizer = (parts.optimizer(self.params) if parts.optimizer
+                          else build_optimizer(self.params, config))
         self.sampler = BatchSampler(
             self.n, config.seed, replacement=config.sampling == "replacement"
         )

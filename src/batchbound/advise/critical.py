@@ -1,0 +1,278 @@
+"""The critical batch measured along the pilot by short branches (Merrill et al. 2025).
+
+From the pilot's end state (model and optimiser), short runs branch at B = B0·2^k, each over
+the same E examples (the same examples, in the same order), at the rows' learning-rate rule;
+B0's run is evaluated ``B0_EVALUATIONS`` times along the way, the others at their end, all on
+one fixed subset. One more run at B0 with another data order measures the chance variation.
+
+Merrill et al. compare losses after equal examples; here each run is read as the examples
+B0 needed for the same loss: the B0 run's loss curve (made monotone by its running minimum)
+is interpolated at B's final loss, giving e*(B), and r(B) = e*(B)/E, the share of B0's
+progress per example that B keeps. With the rate near its best, McCandlish et al.'s model
+says a step at B is worth B/(B + B_crit) examples at B0's best, so
+
+    r(B) = (B0 + B_crit)/(B + B_crit),   so   B_crit = (r·B − B0)/(1 − r).
+
+No linearity of the loss in the examples is assumed: only that B0's own curve measures
+progress. B_crit is the least-squares fit of r over the rungs; its interval is where every
+rung's inversion at r ± 2σ·√(B/B0) agrees (σ: the replicated B0 run's |1 − r|/√2, at least
+``MIN_SPREAD``; a rung of B takes B0/B as many steps, so it varies more), or their union when
+they do not. Past the pilot, low stays at the low end (the plateau Merrill et al. see);
+high grows from the high end as the noise-scale trajectory grows (``trajectory.py``); the
+central trajectory lies half way between the two hypotheses in log: the measured value
+times the square root of that growth (a pilot at 5 % of the plan is often still where the
+critical batch rises). ``iterations.py`` turns these into k(B)
+with the tuned-rate relation.
+
+This is the measurement of *this* run that the noise scale n·Δ − 1 only approximates (for
+language models it underestimates it; Merrill et al.): the rows predict from it, and show
+the noise scale's prediction beside it (``combine``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any
+
+import numpy as np
+import torch
+
+from batchbound.advise.iterations import Pilot
+from batchbound.data import Dataset
+from batchbound.errors import BatchboundError
+from batchbound.train.config import TrainConfig
+from batchbound.train.distributed import DistContext
+from batchbound.train.loop import Parts, Trainer
+
+MIN_SPREAD = 0.1  # the least relative spread of a branch's ratio assumed (short runs)
+B0_EVALUATIONS = 8  # points on B0's loss curve, which the other rungs are read against
+MIN_STEPS = 2  # steps the largest rung must take
+MAX_RUNGS = 4  # B0 .. 8·B0
+EVAL_EXAMPLES = 4096  # the branches' loss is evaluated on a fixed subset of this many
+CAP = 8  # B_crit above CAP × the largest rung cannot be told apart: capped there
+
+
+@dataclass(frozen=True)
+class BranchPlan:
+    """What the branches will cost, said before they start."""
+
+    ladder: tuple[int, ...]  # B0·2^k
+    examples: int  # per branch
+    points: int
+    planned_examples: int  # K·B0 of the plan
+
+    @property
+    def branches(self) -> int:
+        return self.points * (len(self.ladder) + 1)  # + the B0 replicate
+
+    @property
+    def total_examples(self) -> int:
+        return self.branches * self.examples
+
+    def seconds(self, step: Callable[[int], float]) -> float:
+        """Training seconds, from the step time at each rung."""
+        per_point = sum(self.examples // b * step(b) for b in self.ladder)
+        per_point += self.examples // self.ladder[0] * step(self.ladder[0])
+        return self.points * per_point
+
+    def text(self, step: Callable[[int], float]) -> str:
+        return (f"branches: {self.points} pilot states × {len(self.ladder) + 1} runs of "
+                f"{self.examples} examples at B = {', '.join(map(str, self.ladder))} (B0 "
+                f"twice), {self.total_examples} examples = "
+                f"{100 * self.total_examples / self.planned_examples:.3g} % of the plan: about "
+                f"{self.seconds(step):.3g} s, plus {B0_EVALUATIONS + 1} loss evaluations for "
+                f"B0's run and 2 for each other")
+
+
+def plan_branches(b0: int, n: int, largest: int, budget_examples: int, planned_examples: int,
+                  points: int) -> BranchPlan:
+    """The ladder and the examples per branch that fit ``budget_examples``; BatchboundError
+    when not even B0 and 2·B0 can take MIN_STEPS steps each."""
+    top = min(largest, n)
+    for rungs in range(MAX_RUNGS, 1, -1):
+        ladder = tuple(b0 << k for k in range(rungs) if b0 << k <= top)
+        if len(ladder) < 2:
+            continue
+        examples = budget_examples // (points * (len(ladder) + 1))
+        if examples >= MIN_STEPS * ladder[-1]:
+            return BranchPlan(ladder, examples, points, planned_examples)
+    raise BatchboundError(
+        f"the branch budget ({budget_examples} examples, the plan's budget less the pilot) "
+        f"cannot run {points} × 3 branches of {MIN_STEPS} steps at B = {2 * b0}: raise "
+        "--budget, lower --pilot-fraction, or use --critical-batch noise")
+
+
+@dataclass(frozen=True)
+class CriticalPoint:
+    iteration: int
+    critical_batch: float  # B_crit fitted
+    low: float
+    high: float
+    spread: float  # σ of r, from the replicated B0 run (at least MIN_SPREAD)
+    ratios: dict[int, float]  # batch -> r(B) = e*(B)/E (B0: 1)
+    losses: dict[int, float]  # batch -> the loss the branch ended at
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"iteration": self.iteration, "critical_batch": self.critical_batch,
+                "interval": [self.low, self.high], "spread": self.spread,
+                "ratio": {str(b): v for b, v in self.ratios.items()},
+                "final_loss": {str(b): v for b, v in self.losses.items()}}
+
+
+def invert(ratio: float, batch: int, b0: int, cap: float) -> float:
+    """B_crit from r(B) = (B0 + B_crit)/(B + B_crit), clipped to [0, cap]."""
+    if ratio >= 1:
+        return cap
+    if ratio * batch <= b0:
+        return 0.0
+    return min((ratio * batch - b0) / (1 - ratio), cap)
+
+
+def examples_ratio(curve: Sequence[tuple[int, float]], loss: float) -> float:
+    """r = e*/E: the examples B0's run (``curve``: (examples, loss) from 0 to E) needed to
+    reach ``loss``, over E; its running minimum is interpolated linearly. 0 when ``loss`` is
+    no lower than the start (or not finite), 1 when B0's run never got that low."""
+    total = curve[-1][0]
+    best = [curve[0]]
+    for examples, value in curve[1:]:
+        best.append((examples, min(value, best[-1][1])))
+    if not math.isfinite(loss) or loss >= best[0][1]:
+        return 0.0
+    if loss <= best[-1][1]:
+        return 1.0
+    for (e0, l0), (e1, l1) in pairwise(best):
+        if l1 <= loss < l0:
+            return (e0 + (l0 - loss) / (l0 - l1) * (e1 - e0)) / total
+    return 1.0  # not reached: the loop covers every loss strictly between the ends
+
+
+def fit_point(ratios: dict[int, float], b0: int, spread: float, iteration: int,
+              losses: dict[int, float] | None = None) -> CriticalPoint:
+    """B_crit and its interval from one state's ratios r(B) (see the module docstring)."""
+    rungs = [b for b in ratios if b != b0]
+    cap = CAP * max(ratios)
+    grid = np.concatenate([[0.0], np.geomspace(b0 / 64, cap, 400)])
+    errors = [sum((ratios[b] - (b0 + c) / (b + c)) ** 2 for b in rungs) for c in grid]
+    central = float(grid[int(np.argmin(errors))])
+    # a rung of B takes B0/B as many steps as B0's: it varies √(B/B0) times more
+    lows = [invert(ratios[b] - 2 * spread * math.sqrt(b / b0), b, b0, cap) for b in rungs]
+    highs = [invert(ratios[b] + 2 * spread * math.sqrt(b / b0), b, b0, cap) for b in rungs]
+    low, high = max(lows), min(highs)
+    if low > high:  # the rungs disagree beyond their noise: the union of what each says
+        low, high = min(lows), max(highs)
+    low, high = min(low, central), max(high, central)
+    return CriticalPoint(iteration, central, low, high, spread, dict(ratios), losses or {})
+
+
+def measure(states: Sequence[tuple[int, float, dict, dict]], config: TrainConfig,
+            data: Dataset, device: torch.device, plan: BranchPlan, lr: Callable[[int], float],
+            parts: Parts | None = None, log: Callable[[str], None] = lambda _: None
+            ) -> list[CriticalPoint]:
+    """Branch from the last ``plan.points`` kept states (iteration, epoch, model state,
+    optimiser state) and fit B_crit at each. BatchboundError when B0's own run made no
+    progress (nothing to read the others against)."""
+    if len(states) < plan.points:
+        raise BatchboundError(f"the pilot kept {len(states)} states, the branches need "
+                              f"{plan.points}; lengthen the pilot")
+    b0 = plan.ladder[0]
+    subset = min(data.n_train, EVAL_EXAMPLES)
+    out = []
+    for iteration, _, model_state, optimizer_state in states[-plan.points:]:
+        def run(batch: int, evaluations: int, seed: int = config.seed,
+                model_state: dict = model_state, optimizer_state: dict = optimizer_state
+                ) -> list[tuple[int, float]]:
+            steps = plan.examples // batch
+            return [(i * batch, v) for i, v in branch(
+                config.replace(seed=seed), data, device, model_state, optimizer_state, batch,
+                lr(batch), steps, max(1, steps // evaluations), subset, parts)]
+
+        base = run(b0, B0_EVALUATIONS)
+        if not (len(base) > 1 and math.isfinite(base[-1][1]) and base[-1][1] < base[0][1]):
+            raise BatchboundError(
+                f"the branch at B0 = {b0} from iteration {iteration} made no progress (its "
+                "loss did not fall): the critical batch cannot be measured there; raise "
+                "--budget or use --critical-batch noise")
+        ends = {b0: base[-1][1]}
+        ratios = {b0: 1.0}
+        for batch in plan.ladder[1:]:
+            ends[batch] = run(batch, 1)[-1][1]
+            ratios[batch] = examples_ratio(base, ends[batch])
+        again = examples_ratio(base, run(b0, 1, config.seed + 1)[-1][1])
+        spread = max(abs(1.0 - again) / math.sqrt(2), MIN_SPREAD)
+        point = fit_point(ratios, b0, spread, iteration, ends)
+        log(f"branches at iteration {iteration}: r(B) = "
+            f"{', '.join(f'{r:.2f}' for r in ratios.values())}; critical batch "
+            f"{point.critical_batch:.3g} ({point.low:.3g}–{point.high:.3g})")
+        out.append(point)
+    return out
+
+
+def branch(config: TrainConfig, data: Dataset, device: torch.device,
+           model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any], batch: int,
+           lr: float, steps: int, every: int, subset: int, parts: Parts | None
+           ) -> list[tuple[int, float]]:
+    """(iteration, train loss on a fixed subset) every ``every`` steps of ``steps`` at
+    ``batch`` from the state, and at its end; a diverged run ends at +inf."""
+    run = config.replace(batch_size=batch, lr=lr, strategy="blr", targets=(),
+                         max_iterations=steps, max_epochs=None, eval_every_epochs=None,
+                         eval_every_iterations=every, eval_growth=None,
+                         diversity_every_epochs=None, online_diversity="off",
+                         micro_batch=None, eval_subset=subset if subset < data.n_train else None)
+    trainer = Trainer(run, DistContext(device=device), dataset=data, parts=parts)
+    trainer.model.load_state_dict(model_state)
+    saved = copy.deepcopy(optimizer_state)
+    for group in saved["param_groups"]:
+        group["lr"] = lr
+    trainer.optimizer.load_state_dict(saved)
+    result = trainer.run()
+    curve = [(i, v) for i, _, _, v in result.curve("train_loss")]
+    if result.status == "diverged":
+        curve.append((steps, math.inf))
+    return curve
+
+
+def trajectories(points: Sequence[CriticalPoint], noise: Pilot, batch_size: int, lr: float,
+                 pilot_iterations: int, planned: int) -> tuple[Pilot, Pilot, Pilot]:
+    """(central, low, high) B_crit over the plan (see the module docstring); ``noise`` is the
+    noise scale's central trajectory, whose growth past the pilot the high end follows."""
+    its = [p.iteration for p in points]
+    after = [t for t in noise.bound_iterations if t > pilot_iterations]
+    base = max(noise.noise_scale(pilot_iterations), 1e-12)
+    growth = [max(noise.noise_scale(t) / base, 1.0) for t in after]
+
+    def pilot(values: list[float], beyond: list[float]) -> Pilot:
+        return Pilot(batch_size, lr, planned, tuple(its + after),
+                     tuple(1.0 + max(v, 0.0) for v in values + beyond))
+
+    last = points[-1]
+    return (pilot([p.critical_batch for p in points],
+                  [last.critical_batch * math.sqrt(g) for g in growth]),
+            pilot([p.low for p in points], [last.low for _ in after]),
+            pilot([p.high for p in points], [last.high * g for g in growth]))
+
+
+@dataclass(frozen=True)
+class Combined:
+    """One batch's iterations: from the branches, with the noise scale's beside it."""
+
+    iterations: float
+    interval: tuple[float, float]
+    noise_iterations: float
+    noise_interval: tuple[float, float]
+    disagree: bool  # the two intervals do not overlap: the interval spans both
+
+
+def combine(branch: float, branch_interval: tuple[float, float], noise: float,
+            noise_interval: tuple[float, float]) -> Combined:
+    (blo, bhi), (nlo, nhi) = branch_interval, noise_interval
+    disagree = bhi < nlo or nhi < blo
+    interval = (min(blo, nlo), max(bhi, nhi)) if disagree else (blo, bhi)
+    return Combined(branch, interval, noise, noise_interval, disagree)
+
+
+__all__ = ["BranchPlan", "Combined", "CriticalPoint", "combine", "examples_ratio", "fit_point",
+           "invert", "measure", "plan_branches", "trajectories"]

@@ -1,0 +1,64 @@
+"""advise with the critical batch from branches, end to end on a small plan: the budget is
+kept and said before each part, the JSON carries the branches and the noise scale's
+prediction beside each row, and an Adam-type optimiser gets the square-root rule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from batchbound.advise import advise
+from batchbound.errors import BatchboundError
+from batchbound.train import TrainConfig
+
+CONFIG = TrainConfig(dataset="digits", model="fc(depth=1,params=800)", batch_size=16, lr=0.003,
+                     optimizer="adamw", betas=(0.9, 0.95))
+
+
+def test_adamw_plan_with_branches_within_budget() -> None:
+    said: list[str] = []
+    advice = advise(CONFIG, planned_epochs=8, max_workers=1, log=said.append)
+    out = advice.to_dict()
+    planned = out["pilot"]["planned_iterations"]
+    assert out["pilot"]["iterations"] == math.ceil(0.05 * planned)  # half the budget
+    # the parts' costs are said before they start, in order
+    pilot_line = next(i for i, t in enumerate(said) if t.startswith("pilot: ") and " s" in t)
+    branch_line = next(i for i, t in enumerate(said) if t.startswith("branches: "))
+    measured_line = next(i for i, t in enumerate(said) if t.startswith("branches at "))
+    assert pilot_line < branch_line < measured_line
+    # the budget: pilot + branches ≤ 10 % of the plan's examples
+    pilot_examples = out["pilot"]["iterations"] * 16
+    branch_examples = int(said[branch_line].split("examples = ")[0].rsplit(" ", 2)[-2])
+    assert pilot_examples + branch_examples <= 0.1 * planned * 16
+    assert out["critical_batch"] == "branches" and len(out["branches"]) == 1
+    point = out["branches"][0]
+    assert point["interval"][0] <= point["critical_batch"] <= point["interval"][1]
+    # the rows: the branches' prediction with the noise scale's beside it
+    for row in out["rows"]:
+        assert row["noise_iterations"] is not None
+        low, high = row["iterations_interval"]
+        assert low <= row["iterations"] <= high
+        if row["disagree"]:
+            assert low <= row["noise_interval"][0] and row["noise_interval"][1] <= high
+    at_b0 = next(r for r in out["rows"] if r["batch_size"] == 16)
+    assert at_b0["iterations"] == pytest.approx(planned)
+    at_64 = next(r for r in out["rows"] if r["batch_size"] == 64)
+    assert at_64["lr"] == pytest.approx(0.003 * 2)  # √(64/16): the Adam default rule
+    assert out["strategy"] == "srsr" and out["optimizer"] == "adamw"
+    assert "square-root" in out["assumptions"] and "Adam-type" in out["assumptions"]
+    assert "rate rule srsr" in advice.summary()
+
+
+def test_noise_only_and_bad_budgets() -> None:
+    advice = advise(CONFIG.replace(optimizer="sgd", betas=(0.9, 0.999), lr=0.1),
+                    planned_epochs=4, max_workers=1, critical_batch="noise")
+    out = advice.to_dict()
+    assert out["critical_batch"] == "noise" and "branches" not in out
+    assert out["strategy"] == "noise" and out["pilot"]["fraction"] == 0.1
+    with pytest.raises(BatchboundError, match="must exceed the pilot fraction"):
+        advise(CONFIG, planned_epochs=2, max_workers=1, pilot_fraction=0.1, budget=0.1)
+    with pytest.raises(BatchboundError, match="unknown critical batch source"):
+        advise(CONFIG, planned_epochs=2, max_workers=1, critical_batch="guess")
+    with pytest.raises(BatchboundError, match="optimizer is a name"):
+        advise(CONFIG, planned_epochs=2, optimizer=lambda p: None)  # type: ignore[arg-type]

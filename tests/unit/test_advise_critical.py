@@ -1,0 +1,124 @@
+"""The critical batch from branches (advise/critical.py): the inversion, the fit and its
+interval on ratios made by the model itself, reading a run against B0's curve, the budget,
+the trajectories past the pilot and how the two predictions are combined."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from batchbound.advise.critical import (
+    CAP,
+    MIN_SPREAD,
+    combine,
+    examples_ratio,
+    fit_point,
+    invert,
+    plan_branches,
+    trajectories,
+)
+from batchbound.advise.iterations import Pilot, predict_iterations
+from batchbound.errors import BatchboundError
+
+
+def model_ratios(b_crit: float, ladder: list[int]) -> dict[int, float]:
+    """What McCandlish's model says: B keeps (B0 + B_crit)/(B + B_crit) of B0's progress."""
+    return {b: (ladder[0] + b_crit) / (b + b_crit) for b in ladder}
+
+
+@pytest.mark.parametrize("b_crit", [0.0, 5.0, 24.0, 100.0])
+def test_invert_recovers_the_critical_batch(b_crit: float) -> None:
+    b0 = 16
+    for batch in (32, 64, 128):
+        ratio = (b0 + b_crit) / (batch + b_crit)
+        assert invert(ratio, batch, b0, cap=1e9) == pytest.approx(b_crit, abs=1e-9)
+    assert invert(1.0, 32, b0, cap=512) == 512  # keeps up fully: only the cap bounds it
+    assert invert(0.3, 32, b0, cap=512) == 0.0  # worse than steps alone: B_crit = 0
+
+
+@pytest.mark.parametrize("b_crit", [4.0, 24.0, 90.0])
+def test_fit_recovers_the_model_and_brackets_it(b_crit: float) -> None:
+    ladder = [16, 32, 64, 128]
+    point = fit_point(model_ratios(b_crit, ladder), 16, MIN_SPREAD, iteration=50)
+    assert point.critical_batch == pytest.approx(b_crit, rel=0.03)
+    assert point.low <= b_crit <= point.high
+    assert point.low < point.high  # the noise floor still gives an interval
+
+
+def test_a_noisier_branch_gives_a_wider_interval() -> None:
+    decreases = model_ratios(24.0, [16, 32, 64])
+    quiet = fit_point(decreases, 16, MIN_SPREAD, 1)
+    noisy = fit_point(decreases, 16, 3 * MIN_SPREAD, 1)
+    assert noisy.low <= quiet.low and noisy.high >= quiet.high
+    assert noisy.high - noisy.low > quiet.high - quiet.low
+
+
+def test_keeping_up_everywhere_is_capped_not_infinite() -> None:
+    point = fit_point({16: 1.0, 32: 1.0, 64: 1.0}, 16, MIN_SPREAD, 1)
+    assert point.critical_batch == pytest.approx(CAP * 64, rel=0.02)
+    assert point.high == CAP * 64 and math.isfinite(point.high)
+
+
+def test_a_run_is_read_as_the_examples_b0_needed_for_its_loss() -> None:
+    curve = [(0, 10.0), (100, 8.0), (200, 7.0), (300, 7.5), (400, 6.0)]  # noisy, not linear
+    assert examples_ratio(curve, 8.0) == pytest.approx(100 / 400)
+    assert examples_ratio(curve, 7.5) == pytest.approx(150 / 400)
+    # the bump at 300 is ignored (running minimum 7.0 there): 6.5 is half way to 6.0 at 400
+    assert examples_ratio(curve, 6.5) == pytest.approx(350 / 400)
+    assert examples_ratio(curve, 7.0) == pytest.approx(200 / 400)
+    assert examples_ratio(curve, 10.0) == 0.0 and examples_ratio(curve, 11.0) == 0.0
+    assert examples_ratio(curve, math.inf) == 0.0  # a diverged run kept nothing
+    assert examples_ratio(curve, 5.0) == 1.0  # lower than B0 got: keeps up (at least)
+
+
+def test_the_plan_fits_the_budget_and_says_its_cost() -> None:
+    plan = plan_branches(16, n=10_000, largest=10_000, budget_examples=5_000,
+                         planned_examples=100_000, points=1)
+    assert plan.ladder == (16, 32, 64, 128)
+    assert plan.total_examples <= 5_000 and plan.examples >= 2 * 128
+    assert "5 % of the plan" in plan.text(lambda b: 0.01)
+    assert plan.seconds(lambda b: 0.01) == pytest.approx(0.01 * (plan.examples // 16 * 2 + sum(
+        plan.examples // b for b in (32, 64, 128))))
+    small = plan_branches(16, n=10_000, largest=10_000, budget_examples=600,
+                          planned_examples=100_000, points=1)
+    assert small.ladder == (16, 32, 64)  # fewer rungs rather than too few steps
+    with pytest.raises(BatchboundError, match="branch budget"):
+        plan_branches(16, n=10_000, largest=10_000, budget_examples=100,
+                      planned_examples=100_000, points=1)
+
+
+def test_trajectories_plateau_and_bracket() -> None:
+    ladder = [16, 32, 64]
+    point = fit_point(model_ratios(24.0, ladder), 16, MIN_SPREAD, iteration=100)
+    noise = Pilot(16, 0.1, 1000, (50, 100, 400, 1000), (3.0, 5.0, 9.0, 17.0))
+    central, low, high = trajectories([point], noise, 16, 0.1, 100, 1000)
+    # half way in log between the plateau and the noise scale's growth (4× past the pilot)
+    assert central.noise_scale(1000) == pytest.approx(point.critical_batch * 2.0)
+    assert low.noise_scale(1000) == pytest.approx(point.low)
+    assert high.noise_scale(1000) == pytest.approx(point.high * 4.0)  # noise grew 4× past it
+    for batch in (32, 128):
+        k = [predict_iterations(p, batch, "noise") for p in (central, low, high)]
+        assert k[2] <= k[0] <= k[1]
+    assert predict_iterations(central, 16, "noise") == pytest.approx(1000)
+
+
+def test_combine_spans_both_only_when_they_disagree() -> None:
+    agree = combine(500, (450, 560), 700, (520, 900))
+    assert not agree.disagree and agree.interval == (450, 560) and agree.iterations == 500
+    split = combine(500, (450, 560), 800, (700, 900))
+    assert split.disagree and split.interval == (450, 900) and split.noise_iterations == 800
+
+
+def test_adam_type_is_told_by_name_or_by_the_factorys_betas() -> None:
+    import torch
+
+    from batchbound.advise import _adaptive
+    from batchbound.train import TrainConfig
+    from batchbound.train.loop import Parts
+
+    assert _adaptive(TrainConfig(optimizer="adamw"), None)
+    assert _adaptive(TrainConfig(optimizer="adam"), None)
+    assert not _adaptive(TrainConfig(), None)
+    assert not _adaptive(TrainConfig(), Parts(optimizer=lambda p: torch.optim.SGD(p, lr=0.1)))
+    assert _adaptive(TrainConfig(), Parts(optimizer=lambda p: torch.optim.NAdam(p, lr=0.1)))

@@ -1,0 +1,128 @@
+"""The optimisers: sgd unchanged (results and stored hashes), adamw and adam against
+torch's own update, settings refused where they would be ignored, and an AdamW text LM that
+resumes bit-identically from its checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from batchbound.errors import BatchboundError
+from batchbound.train import TrainConfig
+from batchbound.train.distributed import DistContext
+from batchbound.train.loop import Trainer
+from batchbound.train.optimizers import OPTIMIZERS
+
+TEXT = ("The quick brown fox jumps over the lazy dog. " * 6 + "\n\n") * 12
+
+
+def lm_config(path: str, **changes: object) -> TrainConfig:
+    return TrainConfig(**{
+        "dataset": f"text(path={path},context=16,test_every=0)",
+        "model": "gpt(depth=1,width=16,heads=2)", "batch_size": 8, "lr": 0.01,
+        "optimizer": "adamw", "betas": (0.9, 0.95), "weight_decay": 0.1,
+        "max_iterations": 24, "max_epochs": None, "eval_every_iterations": 8,
+        "dtype": "float64", **changes})
+
+
+def params(trainer: Trainer) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
+
+
+def test_registry_and_defaults() -> None:
+    assert set(OPTIMIZERS) >= {"sgd", "adamw", "adam"}
+    config = TrainConfig()
+    assert config.optimizer == "sgd" and config.betas == (0.9, 0.999) and config.eps == 1e-8
+    # stored runs keep their keys: the new fields are hashed only when set
+    assert config.config_hash() == "956d8208960ae2e5"
+    assert TrainConfig(optimizer="sgd").config_hash() == config.config_hash()
+    adamw = TrainConfig(optimizer="adamw")
+    assert adamw.config_hash() != config.config_hash()
+    assert adamw.replace(betas=(0.9, 0.95)).config_hash() != adamw.config_hash()
+    assert TrainConfig.from_dict(adamw.replace(betas="0.9,0.95").to_dict()).betas == (0.9, 0.95)
+
+
+@pytest.mark.parametrize(("changes", "words"), [
+    ({"optimizer": "lion"}, "unknown optimizer 'lion'"),
+    ({"optimizer": "adamw", "momentum": 0.9}, "momentum is SGD's"),
+    ({"betas": (0.9, 0.95)}, "betas and eps are Adam's"),
+    ({"eps": 1e-6}, "betas and eps are Adam's"),
+    ({"optimizer": "adam", "betas": (0.9, 1.0)}, "betas must each be in [0, 1)"),
+    ({"optimizer": "adam", "betas": "0.9;0.95"}, "betas is two numbers"),
+    ({"optimizer": "adam", "betas": (0.9,)}, "betas: expected a list of 2"),
+    ({"optimizer": "adam", "eps": 0.0}, "eps must be > 0"),
+    ({"optimizer": "adamw", "final_probes": ("linear_error",)}, "measures SGD's step"),
+])
+def test_bad_optimizer_settings_are_refused(changes: dict, words: str) -> None:
+    with pytest.raises(BatchboundError) as info:
+        TrainConfig(**changes)
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam"])
+def test_the_trainer_steps_as_torch_does(name: str) -> None:
+    """Our trainer's parameters after 5 steps equal a plain loop's with torch's optimiser
+    over the same batches (the mean convention, float64)."""
+    config = TrainConfig(dataset="digits", model="fc(depth=1,params=800)", batch_size=32,
+                         lr=0.01, optimizer=name, betas=(0.8, 0.9), eps=1e-7,
+                         weight_decay=0.05, max_iterations=5, eval_every_iterations=5,
+                         dtype="float64")
+    trainer = Trainer(config, DistContext())
+    model = __import__("copy").deepcopy(trainer.model)
+    indices = []
+    step = trainer.sampler.next_indices
+
+    def record(batch: int) -> torch.Tensor:
+        out = step(batch)
+        indices.append(out.clone())
+        return out
+
+    trainer.sampler.next_indices = record  # type: ignore[method-assign]
+    trainer.run()
+    cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}[name]
+    reference = cls(model.parameters(), lr=0.01, betas=(0.8, 0.9), eps=1e-7, weight_decay=0.05)
+    for local in indices:
+        x, y = trainer.data.x_train[local], trainer.data.y_train[local]
+        reference.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        reference.step()
+    mine = params(trainer)
+    theirs = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert torch.allclose(mine, theirs, rtol=1e-10, atol=1e-12)
+    assert not torch.equal(mine, params(Trainer(config, DistContext())))  # it trained
+
+
+def test_adamw_text_lm_resumes_bit_identically(tmp_path) -> None:
+    text = tmp_path / "fox.txt"
+    text.write_text(TEXT)
+    config = lm_config(str(text), checkpoint_every=5)
+    whole = Trainer(config, DistContext())
+    expected = whole.run()
+    path = tmp_path / "run.ckpt"
+    first = Trainer(config, DistContext(), checkpoint_path=path)
+    step = first.train_step
+
+    def interrupted(*args: object) -> dict:
+        if first.iteration == 10:  # SIGTERM arrives during iteration 11
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(*args)
+
+    first.train_step = interrupted  # type: ignore[method-assign]
+    assert first.run().status == "stopped"
+    again = Trainer(config, DistContext(), checkpoint_path=path)
+    resumed = again.run(resume=True)
+    assert resumed.status == "complete" and resumed.final["iterations"] == 24
+    strip = [(i, e, m, v) for i, e, _, m, v in expected.curves]
+    assert [(i, e, m, v) for i, e, _, m, v in resumed.curves] == strip
+    assert torch.equal(params(again), params(whole))
+    mine, theirs = again.optimizer.state_dict(), whole.optimizer.state_dict()
+    assert mine["param_groups"] == theirs["param_groups"]
+    for a, b in zip(mine["state"].values(), theirs["state"].values(), strict=True):
+        assert set(a) == {"step", "exp_avg", "exp_avg_sq"}
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    # the losses fell: an AdamW text LM trains
+    losses = [v for _, _, _, m, v in expected.curves if m == "train_loss"]
+    assert losses[-1] < losses[0]
