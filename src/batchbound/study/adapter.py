@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchbound.config import config_hash
+from batchbound.errors import BatchboundError
 
 if TYPE_CHECKING:
     from batchbound.study.spec import DataSpec, StudySpec
@@ -125,3 +126,24 @@ def execute(fields: dict[str, Any], checkpoint_dir: Path, resume: bool) -> dict[
 def resolve_trainer(name: str) -> Callable[[dict[str, Any], Path, bool], dict[str, Any]]:
     module, _, attr = name.partition(":")
     return getattr(importlib.import_module(module), attr)
+
+
+def check_trainer(name: str) -> None:
+    """Refuse a trainer that cannot be imported or called, before the first run: a typo in
+    ``--trainer`` would otherwise fail every run, each with the error in the store only."""
+    module, colon, attr = name.partition(":")
+    if not colon or not module or not attr:
+        raise BatchboundError(f"trainer {name!r}: give it as module:function, e.g. "
+                              f"{DEFAULT_TRAINER}")
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except SystemExit as exc:  # an import that exits would end the runner silently
+        raise BatchboundError(f"trainer {name!r}: importing {module} called sys.exit"
+                              f"({exc.code!r})") from None
+    except AttributeError:
+        raise BatchboundError(f"trainer {name!r}: module {module} has no {attr!r}") from None
+    except Exception as exc:  # ModuleNotFoundError, or the module's own error on import
+        raise BatchboundError(f"trainer {name!r}: cannot import {module}: "
+                              f"{type(exc).__name__}: {exc}") from None
+    if not callable(found):
+        raise BatchboundError(f"trainer {name!r}: {attr} is not callable")

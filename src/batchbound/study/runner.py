@@ -34,7 +34,7 @@ from typing import Any
 import pandas as pd
 
 from batchbound.errors import BatchboundError
-from batchbound.study.adapter import DEFAULT_TRAINER
+from batchbound.study.adapter import DEFAULT_TRAINER, check_trainer
 from batchbound.study.executor import Executor, Job, Outcome, make_executor
 from batchbound.study.plan import FINAL, TUNE, Cell, Plan, PlannedRun, make_plan
 from batchbound.study.spec import StudySpec
@@ -287,6 +287,7 @@ def run_study(spec: StudySpec, store_path: str | Path, jobs: int | None = None, 
     store_path = Path(store_path)
     board = None if tensorboard is None else _TensorBoardRuns(tensorboard)
     with Store(store_path, exclusive=True) as store:  # refused before any planning
+        check_trainer(trainer)  # a typo fails here, not in every run's error column
         plan = make_plan(spec)
         if on_plan is not None:
             on_plan(plan)
@@ -297,6 +298,7 @@ def run_study(spec: StudySpec, store_path: str | Path, jobs: int | None = None, 
         runner = StudyRunner(spec, plan, store, executor or make_executor(jobs), outcome,
                              trainer=trainer, checkpoints=root, board=board, progress=progress)
         runner.run()
+        store.check_identity("found at the end of the study")  # before it is reported saved
     outcome.seconds["store"] = runner.store_seconds
     if board is not None:
         outcome.seconds["tensorboard"] = board.seconds
