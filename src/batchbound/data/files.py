@@ -25,6 +25,7 @@ from numpy.lib.npyio import NpzFile
 
 from batchbound.data.dataset import CLASSIFICATION, REGRESSION, Dataset
 from batchbound.data.formats import one_line, read_cifar_batch, read_idx, read_svmlight
+from batchbound.data.identity import note_read
 from batchbound.data.registry import MissingCheck, register_dataset
 from batchbound.data.splits import split_indices
 from batchbound.errors import BatchboundError
@@ -49,6 +50,8 @@ def find_files(
     for directory in dirs:
         found = [p for p in (_locate(directory, n, compressed) for n in names) if p is not None]
         if len(found) == len(names):
+            for path in found:
+                note_read(path)  # part of the data's identity (batchbound.data.identity)
             return found
     return None
 
@@ -298,6 +301,7 @@ def resolve_user_file(data_dir: Path, path: object, label: str, option: str) -> 
     given = Path(path).expanduser()
     for candidate in (given, data_dir / given):
         if candidate.is_file():
+            note_read(candidate)  # part of the data's identity (batchbound.data.identity)
             return candidate
     raise BatchboundError(
         f"{label}: file {path!r} not found (looked at {given} and {data_dir / given})"

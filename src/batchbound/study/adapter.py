@@ -105,20 +105,32 @@ def load_data(data: DataSpec) -> Any:
     return dataset
 
 
-_DATA_CACHE: dict[str, Any] = {}  # per worker process: a study reuses a few data sets
+# per worker process, with the fingerprint of its files: a study reuses a few data sets
+_DATA_CACHE: dict[str, tuple[Any, str | None]] = {}
 
 
 def execute(fields: dict[str, Any], checkpoint_dir: Path, resume: bool) -> dict[str, Any]:
     """Run one config with batchbound.train and return ``RunResult.to_dict()``."""
     from batchbound.data import load_dataset
+    from batchbound.data.identity import fingerprint, recording
     from batchbound.train import TrainConfig, train
 
     config = TrainConfig.from_dict(dict(fields))
-    if config.dataset not in _DATA_CACHE:
-        _DATA_CACHE[config.dataset] = load_dataset(config.dataset, config.data_dir)
+    cached = _DATA_CACHE.get(config.dataset)
+    if cached is None or (config.data_files is not None and cached[1] != config.data_files):
+        with recording() as read:  # loaded again when its files changed since it was cached
+            dataset = load_dataset(config.dataset, config.data_dir)
+        _DATA_CACHE[config.dataset] = (dataset, fingerprint(read))
+    dataset, files = _DATA_CACHE[config.dataset]
+    if config.data_files is not None and files != config.data_files:
+        # the files changed after the study was planned: this run's key names other data
+        raise BatchboundError(
+            f"the files of {config.dataset} changed after the study was planned (fingerprint "
+            f"{files}, planned {config.data_files}); `study run` again plans it on the new "
+            "data")
     path = Path(checkpoint_dir) / "checkpoint.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    result = train(config, dataset=_DATA_CACHE[config.dataset], checkpoint_path=path,
+    result = train(config, dataset=dataset, checkpoint_path=path,
                    resume=resume and path.exists(), progress=False)
     return result.to_dict()
 
