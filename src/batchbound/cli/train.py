@@ -107,7 +107,9 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         values["targets"] = targets
     if args.no_stop_at_targets:
         values["stop_at_targets"] = False
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    from batchbound.train.distributed import env_world_size
+
+    world = env_world_size()  # checked: a malformed or leftover torchrun setting is one line
     if world > 1 and args.workers is None:
         values["workers"] = world
     return TrainConfig.from_dict(values)
@@ -119,7 +121,9 @@ def run_command(args: argparse.Namespace) -> int:
         raise BatchboundError("--resume needs --checkpoint PATH")
     if args.tensorboard:  # a bad directory fails now, not after the training
         check_logdir(args.tensorboard)
-    main = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 writes
+    from batchbound.train.distributed import env_rank
+
+    main = env_rank() == 0  # under torchrun, rank 0 writes
     outputs = (args.checkpoint, args.output, args.tensorboard) if main else ()
     with claim_outputs(outputs):  # a second run given the same paths is refused now
         result = train(

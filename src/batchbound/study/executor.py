@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
+import signal
 import sys
 import time
 import traceback
@@ -136,6 +137,20 @@ def _init_worker(threads: int) -> None:
 
     torch.set_num_threads(threads)
     die_with_parent()
+    signal.signal(signal.SIGINT, _interrupt_runner)
+
+
+def _interrupt_runner(signum: int, frame: object) -> None:
+    """SIGINT to one pool worker is SIGINT to the study: passed on to the runner, which
+    stops every run at a checkpoint (as Ctrl-C to the whole group does), instead of a
+    KeyboardInterrupt that breaks the pool and fails the runs in it. The trainer's own
+    handler, installed while a run trains, stops that run and calls this one too."""
+    parent = os.getppid()
+    if parent > 1:
+        os.kill(parent, signal.SIGINT)
+
+
+_interrupt_runner.chained = True  # type: ignore[attr-defined]  # StopFlag calls it too
 
 
 def default_jobs() -> int:

@@ -33,6 +33,7 @@ from typing import Any
 
 import pandas as pd
 
+from batchbound.environment import check_torchrun_environment
 from batchbound.errors import BatchboundError
 from batchbound.study.adapter import DEFAULT_TRAINER, check_trainer
 from batchbound.study.executor import Executor, Job, Outcome, make_executor
@@ -284,6 +285,11 @@ def run_study(spec: StudySpec, store_path: str | Path, jobs: int | None = None, 
     keep their checkpoints (default ``<store>-checkpoints`` beside the store; every worker
     must reach it)."""
     clock = time.perf_counter()
+    world, _ = check_torchrun_environment()  # every run inherits it: check it once, first
+    if world > 1:
+        raise BatchboundError(f"study run in a torchrun environment (WORLD_SIZE={world}): each "
+                              "run would try to join that group; run the study outside "
+                              "torchrun (a run's own workers: [train] workers)")
     store_path = Path(store_path)
     board = None if tensorboard is None else _TensorBoardRuns(tensorboard)
     with Store(store_path, exclusive=True) as store:  # refused before any planning
