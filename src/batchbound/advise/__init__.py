@@ -184,6 +184,9 @@ def advise(
                                                device=device, targets=tuple(targets))
     planned = _planned(config, data_set, planned_epochs, planned_iterations, pilot_fraction)
     _check_options(config, strategy, overlap, probe_tolerance, estimator, planned)
+    # what the pilot would refuse, refused before the timing and the pilot: a user's model
+    # factory is built and run on one example here, its shapes named on a mismatch
+    config.validate_against(data_set, model_given=parts is not None and parts.model is not None)
     spec, limit = _worker_limit(max_workers, cluster)
     device_ = resolve_device(config.device)
     n = data_set.n_train

@@ -349,12 +349,20 @@ class TrainConfig:
 
         from batchbound.models import build_model, check_fits, model_shape
         from batchbound.models.layers import check_task
-        from batchbound.models.user import is_user_spec, load_factory
+        from batchbound.models.user import is_user_spec, load_factory, probe_user_model
 
         if model_given:
             return
         if is_user_spec(self.model):  # a user's factory may not build on the meta device:
-            load_factory(self.model)  # it must import; the trainer's real build checks the rest
+            load_factory(self.model)  # it must import, build, and take one of the examples
+            model = build_model(self.model, dataset.input_shape, dataset.num_outputs,
+                                seed=self.seed)
+            dtype = torch.float64 if self.dtype == "float64" else torch.float32
+            example = dataset.x_train[:1]
+            if example.is_floating_point():
+                example = example.to(dtype)
+            probe_user_model(self.model, model.to(dtype), example, dataset.num_outputs,
+                             dataset.task)
             return
         with torch.device("meta"):
             model = build_model(self.model, dataset.input_shape, dataset.num_outputs)
