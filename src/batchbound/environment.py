@@ -42,6 +42,7 @@ def check_torchrun_environment() -> tuple[int, int]:
     rank = integer("RANK", 0)
     integer("LOCAL_RANK", 0)
     port = integer("MASTER_PORT", 1)
+    integer("TORCHELASTIC_RESTART_COUNT", 0)
     if world is None or world == 1:
         if rank:  # a leftover RANK would silence this process's output as a non-main rank
             raise BatchboundError(f"environment variable RANK={env['RANK']!r} without a world "
@@ -65,3 +66,9 @@ def check_torchrun_environment() -> tuple[int, int]:
 
 _ENV_HINT = ("left over from another job? unset WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR and "
              "MASTER_PORT, or launch with torchrun, which sets them all")
+
+
+def restart_count() -> int:
+    """TORCHELASTIC_RESTART_COUNT (0 when torchrun has not restarted this group), checked."""
+    check_torchrun_environment()
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip())

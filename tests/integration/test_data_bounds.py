@@ -100,3 +100,22 @@ def test_every_file_format_is_bounded_before_reading(tmp_path, capsys):
     refused(["measure", *FC, "--dataset", "cifar10", "--data-dir", str(tmp_path)],
             r"data_batch_1: [\d,]+ bytes, more than .* as a CIFAR python batch", capsys)
     assert os.stat(text).st_blocks == 0  # nothing was written: the bounds came first
+
+
+def test_a_compressed_idx_file_is_bounded_by_its_header(tmp_path, capsys):
+    """A gzipped IDX file is small on disk whatever it holds: its header's shape is checked
+    before its payload is read."""
+    import gzip
+
+    folder = tmp_path / "mnist"
+    folder.mkdir()
+    header = bytes([0, 0, 0x08, 3]) + np.array([70000, 40000, 28], ">u4").tobytes()
+    for name in ("train-images-idx3-ubyte", "t10k-images-idx3-ubyte"):
+        with gzip.open(folder / f"{name}.gz", "wb") as handle:
+            handle.write(header + b"\0" * 1000)
+    for name in ("train-labels-idx1-ubyte", "t10k-labels-idx1-ubyte"):
+        with gzip.open(folder / f"{name}.gz", "wb") as handle:
+            handle.write(bytes([0, 0, 0x08, 1]) + np.array([3], ">u4").tobytes() + b"\0" * 3)
+    refused(["measure", *FC, "--dataset", "mnist", "--data-dir", str(tmp_path)],
+            r"train-images-idx3-ubyte\.gz: its IDX header's shape \(70000, 40000, 28\) would "
+            r"be 7\.84e\+10 values", capsys)

@@ -63,10 +63,13 @@ ENVIRONMENTS = {
     "a leftover RANK=1": ({"RANK": "1"}, r"RANK='1' without a world of several ranks"),
     "RANK past the world": ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1",
                              "MASTER_PORT": "29500"}, r"RANK=2 is not below WORLD_SIZE=2"),
+    "a restart count not a number": ({"TORCHELASTIC_RESTART_COUNT": "x"},
+                                     r"TORCHELASTIC_RESTART_COUNT='x' is not an integer"),
     "a port past 65535": ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": "70000"}, r"MASTER_PORT=70000 is not a port"),
 }
-TORCHRUN = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+            "TORCHELASTIC_RESTART_COUNT")
 
 
 @BAD_INPUT

@@ -232,3 +232,18 @@ def test_a_damaged_page_found_by_a_read_is_one_line(tmp_path):
         s.db = sqlite3.connect(":memory:")  # a query SQLite cannot answer
         with pytest.raises(BatchboundError, match="could not be read"):
             s.table("runs")
+
+
+def test_the_database_file_alone_holds_every_recorded_run(tmp_path):
+    """A copy of the store file without its -wal (the usual way a file is copied) holds
+    every run recorded so far: each result is checkpointed into the file."""
+    store = tmp_path / "s.sqlite"
+    with Store(store, exclusive=True) as s:
+        s.register_study("a", {})
+        s.register_runs("a", [("k1", "tune", {}, {})])
+        s.mark_running("k1")
+        s.record_result("k1", {"status": "complete", "curves": [], "targets": []}, 1.0)
+        copy = tmp_path / "copy.sqlite"
+        shutil.copy(store, copy)  # while the runner holds it, without -wal and -shm
+        with Store(copy, readonly=True) as c:
+            assert c.status("k1") == "complete"

@@ -98,6 +98,8 @@ def read_idx(path: Path) -> np.ndarray:
                 raise BatchboundError(f"{path}: IDX file ends inside its header ({ndim} dims)")
             shape = tuple(int(v) for v in np.frombuffer(dims, ">u4"))
             dtype = np.dtype(_IDX_DTYPES[magic[2]])
+            # a gzipped file can hold far more than its size: bounded by its header first
+            check_values(str(path), math.prod(shape), f"its IDX header's shape {shape}")
             size = math.prod(shape) * dtype.itemsize
             payload = _read_at_most(handle, size + 1)  # one more byte: is there extra data?
     except _READ_ERRORS as exc:

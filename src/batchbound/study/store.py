@@ -415,6 +415,10 @@ class Store:
                 (status, time.time(), wall_seconds,
                  json.dumps(result.get("final", {}), default=str, allow_nan=True),
                  result.get("message") or result.get("error"), key))
+        # into the database file itself, as far as readers allow: a copy of the file alone
+        # (without its -wal) then holds every run recorded so far
+        with contextlib.suppress(sqlite3.Error):
+            self.db.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
     # ---- reading --------------------------------------------------------------------------
     def status(self, key: str) -> str | None:

@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 
 from batchbound import kernels
 from batchbound.data import Dataset, apply_transform, load_dataset
+from batchbound.environment import restart_count
 from batchbound.errors import BatchboundError, FaultError
 from batchbound.lifetime import die_with_parent
 from batchbound.train.config import TrainConfig
@@ -68,8 +69,7 @@ def train(
         raise BatchboundError("resume needs a checkpoint path")
     if not stall_timeout > 0:
         raise BatchboundError(f"stall timeout must be > 0 seconds, got {stall_timeout!r}")
-    env_world_size()  # the torchrun environment, checked before any work
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restarts = restart_count()  # the torchrun environment, checked before any work
     if restarts and not resume and checkpoint_path and Path(checkpoint_path).exists():
         resume = True
         if env_rank() == 0:
