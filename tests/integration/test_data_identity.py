@@ -93,3 +93,22 @@ def test_every_file_a_loader_finds_is_recorded(tmp_path):
     with recording() as read:
         load_dataset(f"libsvm(path={a},test={b})")
     assert set(read) == {a.resolve(), b.resolve()}  # the test file too
+
+
+def test_a_resume_on_rewritten_data_is_refused(tmp_path, capsys):
+    """`train --resume` from a checkpoint whose data file was rewritten since (same shape,
+    other labels) would continue on other data; the checkpoint records the data's digest."""
+    from bad_input import refused
+
+    from batchbound.cli import main
+
+    data = tmp_path / "d.npz"
+    _write(data, labels_seed=1)
+    argv = ["train", "--dataset", f"npz(path={data})", "--model", "fc(depth=1,width=4)", "-B",
+            "10", "--checkpoint", str(tmp_path / "ck.pt"), "--checkpoint-every", "2",
+            "--max-iterations", "4", "--no-progress", "--json"]
+    assert main(argv) == 0
+    assert main([*argv, "--resume"]) == 0  # the same data: resumed
+    _write(data, labels_seed=2)
+    refused([*argv, "--resume"], r"checkpoint .*ck\.pt was trained on other data than "
+            r"npz\(path=.*\) holds now", capsys)

@@ -17,6 +17,9 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 _READ: ContextVar[list[Path] | None] = ContextVar("batchbound_files_read", default=None)
 _DIGESTS: dict[tuple[int, int, int, int], str] = {}
@@ -62,3 +65,15 @@ def fingerprint(paths: Iterable[Path]) -> str | None:
         return None
     lines = [f"{p.name} {os.stat(p).st_size} {content_hash(p)}" for p in unique]
     return "sha256:" + hashlib.sha256("\n".join(lines).encode()).hexdigest()[:32]
+
+
+def data_digest(dataset: Any) -> str:
+    """SHA-256 of a data set's tensors as loaded (train and test, inputs and labels, with
+    their dtypes and shapes): what a checkpoint records, so that a run resumed on other data
+    (a file rewritten between the stop and the resume) is refused, whatever it came from."""
+    digest = hashlib.sha256()
+    for tensor in (dataset.x_train, dataset.y_train, dataset.x_test, dataset.y_test):
+        array = np.ascontiguousarray(tensor.detach().cpu().numpy())
+        digest.update(f"{array.dtype.str} {array.shape}\n".encode())
+        digest.update(memoryview(array).cast("B"))
+    return "sha256:" + digest.hexdigest()[:32]
