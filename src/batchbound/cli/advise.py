@@ -28,6 +28,7 @@ PILOT_FIELDS = ("transform", "model", "loss", "batch_size", "lr", "momentum", "w
                 "divergence_factor", "eval_subset", "eval_batch_size", "device", "dtype")
 PILOT_EXCLUDED = {
     "dataset": "--dataset", "data_dir": "--data-dir", "targets": "--target-*",
+    "data_files": "a study's record of the files its data came from, not a pilot's",
     "strategy": "advise's --strategy is the rate rule of its rows",
     "workers": "the pilot runs on one process; --max-workers sets the rows",
     "stop_at_targets": "set by advise", "max_iterations": "set from the plan",
