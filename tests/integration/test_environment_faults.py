@@ -184,3 +184,32 @@ def test_sigint_to_one_pool_worker_stops_the_study_like_ctrl_c(tmp_path):
     before = len(log_entries(log))
     finish(start_study(spec, store, log, sleep=0.0, jobs=2))
     assert sum(resumed for _, resumed in log_entries(log)[before:]) >= 2
+
+
+@FAULT
+def test_an_advice_figure_folder_removed_keeps_the_advice(tmp_path, monkeypatch, capsys):
+    """`advise --figure D/a.png` with D removed while advise works: the advice is printed,
+    then one line says the figure could not be written (exit 1), not a traceback after the
+    whole pilot with the advice lost."""
+    import batchbound.cli.advise as cli_advise
+    from batchbound.cli import main
+
+    folder = tmp_path / "D"
+    folder.mkdir()
+    real = cli_advise.plot_advice
+
+    def removed_first(advice, path):  # the folder goes while advise works
+        shutil.rmtree(folder)
+        return real(advice, path)
+
+    monkeypatch.setattr(cli_advise, "plot_advice", removed_first)
+    code = main(["advise", "--dataset", "digits", "--model", "fc(depth=1,params=800)",
+                 "--target-train-acc", "0.9", "--max-workers", "1", "--json", "--figure",
+                 str(folder / "a.png")])
+    out, err = capsys.readouterr()
+    assert code == 1, err
+    assert "Traceback" not in err
+    assert json.loads(out)["batch_bound"] > 0  # the advice, printed
+    last = err.strip().splitlines()[-1]
+    assert f"cannot write the figure {folder / 'a.png'}" in last
+    assert "the advice is printed above" in last
