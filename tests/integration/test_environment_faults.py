@@ -213,3 +213,25 @@ def test_an_advice_figure_folder_removed_keeps_the_advice(tmp_path, monkeypatch,
     last = err.strip().splitlines()[-1]
     assert f"cannot write the figure {folder / 'a.png'}" in last
     assert "the advice is printed above" in last
+
+
+@BAD_INPUT
+def test_more_pool_workers_than_memory_can_start_are_refused(tmp_path, capsys, monkeypatch):
+    from study_processes import TRAINER
+
+    import batchbound.train.launch as launch
+    from batchbound.study.executor import LocalPool
+
+    monkeypatch.setattr(launch, "available_memory_bytes", lambda: 3 * launch.WORKER_BYTES)
+    spec = tmp_path / "spec.toml"
+    spec.write_text('[study]\nname = "m"\n[data]\ndatasets = ["digits"]\n[models]\n'
+                    'specs = ["fc(depth=1,width=8)"]\n[batches]\nsizes = [64]\n[lr]\n'
+                    'grid = [0.1]\ntuning = "none"\n[train]\ntargets = { train_acc = 0.5 }\n'
+                    'max_epochs = 1\nrepeats = 1\n')
+    refused(["study", "run", str(spec), "--store", str(tmp_path / "s.sqlite"), "--jobs", "4",
+             "--trainer", TRAINER, "--no-progress"],
+            r"--jobs 4 needs about 1\.2 GB for its worker processes .* use fewer --jobs",
+            capsys)
+    assert LocalPool(3).jobs == 3
+    monkeypatch.setattr("batchbound.study.executor.default_jobs", lambda: 16)
+    assert LocalPool().jobs == 3  # the default pool: as many as fit

@@ -165,7 +165,7 @@ class LocalPool:
     def __init__(self, jobs: int | None = None) -> None:
         if jobs is not None and jobs < 1:
             raise BatchboundError(f"jobs must be at least 1 (0 runs inline), got {jobs}")
-        self.jobs = jobs or default_jobs()
+        self.jobs = _check_memory(jobs) if jobs else _jobs_that_fit(default_jobs())
         self.threads = RUN_THREADS
         self.pool: ProcessPoolExecutor | None = None  # started by the first submit
         self.pending: dict[Future[Outcome], Job] = {}
@@ -214,6 +214,28 @@ class LocalPool:
             if process.is_alive():
                 process.kill()
         self.pending.clear()
+
+
+def _check_memory(jobs: int) -> int:
+    """Refuse more pool workers than the memory free now can start (each imports torch),
+    before any starts: the kernel would kill them one by one, each run failing."""
+    from batchbound.train.launch import WORKER_BYTES, available_memory_bytes
+
+    memory = available_memory_bytes()
+    if memory is not None and jobs * WORKER_BYTES > memory:
+        raise BatchboundError(
+            f"--jobs {jobs} needs about {jobs * WORKER_BYTES / 2**30:.1f} GB for its worker "
+            f"processes (≈{WORKER_BYTES // 2**20} MB each with torch loaded); this machine has "
+            f"{memory / 2**30:.1f} GB available now: use fewer --jobs")
+    return jobs
+
+
+def _jobs_that_fit(cores: int) -> int:
+    """The default pool: one worker per core, as many as the free memory can start."""
+    from batchbound.train.launch import WORKER_BYTES, available_memory_bytes
+
+    memory = available_memory_bytes()
+    return cores if memory is None else max(1, min(cores, memory // WORKER_BYTES))
 
 
 # Executors by name: a module and the class in it, imported when chosen (Ray is optional).
