@@ -5,6 +5,7 @@ changed after planning refuses the run; embedded data sets read no file and keep
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -50,6 +51,13 @@ def test_a_rewritten_data_file_is_rerun_not_reused(tmp_path):
     assert fingerprint([data]) != before
     changed = run_study(spec, store, jobs=0, progress=False, trainer=TRAINER)
     assert (changed.executed, changed.skipped) == (2, 0)
+    from batchbound.study.store import Store
+
+    with Store(store, readonly=True) as s:  # the study now holds the new runs only
+        linked = s.frames("files")["runs"]
+        assert len(linked) == 2
+        assert {json.loads(c)["data_files"] for c in linked["config_json"]} == {
+            fingerprint([data])}
 
 
 def test_the_key_follows_the_content_not_the_time(tmp_path):

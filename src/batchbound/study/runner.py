@@ -206,9 +206,10 @@ class StudyRunner:
         try:
             if self.spec.lr.tuning == "none":
                 finals = self.plan.final_runs({})
-                with self._store_time():
-                    self.store.register_runs(self.spec.name, [
-                        (r.key, FINAL, dict(r.fields), r.labels()) for r in finals])
+                with self._store_time():  # one final per grid point: a run of the same
+                    # point under another key (its data files changed) is unlinked
+                    self.store.replace_finals(self.spec.name, [
+                        (r.key, dict(r.fields), r.labels()) for r in finals])
                 self.launch(finals)
             else:
                 self.launch(self.tuning)
