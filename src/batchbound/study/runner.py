@@ -293,8 +293,8 @@ def run_study(spec: StudySpec, store_path: str | Path, jobs: int | None = None, 
                               "torchrun (a run's own workers: [train] workers)")
     store_path = Path(store_path)
     board = None if tensorboard is None else _TensorBoardRuns(tensorboard)
+    check_trainer(trainer)  # a typo fails here, not in every run's error column
     with Store(store_path, exclusive=True) as store:  # refused before any planning
-        check_trainer(trainer)  # a typo fails here, not in every run's error column
         plan = make_plan(spec)
         if on_plan is not None:
             on_plan(plan)
