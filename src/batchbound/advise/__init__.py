@@ -289,6 +289,9 @@ def advise(
     if branches and not (isinstance(budget, (int, float)) and pilot_fraction < budget <= 1):
         raise BatchboundError(f"the budget {budget!r} must exceed the pilot fraction "
                               f"{pilot_fraction:g} (the branches get the rest) and be <= 1")
+    # what the pilot would refuse, refused before the timing and the pilot: a user's model
+    # factory is built and run on one example here, its shapes named on a mismatch
+    config.validate_against(data_set, model_given=parts is not None and parts.model is not None)
     spec, limit = _worker_limit(max_workers, cluster)
     device_ = resolve_device(config.device)
     n = data_set.n_train

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from batchbound.advise import advise, advise_from_study
 from batchbound.advise.figure import plot_advice
@@ -16,7 +17,7 @@ from batchbound.advise.pilot import ESTIMATORS
 from batchbound.advise.timing import OVERLAPS
 from batchbound.cli.commands import SUMMARY
 from batchbound.cli.common import add_config_flags, add_data_arguments, writable_file
-from batchbound.errors import BatchboundError
+from batchbound.errors import BatchboundError, FaultError
 from batchbound.study.measured import load_advice_input
 from batchbound.train import TARGET_METRICS, TrainConfig, target_list
 from batchbound.train.config import GROUPS
@@ -31,6 +32,7 @@ PILOT_FIELDS = ("transform", "model", "loss", "batch_size", "lr", "optimizer", "
                 "divergence_factor", "eval_subset", "eval_batch_size", "device", "dtype")
 PILOT_EXCLUDED = {
     "dataset": "--dataset", "data_dir": "--data-dir", "targets": "--target-*",
+    "data_files": "a study's record of the files its data came from, not a pilot's",
     "strategy": "advise's --strategy is the rate rule of its rows",
     "workers": "the pilot runs on one process; --max-workers sets the rows",
     "stop_at_targets": "set by advise", "max_iterations": "set from the plan",
@@ -162,12 +164,21 @@ def run_command(args: argparse.Namespace) -> int:
                         diversity_every_epochs=args.diversity_every, with_probe=args.probe,
                         probe_tolerance=args.probe_tolerance,
                         progress=sys.stderr.isatty() and not args.json, log=log)
-    if args.figure:
-        plot_advice(advice, args.figure)
-        log(f"figure written to {args.figure}")
     if args.json:
-        print(advice.to_json())
-        return 0
+        print(advice.to_json(), flush=True)
+    else:
+        _print_advice(advice)
+    if args.figure:  # after the advice: a figure that cannot be written must not lose it
+        try:
+            plot_advice(advice, args.figure)
+        except OSError as exc:
+            raise FaultError(f"cannot write the figure {args.figure}: {exc.strerror or exc}; "
+                             "the advice is printed above") from None
+        log(f"figure written to {args.figure}")
+    return 0
+
+
+def _print_advice(advice: Any) -> None:
     print(advice.table())
     print()
     print(advice.summary())
@@ -178,5 +189,4 @@ def run_command(args: argparse.Namespace) -> int:
         for p in advice.probe:
             print(f"  epoch {p.epoch:.2f}: n·Δ = {p.batch_bound:.4g}, keeps up to "
                   f"B = {p.empirical_cbs}")
-    print(f"\nassumptions: {advice.assumptions}")
-    return 0
+    print(f"\nassumptions: {advice.assumptions}", flush=True)

@@ -94,18 +94,31 @@ def _writable_folder(path: str | Path, folder: Path, make_folders: bool) -> None
 
 
 def count(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``minimum`` (``--jobs``, ``--outputs``)."""
+    """An argparse type: an integer >= ``minimum`` (``--jobs``, ``--outputs``) that fits in
+    64 bits."""
 
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+        value = int64(text)
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
         return value
 
     return parse
+
+
+def int64(text: str) -> int:
+    """An argparse type: an integer that fits in 64 bits, as seeds and sizes must for torch
+    and the store (a seed of 10**29 was torch's "Overflow when unpacking long long")."""
+    from batchbound.config import INT64_MAX
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+    if not -INT64_MAX - 1 <= value <= INT64_MAX:
+        raise argparse.ArgumentTypeError(f"{value} does not fit in a 64-bit integer (at most "
+                                         f"{INT64_MAX})")
+    return value
 
 
 def _argument(check: Callable[[str], Path]) -> Callable[[str], Path]:

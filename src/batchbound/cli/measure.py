@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from batchbound.cli.commands import SUMMARY
-from batchbound.cli.common import add_data_arguments, add_model_argument
+from batchbound.cli.common import add_data_arguments, add_model_argument, int64
 from batchbound.data import load_dataset
 from batchbound.diversity import ENGINES, LOSS_NAMES, measure
 from batchbound.models import build_model, count_parameters, model_shape
@@ -42,12 +42,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(reference), auto (hooks, vmap for layers without a rule); default auto",
     )
     parser.add_argument(
-        "--chunk-size", type=int, default=256, help="examples per backward pass; default 256"
+        "--chunk-size", type=int64, default=256, help="examples per backward pass; default 256"
     )
     parser.add_argument(
         "--dtype", choices=list(DTYPES), default="float32", help="precision; default float32"
     )
-    parser.add_argument("--seed", type=int, default=0, help="model initialisation seed; default 0")
+    parser.add_argument("--seed", type=int64, default=0,
+                        help="model initialisation seed; default 0")
     parser.add_argument("--device", default="auto",
                         help="auto (cuda when available) | cpu | cuda[:i]; default auto")
     parser.add_argument(

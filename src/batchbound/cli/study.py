@@ -150,8 +150,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             outcome = run_study(spec, store, args.jobs, trainer=args.trainer or DEFAULT_TRAINER,
                                 progress=not args.no_progress, tensorboard=args.tensorboard,
                                 executor=executor, checkpoints=args.checkpoint_dir)
-    except _Stopped:  # the runner closed its executor: the runs stopped at checkpoints
-        print(f"study {spec.name}: stopped by SIGTERM; the runs in progress stopped at their "
+    except _Stopped as stopped:  # the runner closed its executor: runs stopped at checkpoints
+        print(f"study {spec.name}: stopped by {stopped}; the runs in progress stopped at their "
               f"checkpoints, and `study run` again resumes them; store {store}",
               file=sys.stderr)
         return EXIT_STOPPED
@@ -164,20 +164,27 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 class _Stopped(Exception):
-    """SIGTERM reached the runner (raised where it was, as Ctrl-C's KeyboardInterrupt is)."""
+    """SIGTERM or SIGINT reached the runner (raised where it was, as Ctrl-C's
+    KeyboardInterrupt is); its text is the signal's name."""
 
 
 @contextmanager
 def _stopped_by_sigterm() -> Iterator[None]:
-    def stop(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the workers are being stopped
-        raise _Stopped
+    """SIGTERM and SIGINT (Ctrl-C to the group, or to one pool worker, which passes it on)
+    stop the study once: further ones, from the workers being stopped, are ignored."""
+    signals = (signal.SIGTERM, signal.SIGINT)
 
-    previous = signal.signal(signal.SIGTERM, stop)
+    def stop(signum: int, frame: object) -> None:
+        for sig in signals:  # once: the workers are being stopped
+            signal.signal(sig, signal.SIG_IGN)
+        raise _Stopped(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, stop) for sig in signals}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def cmd_export(args: argparse.Namespace) -> int:

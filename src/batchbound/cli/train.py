@@ -10,6 +10,8 @@ import json
 import math
 import os
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from batchbound.cli.claim import claim_outputs
@@ -22,7 +24,7 @@ from batchbound.cli.common import (
     writable_file,
 )
 from batchbound.config import load_toml
-from batchbound.errors import BatchboundError
+from batchbound.errors import BatchboundError, FaultError
 from batchbound.train import TARGET_METRICS, RunResult, TrainConfig, target_list, train
 from batchbound.train.config import GROUPS
 from batchbound.train.stall import DEFAULT_STALL_TIMEOUT, resume_hint
@@ -106,7 +108,9 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         values["targets"] = targets
     if args.no_stop_at_targets:
         values["stop_at_targets"] = False
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    from batchbound.train.distributed import env_world_size
+
+    world = env_world_size()  # checked: a malformed or leftover torchrun setting is one line
     if world > 1 and args.workers is None:
         values["workers"] = world
     return TrainConfig.from_dict(values)
@@ -118,7 +122,9 @@ def run_command(args: argparse.Namespace) -> int:
         raise BatchboundError("--resume needs --checkpoint PATH")
     if args.tensorboard:  # a bad directory fails now, not after the training
         check_logdir(args.tensorboard)
-    main = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 writes
+    from batchbound.train.distributed import env_rank
+
+    main = env_rank() == 0  # under torchrun, rank 0 writes
     outputs = (args.checkpoint, args.output, args.tensorboard) if main else ()
     with claim_outputs(outputs):  # a second run given the same paths is refused now
         result = train(
@@ -130,19 +136,50 @@ def run_command(args: argparse.Namespace) -> int:
         )
     if not main:
         return EXIT_STOPPED if result.status == "stopped" else 0
-    if args.output:
-        with open(args.output, "w") as fh:
-            fh.write(result.to_json(indent=1))
-    if args.tensorboard:
-        write_run(result, args.tensorboard)
+    # the result first: an output that cannot be written now (its folder removed during the
+    # run, a full disk) must not take the printed result with it
     if args.json:
-        print(json.dumps(result.summary(), allow_nan=False))
+        print(json.dumps(result.summary(), allow_nan=False), flush=True)
     else:
         print_human(result)
+        sys.stdout.flush()
+    if args.output:
+        save_output(result, args.output)
+    if args.tensorboard:
+        try:
+            write_run(result, args.tensorboard)
+        except OSError as exc:
+            raise FaultError(f"cannot write the TensorBoard run into {args.tensorboard}: "
+                             f"{exc.strerror or exc}; the result is printed above") from None
     if result.status == "stopped":
         print(f"stopped: {resume_hint(args.checkpoint)}", file=sys.stderr)
         return EXIT_STOPPED
     return 1 if result.status == "failed" else 0
+
+
+def save_output(result: RunResult, path: str | Path) -> None:
+    """Write ``--output``; when that fails after the run, keep the result in a file of its
+    own (the working directory, else the temporary folder) and say where, as a fault."""
+    text = result.to_json(indent=1)
+    try:
+        with open(path, "w") as fh:
+            fh.write(text)
+        return
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+    kept = "it was not kept anywhere else"
+    for folder in (Path.cwd(), Path(tempfile.gettempdir())):
+        try:
+            fd, name = tempfile.mkstemp(prefix=f"batchbound-result-{result.config_hash}-",
+                                        suffix=".json", dir=folder)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(text)
+        except OSError:
+            continue
+        kept = f"the whole result is kept in {name}"
+        break
+    raise FaultError(f"cannot write {path} after the run: {reason}; the result is printed "
+                     f"above and {kept}")
 
 
 def print_human(result: RunResult, file: Any = None) -> None:

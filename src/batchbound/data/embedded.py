@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from batchbound.data.dataset import CLASSIFICATION, REGRESSION, Dataset
+from batchbound.data.formats import check_values
 from batchbound.data.registry import MissingCheck, register_dataset
 from batchbound.data.splits import split_indices, stratified_split
 from batchbound.errors import BatchboundError
@@ -166,6 +167,11 @@ def load_synthetic_linear(
         raise BatchboundError(
             f"synthetic-linear: n_test and noise must be >= 0, got n_test={n_test}, noise={noise}"
         )
+    # before the generator allocates: n=1e12 was an allocation traceback from torch
+    check_values("synthetic-linear", (n + n_test) * (d + outputs), f"n + n_test = {n + n_test} "
+                 f"examples of {d} inputs and {outputs} outputs")
+    check_values("synthetic-linear", depth * width * max(width, d, outputs),
+                 f"a teacher of depth {depth} and width {width}")
     gen = torch.Generator().manual_seed(seed)
     dims = [d] + [width] * (depth - 1) + [outputs]
     teacher = [torch.randn(dims[i + 1], dims[i], generator=gen) for i in range(depth)]
@@ -226,6 +232,8 @@ def load_synthetic_logistic(
     n_test = n // 4 if n_test is None else n_test
     if n_test < 0:
         raise BatchboundError(f"synthetic-logistic: n_test must be >= 0, got {n_test}")
+    check_values("synthetic-logistic", (n + n_test) * (d + 1),
+                 f"n + n_test = {n + n_test} examples of {d} inputs")
     gen = torch.Generator().manual_seed(seed)
     w_star = torch.randn(d, generator=gen, dtype=torch.float64)
     w_star = w_star / w_star.norm()

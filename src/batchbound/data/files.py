@@ -24,7 +24,14 @@ import torch
 from numpy.lib.npyio import NpzFile
 
 from batchbound.data.dataset import CLASSIFICATION, REGRESSION, Dataset
-from batchbound.data.formats import one_line, read_cifar_batch, read_idx, read_svmlight
+from batchbound.data.formats import (
+    check_values,
+    one_line,
+    read_cifar_batch,
+    read_idx,
+    read_svmlight,
+)
+from batchbound.data.identity import note_read
 from batchbound.data.registry import MissingCheck, register_dataset
 from batchbound.data.splits import split_indices
 from batchbound.errors import BatchboundError
@@ -49,6 +56,8 @@ def find_files(
     for directory in dirs:
         found = [p for p in (_locate(directory, n, compressed) for n in names) if p is not None]
         if len(found) == len(names):
+            for path in found:
+                note_read(path)  # part of the data's identity (batchbound.data.identity)
             return found
     return None
 
@@ -298,6 +307,7 @@ def resolve_user_file(data_dir: Path, path: object, label: str, option: str) -> 
     given = Path(path).expanduser()
     for candidate in (given, data_dir / given):
         if candidate.is_file():
+            note_read(candidate)  # part of the data's identity (batchbound.data.identity)
             return candidate
     raise BatchboundError(
         f"{label}: file {path!r} not found (looked at {given} and {data_dir / given})"
@@ -312,7 +322,9 @@ def _labels(
 ) -> tuple[str, torch.Tensor, torch.Tensor, int | None, list | None]:
     """Classification when every label is integral (mapped to 0..K-1 in sorted order),
     else regression with targets of shape (n, outputs)."""
-    flat = [y.reshape(len(y), -1) for y in (y_train, y_test)]
+    # columns from the shape, not -1: an empty test split (test_fraction=0, two examples)
+    # has no rows to infer them from
+    flat = [y.reshape(len(y), math.prod(y.shape[1:])) for y in (y_train, y_test)]
     if flat[0].shape[1] != flat[1].shape[1]:
         raise BatchboundError(
             f"{label}: training targets have {flat[0].shape[1]} columns, test targets "
@@ -487,7 +499,24 @@ def _npz_arrays(handle: BinaryIO, file: Path) -> dict[str, np.ndarray]:
         return {key: _npz_array(archive, key, file) for key in NPZ_KEYS if key in archive.files}
 
 
+def _npz_header_values(archive: NpzFile, key: str) -> int | None:
+    """The number of values a member's .npy header declares, read without its data (None
+    when the header cannot be read: reading the member then names the problem)."""
+    try:
+        with archive.zip.open(f"{key}.npy") as member:
+            version = np.lib.format.read_magic(member)
+            read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                    else np.lib.format.read_array_header_2_0)
+            shape, _, _ = read(member)
+    except (*_NPZ_ERRORS, KeyError):
+        return None
+    return math.prod(shape)
+
+
 def _npz_array(archive: NpzFile, key: str, file: Path) -> np.ndarray:
+    declared = _npz_header_values(archive, key)
+    if declared is not None:  # bounded before reading, as every format is
+        check_values(f"npz: {key} in {file}", declared, "its shape")
     try:
         array = archive[key]
     except _NPZ_ERRORS as exc:  # object arrays too: they would need unpickling

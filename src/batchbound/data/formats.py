@@ -31,6 +31,35 @@ _CHUNK = 1 << 24  # read payloads in 16 MiB pieces: memory follows the bytes act
 MAX_DENSE_VALUES = 1 << 30
 
 
+# Every format is bounded before it is read, as TOML files are (config.read_small_file):
+# a file past its bound is refused in one line instead of a MemoryError part way through.
+MAX_TEXT_BYTES = 256 << 20  # a character becomes three int64s (its id, input, target)
+MAX_PICKLE_BYTES = 1 << 30  # a CIFAR batch is read whole (CIFAR-100's train: 150 MB)
+MAX_SVMLIGHT_BYTES = 4 << 30  # LIBSVM text, parsed whole by sklearn
+
+
+def check_size(path: Path, limit: int, what: str) -> None:
+    """Refuse ``path`` when it is larger than ``limit`` bytes, before reading it."""
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise BatchboundError(f"{path}: cannot be read: {one_line(exc)}") from None
+    if size > limit:
+        raise BatchboundError(
+            f"{path}: {size:,} bytes, more than the {limit:,} batchbound reads as {what}; "
+            "use a smaller file (or a sample of it)"
+        )
+
+
+def check_values(label: str, count: int, what: str) -> None:
+    """Refuse a data set of more than ``MAX_DENSE_VALUES`` values before it is made."""
+    if count > MAX_DENSE_VALUES:
+        raise BatchboundError(
+            f"{label}: {what} would be {count:.3g} values, more than the "
+            f"{MAX_DENSE_VALUES:.3g} batchbound holds in memory"
+        )
+
+
 def one_line(exc: BaseException) -> str:
     """An exception's message on one line (the CLI prints errors as one line)."""
     return " ".join(str(exc).split()) or type(exc).__name__
@@ -69,6 +98,8 @@ def read_idx(path: Path) -> np.ndarray:
                 raise BatchboundError(f"{path}: IDX file ends inside its header ({ndim} dims)")
             shape = tuple(int(v) for v in np.frombuffer(dims, ">u4"))
             dtype = np.dtype(_IDX_DTYPES[magic[2]])
+            # a gzipped file can hold far more than its size: bounded by its header first
+            check_values(str(path), math.prod(shape), f"its IDX header's shape {shape}")
             size = math.prod(shape) * dtype.itemsize
             payload = _read_at_most(handle, size + 1)  # one more byte: is there extra data?
     except _READ_ERRORS as exc:
@@ -138,6 +169,7 @@ class CifarUnpickler(pickle.Unpickler):
 
 def unpickle_cifar(path: Path) -> Any:
     """The object in a CIFAR pickle, read through ``CifarUnpickler``."""
+    check_size(path, MAX_PICKLE_BYTES, "a CIFAR python batch")
     try:
         raw = path.read_bytes()  # from memory: a length in the pickle cannot over-allocate
         return CifarUnpickler(io.BytesIO(raw), encoding="bytes").load()
@@ -205,6 +237,7 @@ def read_svmlight(path: Path, n_features: int | None = None) -> tuple[np.ndarray
     ``MAX_DENSE_VALUES`` values (a huge feature index) is refused before it is made dense."""
     from sklearn.datasets import load_svmlight_file
 
+    check_size(path, MAX_SVMLIGHT_BYTES, "LIBSVM text")
     try:
         x, y = load_svmlight_file(str(path), n_features=n_features)
     except OverflowError as exc:  # an index past the parser's int32

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from batchbound.config import INT64_MAX
 from batchbound.data.dataset import Dataset, check_dataset
 from batchbound.errors import BatchboundError
 from batchbound.spec import check_options, parse_spec
@@ -126,6 +127,12 @@ def load_dataset(spec: str, data_dir: str | Path | None = None) -> Dataset:
             names = " or ".join(t.__name__ for t in allowed)
             raise BatchboundError(
                 f"data set {parsed.name!r}: option {key} must be {names}, got {value!r}"
+            )
+        if isinstance(value, int) and not -INT64_MAX - 1 <= value <= INT64_MAX:
+            # a seed or a size torch cannot hold (its "Overflow when unpacking long long")
+            raise BatchboundError(
+                f"data set {parsed.name!r}: option {key}={value} does not fit in a 64-bit "
+                "integer"
             )
     # every set passes one check, whatever its loader: the rooms after data can rely on it
     return check_dataset(entry.loader(resolve_data_dir(data_dir), **parsed.kwargs))

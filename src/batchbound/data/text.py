@@ -37,6 +37,7 @@ from batchbound.data.files import (
     missing_message,
     resolve_user_file,
 )
+from batchbound.data.formats import MAX_TEXT_BYTES, check_size
 from batchbound.data.registry import register_dataset
 from batchbound.errors import BatchboundError
 
@@ -193,6 +194,7 @@ def _fortunes_check(data_dir: Path) -> str | None:
 
 def read_fortunes(path: Path) -> list[str]:
     """The fortunes of one strfile text file, each ending in a newline, empty ones dropped."""
+    check_size(path, MAX_TEXT_BYTES, "a fortune file")
     text = clean(path.read_text(encoding="utf-8", errors="replace"))
     pieces = _FORTUNE_SEPARATOR.split(text if text.endswith("\n") else text + "\n")
     return [p for p in pieces if p.strip()]
@@ -244,6 +246,7 @@ def load_text(
     """Your file's paragraphs; every ``test_every``-th is test (0: no test split)."""
     file = resolve_user_file(data_dir, path, "text", "path")
     _check_options("text", context, test_every)
+    check_size(file, MAX_TEXT_BYTES, "text")  # before reading: an 8 GB file was a MemoryError
     try:
         raw = file.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from batchbound.errors import BatchboundError
@@ -46,6 +47,12 @@ def load_factory(spec: str) -> Any:
                 f"model {spec}: no module {exc.name!r} in the current directory "
                 f"({os.getcwd()}) or on PYTHONPATH") from None
         raise BatchboundError(f"model {spec}: importing {module_name} failed: {exc}") from exc
+    except SystemExit as exc:  # it would end batchbound silently, with its exit code
+        raise BatchboundError(
+            f"model {spec}: importing {module_name} called sys.exit({exc.code!r}); a model's "
+            "module must not exit when imported (put its script under "
+            "`if __name__ == \"__main__\":`)"
+        ) from None
     except Exception as exc:  # the user's module raised while importing
         raise BatchboundError(
             f"model {spec}: importing {module_name} raised {type(exc).__name__}: {exc}"
@@ -68,9 +75,9 @@ def build_user_model(spec: str, input_shape: Sequence[int], num_outputs: int,
     kwargs = {name: given[name] for name in ARGUMENTS if name in parameters}
     try:
         model = factory(**kwargs)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         raise BatchboundError(f"model {spec}: calling it with {sorted(kwargs) or 'nothing'} "
-                              f"raised {type(exc).__name__}: {exc}") from exc
+                              f"raised {type(exc).__name__}: {exc}") from None
     if not isinstance(model, nn.Module):
         raise BatchboundError(f"model {spec} returned a {type(model).__name__}, not a "
                               "torch.nn.Module")
@@ -90,3 +97,27 @@ def untagged_shape(model: nn.Module) -> tuple[int, int]:
     widths = [getattr(m, "out_features", None) or getattr(m, "out_channels", 0)
               for m in layers[:-1]]
     return max(len(layers) - 1, 0), max(widths, default=0)
+
+
+def probe_user_model(spec: str, model: nn.Module, example: torch.Tensor, num_outputs: int,
+                     task: str) -> None:
+    """Run the model on one example of the data before any work, so that a model whose
+    input size does not fit the data, or whose output does not fit the task, is one line
+    naming both shapes (it was a long traceback from the first training step)."""
+    shape = tuple(example.shape[1:])
+    try:
+        with torch.no_grad():
+            out = model(example)
+    except Exception as exc:  # the user's forward on the data's example: name the shapes
+        raise BatchboundError(
+            f"model {spec} does not take this data's examples: one example of shape {shape} "
+            f"({str(example.dtype).removeprefix('torch.')}) raised {type(exc).__name__}: "
+            f"{' '.join(str(exc).split())}") from None
+    expected = (1, shape[0], num_outputs) if task == "text" else (1, num_outputs)
+    found = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    if found != expected:
+        what = (f"(batch, {shape[0]} positions, {num_outputs} token scores)" if task == "text"
+                else f"(batch, {num_outputs})")
+        raise BatchboundError(
+            f"model {spec} returns {found} for one example of shape {shape}; this "
+            f"{task} data needs {what}, i.e. {expected}")

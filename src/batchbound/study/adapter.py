@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from batchbound.errors import BatchboundError
 from batchbound.train.config import TrainConfig
 
 if TYPE_CHECKING:
@@ -73,20 +74,32 @@ def load_data(data: DataSpec) -> Any:
     return dataset
 
 
-_DATA_CACHE: dict[str, Any] = {}  # per worker process: a study reuses a few data sets
+# per worker process, with the fingerprint of its files: a study reuses a few data sets
+_DATA_CACHE: dict[str, tuple[Any, str | None]] = {}
 
 
 def execute(fields: dict[str, Any], checkpoint_dir: Path, resume: bool) -> dict[str, Any]:
     """Run one config with batchbound.train and return ``RunResult.to_dict()``."""
     from batchbound.data import load_dataset
+    from batchbound.data.identity import fingerprint, recording
     from batchbound.train import TrainConfig, train
 
     config = TrainConfig.from_dict(dict(fields))
-    if config.dataset not in _DATA_CACHE:
-        _DATA_CACHE[config.dataset] = load_dataset(config.dataset, config.data_dir)
+    cached = _DATA_CACHE.get(config.dataset)
+    if cached is None or (config.data_files is not None and cached[1] != config.data_files):
+        with recording() as read:  # loaded again when its files changed since it was cached
+            dataset = load_dataset(config.dataset, config.data_dir)
+        _DATA_CACHE[config.dataset] = (dataset, fingerprint(read))
+    dataset, files = _DATA_CACHE[config.dataset]
+    if config.data_files is not None and files != config.data_files:
+        # the files changed after the study was planned: this run's key names other data
+        raise BatchboundError(
+            f"the files of {config.dataset} changed after the study was planned (fingerprint "
+            f"{files}, planned {config.data_files}); `study run` again plans it on the new "
+            "data")
     path = Path(checkpoint_dir) / "checkpoint.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    result = train(config, dataset=_DATA_CACHE[config.dataset], checkpoint_path=path,
+    result = train(config, dataset=dataset, checkpoint_path=path,
                    resume=resume and path.exists(), progress=False)
     return result.to_dict()
 
@@ -94,3 +107,24 @@ def execute(fields: dict[str, Any], checkpoint_dir: Path, resume: bool) -> dict[
 def resolve_trainer(name: str) -> Callable[[dict[str, Any], Path, bool], dict[str, Any]]:
     module, _, attr = name.partition(":")
     return getattr(importlib.import_module(module), attr)
+
+
+def check_trainer(name: str) -> None:
+    """Refuse a trainer that cannot be imported or called, before the first run: a typo in
+    ``--trainer`` would otherwise fail every run, each with the error in the store only."""
+    module, colon, attr = name.partition(":")
+    if not colon or not module or not attr:
+        raise BatchboundError(f"trainer {name!r}: give it as module:function, e.g. "
+                              f"{DEFAULT_TRAINER}")
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except SystemExit as exc:  # an import that exits would end the runner silently
+        raise BatchboundError(f"trainer {name!r}: importing {module} called sys.exit"
+                              f"({exc.code!r})") from None
+    except AttributeError:
+        raise BatchboundError(f"trainer {name!r}: module {module} has no {attr!r}") from None
+    except Exception as exc:  # ModuleNotFoundError, or the module's own error on import
+        raise BatchboundError(f"trainer {name!r}: cannot import {module}: "
+                              f"{type(exc).__name__}: {exc}") from None
+    if not callable(found):
+        raise BatchboundError(f"trainer {name!r}: {attr} is not callable")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
+import signal
 import sys
 import time
 import traceback
@@ -136,6 +137,20 @@ def _init_worker(threads: int) -> None:
 
     torch.set_num_threads(threads)
     die_with_parent()
+    signal.signal(signal.SIGINT, _interrupt_runner)
+
+
+def _interrupt_runner(signum: int, frame: object) -> None:
+    """SIGINT to one pool worker is SIGINT to the study: passed on to the runner, which
+    stops every run at a checkpoint (as Ctrl-C to the whole group does), instead of a
+    KeyboardInterrupt that breaks the pool and fails the runs in it. The trainer's own
+    handler, installed while a run trains, stops that run and calls this one too."""
+    parent = os.getppid()
+    if parent > 1:
+        os.kill(parent, signal.SIGINT)
+
+
+_interrupt_runner.chained = True  # type: ignore[attr-defined]  # StopFlag calls it too
 
 
 def default_jobs() -> int:
@@ -150,7 +165,7 @@ class LocalPool:
     def __init__(self, jobs: int | None = None) -> None:
         if jobs is not None and jobs < 1:
             raise BatchboundError(f"jobs must be at least 1 (0 runs inline), got {jobs}")
-        self.jobs = jobs or default_jobs()
+        self.jobs = _check_memory(jobs) if jobs else _jobs_that_fit(default_jobs())
         self.threads = kernels.threads()
         self.pool: ProcessPoolExecutor | None = None  # started by the first submit
         self.pending: dict[Future[Outcome], Job] = {}
@@ -199,6 +214,28 @@ class LocalPool:
             if process.is_alive():
                 process.kill()
         self.pending.clear()
+
+
+def _check_memory(jobs: int) -> int:
+    """Refuse more pool workers than the memory free now can start (each imports torch),
+    before any starts: the kernel would kill them one by one, each run failing."""
+    from batchbound.train.launch import WORKER_BYTES, available_memory_bytes
+
+    memory = available_memory_bytes()
+    if memory is not None and jobs * WORKER_BYTES > memory:
+        raise BatchboundError(
+            f"--jobs {jobs} needs about {jobs * WORKER_BYTES / 2**30:.1f} GB for its worker "
+            f"processes (≈{WORKER_BYTES // 2**20} MB each with torch loaded); this machine has "
+            f"{memory / 2**30:.1f} GB available now: use fewer --jobs")
+    return jobs
+
+
+def _jobs_that_fit(cores: int) -> int:
+    """The default pool: one worker per core, as many as the free memory can start."""
+    from batchbound.train.launch import WORKER_BYTES, available_memory_bytes
+
+    memory = available_memory_bytes()
+    return cores if memory is None else max(1, min(cores, memory // WORKER_BYTES))
 
 
 # Executors by name: a module and the class in it, imported when chosen (Ray is optional).

@@ -58,6 +58,7 @@ class DataInfo:
     input_shape: tuple[int, ...]
     d_out: int
     task: str = "classification"
+    files: str | None = None  # fingerprint of the files read (batchbound.data.identity)
 
 
 @dataclass(frozen=True)
@@ -98,10 +99,13 @@ class PlannedRun:
 
 def data_info(data: DataSpec) -> DataInfo:
     """Load a data set once to learn n, the input shape and the output width."""
+    from batchbound.data.identity import fingerprint, recording
     from batchbound.study.adapter import load_data
 
-    ds = load_data(data)
-    return DataInfo(ds.n_train, tuple(int(s) for s in ds.input_shape), ds.num_outputs, ds.task)
+    with recording() as read:
+        ds = load_data(data)
+    return DataInfo(ds.n_train, tuple(int(s) for s in ds.input_shape), ds.num_outputs, ds.task,
+                    fingerprint(read))
 
 
 MAX_BUDGET_ERROR = 0.1
@@ -164,6 +168,8 @@ def _run(spec: StudySpec, role: str, cell: tuple[DataSpec, ModelShape, int, str,
     data, shape, batch, mechanism, strategy = cell
     fields = train_fields(spec, data, shape.spec, batch, lr, strategy, seed, mechanism, epochs,
                           with_targets)
+    if info.files is not None:  # data read from files: their content is part of the run
+        fields["data_files"] = info.files
     return PlannedRun(config_key(fields), role, data.label, shape, batch, float(lr), seed,
                       mechanism, strategy, epochs, info.n_train, fields)
 

@@ -33,8 +33,9 @@ from typing import Any
 
 import pandas as pd
 
+from batchbound.environment import check_torchrun_environment
 from batchbound.errors import BatchboundError
-from batchbound.study.adapter import DEFAULT_TRAINER
+from batchbound.study.adapter import DEFAULT_TRAINER, check_trainer
 from batchbound.study.executor import Executor, Job, Outcome, make_executor
 from batchbound.study.plan import FINAL, TUNE, Cell, Plan, PlannedRun, make_plan
 from batchbound.study.spec import StudySpec
@@ -221,9 +222,10 @@ class StudyRunner:
         try:
             if self.spec.lr.tuning == "none":
                 finals = self.plan.final_runs({})
-                with self._store_time():
-                    self.store.register_runs(self.spec.name, [
-                        (r.key, FINAL, dict(r.fields), r.labels()) for r in finals])
+                with self._store_time():  # one final per grid point: a run of the same
+                    # point under another key (its data files changed) is unlinked
+                    self.store.replace_finals(self.spec.name, [
+                        (r.key, dict(r.fields), r.labels()) for r in finals])
                 self.launch(finals)
             else:
                 self.launch(self.tuning)
@@ -300,8 +302,14 @@ def run_study(spec: StudySpec, store_path: str | Path, jobs: int | None = None, 
     keep their checkpoints (default ``<store>-checkpoints`` beside the store; every worker
     must reach it)."""
     clock = time.perf_counter()
+    world, _ = check_torchrun_environment()  # every run inherits it: check it once, first
+    if world > 1:
+        raise BatchboundError(f"study run in a torchrun environment (WORLD_SIZE={world}): each "
+                              "run would try to join that group; run the study outside "
+                              "torchrun (a run's own workers: [train] workers)")
     store_path = Path(store_path)
     board = None if tensorboard is None else _TensorBoardRuns(tensorboard)
+    check_trainer(trainer)  # a typo fails here, not in every run's error column
     with Store(store_path, exclusive=True) as store:  # refused before any planning
         plan = make_plan(spec)
         if on_plan is not None:
@@ -313,6 +321,7 @@ def run_study(spec: StudySpec, store_path: str | Path, jobs: int | None = None, 
         runner = StudyRunner(spec, plan, store, executor or make_executor(jobs), outcome,
                              trainer=trainer, checkpoints=root, board=board, progress=progress)
         runner.run()
+        store.check_identity("found at the end of the study")  # before it is reported saved
     outcome.seconds["store"] = runner.store_seconds
     if board is not None:
         outcome.seconds["tensorboard"] = board.seconds

@@ -391,7 +391,8 @@ def _data(entry: Any) -> DataSpec:
 GRID_FIELDS = {"dataset": "[data]", "transform": "[data]", "data_dir": "--data-dir",
                "model": "[models]", "batch_size": "[batches]", "lr": "[lr]",
                "strategy": "[lr] strategy", "mechanism": "[train] mechanisms",
-               "targets": "[train] targets"}
+               "targets": "[train] targets",
+               "data_files": "the data's files (batchbound.data.identity)"}
 
 
 def _train_overrides(table: dict[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import os
 import socket
 import sqlite3
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -149,13 +149,17 @@ class Store:
         self.path = Path(path)
         self.readonly = readonly
         self._held: int | None = None  # the locked descriptor of the database file
+        self.identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the file opened
         if exclusive:
             self._hold()
         try:
             self.db = self._connect()
             self._check_schema()
+            self._check_pages()
             if exclusive:
                 self._sign()
+            if not readonly:
+                self.identity = _identity(self.path.resolve())
         except sqlite3.DatabaseError as exc:
             self._release()
             raise BatchboundError(_explain(self.path, exc, readonly)) from None
@@ -228,7 +232,17 @@ class Store:
             try:
                 db = sqlite3.connect(f"{uri}?mode=ro", uri=True, isolation_level=None)
                 db.execute("SELECT count(*) FROM sqlite_master").fetchone()
-            except sqlite3.OperationalError:  # a WAL file in a read-only folder: no -shm
+            except sqlite3.OperationalError as exc:  # a WAL file in a read-only folder: no -shm
+                wal = real.with_name(real.name + "-wal")
+                if wal.is_file() and wal.stat().st_size > 0:
+                    # immutable=1 reads the database file alone: the runs still in the log
+                    # would be missing, and a report or export of it silently short
+                    raise BatchboundError(
+                        f"store {self.path} cannot be read here: its write-ahead log {wal.name} "
+                        f"holds results not yet in the database file, and SQLite cannot read "
+                        f"it in this place ({exc}; a read-only folder, or a copy without its "
+                        f"-shm file); copy {real.name} and {wal.name} together to a writable "
+                        "folder and read the copy there") from None
                 db = sqlite3.connect(f"{uri}?immutable=1", uri=True, isolation_level=None)
             return db
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -244,12 +258,44 @@ class Store:
         return db
 
     def _refuse_foreign(self, db: sqlite3.Connection) -> None:
+        """A database is a batchbound store when it is empty (a new store) or has our
+        ``meta`` table with a schema version and our ``runs`` table: another program's file
+        with a table called ``meta`` is refused before anything is written to it."""
         tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        if (tables or self.readonly) and "meta" not in tables:
+        ours = {"meta", "runs"} <= tables and _has_schema_row(db)
+        if (tables or self.readonly) and not ours:
             db.close()
             listed = f"its tables: {', '.join(sorted(tables)[:6])}" if tables else "empty"
             raise BatchboundError(f"{self.path} is an SQLite database but not a batchbound "
                                   f"store ({listed}); give another store path")
+
+    def _check_pages(self) -> None:
+        """A damaged page (a disk error, a partial copy) found before any work, as one line,
+        not from whichever query reaches it first. ``quick_check`` reads every page once."""
+        problems = [" ".join(str(r[0]).split()) for r in self.db.execute("PRAGMA quick_check(3)")]
+        if problems != ["ok"]:
+            raise BatchboundError(
+                f"store {self.path} is damaged (SQLite's quick_check: {'; '.join(problems)}); "
+                f"restore it from a copy, or salvage what is readable with `sqlite3 "
+                f"{self.path} .recover | sqlite3 recovered.sqlite` and use that")
+
+    def check_identity(self, when: str) -> None:
+        """Fault when the store's path no longer names the file this store opened (removed,
+        or replaced by another file, the folder deleted): what was written since went into
+        a file no one can read, so nothing may be reported as saved."""
+        if self.identity is None:
+            return
+        try:
+            now: tuple[int, int] | None = _identity(self.path.resolve())
+        except OSError:
+            now = None
+        if now != self.identity:
+            what = "removed" if now is None else "replaced by another file"
+            raise FaultError(
+                f"the store {self.path} was {what} while the study ran ({when}); the results "
+                "recorded since are not in any store you can read. Put the store back (or "
+                "choose a new --store) and `study run` again: runs not in the store are "
+                "executed again")
 
     def _check_schema(self) -> None:
         if self.readonly:
@@ -272,7 +318,7 @@ class Store:
         self.close()
 
     def transaction(self) -> _Transaction:
-        return _Transaction(self.db, self.path)
+        return _Transaction(self.db, self.path, self.check_identity)
 
     # ---- writing --------------------------------------------------------------------------
     def register_study(self, name: str, spec: Mapping[str, Any]) -> None:
@@ -369,6 +415,10 @@ class Store:
                 (status, time.time(), wall_seconds,
                  json.dumps(result.get("final", {}), default=str, allow_nan=True),
                  result.get("message") or result.get("error"), key))
+        # into the database file itself, as far as readers allow: a copy of the file alone
+        # (without its -wal) then holds every run recorded so far
+        with contextlib.suppress(sqlite3.Error):
+            self.db.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
     # ---- reading --------------------------------------------------------------------------
     def status(self, key: str) -> str | None:
@@ -398,7 +448,7 @@ class Store:
         ordered as the spec lists them), targets, curves, ...; ``snapshots`` lists (key,
         epoch, numel) without the weights (``snapshots(keys)``)."""
         self.study_spec(study)
-        runs = pd.read_sql_query(
+        runs = self._query(
             "SELECT s.*, r.status, r.attempts, r.wall_seconds, r.final_json, r.config_json "
             "FROM study_runs s JOIN runs r USING (key) WHERE s.study=? ORDER BY s.rowid",
             self.db, params=(study,))
@@ -413,10 +463,10 @@ class Store:
                 *first, *[v for v in seen if v not in first]], ordered=True)
         frames = {"runs": runs}
         for table in ("targets", "curves", "diversity", "timings"):
-            frames[table] = pd.read_sql_query(
+            frames[table] = self._query(
                 f"SELECT t.* FROM {table} t WHERE t.key IN (SELECT key FROM study_runs "
                 f"WHERE study=?) ORDER BY t.rowid", self.db, params=(study,))
-        frames["snapshots"] = pd.read_sql_query(
+        frames["snapshots"] = self._query(
             f"SELECT {_SNAPSHOT_INDEX} FROM snapshots WHERE key IN (SELECT key FROM study_runs "
             "WHERE study=?) ORDER BY rowid", self.db, params=(study,))
         return frames
@@ -465,12 +515,33 @@ class Store:
             out[key] = (epochs, weights.astype(np.float32).reshape(len(rows), -1))
         return out
 
+    def _query(self, sql: str, db: sqlite3.Connection, **options: Any) -> pd.DataFrame:
+        """``pd.read_sql_query``; a page SQLite cannot read is one line, not pandas' error."""
+        try:
+            return pd.read_sql_query(sql, db, **options)
+        except (sqlite3.DatabaseError, pd.errors.DatabaseError) as exc:
+            raise BatchboundError(f"store {self.path} could not be read ({exc}); it may be "
+                                  "damaged: restore it from a copy, or `sqlite3 STORE .recover`"
+                                  ) from None
+
     def table(self, name: str) -> pd.DataFrame:
         if name not in (*TABLES, "meta"):
             raise BatchboundError(f"no table {name!r}; tables: {', '.join(TABLES)}")
         if name == "snapshots":  # the weights are BLOBs: Store.snapshots(keys) reads them
-            return pd.read_sql_query(f"SELECT {_SNAPSHOT_INDEX} FROM snapshots", self.db)
-        return pd.read_sql_query(f"SELECT * FROM {name}", self.db)
+            return self._query(f"SELECT {_SNAPSHOT_INDEX} FROM snapshots", self.db)
+        return self._query(f"SELECT * FROM {name}", self.db)
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    info = os.stat(path)
+    return info.st_dev, info.st_ino
+
+
+def _has_schema_row(db: sqlite3.Connection) -> bool:
+    try:
+        return db.execute("SELECT 1 FROM meta WHERE key='schema'").fetchone() is not None
+    except sqlite3.DatabaseError:  # a `meta` table of other columns: not ours
+        return False
 
 
 def _explain(path: Path, exc: sqlite3.DatabaseError, readonly: bool) -> str:
@@ -501,10 +572,12 @@ class _Transaction:
     OperationalError: a full disk, an I/O error, a lock held too long) is a one-line
     FaultError: the transaction is rolled back whole, and what earlier ones wrote stays."""
 
-    def __init__(self, db: sqlite3.Connection, path: Path) -> None:
-        self.db, self.path = db, path
+    def __init__(self, db: sqlite3.Connection, path: Path,
+                 check_identity: Callable[[str], None]) -> None:
+        self.db, self.path, self.check_identity = db, path, check_identity
 
     def __enter__(self) -> None:
+        self.check_identity("found before a write")
         try:
             self.db.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as exc:
@@ -514,12 +587,15 @@ class _Transaction:
         if exc is None:
             try:
                 self.db.execute("COMMIT")
-                return
             except sqlite3.OperationalError as error:  # a full disk may show only here
                 exc = error
+            else:  # committed, but into the file the path still names?
+                self.check_identity("found after a write")
+                return
         with contextlib.suppress(sqlite3.Error):  # SQLite may have rolled back already
             self.db.execute("ROLLBACK")
-        if isinstance(exc, sqlite3.OperationalError):  # a bug's IntegrityError stays itself
+        # a bug's IntegrityError stays itself; a damaged page (DatabaseError) is a fault
+        if isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.IntegrityError):
             raise self._fault(exc) from None
 
     def _fault(self, exc: sqlite3.Error) -> FaultError:

@@ -164,6 +164,9 @@ class StopFlag:
     def _handle(self, signum: int, frame: Any) -> None:
         self.requested = True
         self.signal_name = signal.Signals(signum).name
+        previous = self._previous.get(signum)
+        if callable(previous) and getattr(previous, "chained", False):
+            previous(signum, frame)  # a study's pool worker tells its runner (executor.py)
 
     def close(self) -> None:
         for sig, handler in self._previous.items():

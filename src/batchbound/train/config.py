@@ -38,7 +38,7 @@ NOT_HASHED = ("data_dir",)
 # their default, so a config that leaves them alone keeps the key it had before they existed
 # (and finds its stored runs and checkpoints). A new field goes here, not into the hash.
 HASHED_WHEN_SET = ("snapshot_every_epochs", "final_probes", "micro_batch", "eval_growth",
-                   "optimizer", "betas", "eps")
+                   "optimizer", "betas", "eps", "data_files")
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,9 @@ class TrainConfig:
                           flags=())
     transform: str | None = option(None, "data", "data transform spec, e.g. 'replicate(r=4)'")
     data_dir: str | None = option(None, "data", "where user files live (not hashed)", flags=())
+    data_files: str | None = option(None, "data", "fingerprint of the files the data set is "
+                                    "read from (batchbound.data.identity), set by studies",
+                                    flags=())
     model: str = option("fc(depth=2,params=4000)", "data", "model spec (see `batchbound models`), "
                         "or your own factory as MODULE:CALLABLE (e.g. mymodels:small_cnn)")
     loss: str | None = option(None, "data", "per-example loss; default by the data's task: "

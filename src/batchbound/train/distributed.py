@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from batchbound.environment import check_torchrun_environment
 from batchbound.errors import BatchboundError
 from batchbound.train.stall import forget_store, keep_store
 
@@ -68,8 +69,16 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 
 def env_world_size() -> int:
-    """WORLD_SIZE from torchrun's environment (1 when not launched by torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """WORLD_SIZE from torchrun's environment (1 when not launched by torchrun), after
+    ``check_torchrun_environment``: a malformed or incomplete one is a one-line error."""
+    return check_torchrun_environment()[0]
+
+
+def env_rank() -> int:
+    """RANK from torchrun's environment (0 when not launched by torchrun)."""
+    return check_torchrun_environment()[1]
+
+
 
 
 def init_group(backend: str, *, stall_timeout: float | None = None, **options: Any) -> None:

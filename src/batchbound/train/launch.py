@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -29,10 +30,17 @@ import torch.multiprocessing as mp
 
 from batchbound import kernels
 from batchbound.data import Dataset, apply_transform, load_dataset
+from batchbound.environment import restart_count
 from batchbound.errors import BatchboundError, FaultError
 from batchbound.lifetime import die_with_parent
 from batchbound.train.config import TrainConfig
-from batchbound.train.distributed import env_world_size, init_group, resolve_device, teardown
+from batchbound.train.distributed import (
+    env_rank,
+    env_world_size,
+    init_group,
+    resolve_device,
+    teardown,
+)
 from batchbound.train.loop import train_in_group
 from batchbound.train.result import RunResult
 from batchbound.train.stall import DEFAULT_STALL_TIMEOUT, resume_hint
@@ -62,10 +70,10 @@ def train(
         raise BatchboundError("resume needs a checkpoint path")
     if not stall_timeout > 0:
         raise BatchboundError(f"stall timeout must be > 0 seconds, got {stall_timeout!r}")
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restarts = restart_count()  # the torchrun environment, checked before any work
     if restarts and not resume and checkpoint_path and Path(checkpoint_path).exists():
         resume = True
-        if int(os.environ.get("RANK", "0")) == 0:
+        if env_rank() == 0:
             print(f"batchbound: restart {restarts} by torchrun: resuming from the checkpoint "
                   f"{checkpoint_path}", file=sys.stderr, flush=True)
     options = {"checkpoint_path": checkpoint_path, "resume": resume, "progress": progress,
@@ -90,6 +98,7 @@ def launch_local(
     device = resolve_device(config.device)  # a missing CUDA fails here, not in P workers
     _check_gpus(config.device, device, config.workers)
     _check_local_workers(config.workers)
+    _check_shared_memory(checked, config.workers)
     threads = kernels.threads()
     # the rendezvous store lives here, not in a rank, so a roll call works whichever is silent
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -181,6 +190,37 @@ def _check_local_workers(workers: int) -> None:
             f"GB (≈{WORKER_BYTES // 2**20} MB each with torch loaded); this machine has "
             f"{memory / 2**30:.1f} GB available now: use fewer --workers, or torchrun across "
             "machines")
+
+
+# Where torch's shared memory lives (shm_open) on Linux: the data set goes there once, for
+# every spawned rank to map, plus what each rank's tensors passed between processes use.
+SHARED_MEMORY = Path("/dev/shm")
+SHARED_MEMORY_PER_WORKER = 16 * 2**20
+
+
+def shared_memory_bytes(data: Dataset, workers: int) -> int:
+    """What ``launch_local`` puts in shared memory: the data set's tensors, once, and a
+    margin per rank."""
+    tensors = (data.x_train, data.y_train, data.x_test, data.y_test)
+    return sum(t.numel() * t.element_size() for t in tensors) \
+        + workers * SHARED_MEMORY_PER_WORKER
+
+
+def _check_shared_memory(data: Dataset, workers: int) -> None:
+    """Refuse before the first rank is spawned when the shared memory the ranks receive the
+    data set through cannot hold it (a full or small /dev/shm, as in many containers);
+    torch would fail in every rank with tens of lines."""
+    try:
+        free = shutil.disk_usage(SHARED_MEMORY).free
+    except OSError:  # no /dev/shm: torch falls back or fails on its own
+        return
+    need = shared_memory_bytes(data, workers)
+    if need > free:
+        raise BatchboundError(
+            f"{workers} local workers need about {need / 2**20:,.0f} MB of shared memory "
+            f"({SHARED_MEMORY}) to receive the data set; {free / 2**20:,.0f} MB is free: free "
+            f"some (or enlarge it, e.g. docker --shm-size), use a smaller data set, or "
+            "--workers 1")
 
 
 def available_memory_bytes() -> int | None:

@@ -34,6 +34,7 @@ from torch import nn
 
 from batchbound import kernels
 from batchbound.data import BatchSampler, Dataset, apply_transform, load_dataset
+from batchbound.data.identity import data_digest
 from batchbound.diversity import PreparedStats, measure
 from batchbound.diversity.losses import resolve_loss
 from batchbound.errors import BatchboundError, NonFiniteLossError
@@ -210,6 +211,8 @@ class Trainer:
             self.eval_train = (self.data.x_train, self.data.y_train)
 
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
+        # the data a checkpoint was trained on: a resume on other data is refused
+        self.data_digest = data_digest(data) if self.checkpoint_path is not None else None
         self.timer = PhaseTimer(ctx.device)
         self.progress = Progress(
             progress and ctx.is_main,
@@ -680,6 +683,7 @@ class Trainer:
                 self.checkpoint_path,
                 {
                     "config_hash": self.config.config_hash(),
+                    "data": self.data_digest,
                     "model": self.model.state_dict(),
                     "optimizer": self.optimizer.state_dict(),
                     "sampler": self.sampler.state_dict(),
@@ -699,6 +703,11 @@ class Trainer:
         assert self.checkpoint_path is not None
         # refused there, before anything is applied, unless it is this config's checkpoint
         saved = load_checkpoint(self.checkpoint_path, self.config.config_hash())
+        if saved.get("data") not in (None, self.data_digest):  # older ones did not say
+            raise BatchboundError(
+                f"checkpoint {self.checkpoint_path} was trained on other data than "
+                f"{self.config.dataset} holds now (its files changed since: {saved['data']} "
+                f"then, {self.data_digest} now); resume on the same data, or start afresh")
         try:
             if len(saved["generators"]) != self.ctx.world_size:
                 raise BatchboundError(

@@ -65,10 +65,18 @@ def check_model(config: TrainConfig, dataset: Any) -> None:
 
     from batchbound.models import build_model, check_fits, model_shape
     from batchbound.models.layers import check_task
-    from batchbound.models.user import is_user_spec, load_factory
+    from batchbound.models.user import is_user_spec, load_factory, probe_user_model
 
     if is_user_spec(config.model):  # a user's factory may not build on the meta device:
-        load_factory(config.model)  # it must import; the trainer's real build checks the rest
+        load_factory(config.model)  # it must import, build, and take one of the examples
+        model = build_model(config.model, dataset.input_shape, dataset.num_outputs,
+                            seed=config.seed)
+        dtype = torch.float64 if config.dtype == "float64" else torch.float32
+        example = dataset.x_train[:1]
+        if example.is_floating_point():
+            example = example.to(dtype)
+        probe_user_model(config.model, model.to(dtype), example, dataset.num_outputs,
+                         dataset.task)
         return
     with torch.device("meta"):
         model = build_model(config.model, dataset.input_shape, dataset.num_outputs)
