@@ -62,3 +62,31 @@ def test_noise_only_and_bad_budgets() -> None:
         advise(CONFIG, planned_epochs=2, max_workers=1, critical_batch="guess")
     with pytest.raises(BatchboundError, match="optimizer is a name"):
         advise(CONFIG, planned_epochs=2, optimizer=lambda p: None)  # type: ignore[arg-type]
+
+
+def test_busy_machine_answer_from_the_branches_says_what_chose_it(monkeypatch) -> None:
+    """On a machine whose seconds cannot be trusted, with the branches predicting: the
+    summary's S_min is the one the batch was chosen by (the branches', not the noise
+    scale's), and it names the rate rule as the answer on seconds does."""
+    import batchbound.advise as advise_module
+
+    used: list[float] = []
+
+    def spy(rows, fewest):  # type: ignore[no-untyped-def]
+        used.append(fewest)
+        return real(rows, fewest)
+
+    real = advise_module.on_iterations
+    monkeypatch.setattr(advise_module, "_timing_check", lambda *_: "a test's hog")
+    monkeypatch.setattr(advise_module, "on_iterations", spy)
+    advice = advise(CONFIG, planned_epochs=8, max_workers=1)
+    out = advice.to_dict()
+    assert out["recommended_on"] == "iterations" and out["critical_batch"] == "branches"
+    assert out["minimum_iterations"] == used[0]
+    summary = advice.summary()
+    assert f"({used[0]:.0f}: the critical batch)" in summary
+    assert "rate rule srsr" in summary
+    chosen = advice.recommended
+    assert chosen.iterations <= 2 * used[0]
+    smaller = [r for r in advice.rows if r.workers == 1 and r.batch_size < chosen.batch_size]
+    assert all(r.iterations > 2 * used[0] for r in smaller)

@@ -34,6 +34,7 @@ from batchbound.advise.answer import (
     worker_counts,
 )
 from batchbound.advise.critical import (
+    CAP,
     BranchPlan,
     Combined,
     CriticalPoint,
@@ -117,7 +118,9 @@ class Advice:
         return out
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
+        """Strict JSON: a non-finite number (a diverged branch's loss, an unknown standard
+        error) is null, as in the rows, not the NaN/Infinity other parsers reject."""
+        return json.dumps(_plain(self.to_dict()), indent=2, allow_nan=False)
 
     @property
     def best_rows(self) -> list[Row]:
@@ -169,11 +172,15 @@ class Advice:
         low, high = r.iterations_interval
         span = f" ({low:.0f}–{high:.0f})" if math.isfinite(low) and math.isfinite(high) else ""
         lines = []
+        rule = self.extra.get("strategy")
+        rule = f", rate rule {rule}" if rule else ""
         if not self.on_seconds:
-            fewest = (self.pilot or {}).get("minimum_iterations", math.nan)
+            # S_min as the answer used it (the branches' when they predict), else the pilot's
+            fewest = self.extra.get("minimum_iterations",
+                                    (self.pilot or {}).get("minimum_iterations", math.nan))
             lines.append(
                 f"the seconds cannot be trusted here ({warning}), so this answer is on "
-                f"iterations alone: use batch {r.batch_size} (lr {r.lr:.4g}): about "
+                f"iterations alone: use batch {r.batch_size} (lr {r.lr:.4g}{rule}): about "
                 f"{r.iterations:.0f}{span} iterations to {goal}, the smallest batch within "
                 f"twice the fewest iterations any batch needs ({fewest:.0f}: the critical "
                 f"batch); how many workers pay is unknown: rerun on a quiet machine, or give "
@@ -186,8 +193,6 @@ class Advice:
             if warning:  # a study's recorded steps: only the all-reduce was timed here
                 stop = (f"the timing here cannot be trusted ({warning}), so which worker "
                         f"count pays is uncertain (as timed: {stop})")
-            rule = self.extra.get("strategy")
-            rule = f", rate rule {rule}" if rule else ""
             lines.append(
                 f"use {r.workers} worker(s) at batch {r.batch_size} (lr {r.lr:.4g}{rule}): "
                 f"about "
@@ -327,8 +332,9 @@ def advise(
     busy = _timing_check(config, data_set, curves, others, parts, spec)
     rows = _prediction_rows(config, path, strategy, counts, n, micro_limit, curves,
                             communication, overlap, adaptive, measured[1] if measured else None)
+    # S_min of what the rows predict from: the branches' central trajectory when they do
+    fewest = minimum_iterations(measured[1][0] if measured else path.central)
     if busy:  # seconds not to be trusted: the answer on iterations alone, the same each time
-        fewest = minimum_iterations(measured[1][0] if measured else path.central)
         recommended, stop = on_iterations(rows, fewest), None
     else:
         recommended, stop = finish([r for r in rows if r.best])
@@ -367,11 +373,23 @@ def advise(
         warmup=warmup_schedule(path.central, max_batch=micro_limit) if planned else None,
         extra={"n": n, "strategy": strategy, "overlap": overlap,
                "optimizer": named_optimizer, "critical_batch": "branches" if measured else "noise",
-               **({"branches": [p.to_dict() for p in measured[0]]} if measured else {}),
+               **({"branches": [{**p.to_dict(), "capped": _capped(p.high, p)}
+                                for p in measured[0]]} if measured else {}),
                "timing": "cluster" if spec is not None else "measured",
                "timing_reliable": busy is None, "timing_warning": busy,
-               "recommended_on": "iterations" if busy else "seconds"},
+               "recommended_on": "iterations" if busy else "seconds",
+               "minimum_iterations": fewest},
         source=path.central, curves=curves, communication=communication)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _adaptive(config: TrainConfig, parts: Parts | None) -> bool:
@@ -387,19 +405,31 @@ def _critical_text(points: list[CriticalPoint], rows: list[Row], plan: BranchPla
                    ) -> str:
     """How the branches measured the critical batch, and where they and the noise scale
     disagree."""
-    at = ", ".join(f"{p.critical_batch:.3g} ({p.low:.3g}–{p.high:.3g}) at iteration "
-                   f"{p.iteration}" for p in points)
+    def bound(value: float, point: CriticalPoint) -> str:  # the cap is a bound, not a value
+        return f"≥ {value:.3g}" if _capped(value, point) else f"{value:.3g}"
+
+    at = ", ".join(f"{bound(p.critical_batch, p)} ({p.low:.3g}–{bound(p.high, p)}) at "
+                   f"iteration {p.iteration}" for p in points)
     ladder = f"B = {', '.join(map(str, plan.ladder))}" if plan else "B0·2^k"
     text = (f"the critical batch measured by short branches from the pilot's states at "
-            f"{ladder} over the same examples (Merrill et al. 2025): {at}; past the pilot it "
-            f"stays at the last value (low: its low end; high: growing as the noise scale's "
-            f"trend)")
+            f"{ladder} over the same examples (Merrill et al. 2025): {at}; past the pilot "
+            f"(trajectories in critical.py) low stays at its low end, high grows as the noise "
+            f"scale's trend, and the central value half way between in log (times the square "
+            f"root of that growth)")
+    if any(_capped(p.high, p) for p in points):
+        text += (f"; '≥': the branches kept up with B0 as far as they can tell, so the value "
+                 f"is the cap, {CAP}× the largest branch, and a lower bound")
     split = sorted({r.batch_size for r in rows if r.disagree})
     if split:
         text += (f"; at B = {', '.join(map(str, split))} the branches and the noise scale "
                  f"predict iterations whose intervals do not overlap, so the interval spans "
                  f"both")
     return text
+
+
+def _capped(value: float, point: CriticalPoint) -> bool:
+    """Whether a fitted value is the fit's cap (CAP × the largest branch), a lower bound."""
+    return value >= CAP * max(point.ratios)
 
 
 def _data_of(config: TrainConfig) -> Dataset:
