@@ -90,3 +90,20 @@ def test_busy_machine_answer_from_the_branches_says_what_chose_it(monkeypatch) -
     assert chosen.iterations <= 2 * used[0]
     smaller = [r for r in advice.rows if r.workers == 1 and r.batch_size < chosen.batch_size]
     assert all(r.iterations > 2 * used[0] for r in smaller)
+
+
+def test_every_row_has_its_own_speedup_against_one_worker(monkeypatch) -> None:
+    """Rows that are not their worker count's best carry their speedup against the best
+    one-worker row in the JSON too (they showed the dataclass's 1.0)."""
+    import batchbound.advise as advise_module
+
+    monkeypatch.setattr(advise_module, "_timing_check", lambda *_: None)  # seconds trusted
+    out = advise(CONFIG, planned_epochs=4, max_workers=1, critical_batch="noise").to_dict()
+    one = next(r for r in out["rows"] if r["best"] and r["workers"] == 1)
+    others = [r for r in out["rows"] if not r["best"] and r["seconds_to_target"]]
+    assert others
+    for row in others:
+        assert row["speedup"] == pytest.approx(one["seconds_to_target"]
+                                               / row["seconds_to_target"])
+        assert row["efficiency"] == pytest.approx(row["speedup"] / row["workers"])
+        assert row["speedup"] < 1.0  # slower than the best one-worker row

@@ -338,6 +338,7 @@ def advise(
         recommended, stop = on_iterations(rows, fewest), None
     else:
         recommended, stop = finish([r for r in rows if r.best])
+        _against_one_worker(rows)
     points = None
     if with_probe:
         log("probe: branching short runs from the pilot")
@@ -380,6 +381,16 @@ def advise(
                "recommended_on": "iterations" if busy else "seconds",
                "minimum_iterations": fewest},
         source=path.central, curves=curves, communication=communication)
+
+
+def _against_one_worker(rows: list[Row]) -> None:
+    """Every row's speedup and efficiency against the best one-worker row (``finish`` fills
+    the best rows'; the others' would keep the dataclass's 1.0 in the JSON)."""
+    one = next(r for r in rows if r.best and r.workers == 1)
+    for row in rows:
+        if not row.best:
+            row.speedup = one.seconds_to_target / row.seconds_to_target
+            row.efficiency = row.speedup / row.workers
 
 
 def _plain(value: Any) -> Any:
