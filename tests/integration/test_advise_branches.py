@@ -107,3 +107,19 @@ def test_every_row_has_its_own_speedup_against_one_worker(monkeypatch) -> None:
                                                / row["seconds_to_target"])
         assert row["efficiency"] == pytest.approx(row["speedup"] / row["workers"])
         assert row["speedup"] < 1.0  # slower than the best one-worker row
+
+
+def test_budget_errors_name_what_the_user_gave_before_any_timing(monkeypatch) -> None:
+    import batchbound.advise as advise_module
+
+    def no_timing(*_):  # type: ignore[no-untyped-def]
+        raise AssertionError("timed before refusing")
+
+    monkeypatch.setattr(advise_module, "_timings", no_timing)
+    with pytest.raises(BatchboundError, match=r"budget must be in \(0, 1\].*got nan"):
+        advise(CONFIG, planned_epochs=4, max_workers=1, budget=math.nan)
+    with pytest.raises(BatchboundError, match=r"pilot fraction 0\.6 leaves the branches "
+                                              r"no budget"):
+        advise(CONFIG, planned_epochs=4, max_workers=1, pilot_fraction=0.6)
+    with pytest.raises(BatchboundError, match="branch budget"):
+        advise(CONFIG, planned_epochs=4, max_workers=1, budget=0.0001)

@@ -285,33 +285,42 @@ def advise(
                               f"{', '.join(CRITICAL_BATCH)}")
     branches = critical_batch == "branches" and (planned_epochs is not None
                                                  or planned_iterations is not None)
+    given = budget is not None
+    if given and not (isinstance(budget, (int, float)) and not isinstance(budget, bool)
+                      and 0 < budget <= 1):  # nan fails too
+        raise BatchboundError(f"the budget must be in (0, 1], a fraction of the plan's "
+                              f"examples, got {budget!r}")
     if budget is None:  # the pilot and the branches: half each
         budget = BUDGET if pilot_fraction is None else 2 * pilot_fraction
     if pilot_fraction is None:
         pilot_fraction = budget / 2 if branches else 0.1
     planned = _planned(config, data_set, planned_epochs, planned_iterations, pilot_fraction)
     _check_options(config, strategy, overlap, probe_tolerance, estimator, planned)
-    if branches and not (isinstance(budget, (int, float)) and pilot_fraction < budget <= 1):
-        raise BatchboundError(f"the budget {budget!r} must exceed the pilot fraction "
-                              f"{pilot_fraction:g} (the branches get the rest) and be <= 1")
+    if branches and not (pilot_fraction < budget <= 1):
+        raise BatchboundError(
+            f"the budget {budget:g} must exceed the pilot fraction {pilot_fraction:g} (the "
+            "branches get the rest) and be <= 1" if given else
+            f"the pilot fraction {pilot_fraction:g} leaves the branches no budget (by default "
+            f"twice it, {budget:g}, at most 1): lower --pilot-fraction, give --budget, or use "
+            "--critical-batch noise")
     spec, limit = _worker_limit(max_workers, cluster)
     device_ = resolve_device(config.device)
     n = data_set.n_train
     pilot_steps = None if planned is None else min(planned, math.ceil(pilot_fraction * planned))
     micro_limit = min(n, spec.max_micro_batch if spec and spec.max_micro_batch else n)
     counts = worker_counts(limit)
+    branch_plan = None
+    if branches and planned is not None and pilot_steps is not None:  # refused before timing
+        spent = pilot_steps * config.batch_size
+        branch_plan = plan_branches(config.batch_size, n, micro_limit,
+                                    math.floor(budget * planned * config.batch_size) - spent,
+                                    planned * config.batch_size, BRANCH_POINTS)
     payload = _payload(config, data_set, parts)
     others = OtherWork()
     with others:
         curves, communication = _timings(config, data_set, spec, counts, micro_limit, payload,
                                          None, log, parts)
     log(_pilot_plan(config, planned, pilot_steps, curves[1], estimator))
-    branch_plan = None
-    if branches and planned is not None and pilot_steps is not None:
-        spent = pilot_steps * config.batch_size
-        branch_plan = plan_branches(config.batch_size, n, micro_limit,
-                                    math.floor(budget * planned * config.batch_size) - spent,
-                                    planned * config.batch_size, BRANCH_POINTS)
     started = time.perf_counter()
     run = run_pilot(config, data_set, device_, iterations=pilot_steps, estimator=estimator,
                     exact_every_epochs=diversity_every_epochs, parts=parts, progress=progress)
