@@ -84,7 +84,7 @@ def test_busy_machine_answer_from_the_branches_says_what_chose_it(monkeypatch) -
     assert out["recommended_on"] == "iterations" and out["critical_batch"] == "branches"
     assert out["minimum_iterations"] == used[0]
     summary = advice.summary()
-    assert f"({used[0]:.0f}: the critical batch)" in summary
+    assert f"(S_min ≈ {used[0]:.0f}), the critical batch" in summary
     assert "rate rule srsr" in summary
     chosen = advice.recommended
     assert chosen.iterations <= 2 * used[0]

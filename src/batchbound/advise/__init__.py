@@ -182,9 +182,9 @@ class Advice:
                 f"the seconds cannot be trusted here ({warning}), so this answer is on "
                 f"iterations alone: use batch {r.batch_size} (lr {r.lr:.4g}{rule}): about "
                 f"{r.iterations:.0f}{span} iterations to {goal}, the smallest batch within "
-                f"twice the fewest iterations any batch needs ({fewest:.0f}: the critical "
-                f"batch); how many workers pay is unknown: rerun on a quiet machine, or give "
-                f"--cluster to model the seconds. {bound}")
+                f"twice the fewest iterations any batch needs (S_min ≈ {fewest:.0f}), the "
+                f"critical batch; how many workers pay is unknown: rerun on a quiet machine, "
+                f"or give --cluster to model the seconds. {bound}")
         else:
             stop = (f"beyond {self.workers_stop_paying} worker"
                     f"{'s' if self.workers_stop_paying > 1 else ''}, doubling saves less than "
@@ -437,8 +437,9 @@ def _critical_text(points: list[CriticalPoint], rows: list[Row], plan: BranchPla
             f"scale's trend, and the central value half way between in log (times the square "
             f"root of that growth)")
     if any(_capped(p.high, p) for p in points):
-        text += (f"; '≥': the branches kept up with B0 as far as they can tell, so the value "
-                 f"is the cap, {CAP}× the largest branch, and a lower bound")
+        text += (f"; '≥ X': within the branches' noise a larger batch kept up with B0, so "
+                 f"the fit cannot tell B_crit above X = {CAP}× the largest branch: a lower "
+                 f"bound")
     split = sorted({r.batch_size for r in rows if r.disagree})
     if split:
         text += (f"; at B = {', '.join(map(str, split))} the branches and the noise scale "
