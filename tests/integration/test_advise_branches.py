@@ -62,3 +62,64 @@ def test_noise_only_and_bad_budgets() -> None:
         advise(CONFIG, planned_epochs=2, max_workers=1, critical_batch="guess")
     with pytest.raises(BatchboundError, match="optimizer is a name"):
         advise(CONFIG, planned_epochs=2, optimizer=lambda p: None)  # type: ignore[arg-type]
+
+
+def test_busy_machine_answer_from_the_branches_says_what_chose_it(monkeypatch) -> None:
+    """On a machine whose seconds cannot be trusted, with the branches predicting: the
+    summary's S_min is the one the batch was chosen by (the branches', not the noise
+    scale's), and it names the rate rule as the answer on seconds does."""
+    import batchbound.advise as advise_module
+
+    used: list[float] = []
+
+    def spy(rows, fewest):  # type: ignore[no-untyped-def]
+        used.append(fewest)
+        return real(rows, fewest)
+
+    real = advise_module.on_iterations
+    monkeypatch.setattr(advise_module, "_timing_check", lambda *_: "a test's hog")
+    monkeypatch.setattr(advise_module, "on_iterations", spy)
+    advice = advise(CONFIG, planned_epochs=8, max_workers=1)
+    out = advice.to_dict()
+    assert out["recommended_on"] == "iterations" and out["critical_batch"] == "branches"
+    assert out["minimum_iterations"] == used[0]
+    summary = advice.summary()
+    assert f"(S_min ≈ {used[0]:.0f}), the critical batch" in summary
+    assert "rate rule srsr" in summary
+    chosen = advice.recommended
+    assert chosen.iterations <= 2 * used[0]
+    smaller = [r for r in advice.rows if r.workers == 1 and r.batch_size < chosen.batch_size]
+    assert all(r.iterations > 2 * used[0] for r in smaller)
+
+
+def test_every_row_has_its_own_speedup_against_one_worker(monkeypatch) -> None:
+    """Rows that are not their worker count's best carry their speedup against the best
+    one-worker row in the JSON too (they showed the dataclass's 1.0)."""
+    import batchbound.advise as advise_module
+
+    monkeypatch.setattr(advise_module, "_timing_check", lambda *_: None)  # seconds trusted
+    out = advise(CONFIG, planned_epochs=4, max_workers=1, critical_batch="noise").to_dict()
+    one = next(r for r in out["rows"] if r["best"] and r["workers"] == 1)
+    others = [r for r in out["rows"] if not r["best"] and r["seconds_to_target"]]
+    assert others
+    for row in others:
+        assert row["speedup"] == pytest.approx(one["seconds_to_target"]
+                                               / row["seconds_to_target"])
+        assert row["efficiency"] == pytest.approx(row["speedup"] / row["workers"])
+        assert row["speedup"] < 1.0  # slower than the best one-worker row
+
+
+def test_budget_errors_name_what_the_user_gave_before_any_timing(monkeypatch) -> None:
+    import batchbound.advise as advise_module
+
+    def no_timing(*_):  # type: ignore[no-untyped-def]
+        raise AssertionError("timed before refusing")
+
+    monkeypatch.setattr(advise_module, "_timings", no_timing)
+    with pytest.raises(BatchboundError, match=r"budget must be in \(0, 1\].*got nan"):
+        advise(CONFIG, planned_epochs=4, max_workers=1, budget=math.nan)
+    with pytest.raises(BatchboundError, match=r"pilot fraction 0\.6 leaves the branches "
+                                              r"no budget"):
+        advise(CONFIG, planned_epochs=4, max_workers=1, pilot_fraction=0.6)
+    with pytest.raises(BatchboundError, match="branch budget"):
+        advise(CONFIG, planned_epochs=4, max_workers=1, budget=0.0001)

@@ -89,3 +89,16 @@ def test_grouped_row_norms_equal_the_per_tensor_ones() -> None:
         assert torch.allclose(got[name].double(), ref, rtol=1e-6)
         # the same reduction, stacked: equal up to the order of the additions
         assert torch.allclose(got[name], Dense(t).sq_norms(), rtol=4 * torch.finfo(t.dtype).eps)
+
+
+def test_a_deferred_non_finite_step_loses_none_of_the_others() -> None:
+    """The steps deferred beside a non-finite one are folded in, as they were when each
+    step was refused in itself: only the bad step is missing."""
+    monitor, reference = OnlineDiversity(100, decay=0.9), OnlineDiversity(100, decay=0.9)
+    for S_B, T_B in ((4.0, 9.0), (math.inf, 1.0), (5.0, 12.0)):
+        monitor.defer_from_norms(torch.tensor(S_B), torch.tensor(T_B), 4)
+        if math.isfinite(S_B):
+            reference.update_from_norms(S_B, T_B, 4)
+    with pytest.raises(BatchboundError, match=r"1 of the 3 steps.*non-finite"):
+        _ = monitor.batch_bound
+    assert monitor.steps == 2 and monitor.to_dict() == reference.to_dict()

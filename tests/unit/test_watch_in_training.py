@@ -453,3 +453,20 @@ def test_fallback_with_dropout_in_train_mode_then_eval() -> None:
     model.eval()
     model.zero_grad()
     watch_exact(model, (x,), {}, ce, y, warned_before=True)
+
+
+def test_fallback_norms_under_a_mean_loss_are_rescaled_like_the_rules() -> None:
+    """A mean loss divides every per-example gradient by b, the fallback's too: S_B (rules'
+    and fallback's norms together) and T_B are rescaled by b² alike, so watch under
+    reduction="mean" gives the float64 loop's S and T on a model that needs the fallback."""
+    torch.manual_seed(22)
+    model = TinyViT().double()
+    x, y = torch.randn(5, 3, 8, 8, dtype=torch.float64), torch.randint(0, 3, (5,))
+    S, T = loop_S_T(copy.deepcopy(model), (x,), {}, lambda out, i: ce(out, y[i : i + 1]), 5)
+    expected = OnlineDiversity(1000, decay=0.0)
+    expected.update_from_norms(S, T, 5)
+    monitor = OnlineDiversity(1000, decay=0.0)
+    with pytest.warns(UserWarning, match="cls_token"), watch(model, monitor):
+        F.cross_entropy(model(x), y).backward()
+    assert monitor.m2 == pytest.approx(expected.m2, rel=1e-9)
+    assert monitor.cross == pytest.approx(expected.cross, rel=1e-8, abs=1e-9 * expected.m2)

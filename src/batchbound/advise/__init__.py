@@ -34,6 +34,7 @@ from batchbound.advise.answer import (
     worker_counts,
 )
 from batchbound.advise.critical import (
+    CAP,
     BranchPlan,
     Combined,
     CriticalPoint,
@@ -117,7 +118,9 @@ class Advice:
         return out
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
+        """Strict JSON: a non-finite number (a diverged branch's loss, an unknown standard
+        error) is null, as in the rows, not the NaN/Infinity other parsers reject."""
+        return json.dumps(_plain(self.to_dict()), indent=2, allow_nan=False)
 
     @property
     def best_rows(self) -> list[Row]:
@@ -169,15 +172,19 @@ class Advice:
         low, high = r.iterations_interval
         span = f" ({low:.0f}–{high:.0f})" if math.isfinite(low) and math.isfinite(high) else ""
         lines = []
+        rule = self.extra.get("strategy")
+        rule = f", rate rule {rule}" if rule else ""
         if not self.on_seconds:
-            fewest = (self.pilot or {}).get("minimum_iterations", math.nan)
+            # S_min as the answer used it (the branches' when they predict), else the pilot's
+            fewest = self.extra.get("minimum_iterations",
+                                    (self.pilot or {}).get("minimum_iterations", math.nan))
             lines.append(
                 f"the seconds cannot be trusted here ({warning}), so this answer is on "
-                f"iterations alone: use batch {r.batch_size} (lr {r.lr:.4g}): about "
+                f"iterations alone: use batch {r.batch_size} (lr {r.lr:.4g}{rule}): about "
                 f"{r.iterations:.0f}{span} iterations to {goal}, the smallest batch within "
-                f"twice the fewest iterations any batch needs ({fewest:.0f}: the critical "
-                f"batch); how many workers pay is unknown: rerun on a quiet machine, or give "
-                f"--cluster to model the seconds. {bound}")
+                f"twice the fewest iterations any batch needs (S_min ≈ {fewest:.0f}), the "
+                f"critical batch; how many workers pay is unknown: rerun on a quiet machine, "
+                f"or give --cluster to model the seconds. {bound}")
         else:
             stop = (f"beyond {self.workers_stop_paying} worker"
                     f"{'s' if self.workers_stop_paying > 1 else ''}, doubling saves less than "
@@ -186,8 +193,6 @@ class Advice:
             if warning:  # a study's recorded steps: only the all-reduce was timed here
                 stop = (f"the timing here cannot be trusted ({warning}), so which worker "
                         f"count pays is uncertain (as timed: {stop})")
-            rule = self.extra.get("strategy")
-            rule = f", rate rule {rule}" if rule else ""
             lines.append(
                 f"use {r.workers} worker(s) at batch {r.batch_size} (lr {r.lr:.4g}{rule}): "
                 f"about "
@@ -280,15 +285,24 @@ def advise(
                               f"{', '.join(CRITICAL_BATCH)}")
     branches = critical_batch == "branches" and (planned_epochs is not None
                                                  or planned_iterations is not None)
+    given = budget is not None
+    if given and not (isinstance(budget, (int, float)) and not isinstance(budget, bool)
+                      and 0 < budget <= 1):  # nan fails too
+        raise BatchboundError(f"the budget must be in (0, 1], a fraction of the plan's "
+                              f"examples, got {budget!r}")
     if budget is None:  # the pilot and the branches: half each
         budget = BUDGET if pilot_fraction is None else 2 * pilot_fraction
     if pilot_fraction is None:
         pilot_fraction = budget / 2 if branches else 0.1
     planned = _planned(config, data_set, planned_epochs, planned_iterations, pilot_fraction)
     _check_options(config, strategy, overlap, probe_tolerance, estimator, planned)
-    if branches and not (isinstance(budget, (int, float)) and pilot_fraction < budget <= 1):
-        raise BatchboundError(f"the budget {budget!r} must exceed the pilot fraction "
-                              f"{pilot_fraction:g} (the branches get the rest) and be <= 1")
+    if branches and not (pilot_fraction < budget <= 1):
+        raise BatchboundError(
+            f"the budget {budget:g} must exceed the pilot fraction {pilot_fraction:g} (the "
+            "branches get the rest) and be <= 1" if given else
+            f"the pilot fraction {pilot_fraction:g} leaves the branches no budget (by default "
+            f"twice it, {budget:g}, at most 1): lower --pilot-fraction, give --budget, or use "
+            "--critical-batch noise")
     # what the pilot would refuse, refused before the timing and the pilot: a user's model
     # factory is built and run on one example here, its shapes named on a mismatch
     config.validate_against(data_set, model_given=parts is not None and parts.model is not None)
@@ -298,18 +312,18 @@ def advise(
     pilot_steps = None if planned is None else min(planned, math.ceil(pilot_fraction * planned))
     micro_limit = min(n, spec.max_micro_batch if spec and spec.max_micro_batch else n)
     counts = worker_counts(limit)
+    branch_plan = None
+    if branches and planned is not None and pilot_steps is not None:  # refused before timing
+        spent = pilot_steps * config.batch_size
+        branch_plan = plan_branches(config.batch_size, n, micro_limit,
+                                    math.floor(budget * planned * config.batch_size) - spent,
+                                    planned * config.batch_size, BRANCH_POINTS)
     payload = _payload(config, data_set, parts)
     others = OtherWork()
     with others:
         curves, communication = _timings(config, data_set, spec, counts, micro_limit, payload,
                                          None, log, parts)
     log(_pilot_plan(config, planned, pilot_steps, curves[1], estimator))
-    branch_plan = None
-    if branches and planned is not None and pilot_steps is not None:
-        spent = pilot_steps * config.batch_size
-        branch_plan = plan_branches(config.batch_size, n, micro_limit,
-                                    math.floor(budget * planned * config.batch_size) - spent,
-                                    planned * config.batch_size, BRANCH_POINTS)
     started = time.perf_counter()
     run = run_pilot(config, data_set, device_, iterations=pilot_steps, estimator=estimator,
                     exact_every_epochs=diversity_every_epochs, parts=parts, progress=progress)
@@ -330,11 +344,13 @@ def advise(
     busy = _timing_check(config, data_set, curves, others, parts, spec)
     rows = _prediction_rows(config, path, strategy, counts, n, micro_limit, curves,
                             communication, overlap, adaptive, measured[1] if measured else None)
+    # S_min of what the rows predict from: the branches' central trajectory when they do
+    fewest = minimum_iterations(measured[1][0] if measured else path.central)
     if busy:  # seconds not to be trusted: the answer on iterations alone, the same each time
-        fewest = minimum_iterations(measured[1][0] if measured else path.central)
         recommended, stop = on_iterations(rows, fewest), None
     else:
         recommended, stop = finish([r for r in rows if r.best])
+        _against_one_worker(rows)
     points = None
     if with_probe:
         log("probe: branching short runs from the pilot")
@@ -370,11 +386,33 @@ def advise(
         warmup=warmup_schedule(path.central, max_batch=micro_limit) if planned else None,
         extra={"n": n, "strategy": strategy, "overlap": overlap,
                "optimizer": named_optimizer, "critical_batch": "branches" if measured else "noise",
-               **({"branches": [p.to_dict() for p in measured[0]]} if measured else {}),
+               **({"branches": [{**p.to_dict(), "capped": _capped(p.high, p)}
+                                for p in measured[0]]} if measured else {}),
                "timing": "cluster" if spec is not None else "measured",
                "timing_reliable": busy is None, "timing_warning": busy,
-               "recommended_on": "iterations" if busy else "seconds"},
+               "recommended_on": "iterations" if busy else "seconds",
+               "minimum_iterations": fewest},
         source=path.central, curves=curves, communication=communication)
+
+
+def _against_one_worker(rows: list[Row]) -> None:
+    """Every row's speedup and efficiency against the best one-worker row (``finish`` fills
+    the best rows'; the others' would keep the dataclass's 1.0 in the JSON)."""
+    one = next(r for r in rows if r.best and r.workers == 1)
+    for row in rows:
+        if not row.best:
+            row.speedup = one.seconds_to_target / row.seconds_to_target
+            row.efficiency = row.speedup / row.workers
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _adaptive(config: TrainConfig, parts: Parts | None) -> bool:
@@ -390,19 +428,32 @@ def _critical_text(points: list[CriticalPoint], rows: list[Row], plan: BranchPla
                    ) -> str:
     """How the branches measured the critical batch, and where they and the noise scale
     disagree."""
-    at = ", ".join(f"{p.critical_batch:.3g} ({p.low:.3g}–{p.high:.3g}) at iteration "
-                   f"{p.iteration}" for p in points)
+    def bound(value: float, point: CriticalPoint) -> str:  # the cap is a bound, not a value
+        return f"≥ {value:.3g}" if _capped(value, point) else f"{value:.3g}"
+
+    at = ", ".join(f"{bound(p.critical_batch, p)} ({p.low:.3g}–{bound(p.high, p)}) at "
+                   f"iteration {p.iteration}" for p in points)
     ladder = f"B = {', '.join(map(str, plan.ladder))}" if plan else "B0·2^k"
     text = (f"the critical batch measured by short branches from the pilot's states at "
-            f"{ladder} over the same examples (Merrill et al. 2025): {at}; past the pilot it "
-            f"stays at the last value (low: its low end; high: growing as the noise scale's "
-            f"trend)")
+            f"{ladder} over the same examples (Merrill et al. 2025): {at}; past the pilot "
+            f"(trajectories in critical.py) low stays at its low end, high grows as the noise "
+            f"scale's trend, and the central value half way between in log (times the square "
+            f"root of that growth)")
+    if any(_capped(p.high, p) for p in points):
+        text += (f"; '≥ X': within the branches' noise a larger batch kept up with B0, so "
+                 f"the fit cannot tell B_crit above X = {CAP}× the largest branch: a lower "
+                 f"bound")
     split = sorted({r.batch_size for r in rows if r.disagree})
     if split:
         text += (f"; at B = {', '.join(map(str, split))} the branches and the noise scale "
                  f"predict iterations whose intervals do not overlap, so the interval spans "
                  f"both")
     return text
+
+
+def _capped(value: float, point: CriticalPoint) -> bool:
+    """Whether a fitted value is the fit's cap (CAP × the largest branch), a lower bound."""
+    return value >= CAP * max(point.ratios)
 
 
 def _data_of(config: TrainConfig) -> Dataset:

@@ -171,14 +171,24 @@ class OnlineDiversity:
             self.fold()
 
     def fold(self) -> None:
-        """Fold deferred steps in (one host sync); a no-op when there are none."""
+        """Fold deferred steps in (one host sync); a no-op when there are none. A non-finite
+        step is refused (BatchboundError) after the others are folded in, as each would be
+        had it been refused in its own step."""
         if not self._deferred:
             return
         deferred, self._deferred = self._deferred, []
         rows = [row if row.device.type == "cpu" else row.cpu() for row, _ in deferred]
         values = torch.stack(rows).tolist() if len(rows) > 1 else [rows[0].tolist()]
+        refused = []
         for (S_B, T_B), (_, b) in zip(values, deferred, strict=True):
-            self._from_norms(S_B, T_B, b)
+            try:
+                self._from_norms(S_B, T_B, b)
+            except BatchboundError as exc:
+                refused.append(str(exc))
+        if refused:
+            raise BatchboundError(f"{len(refused)} of the {len(values)} steps read since the "
+                                  f"last estimate were refused, the others folded in: "
+                                  f"{refused[0]}")
 
     def update_from_stats(self, stats: PerExampleStats) -> None:
         """From ``per_example_stats`` of the current mini-batch."""
