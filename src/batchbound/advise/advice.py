@@ -169,12 +169,14 @@ class Advice:
                  else f"n·Δ was not measured in {where}.")
         low, high = r.iterations_interval
         span = f" ({low:.0f}–{high:.0f})" if math.isfinite(low) and math.isfinite(high) else ""
+        rule = self.extra.get("strategy")
+        rule = f", rate rule {rule}" if rule else ""
         lines = []
         if not self.on_seconds:
             fewest = (self.pilot or {}).get("minimum_iterations", math.nan)
             lines.append(
                 f"the seconds cannot be trusted here ({warning}), so this answer is on "
-                f"iterations alone: use batch {r.batch_size} (lr {r.lr:.4g}): about "
+                f"iterations alone: use batch {r.batch_size} (lr {r.lr:.4g}{rule}): about "
                 f"{r.iterations:.0f}{span} iterations to {goal}, the smallest batch within "
                 f"twice the fewest iterations any batch needs ({fewest:.0f}: the critical "
                 f"batch); how many workers pay is unknown: rerun on a quiet machine, or give "
@@ -187,8 +189,6 @@ class Advice:
             if warning:  # a study's recorded steps: only the all-reduce was timed here
                 stop = (f"the timing here cannot be trusted ({warning}), so which worker "
                         f"count pays is uncertain (as timed: {stop})")
-            rule = self.extra.get("strategy")
-            rule = f", rate rule {rule}" if rule else ""
             lines.append(
                 f"use {r.workers} worker(s) at batch {r.batch_size} (lr {r.lr:.4g}{rule}): "
                 f"about "
