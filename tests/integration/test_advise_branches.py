@@ -68,7 +68,7 @@ def test_busy_machine_answer_from_the_branches_says_what_chose_it(monkeypatch) -
     """On a machine whose seconds cannot be trusted, with the branches predicting: the
     summary's S_min is the one the batch was chosen by (the branches', not the noise
     scale's), and it names the rate rule as the answer on seconds does."""
-    import batchbound.advise as advise_module
+    import batchbound.advise.advice as advise_module
 
     used: list[float] = []
 
@@ -95,7 +95,7 @@ def test_busy_machine_answer_from_the_branches_says_what_chose_it(monkeypatch) -
 def test_every_row_has_its_own_speedup_against_one_worker(monkeypatch) -> None:
     """Rows that are not their worker count's best carry their speedup against the best
     one-worker row in the JSON too (they showed the dataclass's 1.0)."""
-    import batchbound.advise as advise_module
+    import batchbound.advise.advice as advise_module
 
     monkeypatch.setattr(advise_module, "_timing_check", lambda *_: None)  # seconds trusted
     out = advise(CONFIG, planned_epochs=4, max_workers=1, critical_batch="noise").to_dict()
@@ -110,7 +110,7 @@ def test_every_row_has_its_own_speedup_against_one_worker(monkeypatch) -> None:
 
 
 def test_budget_errors_name_what_the_user_gave_before_any_timing(monkeypatch) -> None:
-    import batchbound.advise as advise_module
+    import batchbound.advise.advice as advise_module
 
     def no_timing(*_):  # type: ignore[no-untyped-def]
         raise AssertionError("timed before refusing")

@@ -113,7 +113,7 @@ def test_combine_spans_both_only_when_they_disagree() -> None:
 def test_adam_type_is_told_by_name_or_by_the_factorys_betas() -> None:
     import torch
 
-    from batchbound.advise import _adaptive
+    from batchbound.advise.advice import _adaptive
     from batchbound.train import TrainConfig
     from batchbound.train.loop import Parts
 

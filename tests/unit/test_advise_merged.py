@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import math
 
-from batchbound.advise import Advice, _critical_text
+from batchbound.advise import Advice
+from batchbound.advise.advice import _critical_text
 from batchbound.advise.answer import Row
 from batchbound.advise.critical import CAP, MIN_SPREAD, BranchPlan, fit_point
 

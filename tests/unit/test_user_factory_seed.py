@@ -52,7 +52,7 @@ def test_a_build_without_a_seed_hands_the_factory_zero(factory) -> None:
 def test_advise_payload_and_validation_build_a_seeded_factory(factory) -> None:
     import seedmodels
 
-    from batchbound.advise import _payload
+    from batchbound.advise.advice import _payload
 
     digits = load_dataset("digits")
     config = TrainConfig(dataset="digits", model="seedmodels:seeded", batch_size=16, lr=0.1,

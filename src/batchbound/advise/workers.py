@@ -15,7 +15,7 @@ from typing import Any
 
 import pandas as pd
 
-from batchbound.advise import advise_from_study
+from batchbound.advise.advice import advise_from_study
 from batchbound.errors import BatchboundError
 
 COLUMNS = ["model", "workers", "batch", "lr", "iterations", "s/iteration", "s to target",

@@ -30,7 +30,7 @@ from batchbound.errors import BatchboundError
 
 PER_EXAMPLE_FACTOR = 3.0
 FIXED_FACTOR = 5.0  # weights + autograd's gradient sum + float64 totals (2×) + the block
-PROBE = 2  # examples in the smaller probe chunk
+MEASURED_EXAMPLES = 2  # the per-example bytes: the forward on this many examples, then twice
 
 
 def saved_bytes(model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss) -> int:
@@ -58,7 +58,7 @@ def chunk_for_budget(model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExample
     if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
         raise BatchboundError(f"memory_budget must be a positive number of bytes, got {budget!r}")
     fixed = FIXED_FACTOR * sum(p.numel() * p.element_size() for p in model.parameters())
-    k = min(PROBE, x.shape[0] // 2)
+    k = min(MEASURED_EXAMPLES, x.shape[0] // 2)
     if k >= 1:
         small = saved_bytes(model, x[:k], y[:k], loss_fn)
         large = saved_bytes(model, x[: 2 * k], y[: 2 * k], loss_fn)

@@ -165,12 +165,13 @@ class HooksPass:
         layout: Layout | None,
         n: int,
         excluded: dict[str, str] | None = None,
-        probes: dict[str, tuple[Tensor, Tensor]] | None = None,
+        fingerprint_vectors: dict[str, tuple[Tensor, Tensor]] | None = None,
     ) -> None:
         self.plan, self.params, self.layout, self.n = plan, params, layout, n
-        # With ``probes`` (``probe_vectors``): ⟨Σ_i g_i, a bᵀ⟩ per parameter from the rules'
-        # forms, for its random a, b, to compare with autograd's gradient sum.
-        self.probes = probes or {}
+        # With ``fingerprint_vectors`` (``draw_fingerprint_vectors``): ⟨Σ_i g_i, a bᵀ⟩ per
+        # parameter from the rules' forms, for its random a, b, to compare with autograd's
+        # gradient sum.
+        self.fingerprint_vectors = fingerprint_vectors or {}
         self.backward_seen = False  # an output gradient reached a rule's call
         self.fingerprints: dict[str, Tensor] = {}
         self.recorder = CallRecorder(plan.covered)
@@ -437,8 +438,8 @@ class HooksPass:
         return per.reshape(n, *call.outputs[0].shape)
 
     def _fingerprint(self, name: str, form: PerExampleGrad) -> None:
-        if name in self.probes:
-            a, b = self.probes[name]
+        if name in self.fingerprint_vectors:
+            a, b = self.fingerprint_vectors[name]
             value = project(form, a, b)
             self.fingerprints[name] = self.fingerprints.get(name, 0) + value
 
@@ -520,13 +521,13 @@ def _rounded(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def probe_vectors(params: dict[str, nn.Parameter]) -> dict[str, tuple[Tensor, Tensor]]:
+def draw_fingerprint_vectors(params: dict[str, nn.Parameter]) -> dict[str, tuple[Tensor, Tensor]]:
     """For each parameter p, fixed random unit vectors a (rows) and b (columns) for p viewed
     as a matrix (rows = its first dimension); a local generator leaves the global RNG alone."""
-    return {name: _probe_vectors(p) for name, p in params.items()}
+    return {name: _draw_fingerprint_vectors(p) for name, p in params.items()}
 
 
-def _probe_vectors(p: Tensor) -> tuple[Tensor, Tensor]:
+def _draw_fingerprint_vectors(p: Tensor) -> tuple[Tensor, Tensor]:
     rows = p.shape[0] if p.dim() else 1
     generator = torch.Generator(device=p.device).manual_seed(p.numel())
     a = torch.randn(rows, generator=generator, device=p.device, dtype=p.dtype)
@@ -534,8 +535,8 @@ def _probe_vectors(p: Tensor) -> tuple[Tensor, Tensor]:
     return a / torch.linalg.vector_norm(a), b / torch.linalg.vector_norm(b)
 
 
-def fingerprint_of(grad: Tensor, probe: tuple[Tensor, Tensor]) -> Tensor:
-    a, b = probe
+def fingerprint_of(grad: Tensor, vectors: tuple[Tensor, Tensor]) -> Tensor:
+    a, b = vectors
     return a @ grad.reshape(a.shape[0], b.shape[0]) @ b
 
 

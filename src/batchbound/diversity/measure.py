@@ -22,7 +22,7 @@ from torch.utils.data import Dataset as TorchDataset
 
 from batchbound import kernels
 from batchbound.data.dataset import Dataset
-from batchbound.diversity.budget import PROBE, chunk_for_budget
+from batchbound.diversity.budget import MEASURED_EXAMPLES, chunk_for_budget
 from batchbound.diversity.calls import Inputs
 from batchbound.diversity.distributed import all_reduce_sum, world_size
 from batchbound.diversity.losses import PerExampleLoss, loss_name, resolve_loss
@@ -207,8 +207,9 @@ def measure(
 
 def _budget_chunk(work: nn.Module, data: Data, loss_fn: PerExampleLoss, budget: int,
                   most: int) -> int:
-    """The chunk ``memory_budget`` allows, probed on the data's first examples."""
-    first, _, _ = data_chunks(data, 2 * PROBE)
+    """The chunk ``memory_budget`` allows, from what the forward saves on the data's first
+    examples."""
+    first, _, _ = data_chunks(data, 2 * MEASURED_EXAMPLES)
     x, y = next(first)
     device, dtype = _device_dtype(work)
     x = x.to(device, dtype) if isinstance(x, Inputs) else x.to(

@@ -26,9 +26,9 @@ from batchbound.diversity.hooks import (
     HookPlan,
     HooksPass,
     Layout,
+    draw_fingerprint_vectors,
     fingerprint_of,
     plan_hooks,
-    probe_vectors,
 )
 from batchbound.diversity.losses import resolve_loss
 from batchbound.diversity.online import OnlineDiversity
@@ -262,7 +262,7 @@ def _unseen_uses(run: HooksPass, delta: dict[str, Tensor]) -> dict[str, str]:
         return {}
     rtol = tolerance(run.precision)
     ours = torch.stack([torch.as_tensor(run.fingerprints[k]) for k in names])
-    seen = torch.stack([fingerprint_of(delta[k], run.probes[k]) for k in names])
+    seen = torch.stack([fingerprint_of(delta[k], run.fingerprint_vectors[k]) for k in names])
     scale = torch.stack([torch.linalg.vector_norm(delta[k]) for k in names]) + torch.stack(
         [run.sq_norms[k].sum() for k in names]).sqrt()
     bad = ((ours - seen).abs() > rtol * scale + 1e-30).tolist()
@@ -277,7 +277,7 @@ class _Planned:
     structure: tuple
     params: dict[str, nn.Parameter]
     plan: HookPlan
-    probes: dict[str, tuple[Tensor, Tensor]]
+    fingerprint_vectors: dict[str, tuple[Tensor, Tensor]]
     batch_norms: list[tuple[str, nn.Module]]
     layout: Layout | None = None  # from the first watched call (the probe, the self-check)
     warned: set[object] = field(default_factory=set)  # precisions and fallbacks stated
@@ -295,7 +295,8 @@ def _planned(model: nn.Module, subset: str = "all") -> _Planned:
     planned = _PLANS.get(model)
     if planned is None or planned.structure != structure:
         plan = plan_hooks(model, params)
-        planned = _PLANS[model] = _Planned(structure, params, plan, probe_vectors(params),
+        planned = _PLANS[model] = _Planned(structure, params, plan,
+                                           draw_fingerprint_vectors(params),
                                            batch_norm_modules(model))
     return planned
 
@@ -365,7 +366,7 @@ class _Watched:
                 self._inside = False
         excluded = {**self.plan.static_reasons(), **self.planned.checked}
         self.run = HooksPass(self.plan, self.params, layout, int(x.shape[0]), excluded,
-                             probes=self.planned.probes)
+                             fingerprint_vectors=self.planned.fingerprint_vectors)
         self.run.recorder.__enter__()
         self.run.recorder.start()
         self._rows = self.run.rows = RowTracker((args, kwargs), model.buffers())
@@ -471,7 +472,7 @@ class _LossWatch(TorchFunctionMode):
                 ids = {id(p): name for name, p in self.run.params.items()}
                 for name in loss_users(root, self.outputs, ids):
                     self.run.reasons[name] = LOSS_USE_IN_WATCH  # also over 'no rule'
-                self.run.probes = {}  # the graph answered: no fingerprints
+                self.run.fingerprint_vectors = {}  # the graph answered: no fingerprints
         return func(*args, **(kwargs or {}))
 
 

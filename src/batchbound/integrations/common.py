@@ -206,7 +206,7 @@ class MicroBatchNorms:
     it, a GradScaler unscales it or a clipper shrinks it, whenever the framework lets a
     callback look. The numbers stay on the device; ``.grad`` is never written.
 
-    Two ways to the same numbers (tests/unit/test_probe_fused.py checks they agree):
+    Two ways to the same numbers (tests/unit/test_micro_batch_norms_fused.py checks they agree):
 
     - ``fused=True`` (one process): the hooks only keep references; at the end of each
       backward pass (an autograd final callback, before any framework code runs) one
@@ -216,7 +216,7 @@ class MicroBatchNorms:
       ``.grad`` yet needs no reference: its h_j is what ``.grad`` then holds. Held gradients
       past ``STASH_BYTES`` are reduced early. A backward pass that runs other backward passes
       inside it (reentrant checkpointing), or two in one micro-batch, is seen by the graph
-      task ids: that step is dropped and the probe goes on the exact per-parameter way.
+      task ids: that step is dropped and the estimate goes on the exact per-parameter way.
     - ``fused=False`` (any process group): one norm, and one dot product with what ``.grad``
       already holds, per parameter in its hook; under DDP with bucket views ``.grad`` may be
       rewritten by the all-reduce while the backward runs, so the integrations use it there.
@@ -357,7 +357,7 @@ def step_row(micro: list[Tensor], total: Tensor, window: Window, constant: Numbe
     """[mean_j ‖G_j‖², harmonic size, ‖A/(S·c·Σw)‖², B_eff] from the micro-batches' Σ‖h_j‖²
     and ‖A‖² (module docstring), in few device operations: the sizes and weights are
     Python numbers (examples counted on the host) or 0-dim device tensors (tokens counted
-    on the device), never copied from the host. tests/unit/test_probe_fused.py checks it
+    on the device), never copied from the host. tests/unit/test_micro_batch_norms_fused.py checks it
     against the Window's own formulas."""
     device = micro[0].device
     k = window.count
