@@ -192,8 +192,10 @@ SAMPLE_VALUES = {
     "model": "fc(depth=1,params=800)", "loss": "mse", "strategy": "srsr(base_batch=16)",
     "mechanism": "sgld(sigma=0.1)", "batch_policy": "fixed", "device": "cpu",
     "final_probes": "osg", "workers": "1", "momentum": "0.5", "divergence_factor": "3",
-    "online_diversity": "norms", "mechanism_granularity": "example",
+    "online_diversity": "norms", "mechanism_granularity": "example", "betas": "0.9,0.95",
+    "eps": "1e-6",
 }
+ADAM_ONLY = ("betas", "eps")  # refused with SGD, which would ignore them
 
 
 def test_every_config_field_has_a_flag_that_sets_it() -> None:
@@ -214,8 +216,12 @@ def test_every_config_field_has_a_flag_that_sets_it() -> None:
         flags = field.metadata.get("flags") or (f"--{field.name.replace('_', '-')}",)
         choices = field.metadata.get("choices")
         value = SAMPLE_VALUES.get(field.name) or (choices[-1] if choices else "3")
-        got = getattr(build_config(parser.parse_args(["train", flags[0], value])), field.name)
-        expected = (value,) if isinstance(got, tuple) else type(got)(value)
+        extra = ["--optimizer", "adamw"] if field.name in ADAM_ONLY else []
+        args = parser.parse_args(["train", *extra, flags[0], value])
+        got = getattr(build_config(args), field.name)
+        parse = field.metadata.get("parse")
+        expected = (parse(value) if parse else (value,) if isinstance(got, tuple)
+                    else type(got)(value))
         assert got == expected, field.name
 
 
