@@ -150,7 +150,7 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     params = planned.params
     check_model_mode(model, planned.batch_norms)
     before = _grad_copies(params)
-    with _Watched(model, planned) as watched:
+    with _Watched(model, planned, before) as watched:
         yield
     run = watched.finish()
     if run is None or not (run.backward_seen or (watched.outputs and watched.outputs.grads)):
@@ -159,7 +159,9 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     refused = {k: why for k, why in run.reasons.items() if why in REFUSED}
     if refused:
         _refuse(refused)
-    delta = _grad_changes(params, before)
+    # the backward's own change, read at its end: what the block does to .grad afterwards
+    # (clipping, GradScaler.unscale_, zero_grad) is the optimizer's business, not Δ's
+    delta = watched.delta if watched.delta is not None else _grad_changes(params, before)
     if run.precision == torch.float16 and not _finite(delta, run.sq_norms):
         # float16 overflow: a GradScaler skips this step's update too, and lowers its scale
         _state_precision(monitor, planned, run.precision)
@@ -304,8 +306,11 @@ class _Watched:
     """Root-module hooks: on the model's call, check it (first time only), record its layer
     calls, and before the backward pass read the graph from its outputs."""
 
-    def __init__(self, model: nn.Module, planned: _Planned) -> None:
-        self.model, self.planned = model, planned
+    def __init__(self, model: nn.Module, planned: _Planned,
+                 before: dict[str, Tensor | None]) -> None:
+        self.model, self.planned, self.before = model, planned, before
+        self.delta: dict[str, Tensor] | None = None  # .grad's change at the backward's end
+        self._queued = False
         self.plan, self.params = planned.plan, planned.params
         self.run: HooksPass | None = None
         self.calls = 0
@@ -390,12 +395,30 @@ class _Watched:
         self.run.recorder.stop()
         roots = [t.grad_fn for t in flatten(output) if isinstance(t, Tensor) and t.grad_fn]
         self.run.attach(roots)
+        self._handles += [root.register_prehook(self._backward_reached) for root in roots]
         self._loss = _LossWatch(self.run, roots)
         self._loss.__enter__()
         if self.run.reasons:  # the fallback will need the loss's gradients of the outputs
             self.outputs = OutputGrads(output, self.run.n)
             return self.outputs.output
         return None
+
+    def _backward_reached(self, grad_outputs: tuple) -> None:
+        """A backward pass reached the model's outputs: read .grad's change when it ends."""
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        self._queued = False
+        delta = _grad_changes(self.params, self.before)
+        # a .grad that was None before is read as itself: copy it, or clipping scales it here
+        fresh = [k for k, v in self.before.items() if v is None and self.params[k].grad is not None]
+        if fresh:
+            with torch.no_grad():
+                delta.update(zip(fresh, torch._foreach_mul([delta[k] for k in fresh], 1.0),
+                                 strict=True))
+        self.delta = delta
 
     def _stop_rows(self) -> None:
         if self._rows is not None:
