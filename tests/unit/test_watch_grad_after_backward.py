@@ -85,3 +85,27 @@ def test_grad_scaler_unscale_and_clip_inside_the_block() -> None:
     assert monitor.m2 == pytest.approx(scale**2 * plain.m2, rel=1e-9)
     assert monitor.cross == pytest.approx(scale**2 * plain.cross, rel=1e-9,
                                           abs=1e-9 * scale**2 * plain.m2)
+
+
+def test_reentrant_checkpoint_under_watch_is_refused_in_one_line() -> None:
+    """use_reentrant=True cannot be self-checked (its backward only writes .grad): a
+    BatchboundError naming it, never torch's RuntimeError."""
+    from torch.utils.checkpoint import checkpoint
+
+    from batchbound.errors import BatchboundError
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = torch.tanh(self.a(x))
+            h = checkpoint(lambda t: torch.tanh(self.b(t)), h, use_reentrant=True)
+            return self.c(h)
+
+    model = Checkpointed().double()
+    x, y = _data()
+    with pytest.raises(BatchboundError, match="use_reentrant=True"), \
+            watch(model, OnlineDiversity(100), reduction="sum"):
+        F.cross_entropy(model(x), y, reduction="sum").backward()
