@@ -173,15 +173,16 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     unseen.update({k: UNACCOUNTED for k in run.unused if bool(delta[k].any())})
     if unseen:
         _refuse(unseen)
-    sq_norms = dict(run.sq_norms)
+    sq_norms, precision = dict(run.sq_norms), run.precision
     if run.reasons:  # no layer rule can take these: the exact fallback, in this step
         sq_norms.update(watched.fallback(run.reasons, delta, run.precision))
+        precision = watched.fallback_precision(precision)
     # The rules saw the user's loss, so their norms and sums carry its scale: a mean over b
     # examples divides every per-example gradient by b.
     b = run.n
     scale = float(b) if reduction == "mean" else 1.0
     S_B, T_B = batch_sums(sq_norms, [run.totals.get(k, delta[k]) for k in params])
-    _state_precision(monitor, planned, run.precision)
+    _state_precision(monitor, planned, precision)
     monitor.defer_from_norms(scale**2 * S_B, scale**2 * T_B, b)  # no host sync in the step
 
 
@@ -429,6 +430,12 @@ class _Watched:
         if self._loss is not None:
             self._loss.__exit__(None, None, None)
 
+    def fallback_precision(self, observed: torch.dtype) -> torch.dtype:
+        """The fallback reruns the forward under the call's autocast without the dispatch mode
+        that observed it, so an operation that lowers its own inside (``nn.Bilinear`` on CPU)
+        computes there in autocast's dtype: the fallback's numbers carry at least its rounding."""
+        return lowest(observed, *(dtype for _, dtype in self.autocast))
+
     def finish(self) -> HooksPass | None:
         if self.run is not None:
             self.run.finish()
@@ -454,7 +461,7 @@ class _Watched:
             with autocast_as(self.autocast), buffers_kept(self.model), rng_kept(self.params):
                 self.planned.deterministic[modes] = deterministic(self.model, self.inputs)
         if self.planned.deterministic[modes]:
-            rtol = tolerance(precision)
+            rtol = tolerance(self.fallback_precision(precision))
             wrong = {k: "its gradient in this step is not the sum of the per-example gradients "
                         "read off the model's outputs (a regulariser in the loss, or a loss that "
                         "is not a sum over the examples?)"
