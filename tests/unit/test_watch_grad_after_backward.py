@@ -109,3 +109,17 @@ def test_reentrant_checkpoint_under_watch_is_refused_in_one_line() -> None:
     with pytest.raises(BatchboundError, match="use_reentrant=True"), \
             watch(model, OnlineDiversity(100), reduction="sum"):
         F.cross_entropy(model(x), y, reduction="sum").backward()
+
+
+def test_a_second_backward_through_the_outputs_is_refused_in_one_line() -> None:
+    """Two backward passes from one forward (retain_graph) used to end in an IndexError from
+    the rules' hooks; the rules read one backward per forward: a BatchboundError says so."""
+    from batchbound.errors import BatchboundError
+
+    model = _model()
+    x, y = _data()
+    with pytest.raises(BatchboundError, match="second backward"), \
+            watch(model, OnlineDiversity(100), reduction="sum"):
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        losses[:2].sum().backward(retain_graph=True)
+        losses[2:].sum().backward()

@@ -395,8 +395,9 @@ class _Watched:
         self._stop_rows()
         self.run.recorder.stop()
         roots = [t.grad_fn for t in flatten(output) if isinstance(t, Tensor) and t.grad_fn]
-        self.run.attach(roots)
+        # before the rules' own hooks, so that a second backward is refused ahead of them
         self._handles += [root.register_prehook(self._backward_reached) for root in roots]
+        self.run.attach(roots)
         self._loss = _LossWatch(self.run, roots)
         self._loss.__enter__()
         if self.run.reasons:  # the fallback will need the loss's gradients of the outputs
@@ -406,6 +407,10 @@ class _Watched:
 
     def _backward_reached(self, grad_outputs: tuple) -> None:
         """A backward pass reached the model's outputs: read .grad's change when it ends."""
+        if self.delta is not None:
+            raise BatchboundError("watch(): a second backward pass through the model's outputs "
+                                  "in one block (retain_graph); the rules read one backward "
+                                  "per forward: backpropagate the sum of the losses once")
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
