@@ -26,7 +26,7 @@ from batchbound.diversity.budget import MEASURED_EXAMPLES, chunk_for_budget
 from batchbound.diversity.calls import Inputs
 from batchbound.diversity.distributed import all_reduce_sum, world_size
 from batchbound.diversity.losses import PerExampleLoss, loss_name, resolve_loss
-from batchbound.diversity.precision import LOW_PRECISION, lowest, statement
+from batchbound.diversity.precision import LOW_PRECISION, autocast_dtypes, lowest, statement
 from batchbound.diversity.prepared import PreparedStats
 from batchbound.diversity.report import DiversityReport
 from batchbound.diversity.stats import (
@@ -180,6 +180,8 @@ def measure(
                                 "chunk_size": chunk_size}
     count, loss_sum, per_param, grad_sum, fallback, seen = totals
     used = lowest(dtype, seen)  # autocast or casts in the forward: below the parameters'
+    if fallback:  # rerun under autocast without the observing mode: may round unseen inside
+        used = lowest(used, *autocast_dtypes())
     if used in LOW_PRECISION:
         extra["precision"] = statement(used, dtype)
         warnings.warn(f"batchbound: {statement(used, dtype)}; dtype=torch.float64 measures a "

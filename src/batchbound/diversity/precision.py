@@ -20,7 +20,7 @@ import torch
 
 from batchbound.diversity.stats import LOW_PRECISION
 
-__all__ = ["LOW_PRECISION", "digits", "lowest", "name", "statement"]
+__all__ = ["LOW_PRECISION", "autocast_dtypes", "digits", "lowest", "name", "statement"]
 _RANK = {torch.float16: 0, torch.bfloat16: 0, torch.float32: 1, torch.float64: 2}
 
 
@@ -28,6 +28,14 @@ def lowest(*dtypes: torch.dtype | None) -> torch.dtype:
     """The least precise of the floating ``dtypes`` (None entries ignored; float32 if none)."""
     found = [d for d in dtypes if d in _RANK]
     return min(found, key=lambda d: _RANK[d]) if found else torch.float32
+
+
+def autocast_dtypes() -> list[torch.dtype]:
+    """The dtypes of the autocast contexts active now. An operation may compute inside itself
+    in autocast's dtype and return float32 (``nn.Bilinear`` on CPU), which no dispatch mode
+    sees, and a dispatch mode changes that: the per-example loop, run without one, can then
+    round where the observed pass did not."""
+    return [torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
 
 
 def name(dtype: torch.dtype) -> str:

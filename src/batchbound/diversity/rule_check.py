@@ -38,6 +38,7 @@ from batchbound.diversity.hooks import (
     output_sum,
 )
 from batchbound.diversity.losses import PerExampleLoss
+from batchbound.diversity.precision import autocast_dtypes, lowest
 from batchbound.diversity.stats import eval_mode, gradients
 
 PROBE_SIZES = (2, 3)
@@ -213,8 +214,10 @@ def self_check(
             fast = hooks_stats(model, xs, ys, loss_fn, plan, params, layout, excluded=excluded)
             slow_sq, _, slow_losses = loop_sq_norms(model, xs, ys, loss_fn, list(params),
                                                     sums=False)
-    # The tolerance of the precision the forward actually ran in (autocast: bfloat16).
-    return disagreements(fast.sq_norms, fast.losses, slow_sq, slow_losses, fast.precision)
+    # The tolerance of the precision the forward actually ran in (autocast: bfloat16), and
+    # under autocast at least autocast's: an operation that lowers its own inside is unseen.
+    precision = lowest(fast.precision, *autocast_dtypes())
+    return disagreements(fast.sq_norms, fast.losses, slow_sq, slow_losses, precision)
 
 
 def deterministic(model: nn.Module, x: Tensor) -> bool:
@@ -257,5 +260,5 @@ def check_rows(
     slow_sq, _, slow_losses = loop_sq_norms(model, x[picked], y[picked], loss_fn, list(params),
                                             sums=False)
     rows = {name: sq[picked] for name, sq in fast_sq.items()}
-    dtype = precision or next(iter(params.values())).dtype
+    dtype = lowest(precision or next(iter(params.values())).dtype, *autocast_dtypes())
     return disagreements(rows, fast_losses[picked], slow_sq, slow_losses, dtype)

@@ -150,7 +150,7 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     params = planned.params
     check_model_mode(model, planned.batch_norms)
     before = _grad_copies(params)
-    with _Watched(model, planned) as watched:
+    with _Watched(model, planned, before) as watched:
         yield
     run = watched.finish()
     if run is None or not (run.backward_seen or (watched.outputs and watched.outputs.grads)):
@@ -159,7 +159,9 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     refused = {k: why for k, why in run.reasons.items() if why in REFUSED}
     if refused:
         _refuse(refused)
-    delta = _grad_changes(params, before)
+    # the backward's own change, read at its end: what the block does to .grad afterwards
+    # (clipping, GradScaler.unscale_, zero_grad) is the optimizer's business, not Δ's
+    delta = watched.delta if watched.delta is not None else _grad_changes(params, before)
     if run.precision == torch.float16 and not _finite(delta, run.sq_norms):
         # float16 overflow: a GradScaler skips this step's update too, and lowers its scale
         _state_precision(monitor, planned, run.precision)
@@ -171,15 +173,16 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     unseen.update({k: UNACCOUNTED for k in run.unused if bool(delta[k].any())})
     if unseen:
         _refuse(unseen)
-    sq_norms = dict(run.sq_norms)
+    sq_norms, precision = dict(run.sq_norms), run.precision
     if run.reasons:  # no layer rule can take these: the exact fallback, in this step
         sq_norms.update(watched.fallback(run.reasons, delta, run.precision))
+        precision = watched.fallback_precision(precision)
     # The rules saw the user's loss, so their norms and sums carry its scale: a mean over b
     # examples divides every per-example gradient by b.
     b = run.n
     scale = float(b) if reduction == "mean" else 1.0
     S_B, T_B = batch_sums(sq_norms, [run.totals.get(k, delta[k]) for k in params])
-    _state_precision(monitor, planned, run.precision)
+    _state_precision(monitor, planned, precision)
     monitor.defer_from_norms(scale**2 * S_B, scale**2 * T_B, b)  # no host sync in the step
 
 
@@ -305,8 +308,11 @@ class _Watched:
     """Root-module hooks: on the model's call, check it (first time only), record its layer
     calls, and before the backward pass read the graph from its outputs."""
 
-    def __init__(self, model: nn.Module, planned: _Planned) -> None:
-        self.model, self.planned = model, planned
+    def __init__(self, model: nn.Module, planned: _Planned,
+                 before: dict[str, Tensor | None]) -> None:
+        self.model, self.planned, self.before = model, planned, before
+        self.delta: dict[str, Tensor] | None = None  # .grad's change at the backward's end
+        self._queued = False
         self.plan, self.params = planned.plan, planned.params
         self.run: HooksPass | None = None
         self.calls = 0
@@ -390,6 +396,8 @@ class _Watched:
         self._stop_rows()
         self.run.recorder.stop()
         roots = [t.grad_fn for t in flatten(output) if isinstance(t, Tensor) and t.grad_fn]
+        # before the rules' own hooks, so that a second backward is refused ahead of them
+        self._handles += [root.register_prehook(self._backward_reached) for root in roots]
         self.run.attach(roots)
         self._loss = _LossWatch(self.run, roots)
         self._loss.__enter__()
@@ -397,6 +405,27 @@ class _Watched:
             self.outputs = OutputGrads(output, self.run.n)
             return self.outputs.output
         return None
+
+    def _backward_reached(self, grad_outputs: tuple) -> None:
+        """A backward pass reached the model's outputs: read .grad's change when it ends."""
+        if self.delta is not None:
+            raise BatchboundError("watch(): a second backward pass through the model's outputs "
+                                  "in one block (retain_graph); the rules read one backward "
+                                  "per forward: backpropagate the sum of the losses once")
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        self._queued = False
+        delta = _grad_changes(self.params, self.before)
+        # a .grad that was None before is read as itself: copy it, or clipping scales it here
+        fresh = [k for k, v in self.before.items() if v is None and self.params[k].grad is not None]
+        if fresh:
+            with torch.no_grad():
+                delta.update(zip(fresh, torch._foreach_mul([delta[k] for k in fresh], 1.0),
+                                 strict=True))
+        self.delta = delta
 
     def _stop_rows(self) -> None:
         if self._rows is not None:
@@ -406,6 +435,12 @@ class _Watched:
     def _stop_loss(self) -> None:
         if self._loss is not None:
             self._loss.__exit__(None, None, None)
+
+    def fallback_precision(self, observed: torch.dtype) -> torch.dtype:
+        """The fallback reruns the forward under the call's autocast without the dispatch mode
+        that observed it, so an operation that lowers its own inside (``nn.Bilinear`` on CPU)
+        computes there in autocast's dtype: the fallback's numbers carry at least its rounding."""
+        return lowest(observed, *(dtype for _, dtype in self.autocast))
 
     def finish(self) -> HooksPass | None:
         if self.run is not None:
@@ -432,7 +467,7 @@ class _Watched:
             with autocast_as(self.autocast), buffers_kept(self.model), rng_kept(self.params):
                 self.planned.deterministic[modes] = deterministic(self.model, self.inputs)
         if self.planned.deterministic[modes]:
-            rtol = tolerance(precision)
+            rtol = tolerance(self.fallback_precision(precision))
             wrong = {k: "its gradient in this step is not the sum of the per-example gradients "
                         "read off the model's outputs (a regulariser in the loss, or a loss that "
                         "is not a sum over the examples?)"
