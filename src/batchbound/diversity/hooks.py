@@ -406,6 +406,9 @@ class HooksPass:
     def _defer(self, name: str, grads: Tensor) -> None:
         """Hold small per-example gradients to norm them with their like (fewer operations);
         once ``defer_budget`` numbers are held, norm those now (the extra memory's cap)."""
+        if grads.numel() > self.defer_budget:  # never held
+            self.sq_norms[name] = Dense(grads).sq_norms()
+            return
         if self._held + grads.numel() > self.defer_budget:
             self._flush()
         self._dense.append((name, grads))
