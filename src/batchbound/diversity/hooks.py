@@ -508,15 +508,18 @@ def grouped_row_sq_norms(dense: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
         groups[(tuple(t.shape), t.dtype, t.device)].append((name, t))
     names: defaultdict[tuple, list[str]] = defaultdict(list)  # per dtype and device
     norms: defaultdict[tuple, list[Tensor]] = defaultdict(list)  # (m, n) per group
+    out: dict[str, Tensor] = {}
     for (shape, dtype, device), members in groups.items():
-        tensors = [t for _, t in members]
-        stacked = torch.stack(tensors) if len(tensors) > 1 else tensors[0].unsqueeze(0)
+        if len(members) == 1:
+            name, t = members[0]
+            out[name] = Dense(t).sq_norms()
+            continue
+        stacked = torch.stack([t for _, t in members])
         # (n,) tensors: each row is one number, squared below as it is
         rows = stacked if len(shape) == 1 else torch.linalg.vector_norm(
             stacked, dim=tuple(range(2, stacked.dim())))
         names[(dtype, device)] += [name for name, _ in members]
         norms[(dtype, device)].append(rows)
-    out: dict[str, Tensor] = {}
     for key, parts in norms.items():  # one square and one split per dtype and device
         rows = torch.cat(parts) if len(parts) > 1 else parts[0]
         out.update(zip(names[key], rows.square().unbind(), strict=True))
