@@ -77,3 +77,26 @@ def test_deferred_norms_are_exact_under_any_budget(budget: int,
     assert held and max(held) <= budget  # the cap on the extra memory
     if budget == DEFAULT:
         assert max(held) > 4 * 8 * 8  # several layers' forms did wait, together
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_combined_norms_of_tied_uses_equal_a_float64_loop(
+        small: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight used by an embedding and a head (indexed and dense ``Outer``) and by a
+    ``Dense`` form: the materialised sum (small) and the cross terms (not) agree with the
+    per-example sum of the materialised gradients."""
+    from batchbound.diversity.rules import forms
+
+    if not small:
+        monkeypatch.setattr(forms, "DEFER_NUMEL", 0)
+    g = torch.Generator().manual_seed(1)
+    n, steps, p, q = 3, 4, 5, 6
+    embedding = Outer(torch.randint(p, (n, steps), generator=g),
+                      torch.randn(n, steps, q, generator=g, dtype=torch.float64), rows=p)
+    head = Outer(torch.randn(n, steps, p, generator=g, dtype=torch.float64),
+                 torch.randn(n, steps, q, generator=g, dtype=torch.float64))
+    extra = forms.Dense(torch.randn(n, p, q, generator=g, dtype=torch.float64))
+    parts = [embedding, head, extra]
+    ref = torch.stack([sum(f.dense()[i].reshape(-1) for f in parts).square().sum()
+                       for i in range(n)])
+    torch.testing.assert_close(forms.combined_sq_norms(parts, p * q), ref, rtol=1e-12, atol=0)

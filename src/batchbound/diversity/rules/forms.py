@@ -270,7 +270,15 @@ def project(form: PerExampleGrad, a: Tensor, b: Tensor) -> Tensor:
 
 
 def combined_sq_norms(forms: list[PerExampleGrad], numel: int) -> Tensor:
-    """‖Σ_c g_i^(c)‖² for the forms of one parameter's calls."""
+    """‖Σ_c g_i^(c)‖² for the forms of one parameter's calls: small ones (n·numel up to
+    ``DEFER_NUMEL``) summed materialised and normed once (fewer operations than the cross
+    terms), others by their norms and inner products, nothing large materialised."""
+    if len(forms) > 1 and forms[0].n * numel <= DEFER_NUMEL:
+        n = forms[0].n
+        summed = forms[0].dense().reshape(n, -1)
+        for form in forms[1:]:
+            summed = summed + form.dense().reshape(n, -1)
+        return _row_sq(summed)
     total = forms[0].sq_norms()
     for i, a in enumerate(forms):
         if i:
