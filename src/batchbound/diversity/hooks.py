@@ -56,6 +56,7 @@ from batchbound.diversity.rows import RowTracker
 from batchbound.diversity.rules import (
     Call,
     Dense,
+    Outer,
     PerExampleGrad,
     RuleEntry,
     combined_sq_norms,
@@ -69,6 +70,10 @@ from batchbound.diversity.stats import (
     trainable_parameters,
 )
 from batchbound.errors import BatchboundError
+
+# Numbers of small per-example gradients held until the end of the backward pass, to be
+# normed together (2**24: 64 MiB in float32); past it they are normed at once, in groups.
+DEFER_BUDGET = 2**24
 
 LOSS_USE = ("used by the loss function itself, outside the model's forward (only the "
             "per-example loop evaluates the loss with the real parameters)")
@@ -186,6 +191,8 @@ class HooksPass:
         self._pending: defaultdict[str, list[PerExampleGrad]] = defaultdict(list)
         self._deferred: list[CallRecord] = []
         self._dense: list[tuple[str, Tensor]] = []  # small Dense forms, normed together
+        self._held = 0  # numbers in ``_dense``, at most ``defer_budget``
+        self.defer_budget = DEFER_BUDGET
         self._broadcasts: dict[tuple[str, int], _Broadcast] = {}
         self._handles: list[RemovableHandle] = []
         self.rows: RowTracker | None = None  # set by ``forward`` (or by watch around its own)
@@ -264,8 +271,7 @@ class HooksPass:
             if not all(f.batch_sum_exact for f in forms):
                 self.totals[name] = sum(f.total() for f in forms).reshape(self.params[name].shape)
         self._pending.clear()
-        self.sq_norms.update(grouped_row_sq_norms(self._dense))
-        self._dense.clear()
+        self._flush()
         for name, p in self.params.items():
             if name not in self.reasons and name not in self.sq_norms:
                 # no use of it reached the loss
@@ -389,13 +395,30 @@ class HooksPass:
             if self._contributions[name] > 1:
                 self._pending[name].append(form)
                 continue
-            if isinstance(form, Dense) and form.deferrable:  # normed with its like in finish
-                self._dense.append((name, form.grads))
+            small = form.small_dense() if isinstance(form, Outer) else form
+            if isinstance(small, Dense) and small.deferrable:  # normed with its like later
+                self._defer(name, small.grads)
             else:
                 self.sq_norms[name] = form.sq_norms()
             self._fingerprint(name, form)
             if not form.batch_sum_exact:
                 self.totals[name] = form.total().reshape(self.params[name].shape)
+
+    def _defer(self, name: str, grads: Tensor) -> None:
+        """Hold small per-example gradients to norm them with their like (fewer operations);
+        once ``defer_budget`` numbers are held, norm those now (the extra memory's cap)."""
+        if grads.numel() > self.defer_budget:  # never held
+            self.sq_norms[name] = Dense(grads).sq_norms()
+            return
+        if self._held + grads.numel() > self.defer_budget:
+            self._flush()
+        self._dense.append((name, grads))
+        self._held += grads.numel()
+
+    def _flush(self) -> None:
+        self.sq_norms.update(grouped_row_sq_norms(self._dense))
+        self._dense.clear()
+        self._held = 0
 
     def _in_working_precision(self, call: CallRecord, inputs: dict[str, Any],
                               grads: list[Tensor]) -> tuple[dict[str, Any], list[Tensor]]:
@@ -478,22 +501,29 @@ class HooksPass:
 
 def grouped_row_sq_norms(dense: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
     """‖row i‖² of each (n, ...) tensor, those of one shape, dtype and device stacked and
-    reduced together: one norm for all of a model's same-width biases and LayerNorm weights
-    instead of one per parameter (tests/unit/test_watch_fused.py compares it with the
-    per-tensor reduction)."""
+    reduced together, then every group's norms squared at once: one norm for all of a
+    model's same-width biases and LayerNorm weights instead of one per parameter
+    (tests/unit/test_watch_fused.py compares it with the per-tensor reduction)."""
     groups: defaultdict[tuple, list[tuple[str, Tensor]]] = defaultdict(list)
     for name, t in dense:
         groups[(tuple(t.shape), t.dtype, t.device)].append((name, t))
+    names: defaultdict[tuple, list[str]] = defaultdict(list)  # per dtype and device
+    norms: defaultdict[tuple, list[Tensor]] = defaultdict(list)  # (m, n) per group
     out: dict[str, Tensor] = {}
-    for members in groups.values():
+    for (shape, dtype, device), members in groups.items():
         if len(members) == 1:
             name, t = members[0]
             out[name] = Dense(t).sq_norms()
             continue
         stacked = torch.stack([t for _, t in members])
-        rows = stacked.reshape(len(members), stacked.shape[1], -1)
-        norms = torch.linalg.vector_norm(rows, dim=2).square()
-        out.update(zip([name for name, _ in members], norms.unbind(), strict=True))
+        # (n,) tensors: each row is one number, squared below as it is
+        rows = stacked if len(shape) == 1 else torch.linalg.vector_norm(
+            stacked, dim=tuple(range(2, stacked.dim())))
+        names[(dtype, device)] += [name for name, _ in members]
+        norms[(dtype, device)].append(rows)
+    for key, parts in norms.items():  # one square and one split per dtype and device
+        rows = torch.cat(parts) if len(parts) > 1 else parts[0]
+        out.update(zip(names[key], rows.square().unbind(), strict=True))
     return out
 
 

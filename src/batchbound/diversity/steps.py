@@ -234,7 +234,8 @@ def _finite(*groups: dict[str, Tensor]) -> bool:
 
 def _dense(grad: Tensor) -> Tensor:
     """A ``.grad`` as a dense tensor (``nn.Embedding(sparse=True)`` leaves a sparse one)."""
-    grad = grad.detach()
+    if grad.requires_grad:  # only under create_graph: a .grad is normally a plain tensor
+        grad = grad.detach()
     return grad.to_dense() if grad.is_sparse else grad
 
 

@@ -31,6 +31,10 @@ MATERIALISE_BUDGET = 2**24
 # Dense per-example gradients up to this many numbers may wait for the end of the backward
 # pass, to be normed together with others of their shape (hooks.grouped_row_sq_norms).
 DEFER_NUMEL = 2**20
+# An ``Outer`` this small is materialised (2 operations) and normed with its like, rather
+# than normed by its Gram form (6): small steps are bound by operations, not flops, so it
+# may cost up to this factor more flops than the Gram form.
+SMALL_FLOPS_FACTOR = 2
 
 
 def _row_sq(t: Tensor) -> Tensor:
@@ -153,6 +157,17 @@ class Outer(PerExampleGrad):
         example = torch.arange(n, device=self.u.device).unsqueeze(1).expand(n, steps)
         return (example * self.p + self.u.long()).reshape(-1)
 
+    def small_dense(self) -> Dense | None:
+        """The materialised gradients, (n, p, q), when they are small enough to be normed
+        with others of their shape (``DEFER_NUMEL``) and the product is not much more work
+        than the Gram form (``SMALL_FLOPS_FACTOR``); else None."""
+        if self._sq is not None or self.indexed or self.steps == 1:
+            return None
+        steps, p, q = self.steps, self.p, self.q
+        if self.n * p * q > DEFER_NUMEL or p * q > SMALL_FLOPS_FACTOR * steps * (p + q + 1):
+            return None
+        return Dense(self.u.transpose(1, 2) @ self.v)
+
     def sq_norms(self) -> Tensor:
         if self._sq is not None:
             return self._sq
@@ -255,7 +270,15 @@ def project(form: PerExampleGrad, a: Tensor, b: Tensor) -> Tensor:
 
 
 def combined_sq_norms(forms: list[PerExampleGrad], numel: int) -> Tensor:
-    """‖Σ_c g_i^(c)‖² for the forms of one parameter's calls."""
+    """‖Σ_c g_i^(c)‖² for the forms of one parameter's calls: small ones (n·numel up to
+    ``DEFER_NUMEL``) summed materialised and normed once (fewer operations than the cross
+    terms), others by their norms and inner products, nothing large materialised."""
+    if len(forms) > 1 and forms[0].n * numel <= DEFER_NUMEL:
+        n = forms[0].n
+        summed = forms[0].dense().reshape(n, -1)
+        for form in forms[1:]:
+            summed = summed + form.dense().reshape(n, -1)
+        return _row_sq(summed)
     total = forms[0].sq_norms()
     for i, a in enumerate(forms):
         if i:

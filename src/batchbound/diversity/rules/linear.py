@@ -28,8 +28,9 @@ def _affine(layer: nn.Module, a: Tensor, b: Tensor, transposed: bool) -> dict[st
         if trainable(layer, "bias"):
             grads["bias"] = Dense(b, b_sq)
         return grads
-    a = a.reshape(n, -1, a.shape[-1])
-    b = b.reshape(n, -1, b.shape[-1])
+    if a.dim() != 3:  # (n, T, d) already: no reshape to dispatch (one per call adds up)
+        a = a.reshape(n, -1, a.shape[-1])
+        b = b.reshape(n, -1, b.shape[-1])
     if trainable(layer, "weight"):
         grads["weight"] = Outer(a, b) if transposed else Outer(b, a)
     if trainable(layer, "bias"):

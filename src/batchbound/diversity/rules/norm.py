@@ -29,10 +29,12 @@ def _affine_grads(layer: nn.Module, x_hat: Tensor, b: Tensor, param_dims: int) -
     n = b.shape[0]
     grads: dict[str, PerExampleGrad] = {}
     shape = (n, -1, *b.shape[b.dim() - param_dims :])
+    # (n, positions, *param) already: no reshape to dispatch
+    flat = (lambda t: t) if b.dim() == 2 + param_dims else (lambda t: t.reshape(shape))
     if trainable(layer, "weight"):
-        grads["weight"] = Dense((b * x_hat).reshape(shape).sum(dim=1))
+        grads["weight"] = Dense(flat(b * x_hat).sum(dim=1))
     if trainable(layer, "bias"):
-        grads["bias"] = Dense(b.reshape(shape).sum(dim=1))
+        grads["bias"] = Dense(flat(b).sum(dim=1))
     return grads
 
 
@@ -63,6 +65,8 @@ def _saved_statistics(call: Call, x: Tensor, count: int) -> tuple[Tensor, Tensor
     shape = (*x.shape[: x.dim() - count], *([1] * count))
     if tuple(mean.shape) != shape or tuple(rstd.shape) != shape:
         return None
+    if mean.dtype == x.dtype and rstd.dtype == x.dtype:  # no casts to dispatch
+        return mean, rstd
     return mean.to(x.dtype), rstd.to(x.dtype)
 
 
