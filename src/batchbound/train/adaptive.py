@@ -91,8 +91,7 @@ class BatchPolicy:
                 raise BatchboundError("warmup(trigger=branch) tests a rate rule at 2B: lr= "
                                       "must be a strategy's rule (lsr, srsr, ...) or auto; "
                                       "lr=noise belongs to trigger=noise")
-            if self.lr != AUTO:
-                lr_rule(self.lr, "lr rule")
+            lr_rule(self.lr, "lr rule", extra=(AUTO,))
             if self.steps < 1:
                 raise BatchboundError(f"warmup: steps must be >= 1, got {self.steps}")
             if not self.z > 0:
