@@ -283,7 +283,7 @@ def branch_run(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         optimizer.zero_grad(set_to_none=True)
         loss = loss_of(order[at:at + batch])
         at += batch
-        if not math.isfinite(float(loss)):
+        if not math.isfinite(float(loss.detach())):
             return [*curve, (step * batch, math.inf)]
         loss.backward()
         optimizer.step()
