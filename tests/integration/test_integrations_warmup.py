@@ -136,7 +136,8 @@ def test_lightning_schedule_follows_the_trainers_own_warmup():
     assert max(mine, theirs) <= 2 * min(mine, theirs), (mine, theirs)
     with torch.no_grad():
         lightning_loss = float(F.cross_entropy(model.net(DIGITS.x_train), DIGITS.y_train))
-    assert lightning_loss == pytest.approx(ours.final["train_loss"], rel=0.5)
+    assert lightning_loss == pytest.approx(ours.final["train_loss"], rel=0.5), (
+        ours.curve("batch_size"), callback.warmup.history)
 
 
 @pytest.mark.distributed
@@ -214,8 +215,10 @@ BRANCH = dict(every=20, steps=4)
 @pytest.mark.skipif(not have["lightning"], reason="lightning is not installed")
 def test_lightning_branch_warmup_follows_the_trainers_own():
     """Same data, model, B0 = 16, lr and rule (lsr for SGD), the branch trigger every 20
-    steps: the Lightning callback and batchbound's trainer both double, end within one
-    doubling of each other at similar losses, and both count their branches."""
+    steps: the Lightning callback and batchbound's trainer both double, at the same steps,
+    end within one doubling of each other, and both count their branches. (Their losses are
+    not compared: the two models differ in initialisation and data order, and over these 4
+    epochs the losses do too.)"""
     from batchbound.train import TrainConfig, train
 
     epochs = 4
@@ -231,10 +234,14 @@ def test_lightning_branch_warmup_follows_the_trainers_own():
     mine = int(ours.curve("batch_size")[-1][3])
     assert mine > 16 and theirs > 16, (mine, callback.warmup.history)
     assert max(mine, theirs) <= 2 * min(mine, theirs), (mine, theirs)
+    # the doublings were decided at the same optimizer steps (the trainer's change takes
+    # effect at once, the callback's at the next accumulation boundary)
+    history = callback.warmup.history
+    decided = [h[0] for h, after in zip(history, [*history[1:], (None, theirs)], strict=True)
+               if after[1] > h[1]]
+    assert decided == [int(i) for i, _, _, _ in ours.curve("batch_size")[1:]], (
+        history, ours.curve("batch_size"))
     assert callback.warmup.branch_examples > 0 and ours.final["policy_branch_examples"] > 0
-    with torch.no_grad():
-        lightning_loss = float(F.cross_entropy(model.net(DIGITS.x_train), DIGITS.y_train))
-    assert lightning_loss == pytest.approx(ours.final["train_loss"], rel=0.5)
 
 
 @pytest.mark.parametrize("adam", [False, True])
