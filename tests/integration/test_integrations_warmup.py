@@ -277,3 +277,32 @@ def test_the_plain_loop_branch_helper_restores_the_state_and_doubles_on_a_clear_
     assert warmup.branch_steps == 2 * 32 + 16 + 8 and warmup.branch_examples == 4 * 64
     if not adam:
         assert warmup.batch_size == 4 and factor == pytest.approx(2.0), warmup.history
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not have["transformers"], reason="transformers is not installed")
+def test_hugging_face_branch_warmup_doubles_at_an_epoch_start(tmp_path: Path):
+    """The branch trigger in the HF Trainer: on digits at B0 = 16 with SGD it doubles
+    ``gradient_accumulation_steps`` (at an epoch's start), raises the rate by lsr, logs the
+    branches' cost, and the training the branches interrupted goes on from the same state."""
+    args = hf.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8,
+                                gradient_accumulation_steps=2, learning_rate=0.1,
+                                lr_scheduler_type="constant", optim="sgd", num_train_epochs=4,
+                                logging_steps=1000, save_strategy="no", report_to=[],
+                                use_cpu=True, disable_tqdm=True, seed=0)
+    callback = hf_integration.BranchWarmupCallback(**BRANCH)
+    trainer = hf.Trainer(model=HFNet(), args=args, train_dataset=Digits(), callbacks=[callback])
+    rates = []
+
+    class Rates(hf.TrainerCallback):
+        def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+            rates.append((args.gradient_accumulation_steps, optimizer.param_groups[0]["lr"]))
+
+    trainer.add_callback(Rates())
+    trainer.train()
+    assert args.gradient_accumulation_steps > 2, callback.warmup.history
+    assert callback.warmup.branch_examples > 0
+    logged = [h for h in trainer.state.log_history if "warmup/branch_examples" in h]
+    assert logged and logged[-1]["warmup/accumulation"] == args.gradient_accumulation_steps
+    first, last = rates[0], rates[-1]
+    assert last[1] == pytest.approx(first[1] * last[0] / first[0])  # lsr: η ∝ B
