@@ -145,3 +145,25 @@ def test_resume_mid_branch_warmup_is_bit_identical(tmp_path):
     assert len(expected.curve("batch_size")) > 1  # interrupted mid-warmup, after a doubling
     for key in ("policy_branch_steps", "policy_branch_examples", "train_loss"):
         assert resumed.final[key] == expected.final[key]
+
+
+def test_a_checkpoint_of_the_noise_trigger_is_refused_by_the_branch_trigger(tmp_path):
+    """Before the branch trigger, ``warmup(every=5)`` meant the noise trigger, under the same
+    config key: such a checkpoint (its noise estimate saved, no trigger named) is refused."""
+    import torch
+
+    from batchbound.train.checkpoint import load_checkpoint
+
+    small = dict(dataset="digits", model="fc(depth=1,params=800)", batch_size=16, lr=0.1,
+                 max_iterations=10, eval_every_iterations=10, checkpoint_every=10)
+    path = tmp_path / "old.ckpt"
+    Trainer(TrainConfig(**small, batch_policy="warmup(every=5,trigger=noise)"), DistContext(),
+            checkpoint_path=path).run()
+    branch = TrainConfig(**{**small, "max_iterations": 20}, batch_policy="warmup(every=5)")
+    saved = load_checkpoint(path)
+    assert saved["state"]["warm_state"]  # the noise trigger's estimate
+    del saved["state"]["warm_trigger"]  # as an older checkpoint holds it
+    saved["config_hash"] = branch.config_hash()
+    torch.save(saved, path)
+    with pytest.raises(BatchboundError, match="trigger=noise, this run's is trigger=branch"):
+        Trainer(branch, DistContext(), checkpoint_path=path).run(resume=True)
