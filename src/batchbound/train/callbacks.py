@@ -187,7 +187,10 @@ class BatchPolicyCallback(Callback):
         policy, old = self.policy, trainer.batch_size
         if 2 * old > min(policy.max, trainer.n):
             return
-        rule = lr_rule(policy.branch_rule(trainer.config.optimizer), "lr rule")
+        # a user's optimiser (Parts) is read by its type; the config's name otherwise
+        adam = isinstance(trainer.optimizer, (torch.optim.Adam, torch.optim.AdamW))
+        rule = lr_rule(policy.branch_rule("adamw" if adam else trainer.config.optimizer),
+                       "lr rule")
         assert rule is not None  # branch_rule names a registered rule
         ladder = [b for b in (old, 2 * old, 4 * old) if b <= trainer.n]
         examples = policy.steps * ladder[-1]
