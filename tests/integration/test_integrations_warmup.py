@@ -136,7 +136,8 @@ def test_lightning_schedule_follows_the_trainers_own_warmup():
     assert max(mine, theirs) <= 2 * min(mine, theirs), (mine, theirs)
     with torch.no_grad():
         lightning_loss = float(F.cross_entropy(model.net(DIGITS.x_train), DIGITS.y_train))
-    assert lightning_loss == pytest.approx(ours.final["train_loss"], rel=0.5)
+    assert lightning_loss == pytest.approx(ours.final["train_loss"], rel=0.5), (
+        ours.curve("batch_size"), callback.warmup.history)
 
 
 @pytest.mark.distributed
@@ -203,3 +204,105 @@ def test_hugging_face_doubles_accumulation_at_an_epoch_start(tmp_path: Path):
     assert logged and logged[-1]["warmup/accumulation"] == args.gradient_accumulation_steps
     first, last = rates[0], rates[-1]
     assert last[0] > first[0] and last[1] > first[1]  # the noise rule raised the rate too
+
+
+# ----------------------------------------------------------- the branch trigger (default)
+
+BRANCH = dict(every=20, steps=4)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not have["lightning"], reason="lightning is not installed")
+def test_lightning_branch_warmup_follows_the_trainers_own():
+    """Same data, model, B0 = 16, lr and rule (lsr for SGD), the branch trigger every 20
+    steps: the Lightning callback and batchbound's trainer both double, at the same steps,
+    end within one doubling of each other, and both count their branches. (Their losses are
+    not compared: the two models differ in initialisation and data order, and over these 4
+    epochs the losses do too.)"""
+    from batchbound.train import TrainConfig, train
+
+    epochs = 4
+    model = DigitsNet()
+    callback = lightning_integration.BranchWarmupCallback(
+        **BRANCH, loss=lambda module, batch: F.cross_entropy(module.net(batch[0]), batch[1]))
+    lightning_trainer(accumulate_grad_batches=2, max_epochs=epochs,
+                      callbacks=[callback]).fit(model, digits_loader(8))
+    ours = train(TrainConfig(dataset="digits", model="fc(depth=2,width=36)", batch_size=16,
+                             lr=0.1, max_epochs=epochs, eval_every_epochs=epochs,
+                             batch_policy="warmup(every=20,steps=4)"), progress=False)
+    theirs = callback.warmup.batch_size
+    mine = int(ours.curve("batch_size")[-1][3])
+    assert mine > 16 and theirs > 16, (mine, callback.warmup.history)
+    assert max(mine, theirs) <= 2 * min(mine, theirs), (mine, theirs)
+    # the doublings were decided at the same optimizer steps (the trainer's change takes
+    # effect at once, the callback's at the next accumulation boundary)
+    history = callback.warmup.history
+    decided = [h[0] for h, after in zip(history, [*history[1:], (None, theirs)], strict=True)
+               if after[1] > h[1]]
+    assert decided == [int(i) for i, _, _, _ in ours.curve("batch_size")[1:]], (
+        history, ours.curve("batch_size"))
+    assert callback.warmup.branch_examples > 0 and ours.final["policy_branch_examples"] > 0
+
+
+@pytest.mark.parametrize("adam", [False, True])
+def test_the_plain_loop_branch_helper_restores_the_state_and_doubles_on_a_clear_case(adam):
+    """A branch leaves the model, the optimiser (Adam's moments included) and the random
+    state as they were; on a least-squares problem far from its solution at B = 2 with plain
+    SGD (critical batch ≫ 2B) it doubles with lsr's factor; it counts the branches."""
+    from batchbound.integrations.warmup import BranchWarmup
+
+    torch.manual_seed(0)
+    n = 512
+    x = torch.randn(n, 8)
+    y = x @ torch.randn(8) * 3 + 2.0 * torch.randn(n)
+    model = nn.Linear(8, 1)
+    optimizer = (torch.optim.Adam(model.parameters(), lr=0.01) if adam
+                 else torch.optim.SGD(model.parameters(), lr=0.005))
+
+    def loss_of(indices: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x[indices]).squeeze(1), y[indices])
+
+    for _ in range(3):  # some optimiser state to copy
+        optimizer.zero_grad()
+        loss_of(torch.arange(2)).backward()
+        optimizer.step()
+    before = ({k: v.clone() for k, v in model.state_dict().items()},
+              str(optimizer.state_dict()), torch.get_rng_state())
+    warmup = BranchWarmup(micro_batch=2, every=1, steps=8, adaptive=adam)
+    factor = warmup.step(model, optimizer, loss_of, n)
+    assert all(torch.equal(v, before[0][k]) for k, v in model.state_dict().items())
+    assert str(optimizer.state_dict()) == before[1]
+    assert torch.equal(torch.get_rng_state(), before[2])
+    # B, 2B, 4B over 8·4B = 64 examples each, and B again
+    assert warmup.branch_steps == 2 * 32 + 16 + 8 and warmup.branch_examples == 4 * 64
+    if not adam:
+        assert warmup.batch_size == 4 and factor == pytest.approx(2.0), warmup.history
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not have["transformers"], reason="transformers is not installed")
+def test_hugging_face_branch_warmup_doubles_at_an_epoch_start(tmp_path: Path):
+    """The branch trigger in the HF Trainer: on digits at B0 = 16 with SGD it doubles
+    ``gradient_accumulation_steps`` (at an epoch's start), raises the rate by lsr, logs the
+    branches' cost, and the training the branches interrupted goes on from the same state."""
+    args = hf.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8,
+                                gradient_accumulation_steps=2, learning_rate=0.1,
+                                lr_scheduler_type="constant", optim="sgd", num_train_epochs=4,
+                                logging_steps=1000, save_strategy="no", report_to=[],
+                                use_cpu=True, disable_tqdm=True, seed=0)
+    callback = hf_integration.BranchWarmupCallback(**BRANCH)
+    trainer = hf.Trainer(model=HFNet(), args=args, train_dataset=Digits(), callbacks=[callback])
+    rates = []
+
+    class Rates(hf.TrainerCallback):
+        def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+            rates.append((args.gradient_accumulation_steps, optimizer.param_groups[0]["lr"]))
+
+    trainer.add_callback(Rates())
+    trainer.train()
+    assert args.gradient_accumulation_steps > 2, callback.warmup.history
+    assert callback.warmup.branch_examples > 0
+    logged = [h for h in trainer.state.log_history if "warmup/branch_examples" in h]
+    assert logged and logged[-1]["warmup/accumulation"] == args.gradient_accumulation_steps
+    first, last = rates[0], rates[-1]
+    assert last[1] == pytest.approx(first[1] * last[0] / first[0])  # lsr: η ∝ B

@@ -18,7 +18,7 @@ def test_no_noise_no_doubling_and_the_plan_itself():
 
 
 def test_a_large_noise_scale_doubles_every_decision_up_to_the_ceiling():
-    plan = warmup_schedule(flat(1e6), "warmup(every=25,max=128)")
+    plan = warmup_schedule(flat(1e6), "warmup(every=25,max=128,trigger=noise)")
     assert [b for _, _, b in plan.changes] == [32, 64, 128]
     assert [s for _, s, _ in plan.changes] == [25, 50, 75]
     # B_noise ≫ B: each step at B is worth B/B0 steps of B0 (perfect scaling)

@@ -81,6 +81,9 @@ def test_warmup_takes_a_rule_registered_after_import(cube_root):
     assert policy.lr_change(16, 128, noise=1.0, start=16) == pytest.approx(2.0)
     with pytest.raises(BatchboundError, match="unknown lr rule 'linear'; choose from noise, "
                        "blr, lsr, srsr, cbrt"):
+        parse_batch_policy("warmup(lr=linear,trigger=noise)")
+    with pytest.raises(BatchboundError, match="unknown lr rule 'linear'; choose from auto, "
+                       "blr, lsr, srsr, cbrt"):  # the branch trigger's (the default) rules
         parse_batch_policy("warmup(lr=linear)")
 
 

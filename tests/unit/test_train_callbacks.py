@@ -20,14 +20,14 @@ SMALL = dict(dataset="digits", model="fc(depth=1,params=800)", batch_size=32, lr
 def test_built_from_the_config_in_the_loops_order() -> None:
     assert Trainer(TrainConfig(**SMALL), DistContext()).callbacks == []
     trainer = Trainer(TrainConfig(**SMALL, snapshot_every_epochs=0.5, diversity_every_epochs=1,
-                                  batch_policy="warmup(every=5)"), DistContext())
+                                  batch_policy="warmup(every=5,trigger=noise)"), DistContext())
     assert [type(c) for c in trainer.callbacks] == [Snapshots, DiversityMeasurement,
                                                     BatchPolicyCallback]
 
 
 def test_checkpoint_state_keeps_the_names_older_checkpoints_hold() -> None:
     trainer = Trainer(TrainConfig(**SMALL, snapshot_every_epochs=0.5, diversity_every_epochs=1,
-                                  batch_policy="warmup(every=5)"), DistContext())
+                                  batch_policy="warmup(every=5,trigger=noise)"), DistContext())
     trainer.run()
     state = trainer.state_dict()
     assert {"next_snapshot_epoch", "snapshots", "next_diversity_epoch", "warm_state",

@@ -17,7 +17,7 @@ from batchbound.train.loop import Trainer
 
 WARM = dict(dataset="mnist5k", model="fc(depth=2,params=20000)", batch_size=16, lr=0.1,
             max_epochs=None, max_iterations=700, eval_every_epochs=None,
-            eval_every_iterations=700, batch_policy="warmup(every=25)")
+            eval_every_iterations=700, batch_policy="warmup(every=25,trigger=noise)")
 
 
 def test_the_rule_doubles_once_within_the_fraction_and_never_lowers():

@@ -35,25 +35,31 @@ import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import pairwise
 from typing import Any
 
-import numpy as np
 import torch
 
 from batchbound.advise.iterations import Pilot
 from batchbound.data import Dataset
 from batchbound.errors import BatchboundError
+from batchbound.train.branches import (
+    B0_EVALUATIONS,
+    CAP,
+    MIN_SPREAD,
+    CriticalPoint,
+    branch_point,
+    examples_ratio,
+    fit_point,
+    invert,
+)
 from batchbound.train.config import TrainConfig
 from batchbound.train.distributed import DistContext
 from batchbound.train.loop import Parts, Trainer
 
-MIN_SPREAD = 0.1  # the least relative spread of a branch's ratio assumed (short runs)
-B0_EVALUATIONS = 8  # points on B0's loss curve, which the other rungs are read against
+# the math of one state's branches is train/branches.py's (shared with warmup's trigger)
 MIN_STEPS = 2  # steps the largest rung must take
 MAX_RUNGS = 4  # B0 .. 8·B0
 EVAL_EXAMPLES = 4096  # the branches' loss is evaluated on a fixed subset of this many
-CAP = 8  # B_crit above CAP × the largest rung cannot be told apart: capped there
 
 
 @dataclass(frozen=True)
@@ -106,68 +112,6 @@ def plan_branches(b0: int, n: int, largest: int, budget_examples: int, planned_e
         "--budget, lower --pilot-fraction, or use --critical-batch noise")
 
 
-@dataclass(frozen=True)
-class CriticalPoint:
-    iteration: int
-    critical_batch: float  # B_crit fitted
-    low: float
-    high: float
-    spread: float  # σ of r, from the replicated B0 run (at least MIN_SPREAD)
-    ratios: dict[int, float]  # batch -> r(B) = e*(B)/E (B0: 1)
-    losses: dict[int, float]  # batch -> the loss the branch ended at
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"iteration": self.iteration, "critical_batch": self.critical_batch,
-                "interval": [self.low, self.high], "spread": self.spread,
-                "ratio": {str(b): v for b, v in self.ratios.items()},
-                "final_loss": {str(b): v for b, v in self.losses.items()}}
-
-
-def invert(ratio: float, batch: int, b0: int, cap: float) -> float:
-    """B_crit from r(B) = (B0 + B_crit)/(B + B_crit), clipped to [0, cap]."""
-    if ratio >= 1:
-        return cap
-    if ratio * batch <= b0:
-        return 0.0
-    return min((ratio * batch - b0) / (1 - ratio), cap)
-
-
-def examples_ratio(curve: Sequence[tuple[int, float]], loss: float) -> float:
-    """r = e*/E: the examples B0's run (``curve``: (examples, loss) from 0 to E) needed to
-    reach ``loss``, over E; its running minimum is interpolated linearly. 0 when ``loss`` is
-    no lower than the start (or not finite), 1 when B0's run never got that low."""
-    total = curve[-1][0]
-    best = [curve[0]]
-    for examples, value in curve[1:]:
-        best.append((examples, min(value, best[-1][1])))
-    if not math.isfinite(loss) or loss >= best[0][1]:
-        return 0.0
-    if loss <= best[-1][1]:
-        return 1.0
-    for (e0, l0), (e1, l1) in pairwise(best):
-        if l1 <= loss < l0:
-            return (e0 + (l0 - loss) / (l0 - l1) * (e1 - e0)) / total
-    return 1.0  # not reached: the loop covers every loss strictly between the ends
-
-
-def fit_point(ratios: dict[int, float], b0: int, spread: float, iteration: int,
-              losses: dict[int, float] | None = None) -> CriticalPoint:
-    """B_crit and its interval from one state's ratios r(B) (see the module docstring)."""
-    rungs = [b for b in ratios if b != b0]
-    cap = CAP * max(ratios)
-    grid = np.concatenate([[0.0], np.geomspace(b0 / 64, cap, 400)])
-    errors = [sum((ratios[b] - (b0 + c) / (b + c)) ** 2 for b in rungs) for c in grid]
-    central = float(grid[int(np.argmin(errors))])
-    # a rung of B takes B0/B as many steps as B0's: it varies √(B/B0) times more
-    lows = [invert(ratios[b] - 2 * spread * math.sqrt(b / b0), b, b0, cap) for b in rungs]
-    highs = [invert(ratios[b] + 2 * spread * math.sqrt(b / b0), b, b0, cap) for b in rungs]
-    low, high = max(lows), min(highs)
-    if low > high:  # the rungs disagree beyond their noise: the union of what each says
-        low, high = min(lows), max(highs)
-    low, high = min(low, central), max(high, central)
-    return CriticalPoint(iteration, central, low, high, spread, dict(ratios), losses or {})
-
-
 def measure(states: Sequence[tuple[int, float, dict, dict]], config: TrainConfig,
             data: Dataset, device: torch.device, plan: BranchPlan, lr: Callable[[int], float],
             parts: Parts | None = None, log: Callable[[str], None] = lambda _: None
@@ -190,20 +134,13 @@ def measure(states: Sequence[tuple[int, float, dict, dict]], config: TrainConfig
                 config.replace(seed=seed), data, device, model_state, optimizer_state, batch,
                 lr(batch), steps, max(1, steps // evaluations), subset, parts)]
 
-        base = run(b0, B0_EVALUATIONS)
-        if not (len(base) > 1 and math.isfinite(base[-1][1]) and base[-1][1] < base[0][1]):
+        point = branch_point(run, plan.ladder, config.seed, iteration)
+        if point is None:
             raise BatchboundError(
                 f"the branch at B0 = {b0} from iteration {iteration} made no progress (its "
                 "loss did not fall): the critical batch cannot be measured there; raise "
                 "--budget or use --critical-batch noise")
-        ends = {b0: base[-1][1]}
-        ratios = {b0: 1.0}
-        for batch in plan.ladder[1:]:
-            ends[batch] = run(batch, 1)[-1][1]
-            ratios[batch] = examples_ratio(base, ends[batch])
-        again = examples_ratio(base, run(b0, 1, config.seed + 1)[-1][1])
-        spread = max(abs(1.0 - again) / math.sqrt(2), MIN_SPREAD)
-        point = fit_point(ratios, b0, spread, iteration, ends)
+        ratios = point.ratios
         log(f"branches at iteration {iteration}: r(B) = "
             f"{', '.join(f'{r:.2f}' for r in ratios.values())}; critical batch "
             f"{point.critical_batch:.3g} ({point.low:.3g}–{point.high:.3g})")
@@ -274,5 +211,5 @@ def combine(branch: float, branch_interval: tuple[float, float], noise: float,
     return Combined(branch, interval, noise, noise_interval, disagree)
 
 
-__all__ = ["BranchPlan", "Combined", "CriticalPoint", "combine", "examples_ratio", "fit_point",
-           "invert", "measure", "plan_branches", "trajectories"]
+__all__ = ["CAP", "MIN_SPREAD", "BranchPlan", "Combined", "CriticalPoint", "combine",
+           "examples_ratio", "fit_point", "invert", "measure", "plan_branches", "trajectories"]

@@ -7,7 +7,8 @@ B_noise/B) steps' worth of B0 (McCandlish et al.'s S(B0)/S(B), the rate near its
 until the plan's K steps at B0 are made up. The result: when B doubles (as a share of the
 plan), and the steps and examples the warmed run needs against fixed B0. The estimate's
 noise, which delays the trainer's doublings, is not simulated: a prediction of the rule's
-best case.
+best case. It is the noise trigger's rule (``trigger=noise``); the branch trigger, the
+trainer's default, decides from branches this prediction does not run, and is refused here.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchbound.advise.iterations import Pilot
+from batchbound.errors import BatchboundError
 from batchbound.train.adaptive import BatchPolicy, parse_batch_policy
 
 
@@ -44,10 +46,13 @@ class WarmupPlan:
                 "examples")
 
 
-def warmup_schedule(pilot: Pilot, policy: str = "warmup(every=25)",
+def warmup_schedule(pilot: Pilot, policy: str = "warmup(every=25,trigger=noise)",
                     max_batch: int | None = None) -> WarmupPlan:
     """Simulate the warmup rule along ``pilot`` (a trajectory over the whole plan)."""
     rule: BatchPolicy = parse_batch_policy(policy)
+    if rule.trigger != "noise":
+        raise BatchboundError(f"the warmup schedule is predicted for the noise trigger; "
+                              f"{policy!r} uses trigger={rule.trigger}: add trigger=noise")
     b0, planned = pilot.batch_size, pilot.iterations
     ceiling = min(rule.max, max_batch or rule.max)
     batch, done, steps, examples = b0, 0.0, 0, 0

@@ -47,7 +47,7 @@ from batchbound.integrations.common import (
     require,
 )
 from batchbound.integrations.ddp import GNSHookState, gns_hook, gns_hook_state
-from batchbound.integrations.warmup import AccumulationWarmup
+from batchbound.integrations.warmup import AccumulationWarmup, BranchWarmup
 
 L = require("lightning.pytorch", "lightning")
 _data = require("lightning.pytorch.utilities.data", "lightning")
@@ -250,3 +250,76 @@ class BatchWarmupCallback(DiversityCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self._warm_restored = state_dict.get("warmup")
+
+
+class BranchWarmupCallback(L.Callback):
+    """Batch-size warmup in a Lightning run with the branch trigger (batchbound's trainer's
+    default, ``batchbound.integrations.warmup.BranchWarmup``): every ``every`` optimizer
+    steps, short branches from the module's current weights and its optimiser's state at B,
+    2B and 4B (copied, run, restored); B (the loader's batch × accumulate_grad_batches ×
+    ranks) doubles, by doubling ``trainer.accumulate_grad_batches`` where a group of the new
+    size can start, when the critical batch's interval lies at or above 2B; the rates follow
+    ``lr`` (auto: srsr for Adam/AdamW, lsr otherwise). The branches draw from
+    ``train_dataloader.dataset`` (collated by torch's default_collate) and take their loss
+    from ``loss(module, batch)``, by default the module's ``training_step(batch, 0)`` (its
+    loss, or its dict's "loss"): pass ``loss`` when training_step logs or has side effects.
+    Under DDP the branches run on the unwrapped module on every rank with the same seed and
+    the ranks agree on the doubling. One optimiser, automatic optimisation. Logs
+    ``warmup/batch_size``, ``warmup/accumulation``, ``warmup/branch_steps`` and
+    ``warmup/branch_examples`` (the policy's cost)."""
+
+    def __init__(self, every: int = 200, *, max_batch: int | None = None, steps: int = 2,
+                 z: float = 1.0, lr: str = "auto", seed: int = 0,
+                 loss: Any = None) -> None:
+        super().__init__()
+        self.options = {"every": every, "max_batch": max_batch, "steps": steps, "z": z,
+                        "lr": lr, "seed": seed}
+        BranchWarmup(1, **self.options)  # checks the options now
+        self.loss = loss
+        self.warmup: BranchWarmup | None = None
+        self._warm_restored: dict[str, Any] | None = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        k = trainer.accumulate_grad_batches
+        if (batch_idx + 1) % k:  # no optimizer step this batch
+            return
+        if len(trainer.optimizers) != 1 or not pl_module.automatic_optimization:
+            raise BatchboundError("BranchWarmupCallback needs one optimiser and automatic "
+                                  "optimisation (the branches step it themselves)")
+        optimizer = trainer.optimizers[0]
+        if self.warmup is None:
+            adaptive = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+            self.warmup = BranchWarmup(_data.extract_batch_size(batch), k, trainer.world_size,
+                                       adaptive=adaptive, **self.options)
+            if self._warm_restored is not None:
+                self.warmup.load_state_dict(self._warm_restored)
+        dataset = trainer.train_dataloader.dataset
+        loss = self.loss or _training_step_loss
+
+        def loss_of(indices: torch.Tensor) -> torch.Tensor:
+            items = torch.utils.data.default_collate([dataset[int(i)] for i in indices])
+            return loss(pl_module, pl_module.transfer_batch_to_device(items, pl_module.device,
+                                                                      0))
+
+        factor = self.warmup.step(pl_module, optimizer, loss_of, len(dataset),
+                                  ready=(batch_idx + 1) % (2 * k) == 0)
+        if factor == 1.0 and self.warmup.accumulation == k:
+            return
+        trainer.accumulate_grad_batches = self.warmup.accumulation
+        schedulers = {id(c.scheduler.optimizer): c.scheduler for c in trainer.lr_scheduler_configs}
+        self.warmup.scale_rates(optimizer, factor, schedulers.get(id(optimizer)))
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(self.warmup.metrics(), step=trainer.global_step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"warmup": self.warmup.state_dict()} if self.warmup is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._warm_restored = state_dict.get("warmup")
+
+
+def _training_step_loss(module: L.LightningModule, batch: Any) -> torch.Tensor:
+    out = module.training_step(batch, 0)
+    return out["loss"] if isinstance(out, dict) else out

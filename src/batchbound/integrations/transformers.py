@@ -58,7 +58,7 @@ from batchbound.integrations.common import (
     loss_scale_of,
     require,
 )
-from batchbound.integrations.warmup import AccumulationWarmup
+from batchbound.integrations.warmup import AccumulationWarmup, BranchWarmup
 
 transformers = require("transformers", "hf")
 _losses = require("transformers.loss.loss_utils", "hf")
@@ -303,3 +303,74 @@ class BatchWarmupCallback(DiversityCallback):
         if optimizer is not None:
             self.warmup.scale_rates(optimizer, factor, lr_scheduler)
         self._warm_log = self.warmup.metrics()
+
+
+class BranchWarmupCallback(transformers.TrainerCallback):
+    """Batch-size warmup in a Hugging Face Trainer with the branch trigger (batchbound's
+    trainer's default, ``batchbound.integrations.warmup.BranchWarmup``): every ``every``
+    optimizer steps (at ``on_step_end``, which the Trainer hands the model, its optimizer and
+    the train loader) short branches from the current weights and optimiser state at B, 2B
+    and 4B, copied, run and restored; the examples come from ``train_dataloader.dataset``
+    through the loader's own ``collate_fn``, the loss is the model's output ``loss`` (the
+    model is called with the collated batch as keyword arguments, the unwrapped module under
+    DDP). A doubling decided is made at the next epoch's start (the Trainer groups an epoch's
+    micro-batches from its first batch), with the rates by ``lr`` (auto: srsr for
+    Adam/AdamW, lsr otherwise). Every rank runs the same branches and, under
+    torch.distributed, the ranks agree on the doubling. Adds ``warmup/batch_size``,
+    ``warmup/accumulation``, ``warmup/branch_steps`` and ``warmup/branch_examples`` to the
+    logs."""
+
+    def __init__(self, every: int = 200, *, max_batch: int | None = None, steps: int = 2,
+                 z: float = 1.0, lr: str = "auto") -> None:
+        self.options = {"every": every, "max_batch": max_batch, "steps": steps, "z": z,
+                        "lr": lr}
+        BranchWarmup(1, **self.options)  # checks the options now
+        self.warmup: BranchWarmup | None = None
+        self._warm_log: dict[str, float] = {}
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None,
+                    optimizer: Any = None, train_dataloader: Any = None,
+                    **kwargs: Any) -> None:
+        if model is None or optimizer is None or train_dataloader is None:
+            raise BatchboundError("BranchWarmupCallback needs the model, optimizer and "
+                                  "train_dataloader the Trainer hands its callbacks")
+        raw = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+        module = getattr(model, "module", model)  # DDP's wrapper: branch on the module
+        if self.warmup is None:
+            adaptive = isinstance(raw, (torch.optim.Adam, torch.optim.AdamW))
+            self.warmup = BranchWarmup(args.per_device_train_batch_size,
+                                       args.gradient_accumulation_steps, args.world_size,
+                                       adaptive=adaptive, seed=args.seed, **self.options)
+        if self._warm_log:  # a change made at this epoch's start, logged with its first step
+            control.should_log = True
+        dataset, collate = train_dataloader.dataset, train_dataloader.collate_fn
+        device = next(module.parameters()).device
+
+        def loss_of(indices: torch.Tensor) -> torch.Tensor:
+            batch = collate([dataset[int(i)] for i in indices])
+            out = module(**{k: v.to(device) if torch.is_tensor(v) else v
+                            for k, v in batch.items()})
+            return out["loss"] if isinstance(out, dict) else out[0]
+
+        self.warmup.step(module, raw, loss_of, len(dataset), ready=False)
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None,
+                       lr_scheduler: Any = None, **kwargs: Any) -> None:
+        if self.warmup is None:
+            return
+        factor = self.warmup.apply()
+        if factor == 1.0:
+            return
+        args.gradient_accumulation_steps = self.warmup.accumulation
+        if optimizer is not None:
+            self.warmup.scale_rates(optimizer, factor, lr_scheduler)
+        self._warm_log = self.warmup.metrics()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None,
+               **kwargs: Any) -> None:
+        if logs is not None and self._warm_log:
+            logs.update(self._warm_log)
+            history = state.log_history
+            if history and history[-1].get("step") == state.global_step:
+                history[-1].update(self._warm_log)  # the Trainer appended a copy before
+            self._warm_log = {}

@@ -19,11 +19,18 @@ Lightning and Hugging Face callbacks wait for such a boundary.
 
 from __future__ import annotations
 
+import copy
+import math
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from batchbound.diversity.online import OnlineDiversity
 from batchbound.errors import BatchboundError
 from batchbound.train.adaptive import BatchPolicy
+from batchbound.train.branches import B0_EVALUATIONS, branch_point, doubles
+from batchbound.train.lr_rules import lr_rule
 
 
 class AccumulationWarmup:
@@ -102,3 +109,187 @@ class AccumulationWarmup:
         self.accumulation, self.steps = int(state["accumulation"]), int(state["steps"])
         self.pending = bool(state["pending"])
         self.history = [tuple(h) for h in state["history"]]  # type: ignore[misc]
+
+
+# the branch trigger, for loops that are not batchbound's trainer (train/branches.py's test)
+BRANCH_EVAL = 1024  # the branches are evaluated on a fixed subset of this many examples
+
+
+class BranchWarmup:
+    """Batch-size warmup with the branch trigger (``--batch-policy warmup``'s default) in your
+    own loop: every ``every`` optimizer steps, short branches from the current weights and
+    optimiser state at B, 2B and 4B (B replicated with another data order), each over
+    ``steps``·4B examples at the rate rule's rates (``lr``: auto = srsr for Adam-type
+    optimisers (``adaptive=True``), lsr for SGD); B doubles when the critical batch's
+    interval lies at or above 2B (each rung's band ± z σ), never past ``max_batch``, never
+    down. The branches copy the model and the optimiser (state, rates, gradients and the
+    torch random state), run, and restore them. ``loss_of(indices)`` is the mean training
+    loss of those train-set examples on ``model``; every rank runs the same branches (same
+    seed, the whole train set) and, under torch.distributed, the doubling is the one all
+    ranks reach. ``branch_steps`` and ``branch_examples`` are the policy's cost.
+
+        warmup = BranchWarmup(micro_batch=32, world_size=P, adaptive=True)
+        ...after each optimizer step:
+        factor = warmup.step(model, optimizer, loss_of, n)
+        warmup.scale_rates(optimizer, factor)
+        for _ in range(warmup.accumulation): ...     # the next step's micro-batches
+    """
+
+    def __init__(self, micro_batch: int, accumulation: int = 1, world_size: int = 1, *,
+                 every: int = 200, max_batch: int | None = None, steps: int = 2,
+                 z: float = 1.0, lr: str = "auto", adaptive: bool = False,
+                 seed: int = 0) -> None:
+        for name, value in (("micro_batch", micro_batch), ("accumulation", accumulation),
+                            ("world_size", world_size), ("every", every)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise BatchboundError(f"warmup: {name} must be a positive integer, got "
+                                      f"{value!r}")
+        self.policy = BatchPolicy(adaptive=True, source="online", pick="warmup",
+                                  max=max_batch or 1 << 30, every=every, lr=lr,
+                                  trigger="branch", steps=steps, z=z)
+        rule = lr_rule(self.policy.branch_rule("adamw" if adaptive else "sgd"), "lr rule")
+        assert rule is not None
+        self.rule, self.seed = rule, seed
+        self.micro_batch, self.accumulation, self.world_size = micro_batch, accumulation, world_size
+        self.start = self.batch_size
+        self.steps = 0
+        self.pending = False
+        self.branch_steps = self.branch_examples = 0
+        self.history: list[tuple[int, int, int, float, float]] = []  # step, B, k, B_crit, low
+
+    @property
+    def batch_size(self) -> int:
+        return self.micro_batch * self.accumulation * self.world_size
+
+    def step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             loss_of: Callable[[torch.Tensor], torch.Tensor], n: int,
+             ready: bool = True) -> float:
+        """Call after every optimizer step; the rate's factor (1.0 when B did not change).
+        ``ready``: a new accumulation group of twice the size could start now."""
+        self.steps += 1
+        if self.steps % self.policy.every == 0 and not self.pending:
+            self.pending = self.decide(model, optimizer, loss_of, n)
+        return self.apply() if ready else 1.0
+
+    def decide(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               loss_of: Callable[[torch.Tensor], torch.Tensor], n: int) -> bool:
+        old = self.batch_size
+        if 2 * old > min(self.policy.max, n):
+            return False
+        ladder = [b for b in (old, 2 * old, 4 * old) if b <= n]
+        examples = self.policy.steps * ladder[-1]
+        pick = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed))
+        subset = pick[:min(n, BRANCH_EVAL)]
+        saved = Saved(model, optimizer)
+
+        def run(batch: int, evaluations: int, seed: int) -> list[tuple[int, float]]:
+            steps = examples // batch
+            try:
+                curve = branch_run(model, optimizer, loss_of, n, batch,
+                                   self.rule.scale(batch / old), steps,
+                                   max(1, steps // evaluations), seed, subset)
+            finally:
+                saved.restore()
+            self.branch_steps += steps
+            self.branch_examples += steps * batch
+            return curve
+
+        point = branch_point(run, ladder, self.seed + self.steps, self.steps,
+                             evaluations=min(B0_EVALUATIONS, examples // old),
+                             z=self.policy.z)
+        double = doubles(point)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            flag = torch.tensor([float(double)], device=next(model.parameters()).device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+            double = bool(flag.item())
+        self.history.append((self.steps, old, self.accumulation,
+                             point.critical_batch if point else math.nan,
+                             point.low if point else math.nan))
+        return double
+
+    def apply(self) -> float:
+        """Double the accumulation if a doubling is pending; the rate's factor (else 1.0)."""
+        if not self.pending:
+            return 1.0
+        old = self.batch_size
+        self.accumulation *= 2
+        self.pending = False
+        return self.rule.scale(self.batch_size / self.start) / self.rule.scale(old / self.start)
+
+    scale_rates = staticmethod(AccumulationWarmup.scale_rates)
+
+    def metrics(self) -> dict[str, float]:
+        return {"warmup/batch_size": float(self.batch_size),
+                "warmup/accumulation": float(self.accumulation),
+                "warmup/branch_steps": float(self.branch_steps),
+                "warmup/branch_examples": float(self.branch_examples)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"accumulation": self.accumulation, "steps": self.steps,
+                "pending": self.pending, "history": list(self.history),
+                "branch_steps": self.branch_steps, "branch_examples": self.branch_examples}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.accumulation, self.steps = int(state["accumulation"]), int(state["steps"])
+        self.pending = bool(state["pending"])
+        self.history = [tuple(h) for h in state["history"]]  # type: ignore[misc]
+        self.branch_steps = int(state["branch_steps"])
+        self.branch_examples = int(state["branch_examples"])
+
+
+class Saved:
+    """A model's and an optimiser's state (weights, buffers, optimiser state and rates,
+    gradients) and the torch random state, copied now and put back by ``restore``."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.weights = copy.deepcopy(model.state_dict())
+        self.state = copy.deepcopy(optimizer.state_dict())
+        self.grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        self.rng = torch.get_rng_state()
+        self.cuda = (torch.cuda.get_rng_state_all() if torch.cuda.is_available()
+                     and torch.cuda.is_initialized() else None)
+
+    def restore(self) -> None:
+        self.model.load_state_dict(self.weights)
+        self.optimizer.load_state_dict(copy.deepcopy(self.state))
+        for p, g in zip(self.model.parameters(), self.grads, strict=True):
+            p.grad = None if g is None else g.clone()
+        torch.set_rng_state(self.rng)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+
+def branch_run(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               loss_of: Callable[[torch.Tensor], torch.Tensor], n: int, batch: int,
+               factor: float, steps: int, every: int, seed: int, subset: torch.Tensor
+               ) -> list[tuple[int, float]]:
+    """(examples, mean loss on ``subset``) along ``steps`` steps at ``batch`` (examples drawn
+    without replacement, the order from ``seed``), the rates × ``factor``; a diverged branch
+    ends at +inf. Changes the model and optimiser: the caller restores them."""
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(n, generator=generator)
+    for group in optimizer.param_groups:
+        group["lr"] *= factor
+
+    def evaluate() -> float:
+        with torch.no_grad():
+            return float(loss_of(subset))
+
+    curve, at = [(0, evaluate())], 0
+    for step in range(1, steps + 1):
+        if at + batch > n:
+            order, at = torch.randperm(n, generator=generator), 0
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_of(order[at:at + batch])
+        at += batch
+        if not math.isfinite(float(loss.detach())):
+            return [*curve, (step * batch, math.inf)]
+        loss.backward()
+        optimizer.step()
+        if step % every == 0 or step == steps:
+            value = evaluate()
+            curve.append((step * batch, value if math.isfinite(value) else math.inf))
+            if not math.isfinite(value):
+                break
+    return curve

@@ -34,10 +34,15 @@ from dataclasses import dataclass
 from batchbound.errors import BatchboundError
 from batchbound.spec import check_options, parse_spec
 from batchbound.train.lr_rules import LR_RULES, lr_rule
+from batchbound.train.optimizers import is_adaptive
 
 SOURCES = ("exact", "online")
 PICKS = ("bound", "time", "warmup")
 NOISE = "noise"  # warmup's own rate rule; the others are lr_rules.py's, read when used
+TRIGGERS = ("branch", "noise")  # warmup: the branch test (default) or the noise scale
+AUTO = "auto"  # the branch trigger's rate rule unless named: srsr for Adam-type, lsr for SGD
+BRANCH_EVERY = 200  # the branch trigger's default interval (its cost: 32/every of the examples)
+NOISE_EVERY = 50
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,9 @@ class BatchPolicy:
     pick: str = "bound"
     fraction: float = 0.5  # warmup: double B when 2B ≤ fraction·(B_noise − its SE)
     lr: str = NOISE  # warmup: the rate's change when B doubles
+    trigger: str = "noise"  # warmup: branch (the branch test) or noise (the noise scale)
+    steps: int = 2  # branch trigger: steps of the largest branch (4B); E = steps·4B examples
+    z: float = 1.0  # branch trigger: each rung's band ± z σ (z = 1: about 84 % one-sided)
 
     @property
     def warmup(self) -> bool:
@@ -75,7 +83,21 @@ class BatchPolicy:
             )
         if not 0 < self.fraction <= 1:
             raise BatchboundError(f"warmup: fraction must be in (0, 1], got {self.fraction}")
-        lr_rule(self.lr, "lr rule", extra=(NOISE,))
+        if self.trigger not in TRIGGERS:
+            raise BatchboundError(f"warmup: unknown trigger {self.trigger!r}; choose from "
+                                  f"{', '.join(TRIGGERS)}")
+        if self.trigger == "branch":
+            if self.lr == NOISE:
+                raise BatchboundError("warmup(trigger=branch) tests a rate rule at 2B: lr= "
+                                      "must be a strategy's rule (lsr, srsr, ...) or auto; "
+                                      "lr=noise belongs to trigger=noise")
+            lr_rule(self.lr, "lr rule", extra=(AUTO,))
+            if self.steps < 1:
+                raise BatchboundError(f"warmup: steps must be >= 1, got {self.steps}")
+            if not self.z > 0:
+                raise BatchboundError(f"warmup: z must be > 0, got {self.z}")
+        else:
+            lr_rule(self.lr, "lr rule", extra=(NOISE,))
         if self.source not in SOURCES:
             raise BatchboundError(
                 f"adaptive batch: unknown source {self.source!r}; choose from {', '.join(SOURCES)}"
@@ -123,6 +145,13 @@ class BatchPolicy:
             return doubled
         return batch
 
+    def branch_rule(self, optimizer: str) -> str:
+        """The branch trigger's rate rule: the one named, else srsr (η0·√(B/B0)) for an
+        Adam-type optimiser and lsr (η0·B/B0) for SGD."""
+        if self.lr != AUTO:
+            return self.lr
+        return "srsr" if is_adaptive(optimizer) else "lsr"
+
     def lr_change(self, old: int, new: int, noise: float, start: int) -> float:
         """The factor on the rate when B goes from ``old`` to ``new``, the run having started
         at B0 = ``start``: ``noise`` keeps it at McCandlish et al.'s best, ε(B) ∝
@@ -140,9 +169,22 @@ def parse_batch_policy(text: str) -> BatchPolicy:
     [,pick=bound|time])``; with pick=time, delta is not used and may be left out."""
     spec = parse_spec(text)
     if spec.name == "warmup":
-        check_options("warmup", spec.kwargs, ("every", "fraction", "lr", "max"))
+        check_options("warmup", spec.kwargs,
+                      ("every", "fraction", "lr", "max", "steps", "trigger", "z"))
+        # fraction and lr=noise are the noise trigger's: a spec naming them means that
+        # trigger (as it did before the branch trigger became the default)
+        noise_only = "fraction" in spec.kwargs or spec.kwargs.get("lr") == NOISE
+        trigger = spec.kwargs.get("trigger", "noise" if noise_only else "branch")
+        if trigger == "branch" and "fraction" in spec.kwargs:
+            raise BatchboundError("warmup: fraction is the noise trigger's option; the branch "
+                                  "trigger's are every, steps, z, lr and max")
+        if trigger != "branch" and ({"steps", "z"} & set(spec.kwargs)):
+            raise BatchboundError("warmup: steps and z are the branch trigger's options "
+                                  "(trigger=branch)")
+        defaults = ({"every": BRANCH_EVERY, "lr": AUTO} if trigger == "branch"
+                    else {"every": NOISE_EVERY})
         return BatchPolicy(adaptive=True, source="online", pick="warmup", min=1,
-                           **{"max": 1 << 30, "every": 50, **spec.kwargs})
+                           **{"max": 1 << 30, **defaults, **spec.kwargs, "trigger": trigger})
     if spec.name == "fixed":
         if spec.kwargs:
             raise BatchboundError("batch policy 'fixed' takes no options")
@@ -150,7 +192,8 @@ def parse_batch_policy(text: str) -> BatchPolicy:
     if spec.name != "adaptive":
         raise BatchboundError(
             f"unknown batch policy {spec.name!r}; choose fixed, warmup(max=..,every=..,"
-            f"fraction=..,lr={'|'.join((NOISE, *LR_RULES))}) or adaptive(delta=..,"
+            f"trigger=branch|noise,steps=..,z=..,fraction=..,"
+            f"lr={'|'.join((AUTO, NOISE, *LR_RULES))}) or adaptive(delta=..,"
             "min=..,max=..,every=..)"
         )
     check_options("adaptive batch", spec.kwargs,

@@ -20,15 +20,20 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from batchbound.diversity.online import OnlineDiversity
+from batchbound.errors import BatchboundError
 from batchbound.train.adaptive import BatchPolicy
+from batchbound.train.branches import B0_EVALUATIONS, branch_point, doubles
 from batchbound.train.cadence import EPS, next_due
+from batchbound.train.lr_rules import lr_rule
 
 if TYPE_CHECKING:
     from batchbound.train.loop import Trainer
 
 WARM_DECAY = 0.99  # warmup's estimate: an average over about the last 100 steps
+BRANCH_EVAL = 1024  # the branch trigger's branches are evaluated on a fixed subset this size
 class Callback:
     """The hooks, each doing nothing; a callback overrides what it needs."""
 
@@ -113,7 +118,8 @@ class BatchPolicyCallback(Callback):
         # too noisy to act on when B_noise ≫ B
         estimator = trainer.monitor.estimator
         self.warm = (OnlineDiversity(trainer.n, decay=WARM_DECAY, sampling=estimator.sampling)
-                     if policy.warmup and estimator is not None else None)
+                     if policy.warmup and policy.trigger == "noise" and estimator is not None
+                     else None)
         self.folded = 0  # the monitor's steps folded into ``warm``
 
     def on_train_start(self, trainer: Trainer) -> None:
@@ -126,7 +132,9 @@ class BatchPolicyCallback(Callback):
             self.warm.update(*estimator.last)
             self.folded = estimator.steps
         if trainer.iteration % self.policy.every == 0:
-            if self.policy.warmup:
+            if self.policy.warmup and self.policy.trigger == "branch":
+                self.branch_up(trainer)
+            elif self.policy.warmup:
                 self.warm_up(trainer)
             else:
                 self.adapt(trainer)
@@ -167,10 +175,60 @@ class BatchPolicyCallback(Callback):
             self.warm = OnlineDiversity(trainer.n, decay=WARM_DECAY, sampling=warm.sampling)
         trainer.train_seconds += time.perf_counter() - started
 
+    def branch_up(self, trainer: Trainer) -> None:
+        """The branch trigger: short branches from the current state at B, 2B (and 4B, where
+        the train set holds it) at the rate rule's rates, B replicated with another data
+        order (train/branches.py); B doubles when the critical batch's interval lies at or
+        above 2B, and the rate follows the same rule. The branches' seconds, steps and
+        examples are the policy's cost. Every rank runs the same branches (same seed, the
+        whole train set); the decision is the one all ranks reach (an all-reduced minimum),
+        so it is the same everywhere."""
+        started = time.perf_counter()
+        policy, old = self.policy, trainer.batch_size
+        if 2 * old > min(policy.max, trainer.n):
+            return
+        # a user's optimiser (Parts) is read by its type; the config's name otherwise
+        adam = isinstance(trainer.optimizer, (torch.optim.Adam, torch.optim.AdamW))
+        rule = lr_rule(policy.branch_rule("adamw" if adam else trainer.config.optimizer),
+                       "lr rule")
+        assert rule is not None  # branch_rule names a registered rule
+        ladder = [b for b in (old, 2 * old, 4 * old) if b <= trainer.n]
+        examples = policy.steps * ladder[-1]
+        epoch = trainer.sampler.epoch
+        base = trainer.strategy.lr(trainer.config.lr, old, epoch) * trainer.lr_factor
+
+        def run(batch: int, evaluations: int, seed: int) -> list[tuple[int, float]]:
+            return trainer.branch(batch, base * rule.scale(batch / old), examples // batch,
+                                  evaluations, seed, min(trainer.n, BRANCH_EVAL))
+
+        # a data order per test, the same on a resume (the seed and the iteration)
+        point = branch_point(run, ladder, trainer.config.seed + trainer.iteration,
+                             trainer.iteration, evaluations=min(B0_EVALUATIONS,
+                                                                examples // old), z=policy.z)
+        double = doubles(point)
+        if trainer.ctx.distributed:
+            flag = torch.tensor([float(double)], device=trainer.ctx.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+            double = bool(flag.item())
+        if point is not None:
+            trainer.record("warmup_critical_batch", point.critical_batch)
+            trainer.record("warmup_critical_batch_low", point.low)
+        if double:
+            start = trainer.config.batch_size
+            trainer.lr_factor *= rule.scale(2 * old / start) / rule.scale(old / start)
+            trainer.set_batch_size(2 * old)
+        trainer.train_seconds += time.perf_counter() - started
+
     def state_dict(self) -> dict[str, Any]:
-        return {"warm_state": self.warm.state_dict() if self.warm is not None else {}}
+        return {"warm_state": self.warm.state_dict() if self.warm is not None else {},
+                "warm_trigger": self.policy.trigger if self.policy.warmup else ""}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.policy.warmup and state.get("warm_state") and (
+                state.get("warm_trigger", "noise") != self.policy.trigger):
+            raise BatchboundError(
+                f"this checkpoint's warmup used trigger={state.get('warm_trigger', 'noise')}, "
+                f"this run's is trigger={self.policy.trigger}: add it to --batch-policy")
         if self.warm is not None and state.get("warm_state"):
             self.warm.load_state_dict(state["warm_state"])
 

@@ -198,7 +198,8 @@ class TrainConfig:
     batch_policy: str = option(
         "fixed", "mechanisms",
         "fixed | adaptive(delta=..,min=..,max=..,every=..[,source=online][,pick=time]) | "
-        "warmup(max=..,every=..,fraction=..,lr=noise or a strategy's rule)")
+        "warmup(every=..,steps=..,z=..,max=..,lr=auto or a strategy's rule) (the branch "
+        "trigger) | warmup(trigger=noise,every=..,fraction=..,max=..,lr=noise or a rule)")
     # bookkeeping
     checkpoint_every: int | None = option(None, "execution",
                                           "iterations between periodic checkpoints")

@@ -172,6 +172,7 @@ class Trainer:
         if config.transform:
             data = apply_transform(data, config.transform, config.seed)
         config.validate_against(data, model_given=parts.model is not None)
+        self.parts, self.source = parts, data  # what a branch (train/branches.py) is built from
         dtype = getattr(torch, config.dtype)
         self.data = data.to(ctx.device, dtype)
         self.n = data.n_train
@@ -225,6 +226,8 @@ class Trainer:
         self.batch_size = config.batch_size
         self.lr = math.nan
         self.lr_factor = 1.0  # batch-size warmup's changes to the rate
+        self.branch_steps = 0  # the branch trigger's cost: its branches' steps and examples
+        self.branch_examples = 0
         self.initial_loss: float | None = None
         self.last_batch_loss = math.nan
         self.next_eval_epoch = config.eval_every_epochs or math.inf
@@ -522,6 +525,42 @@ class Trainer:
             note = f"final probes failed: {type(exc).__name__}: {exc}"
             self.message = f"{self.message}; {note}" if self.message else note
 
+    def branch(self, batch: int, lr: float, steps: int, evaluations: int, seed: int,
+               subset: int) -> list[tuple[int, float]]:
+        """(examples, train loss on a fixed subset of ``subset``) along ``steps`` steps at
+        ``batch`` and rate ``lr`` from this run's current weights and optimiser state, in a
+        separate trainer on this process (this run's model, optimiser, sampler and random
+        state are left as they were); a diverged branch ends at +inf. Its steps and examples
+        are added to the run's branch cost."""
+        from batchbound.train.checkpoint import rng_state, set_rng_state
+
+        every = max(1, steps // evaluations)
+        run = self.config.replace(
+            batch_size=batch, lr=lr, strategy="blr", batch_policy="fixed", seed=seed,
+            targets=(), max_iterations=steps, max_epochs=None, max_seconds=None,
+            eval_every_epochs=None, eval_every_iterations=every, eval_growth=None,
+            diversity_every_epochs=None, online_diversity="off", micro_batch=None,
+            snapshot_every_epochs=None, final_probes=(), checkpoint_every=None, workers=1,
+            transform=None, eval_subset=subset if subset < self.n else None)
+        saved = rng_state()
+        try:
+            trainer = Trainer(run, DistContext(device=self.ctx.device), dataset=self.source,
+                              parts=self.parts)
+            trainer.model.load_state_dict(self.model.state_dict())
+            state = copy.deepcopy(self.optimizer.state_dict())
+            for group in state["param_groups"]:
+                group["lr"] = lr
+            trainer.optimizer.load_state_dict(state)
+            result = trainer.run()
+        finally:
+            set_rng_state(saved)
+        self.branch_steps += trainer.iteration
+        self.branch_examples += trainer.iteration * batch
+        curve = [(i * batch, v) for i, _, _, v in result.curve("train_loss")]
+        if result.status == "diverged":
+            curve.append((steps * batch, math.inf))
+        return curve
+
     def set_batch_size(self, new: int) -> None:
         """The global batch from the next step on (a batch policy's decision), recorded."""
         if new != self.batch_size:
@@ -612,6 +651,9 @@ class Trainer:
             "lr": self.lr,
             **self.probe_values,
         }
+        if self.policy.warmup and self.policy.trigger == "branch":  # the policy's cost
+            final["policy_branch_steps"] = self.branch_steps
+            final["policy_branch_examples"] = self.branch_examples
         timings = self.timer.summary(self.ctx.world_size)
         timings["train_seconds"] = self.train_seconds
         for extra in ("eval", "diversity", "checkpoint"):
@@ -652,6 +694,8 @@ class Trainer:
         "batch_size",
         "lr",
         "lr_factor",
+        "branch_steps",
+        "branch_examples",
         "initial_loss",
         "last_batch_loss",
         "next_eval_epoch",
