@@ -167,3 +167,16 @@ def test_a_checkpoint_of_the_noise_trigger_is_refused_by_the_branch_trigger(tmp_
     torch.save(saved, path)
     with pytest.raises(BatchboundError, match="trigger=noise, this run's is trigger=branch"):
         Trainer(branch, DistContext(), checkpoint_path=path).run(resume=True)
+
+
+def test_plain_warmup_names_its_trigger_so_no_stored_noise_run_is_reused() -> None:
+    """Plain `warmup` meant the noise trigger before the branch trigger was the default: the
+    config names the trigger now, so its key differs from the one those runs were stored under."""
+    branch = TrainConfig(batch_size=16, batch_policy="warmup(every=25)")
+    assert branch.batch_policy == "warmup(every=25,trigger=branch)"
+    assert TrainConfig(batch_size=16, batch_policy="warmup").batch_policy == \
+        "warmup(trigger=branch)"
+    noise = TrainConfig(batch_size=16, batch_policy="warmup(every=25,trigger=noise)")
+    assert noise.batch_policy == "warmup(every=25,trigger=noise)"
+    assert branch.config_hash() != noise.config_hash()
+    assert TrainConfig.from_dict(branch.to_dict()).config_hash() == branch.config_hash()

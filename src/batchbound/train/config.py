@@ -323,8 +323,16 @@ class TrainConfig:
         micro-batches); its rate rule replaces the strategy's batch scaling."""
         if not self.batch_policy.startswith("warmup"):
             return
-        if not self.parsed_batch_policy().warmup:
+        policy = self.parsed_batch_policy()
+        if not policy.warmup:
             return
+        if policy.trigger == "branch" and "trigger" not in self.batch_policy:
+            # plain `warmup` meant the noise trigger before the branch trigger became the
+            # default: name the trigger, so the key differs and no stored run is reused
+            text = self.batch_policy.strip()
+            text = (f"{text[:-1]},trigger=branch)" if text.endswith(")")
+                    else "warmup(trigger=branch)")
+            object.__setattr__(self, "batch_policy", text)
         if parse_strategy(self.strategy).name != "blr":
             raise BatchboundError("batch policy warmup sets the rate itself (its lr= rule); "
                                   "use strategy blr")
