@@ -387,8 +387,7 @@ def _critical_text(points: list[CriticalPoint], rows: list[Row], plan: BranchPla
                    ) -> str:
     """How the branches measured the critical batch, and where they and the noise scale
     disagree."""
-    at = ", ".join(f"{p.critical_batch:.3g} ({p.low:.3g}–{p.high:.3g}) at iteration "
-                   f"{p.iteration}" for p in points)
+    at = ", ".join(f"{p.text()} at iteration {p.iteration}" for p in points)
     ladder = f"B = {', '.join(map(str, plan.ladder))}" if plan else "B0·2^k"
     text = (f"the critical batch measured by short branches from the pilot's states at "
             f"{ladder} over the same examples (Merrill et al. 2025): {at}; past the pilot it "
