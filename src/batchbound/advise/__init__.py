@@ -390,7 +390,9 @@ def _critical_text(points: list[CriticalPoint], rows: list[Row], plan: BranchPla
     at = ", ".join(f"{p.text()} at iteration {p.iteration}" for p in points)
     ladder = f"B = {', '.join(map(str, plan.ladder))}" if plan else "B0·2^k"
     text = (f"the critical batch measured by short branches from the pilot's states at "
-            f"{ladder} over the same examples (Merrill et al. 2025): {at}; past the pilot it "
+            f"{ladder} over the same examples (Merrill et al. 2025): {at}; before iteration "
+            f"{points[0].iteration} (the first branch point) it is assumed to be that point's "
+            f"value, though the critical batch rises early in training; past the pilot it "
             f"stays at the last value (low: its low end; high: growing as the noise scale's "
             f"trend)")
     split = sorted({r.batch_size for r in rows if r.disagree})
