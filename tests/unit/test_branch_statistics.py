@@ -101,3 +101,14 @@ def test_no_rung_left_is_a_bound_not_a_number() -> None:
     assert point.to_dict()["critical_batch"] is None and point.to_dict()["below"] == 32
     assert "below 32" in point.text()
     assert not doubles(point)
+
+
+def test_advises_text_names_exclusions_n_and_the_early_assumption() -> None:
+    from batchbound.advise import _critical_text
+
+    points = [fit_point({16: 1.0, 32: 0.9, 64: 0.0}, 16, MIN_SPREAD, 40),
+              fit_point({16: 1.0, 32: 0.3, 64: 0.1}, 16, MIN_SPREAD, 80)]
+    text = _critical_text(points, [], None)
+    assert "excluded: B = 64" in text and "n = 1" in text
+    assert "below 32" in text  # the second point is a bound
+    assert "before iteration 40 (the first branch point)" in text
