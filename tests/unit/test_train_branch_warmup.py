@@ -27,7 +27,7 @@ def runs(ends: dict[int, float], replicate: float, start: float = 1.0, stop: flo
 
     def run(batch: int, evaluations: int, seed: int) -> list[tuple[int, float]]:
         calls.append((batch, seed))
-        if batch == b0 and evaluations > 1:
+        if batch == b0 and len(calls) == 1:  # the base run; the replicate (also B0) ends below
             return [(E * k // 8, start + (stop - start) * k / 8) for k in range(9)]
         end = replicate if batch == b0 else ends[batch]
         return [(0, start), (E, end)]

@@ -432,11 +432,21 @@ def _critical_text(points: list[CriticalPoint], rows: list[Row], plan: BranchPla
     def bound(value: float, point: CriticalPoint) -> str:  # the cap is a bound, not a value
         return f"≥ {value:.3g}" if _capped(value, point) else f"{value:.3g}"
 
-    at = ", ".join(f"{bound(p.critical_batch, p)} ({p.low:.3g}–{bound(p.high, p)}) at "
-                   f"iteration {p.iteration}" for p in points)
+    def said(point: CriticalPoint) -> str:  # the point's own words, its cap shown as a bound
+        text = point.text()
+        if point.below is None:
+            text = text.replace(
+                f"{point.critical_batch:.3g} ({point.low:.3g}–{point.high:.3g})",
+                f"{bound(point.critical_batch, point)} ({point.low:.3g}–"
+                f"{bound(point.high, point)})", 1)
+        return text
+
+    at = ", ".join(f"{said(p)} at iteration {p.iteration}" for p in points)
     ladder = f"B = {', '.join(map(str, plan.ladder))}" if plan else "B0·2^k"
     text = (f"the critical batch measured by short branches from the pilot's states at "
-            f"{ladder} over the same examples (Merrill et al. 2025): {at}; past the pilot "
+            f"{ladder} over the same examples (Merrill et al. 2025): {at}; before iteration "
+            f"{points[0].iteration} (the first branch point) it is assumed to be that point's "
+            f"value, though the critical batch rises early in training; past the pilot "
             f"(trajectories in critical.py) low stays at its low end, high grows as the noise "
             f"scale's trend, and the central value half way between in log (times the square "
             f"root of that growth)")

@@ -14,15 +14,19 @@ says a step at B is worth B/(B + B_crit) examples at B0's best, so
     r(B) = (B0 + B_crit)/(B + B_crit),   so   B_crit = (r·B − B0)/(1 − r).
 
 No linearity of the loss in the examples is assumed: only that B0's own curve measures
-progress. B_crit is the least-squares fit of r over the rungs; its interval is where every
-rung's inversion at r ± 2σ·√(B/B0) agrees (σ: the replicated B0 run's |1 − r|/√2, at least
-``MIN_SPREAD``; a rung of B takes B0/B as many steps, so it varies more), or their union when
-they do not. Past the pilot, low stays at the low end (the plateau Merrill et al. see);
+progress. B_crit is the least-squares fit of r over the rungs the model explains (a rung
+that diverged or whose r is below B0/B is excluded and named; with none left the point is a
+bound: below the first rung); its interval's ends are the fits with every
+rung's r shifted jointly by ∓2σ·√(B/B0) (σ: B0's two runs read against each other, n = 1
+pair, at least ``MIN_SPREAD``; the rungs share B0's curve, so their errors are correlated
+and are never intersected; train/branches.py). Every rung runs the same examples, a multiple of the
+largest batch. Past the pilot, low stays at the low end (the plateau Merrill et al. see);
 high grows from the high end as the noise-scale trajectory grows (``trajectory.py``); the
 central trajectory lies half way between the two hypotheses in log: the measured value
 times the square root of that growth (a pilot at 5 % of the plan is often still where the
-critical batch rises). ``iterations.py`` turns these into k(B)
-with the tuned-rate relation.
+critical batch rises). Before the first branch point the trajectory holds that point's value
+(with one point: the end-of-pilot value), an assumption the answer states. ``iterations.py``
+turns these into k(B) with the tuned-rate relation.
 
 This is the measurement of *this* run that the noise scale n·Δ − 1 only approximates (for
 language models it underestimates it; Merrill et al.): the rows predict from it, and show
@@ -91,19 +95,22 @@ class BranchPlan:
                 f"twice), {self.total_examples} examples = "
                 f"{100 * self.total_examples / self.planned_examples:.3g} % of the plan: about "
                 f"{self.seconds(step):.3g} s, plus {B0_EVALUATIONS + 1} loss evaluations for "
-                f"B0's run and 2 for each other")
+                f"each of B0's two runs and 2 for each other")
 
 
 def plan_branches(b0: int, n: int, largest: int, budget_examples: int, planned_examples: int,
                   points: int) -> BranchPlan:
-    """The ladder and the examples per branch that fit ``budget_examples``; BatchboundError
-    when not even B0 and 2·B0 can take MIN_STEPS steps each."""
+    """The ladder and the examples per branch that fit ``budget_examples``: the same for
+    every rung, a multiple of the largest batch (every rung takes whole steps over exactly
+    those examples, so r(B) is not biased by a rung seeing fewer); BatchboundError when not
+    even B0 and 2·B0 can take MIN_STEPS steps each."""
     top = min(largest, n)
     for rungs in range(MAX_RUNGS, 1, -1):
         ladder = tuple(b0 << k for k in range(rungs) if b0 << k <= top)
         if len(ladder) < 2:
             continue
-        examples = budget_examples // (points * (len(ladder) + 1))
+        # ladder = B0·2^k: its lcm is its largest batch
+        examples = budget_examples // (points * (len(ladder) + 1)) // ladder[-1] * ladder[-1]
         if examples >= MIN_STEPS * ladder[-1]:
             return BranchPlan(ladder, examples, points, planned_examples)
     raise BatchboundError(
@@ -129,7 +136,7 @@ def measure(states: Sequence[tuple[int, float, dict, dict]], config: TrainConfig
         def run(batch: int, evaluations: int, seed: int = config.seed,
                 model_state: dict = model_state, optimizer_state: dict = optimizer_state
                 ) -> list[tuple[int, float]]:
-            steps = plan.examples // batch
+            steps = plan.examples // batch  # exact: examples is a multiple of every rung
             return [(i * batch, v) for i, v in branch(
                 config.replace(seed=seed), data, device, model_state, optimizer_state, batch,
                 lr(batch), steps, max(1, steps // evaluations), subset, parts)]
@@ -140,10 +147,8 @@ def measure(states: Sequence[tuple[int, float, dict, dict]], config: TrainConfig
                 f"the branch at B0 = {b0} from iteration {iteration} made no progress (its "
                 "loss did not fall): the critical batch cannot be measured there; raise "
                 "--budget or use --critical-batch noise")
-        ratios = point.ratios
         log(f"branches at iteration {iteration}: r(B) = "
-            f"{', '.join(f'{r:.2f}' for r in ratios.values())}; critical batch "
-            f"{point.critical_batch:.3g} ({point.low:.3g}–{point.high:.3g})")
+            f"{', '.join(f'{r:.2f}' for r in point.ratios.values())}; {point.text()}")
         out.append(point)
     return out
 
