@@ -126,3 +126,14 @@ def test_adamw_text_lm_resumes_bit_identically(tmp_path) -> None:
     # the losses fell: an AdamW text LM trains
     losses = [v for _, _, _, m, v in expected.curves if m == "train_loss"]
     assert losses[-1] < losses[0]
+
+
+def test_a_checkpointed_run_on_data_without_a_test_split(tmp_path) -> None:
+    """The checkpoint's data digest reads every split, an empty one too (test_fraction=0)."""
+    from batchbound.data.dataset import Dataset
+    from batchbound.data.identity import data_digest
+
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 0, 1])
+    empty = Dataset(name="tiny", task="classification", x_train=x, y_train=y,
+                    x_test=x[:0], y_test=y[:0], num_classes=2, source="test")
+    assert data_digest(empty).startswith("sha256:")
