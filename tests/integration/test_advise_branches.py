@@ -16,7 +16,18 @@ CONFIG = TrainConfig(dataset="digits", model="fc(depth=1,params=800)", batch_siz
                      optimizer="adamw", betas=(0.9, 0.95))
 
 
-def test_adamw_plan_with_branches_within_budget() -> None:
+@pytest.fixture
+def conclusive(monkeypatch):
+    """The branch path end to end: at this plan's 128 examples per branch the floor on σ
+    (0.1) makes the interval span every value the branches can tell apart, and advise
+    falls back to the noise scale (test_inconclusive_…); with the floor at 0.01 the
+    measured σ (about 0.016) gives an interval (about 22–47) the rows can predict from."""
+    import batchbound.train.branches as branches
+
+    monkeypatch.setattr(branches, "MIN_SPREAD", 0.01)
+
+
+def test_adamw_plan_with_branches_within_budget(conclusive) -> None:
     said: list[str] = []
     advice = advise(CONFIG, planned_epochs=8, max_workers=1, log=said.append)
     out = advice.to_dict()
@@ -64,7 +75,8 @@ def test_noise_only_and_bad_budgets() -> None:
         advise(CONFIG, planned_epochs=2, optimizer=lambda p: None)  # type: ignore[arg-type]
 
 
-def test_busy_machine_answer_from_the_branches_says_what_chose_it(monkeypatch) -> None:
+def test_busy_machine_answer_from_the_branches_says_what_chose_it(monkeypatch,
+                                                                 conclusive) -> None:
     """On a machine whose seconds cannot be trusted, with the branches predicting: the
     summary's S_min is the one the batch was chosen by (the branches', not the noise
     scale's), and it names the rate rule as the answer on seconds does."""
@@ -123,3 +135,24 @@ def test_budget_errors_name_what_the_user_gave_before_any_timing(monkeypatch) ->
         advise(CONFIG, planned_epochs=4, max_workers=1, pilot_fraction=0.6)
     with pytest.raises(BatchboundError, match="branch budget"):
         advise(CONFIG, planned_epochs=4, max_workers=1, budget=0.0001)
+
+
+def test_inconclusive_branches_are_said_and_the_noise_scale_predicts(monkeypatch) -> None:
+    """Branches that measure nothing usable (B0's own run did not progress, or an interval
+    over everything they can tell apart) are neither a refusal of the whole answer nor a
+    number: the answer says why and predicts from the noise scale."""
+    import batchbound.advise.advice as advice_module
+    from batchbound.advise.critical import Inconclusive
+
+    def nothing(*args, **kwargs):
+        raise Inconclusive("the branch at B0 = 16 from iteration 9 made no progress")
+
+    monkeypatch.setattr(advice_module, "measure", nothing)
+    said: list[str] = []
+    out = advise(CONFIG, planned_epochs=8, max_workers=1, log=said.append).to_dict()
+    assert out["critical_batch"] == "noise" and "branches" not in out
+    assert "made no progress" in out["branches_inconclusive"]
+    assert "the branches were inconclusive: the branch at B0 = 16" in out["assumptions"]
+    assert any(t.startswith("branches inconclusive: ") for t in said)
+    for row in out["rows"]:  # the noise scale predicts: nothing shown beside it
+        assert row["noise_iterations"] is None and not row["disagree"]

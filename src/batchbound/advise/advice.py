@@ -39,6 +39,7 @@ from batchbound.advise.critical import (
     BranchPlan,
     Combined,
     CriticalPoint,
+    Inconclusive,
     combine,
     measure,
     plan_branches,
@@ -333,15 +334,20 @@ def advise(
     path = extrapolate(run.segments, run.iterations, horizon, config.batch_size, config.lr)
     log(f"pilot: {run.iterations} iterations; B_noise {run.segments[0].noise:.4g} at the "
         f"start, {run.segments[-1].noise:.4g} at its end; κ = B_noise·L = {path.kappa:.3g}")
-    measured = None
+    measured, inconclusive = None, None
     if branch_plan is not None:
         log(branch_plan.text(curves[1].step))
-        points = measure(run.states, pilot_config(config, pilot_steps, estimator,
-                                                  diversity_every_epochs),
-                         data_set, device_, branch_plan,
-                         lambda b: _lr(config, strategy, path.central, b), parts=parts, log=log)
-        measured = (points, trajectories(points, path.central, config.batch_size, config.lr,
-                                         run.iterations, horizon))
+        try:
+            points = measure(run.states, pilot_config(config, pilot_steps, estimator,
+                                                      diversity_every_epochs),
+                             data_set, device_, branch_plan,
+                             lambda b: _lr(config, strategy, path.central, b), parts=parts,
+                             log=log)
+            measured = (points, trajectories(points, path.central, config.batch_size,
+                                             config.lr, run.iterations, horizon))
+        except Inconclusive as exc:  # said in the answer; the noise scale predicts instead
+            inconclusive = str(exc)
+            log(f"branches inconclusive: {inconclusive}; the noise scale predicts")
     busy = _timing_check(config, data_set, curves, others, parts, spec)
     rows = _prediction_rows(config, path, strategy, counts, n, micro_limit, curves,
                             communication, overlap, adaptive, measured[1] if measured else None)
@@ -364,6 +370,8 @@ def advise(
     critical_text = (_critical_text(measured[0], rows, branch_plan) if measured else
                      "the critical batch taken as the noise scale B_noise = n·Δ − 1"
                      + ("" if critical_batch == "noise" else
+                        f" (the branches were inconclusive: {inconclusive}; a larger --budget "
+                        "gives them more examples)" if inconclusive else
                         " (the branches need a plan: --planned-epochs or --planned-iterations)"))
     named_optimizer = config.optimizer if parts is None or parts.optimizer is None else "yours"
     optimiser_text = (f"optimizer {named_optimizer}"
@@ -389,6 +397,7 @@ def advise(
                "optimizer": named_optimizer, "critical_batch": "branches" if measured else "noise",
                **({"branches": [{**p.to_dict(), "capped": _capped(p.high, p)}
                                 for p in measured[0]]} if measured else {}),
+               **({"branches_inconclusive": inconclusive} if inconclusive else {}),
                "timing": "cluster" if spec is not None else "measured",
                "timing_reliable": busy is None, "timing_warning": busy,
                "recommended_on": "iterations" if busy else "seconds",

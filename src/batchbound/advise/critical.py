@@ -119,13 +119,19 @@ def plan_branches(b0: int, n: int, largest: int, budget_examples: int, planned_e
         "--budget, lower --pilot-fraction, or use --critical-batch noise")
 
 
+class Inconclusive(BatchboundError):
+    """The branches measured nothing the answer can use (B0's own run did not progress, or
+    the interval spans every value they can tell apart): advise says so and predicts from
+    the noise scale instead."""
+
+
 def measure(states: Sequence[tuple[int, float, dict, dict]], config: TrainConfig,
             data: Dataset, device: torch.device, plan: BranchPlan, lr: Callable[[int], float],
             parts: Parts | None = None, log: Callable[[str], None] = lambda _: None
             ) -> list[CriticalPoint]:
     """Branch from the last ``plan.points`` kept states (iteration, epoch, model state,
-    optimiser state) and fit B_crit at each. BatchboundError when B0's own run made no
-    progress (nothing to read the others against)."""
+    optimiser state) and fit B_crit at each. ``Inconclusive`` when B0's own run made no
+    progress (nothing to read the others against) or a point's interval spans everything."""
     if len(states) < plan.points:
         raise BatchboundError(f"the pilot kept {len(states)} states, the branches need "
                               f"{plan.points}; lengthen the pilot")
@@ -143,10 +149,15 @@ def measure(states: Sequence[tuple[int, float, dict, dict]], config: TrainConfig
 
         point = branch_point(run, plan.ladder, config.seed, iteration)
         if point is None:
-            raise BatchboundError(
+            raise Inconclusive(
                 f"the branch at B0 = {b0} from iteration {iteration} made no progress (its "
-                "loss did not fall): the critical batch cannot be measured there; raise "
-                "--budget or use --critical-batch noise")
+                "loss did not fall), so the others cannot be read against it")
+        top = CAP * max(point.ratios)
+        if point.below is None and point.low <= 0 and point.high >= top:
+            raise Inconclusive(
+                f"at iteration {iteration} the branches' interval for the critical batch, "
+                f"{point.low:.3g}–{point.high:.3g}, spans everything they can tell apart "
+                f"(0 to {top:.3g}); {point.text()}")
         log(f"branches at iteration {iteration}: r(B) = "
             f"{', '.join(f'{r:.2f}' for r in point.ratios.values())}; {point.text()}")
         out.append(point)
@@ -216,5 +227,6 @@ def combine(branch: float, branch_interval: tuple[float, float], noise: float,
     return Combined(branch, interval, noise, noise_interval, disagree)
 
 
-__all__ = ["CAP", "MIN_SPREAD", "BranchPlan", "Combined", "CriticalPoint", "combine",
-           "examples_ratio", "fit_point", "invert", "measure", "plan_branches", "trajectories"]
+__all__ = ["CAP", "MIN_SPREAD", "BranchPlan", "Combined", "CriticalPoint", "Inconclusive",
+           "combine", "examples_ratio", "fit_point", "invert", "measure", "plan_branches",
+           "trajectories"]
