@@ -33,30 +33,64 @@ from batchbound.train.branches import B0_EVALUATIONS, branch_point, doubles
 from batchbound.train.lr_rules import lr_rule
 
 
-class AccumulationWarmup:
+class _Accumulating:
+    """What both warmups share: B = micro-batch × accumulation × ranks, grown by doubling the
+    accumulation, with its step count, a doubling pending until an accumulation boundary, and
+    their state."""
+
+    def __init__(self, micro_batch: int, accumulation: int, world_size: int,
+                 every: int) -> None:
+        for name, value in (("micro_batch", micro_batch), ("accumulation", accumulation),
+                            ("world_size", world_size), ("every", every)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise BatchboundError(f"warmup: {name} must be a positive integer, got "
+                                      f"{value!r}")
+        self.micro_batch, self.accumulation, self.world_size = micro_batch, accumulation, world_size
+        self.start = self.batch_size  # B0, where the rate rule's s(B/B0) is 1
+        self.steps = 0
+        self.pending = False  # a doubling decided, waiting for an accumulation boundary
+        self.history: list[tuple] = []
+
+    @property
+    def batch_size(self) -> int:
+        return self.micro_batch * self.accumulation * self.world_size
+
+    @staticmethod
+    def scale_rates(optimizer: Any, factor: float, scheduler: Any = None) -> None:
+        """Multiply every parameter group's rate (the documented lever) by ``factor``, and a
+        torch scheduler's base rates, which it would otherwise restore."""
+        if factor == 1.0:
+            return
+        for group in optimizer.param_groups:
+            group["lr"] *= factor
+        if scheduler is not None and hasattr(scheduler, "base_lrs"):
+            scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+
+    def metrics(self) -> dict[str, float]:
+        return {"warmup/batch_size": float(self.batch_size),
+                "warmup/accumulation": float(self.accumulation)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"accumulation": self.accumulation, "steps": self.steps,
+                "pending": self.pending, "history": list(self.history)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.accumulation, self.steps = int(state["accumulation"]), int(state["steps"])
+        self.pending = bool(state["pending"])
+        self.history = [tuple(h) for h in state["history"]]
+
+
+class AccumulationWarmup(_Accumulating):
     """The accumulation a loop should use next; ``history`` holds (optimizer step, batch,
     accumulation, n·Δ estimate) at every decision."""
 
     def __init__(self, micro_batch: int, accumulation: int = 1, world_size: int = 1, *,
                  every: int = 25, max_batch: int | None = None, fraction: float = 0.5,
                  lr: str = "noise") -> None:
-        for name, value in (("micro_batch", micro_batch), ("accumulation", accumulation),
-                            ("world_size", world_size), ("every", every)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise BatchboundError(f"warmup: {name} must be a positive integer, got "
-                                      f"{value!r}")
+        super().__init__(micro_batch, accumulation, world_size, every)
         self.policy = BatchPolicy(adaptive=True, source="online", pick="warmup",
                                   max=max_batch or 1 << 30, every=every, fraction=fraction,
                                   lr=lr)
-        self.micro_batch, self.accumulation, self.world_size = micro_batch, accumulation, world_size
-        self.start = self.batch_size  # B0, where the rate rule's s(B/B0) is 1
-        self.steps = 0
-        self.pending = False  # a doubling decided, waiting for an accumulation boundary
-        self.history: list[tuple[int, int, int, float]] = []
-
-    @property
-    def batch_size(self) -> int:
-        return self.micro_batch * self.accumulation * self.world_size
 
     def deciding(self) -> bool:
         """Whether the next ``step`` decides (so the caller folds its estimate first)."""
@@ -86,36 +120,12 @@ class AccumulationWarmup:
                              monitor.batch_bound))
         return self.policy.lr_change(old, self.batch_size, monitor.noise_scale, self.start)
 
-    @staticmethod
-    def scale_rates(optimizer: Any, factor: float, scheduler: Any = None) -> None:
-        """Multiply every parameter group's rate (the documented lever) by ``factor``, and a
-        torch scheduler's base rates, which it would otherwise restore."""
-        if factor == 1.0:
-            return
-        for group in optimizer.param_groups:
-            group["lr"] *= factor
-        if scheduler is not None and hasattr(scheduler, "base_lrs"):
-            scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
-
-    def metrics(self) -> dict[str, float]:
-        return {"warmup/batch_size": float(self.batch_size),
-                "warmup/accumulation": float(self.accumulation)}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"accumulation": self.accumulation, "steps": self.steps,
-                "pending": self.pending, "history": list(self.history)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.accumulation, self.steps = int(state["accumulation"]), int(state["steps"])
-        self.pending = bool(state["pending"])
-        self.history = [tuple(h) for h in state["history"]]  # type: ignore[misc]
-
 
 # the branch trigger, for loops that are not batchbound's trainer (train/branches.py's test)
 BRANCH_EVAL = 1024  # the branches are evaluated on a fixed subset of this many examples
 
 
-class BranchWarmup:
+class BranchWarmup(_Accumulating):
     """Batch-size warmup with the branch trigger (``--batch-policy warmup``'s default) in your
     own loop: every ``every`` optimizer steps, short branches from the current weights and
     optimiser state at B, 2B and 4B (B replicated with another data order), each over
@@ -139,27 +149,14 @@ class BranchWarmup:
                  every: int = 200, max_batch: int | None = None, steps: int = 2,
                  z: float = 1.0, lr: str = "auto", adaptive: bool = False,
                  seed: int = 0) -> None:
-        for name, value in (("micro_batch", micro_batch), ("accumulation", accumulation),
-                            ("world_size", world_size), ("every", every)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise BatchboundError(f"warmup: {name} must be a positive integer, got "
-                                      f"{value!r}")
+        super().__init__(micro_batch, accumulation, world_size, every)
         self.policy = BatchPolicy(adaptive=True, source="online", pick="warmup",
                                   max=max_batch or 1 << 30, every=every, lr=lr,
                                   trigger="branch", steps=steps, z=z)
         rule = lr_rule(self.policy.branch_rule("adamw" if adaptive else "sgd"), "lr rule")
         assert rule is not None
         self.rule, self.seed = rule, seed
-        self.micro_batch, self.accumulation, self.world_size = micro_batch, accumulation, world_size
-        self.start = self.batch_size
-        self.steps = 0
-        self.pending = False
-        self.branch_steps = self.branch_examples = 0
-        self.history: list[tuple[int, int, int, float, float]] = []  # step, B, k, B_crit, low
-
-    @property
-    def batch_size(self) -> int:
-        return self.micro_batch * self.accumulation * self.world_size
+        self.branch_steps = self.branch_examples = 0  # history: step, B, k, B_crit, low
 
     def step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              loss_of: Callable[[torch.Tensor], torch.Tensor], n: int,
@@ -216,23 +213,16 @@ class BranchWarmup:
         self.pending = False
         return self.rule.scale(self.batch_size / self.start) / self.rule.scale(old / self.start)
 
-    scale_rates = staticmethod(AccumulationWarmup.scale_rates)
-
     def metrics(self) -> dict[str, float]:
-        return {"warmup/batch_size": float(self.batch_size),
-                "warmup/accumulation": float(self.accumulation),
-                "warmup/branch_steps": float(self.branch_steps),
+        return {**super().metrics(), "warmup/branch_steps": float(self.branch_steps),
                 "warmup/branch_examples": float(self.branch_examples)}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"accumulation": self.accumulation, "steps": self.steps,
-                "pending": self.pending, "history": list(self.history),
-                "branch_steps": self.branch_steps, "branch_examples": self.branch_examples}
+        return {**super().state_dict(), "branch_steps": self.branch_steps,
+                "branch_examples": self.branch_examples}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.accumulation, self.steps = int(state["accumulation"]), int(state["steps"])
-        self.pending = bool(state["pending"])
-        self.history = [tuple(h) for h in state["history"]]  # type: ignore[misc]
+        super().load_state_dict(state)
         self.branch_steps = int(state["branch_steps"])
         self.branch_examples = int(state["branch_examples"])
 
