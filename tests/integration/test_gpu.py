@@ -52,7 +52,8 @@ def test_advise_pilots_and_times_on_cuda(capsys: pytest.CaptureFixture[str]):
                  "--lr", "0.1", "-B", "16", "--planned-epochs", "2", "--max-workers", "1",
                  "--device", "cuda", "--json"]) == 0
     advice = json.loads(capsys.readouterr().out)
-    assert advice["pilot"]["iterations"] == 50
+    pilot = advice["pilot"]  # the pilot is its fraction of the plan, as on the CPU
+    assert pilot["iterations"] == round(pilot["fraction"] * pilot["planned_iterations"]) == 25
     assert all(r["seconds_per_iteration"] > 0 for r in advice["rows"])
 
 
