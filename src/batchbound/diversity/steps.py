@@ -290,16 +290,20 @@ class _Planned:
     deterministic: dict[tuple[bool, ...], bool] = field(default_factory=dict)
 
 
-_PLANS: weakref.WeakKeyDictionary[nn.Module, _Planned] = weakref.WeakKeyDictionary()
+# One plan per model and subset: a loop that alternates watch(subset="all") and
+# watch(subset="norms") on one model keeps both, instead of re-checking the model (the probe
+# and the per-example loop) on every step.
+_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[str, _Planned]] = weakref.WeakKeyDictionary()
 
 
 def _planned(model: nn.Module, subset: str = "all") -> _Planned:
     params = monitored_parameters(model, subset)
     structure = structure_of(model, params, None, f"watch:{subset}")
-    planned = _PLANS.get(model)
+    plans = _PLANS.setdefault(model, {})
+    planned = plans.get(subset)
     if planned is None or planned.structure != structure:
         plan = plan_hooks(model, params)
-        planned = _PLANS[model] = _Planned(structure, params, plan,
+        planned = plans[subset] = _Planned(structure, params, plan,
                                            draw_fingerprint_vectors(params),
                                            batch_norm_modules(model))
     return planned
