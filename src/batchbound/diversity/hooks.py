@@ -189,6 +189,7 @@ class HooksPass:
         self.unused: set[str] = set()  # parameters no operation in the graph uses
         self.loss_uses: set[str] = set()  # parameters the loss function itself uses
         self._ids = {id(p): name for name, p in params.items()}
+        self._first = next(iter(params.values()))  # its dtype and device stand for all
         self._contributions: dict[str, int] = {}
         self._pending: defaultdict[str, list[PerExampleGrad]] = defaultdict(list)
         self._deferred: list[CallRecord] = []
@@ -511,11 +512,11 @@ class HooksPass:
             handle.remove()
         self._handles.clear()
 
-    def _dtype(self, call: CallRecord) -> torch.dtype:
-        return next(iter(self.params.values())).dtype
+    def _dtype(self, call: CallRecord | None) -> torch.dtype:
+        return self._first.dtype
 
     def _device(self, call: CallRecord) -> torch.device:
-        return next(iter(self.params.values())).device
+        return self._first.device
 
 
 def grouped_row_sq_norms(dense: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
