@@ -152,7 +152,8 @@ class ToolRow:
 
 def tool_row(case: GpuCase, device: torch.device, precision: str, repeats: int) -> ToolRow:
     torch.manual_seed(0)
-    model = case.build().to(device).eval()
+    with torch.device(device):  # parameters made and initialised on the device: no CPU init
+        model = case.build().to(device).eval()
     x, y = case.inputs(case.batch)
     x, y = x.to(device), y.to(device)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
@@ -244,7 +245,8 @@ class CallbackRow:
         return 100.0 * (self.callback_s - self.plain_s) / self.plain_s
 
 
-def callback_rows(device: torch.device, smoke: bool, runs: int) -> list[CallbackRow]:
+def callback_rows(device: torch.device, smoke: bool, runs: int,
+                  on_row: Callable[[CallbackRow], None] = lambda row: None) -> list[CallbackRow]:
     layers, width, heads, context, batch, steps = ((2, 64, 2, 32, 2, 4) if smoke
                                                    else (6, 512, 8, 256, 8, 40))
     accumulation = 4
@@ -316,6 +318,7 @@ def callback_rows(device: torch.device, smoke: bool, runs: int) -> list[Callback
             for with_callback in (False, True):
                 best[with_callback] = min(best[with_callback], run(with_callback))
         rows.append(CallbackRow(framework, name, best[False], best[True]))
+        on_row(rows[-1])
     return rows
 
 
@@ -325,26 +328,28 @@ def fmt(value: float | None, pattern: str) -> str:
     return "—" if value is None else pattern.format(value)
 
 
-def print_tables(device: str, tools: list[ToolRow], callbacks: list[CallbackRow]) -> None:
+def print_tools_header(device: str) -> None:
     print(f"device {device}, torch {torch.__version__}")
     print("| model (batch) | precision | plain fwd+bwd | `measure()` ÷ plain | `watch` per step "
           "| `watch(subset='norms')` | plain peak MiB | `watch` peak MiB "
-          "| `measure` peak ÷ plain (budget 1.5×) |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in tools:
-        print(f"| {r.case} ({r.batch}) | {r.precision} | {r.plain_ms:.1f} ms "
-              f"| {fmt(r.measure_ratio, '{:.2f}×')} | {fmt(r.watch_extra, '{:+.0f} %')} "
-              f"| {fmt(r.norms_extra, '{:+.0f} %')} | {fmt(r.plain_peak_mib, '{:.0f}')} "
-              f"| {fmt(r.watch_peak_mib, '{:.0f}')} "
-              f"| {fmt(r.measure_budget_peak_ratio, '{:.2f}')} |")
-        for tool, why in r.errors.items():
-            print(f"|  ↳ {tool}: {why} |")
-    if callbacks:
-        print("\n| callback | model | plain s/step | with callback s/step | extra |")
-        print("|---|---|---|---|---|")
-        for c in callbacks:
-            print(f"| {c.framework} | {c.model} | {c.plain_s:.4f} | {c.callback_s:.4f} "
-                  f"| {c.extra:+.1f} % |")
+          "| `measure` peak ÷ plain (budget 1.5×) | seconds |", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+
+
+def print_tool_row(r: ToolRow, seconds: float) -> None:
+    """One row, printed (and flushed) as soon as it is measured."""
+    print(f"| {r.case} ({r.batch}) | {r.precision} | {r.plain_ms:.1f} ms "
+          f"| {fmt(r.measure_ratio, '{:.2f}×')} | {fmt(r.watch_extra, '{:+.0f} %')} "
+          f"| {fmt(r.norms_extra, '{:+.0f} %')} | {fmt(r.plain_peak_mib, '{:.0f}')} "
+          f"| {fmt(r.watch_peak_mib, '{:.0f}')} "
+          f"| {fmt(r.measure_budget_peak_ratio, '{:.2f}')} | {seconds:.0f} |", flush=True)
+    for tool, why in r.errors.items():
+        print(f"|  ↳ {tool}: {why} |", flush=True)
+
+
+def print_callback_row(c: CallbackRow) -> None:
+    print(f"| {c.framework} | {c.model} | {c.plain_s:.4f} | {c.callback_s:.4f} "
+          f"| {c.extra:+.1f} % |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -371,17 +376,28 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown cases {unknown}; choose from {list(cases)}")
     repeats = 1 if args.smoke else args.repeats
     precisions = args.precisions or ("fp32,bf16" if device.type == "cuda" else "fp32")
-    tools = [tool_row(cases[k], device, p, repeats) for k in keys
-             for p in precisions.split(",")]
-    callbacks = ([] if args.no_callbacks
-                 else callback_rows(device, args.smoke, 1 if args.smoke else args.callback_runs))
+    if not args.json:
+        print_tools_header(torch.cuda.get_device_name(device) if device.type == "cuda"
+                           else "cpu")
+    tools = []
+    for k in keys:
+        for p in precisions.split(","):
+            start = time.perf_counter()
+            tools.append(tool_row(cases[k], device, p, repeats))
+            if not args.json:
+                print_tool_row(tools[-1], time.perf_counter() - start)
+    callbacks: list[CallbackRow] = []
+    if not args.no_callbacks:
+        if not args.json:
+            print("\n| callback | model | plain s/step | with callback s/step | extra |")
+            print("|---|---|---|---|---|", flush=True)
+        runs = 1 if args.smoke else args.callback_runs
+        callbacks = (callback_rows(device, args.smoke, runs) if args.json
+                     else callback_rows(device, args.smoke, runs, print_callback_row))
     if args.json:
         out: dict[str, Any] = {"device": str(device), "tools": [asdict(r) for r in tools],
                                "callbacks": [{**asdict(c), "extra": c.extra} for c in callbacks]}
         print(json.dumps(out, indent=1))
-    else:
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        print_tables(name, tools, callbacks)
     return 0
 
 

@@ -35,8 +35,8 @@ def test_small_dense_declines_large_indexed_and_single_step_forms() -> None:
     v = torch.zeros(2, 3, DEFER_NUMEL // 1024)  # n·p·q = 2·DEFER_NUMEL
     assert Outer(u, v).small_dense() is None
     assert Outer(torch.zeros(2, 1, 4), torch.zeros(2, 1, 4)).small_dense() is None
-    assert Outer(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, 4),
-                 rows=10).small_dense() is None
+    assert Outer(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, DEFER_NUMEL // 8),
+                 rows=10).small_dense() is None  # an indexed one of n·p·q > DEFER_NUMEL
     # two positions of a 64 × 64 weight: the product costs far more than the Gram form
     assert Outer(torch.zeros(2, 2, 64), torch.zeros(2, 2, 64)).small_dense() is None
 
@@ -100,3 +100,20 @@ def test_combined_norms_of_tied_uses_equal_a_float64_loop(
     ref = torch.stack([sum(f.dense()[i].reshape(-1) for f in parts).square().sum()
                        for i in range(n)])
     torch.testing.assert_close(forms.combined_sq_norms(parts, p * q), ref, rtol=1e-12, atol=0)
+
+
+def test_small_indexed_forms_are_scattered_and_equal_a_float64_loop() -> None:
+    """An embedding's ``Outer`` (one-hot u given by row indices, repeated within an example)
+    small enough is materialised by index_add (no ``unique``, which waits for the device):
+    its norms equal the unique-pair path and a float64 loop over one-hot outer products."""
+    g = torch.Generator().manual_seed(3)
+    rows, n, steps, q = 6, 4, 9, 5
+    idx = torch.randint(rows, (n, steps), generator=g)
+    v = torch.randn(n, steps, q, generator=g, dtype=torch.float64)
+    form = Outer(idx, v, rows=rows)
+    small = form.small_dense()
+    assert small is not None and small.grads.shape == (n, rows, q)
+    one_hot = torch.nn.functional.one_hot(idx, rows).to(torch.float64)
+    ref = _loop_sq_norms(one_hot, v)
+    torch.testing.assert_close(small.sq_norms(), ref, rtol=1e-12, atol=0)
+    torch.testing.assert_close(form.sq_norms(), ref, rtol=1e-12, atol=0)

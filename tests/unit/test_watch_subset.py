@@ -51,3 +51,47 @@ def test_a_model_without_norm_layers_is_refused() -> None:
         monitored_parameters(model, "norms")
     with pytest.raises(BatchboundError, match="unknown parameter subset"):
         monitored_parameters(model, "layers")
+
+
+def test_alternating_subsets_check_the_model_once_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    """watch(subset="all") and watch(subset="norms") on one model keep a plan each: the probe
+    (two batch sizes and the per-example loop) runs once per subset, not on every switch, and
+    both monitors stay exact."""
+    from batchbound.diversity import steps
+
+    probes = []
+    real = steps.probe_layout
+    monkeypatch.setattr(steps, "probe_layout", lambda *a, **k: probes.append(1) or real(*a, **k))
+    model = model_with_norms()
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(6, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,),
+                                                                              generator=g)
+    exact = per_example_stats(copy.deepcopy(model), x, y, "cross_entropy")
+    monitors = {"all": OnlineDiversity(decay=0.0), "norms": OnlineDiversity(decay=0.0)}
+    for subset in ["all", "norms"] * 3:
+        model.zero_grad(set_to_none=True)
+        with watch(model, monitors[subset], reduction="sum", subset=subset):
+            nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    assert len(probes) == 2
+    assert monitors["all"].m2 == pytest.approx(exact.S / 6, rel=1e-10)
+    names = list(monitored_parameters(model, "norms"))
+    S = sum(float(exact.sq_norms[k].sum()) for k in names)
+    assert monitors["norms"].m2 == pytest.approx(S / 6, rel=1e-10)
+
+
+def test_rules_read_the_forwards_own_tensors_without_building_graphs() -> None:
+    """The recorded call arguments are the forward's own tensors (not detached copies): the
+    rules run under no_grad, so a backward with create_graph (which runs hooks with grad
+    enabled) still gives exact norms, and nothing the monitor keeps carries a graph."""
+    model = model_with_norms()
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(7, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (7,),
+                                                                              generator=g)
+    exact = per_example_stats(copy.deepcopy(model), x, y, "cross_entropy")
+    monitor = OnlineDiversity(decay=0.0)
+    with watch(model, monitor, reduction="sum"):
+        nn.functional.cross_entropy(model(x), y, reduction="sum").backward(create_graph=True)
+    assert all(not row.requires_grad for row, _ in monitor._deferred)
+    assert monitor.m2 == pytest.approx(exact.S / 7, rel=1e-10)
+    assert monitor.cross == pytest.approx((exact.T - exact.S) / (7 * 6), rel=1e-8)
+    model.zero_grad(set_to_none=True)  # the create_graph .grad fields hold a graph

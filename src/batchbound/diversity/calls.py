@@ -2,9 +2,9 @@
 
 A forward hook with keyword arguments sees every call, however its arguments were passed
 (``self.conv(x)`` and ``self.conv(input=x)`` alike): they are bound to the names of the
-module's ``forward`` signature. For each call the record keeps the tensor arguments
-(detached, for the rule), the autograd nodes they came from (where the call's own operations
-stop, see ``graph.region``), and the node and shape of each tensor output.
+module's ``forward`` signature. For each call the record keeps the tensor arguments (for
+the rule, which runs under no_grad), the autograd nodes they came from (where the call's own
+operations stop, see ``graph.region``), and the node and shape of each tensor output.
 
 Calls are recorded only inside ``recording()``, the model's own forward: forward passes that
 activation checkpointing reruns during the backward pass are not new calls.
@@ -192,7 +192,10 @@ class CallRecorder:
             index = self._counts[prefix]
             self._counts[prefix] += 1
             arguments = bind(module, args, kwargs)
-            inputs = {k: detached(v) for k, v in arguments.items()}
+            # The arguments themselves, not detached copies (one operation per tensor per
+            # call, every step): the rules run under no_grad (hooks.HooksPass), and a rule
+            # that enables grad itself detaches what it reads.
+            inputs = dict(arguments)
             nodes = {
                 leaf.grad_fn
                 for value in arguments.values()

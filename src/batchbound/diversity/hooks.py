@@ -54,6 +54,7 @@ from batchbound.diversity.losses import PerExampleLoss, check_losses
 from batchbound.diversity.precision import lowest
 from batchbound.diversity.rows import RowTracker
 from batchbound.diversity.rules import (
+    DEFER_NUMEL,
     Call,
     Dense,
     Outer,
@@ -62,6 +63,7 @@ from batchbound.diversity.rules import (
     combined_sq_norms,
     project,
     rule_for,
+    sum_dense,
 )
 from batchbound.diversity.stats import (
     LOW_PRECISION,
@@ -187,6 +189,7 @@ class HooksPass:
         self.unused: set[str] = set()  # parameters no operation in the graph uses
         self.loss_uses: set[str] = set()  # parameters the loss function itself uses
         self._ids = {id(p): name for name, p in params.items()}
+        self._first = next(iter(params.values()))  # its dtype and device stand for all
         self._contributions: dict[str, int] = {}
         self._pending: defaultdict[str, list[PerExampleGrad]] = defaultdict(list)
         self._deferred: list[CallRecord] = []
@@ -260,12 +263,19 @@ class HooksPass:
         """After the backward pass: deferred calls, cross terms, and zeros for parameters
         that took no part in this pass."""
         self._remove_hooks()
+        with torch.no_grad():  # the recorded inputs are the forward's own (not detached)
+            self._finish()
+
+    def _finish(self) -> None:
         for call in self._deferred:
             self._run(call)
         self._deferred.clear()
         for name, forms in self._pending.items():
             numel = self.params[name].numel()
-            self.sq_norms[name] = combined_sq_norms(forms, numel)
+            if len(forms) > 1 and forms[0].n * numel <= DEFER_NUMEL:  # small: summed, and
+                self._defer(name, sum_dense(forms))  # normed with the others
+            else:
+                self.sq_norms[name] = combined_sq_norms(forms, numel)
             for form in forms:
                 self._fingerprint(name, form)
             if not all(f.batch_sum_exact for f in forms):
@@ -364,7 +374,13 @@ class HooksPass:
         self._handles.append(broadcast.adjacent.register_prehook(on_operand))
 
     def _run(self, call: CallRecord) -> None:
-        """The rule on one call's inputs and output gradients."""
+        """The rule on one call's inputs and output gradients, under no_grad: the recorded
+        inputs are the forward's own tensors, and a backward with create_graph runs its
+        hooks with grad enabled."""
+        with torch.no_grad():
+            self._run_rule(call)
+
+    def _run_rule(self, call: CallRecord) -> None:
         assert self.layout is not None
         entry, layout = call.entry, self.layout[call.key]
         inputs = dict(call.inputs)
@@ -380,7 +396,7 @@ class HooksPass:
             nodes = []
             x = inputs[main]
             if layout.axis is None:
-                inputs[main] = x.unsqueeze(0).expand(self.n, *x.shape)
+                inputs[main] = x.expand(self.n, *x.shape)  # a new leading axis
                 grads = [self._per_example(self._broadcasts[call.key], layout, call)]
             elif layout.axis:
                 inputs[main] = x.movedim(layout.axis, 0)
@@ -457,8 +473,12 @@ class HooksPass:
         if operand[axis] != 1:
             raise BatchboundError(f"{call.label}: its output is not broadcast over the examples")
         operand[axis] = n
-        per = grad.sum_to_size(operand).movedim(axis, 0) * broadcast_factor(b.edge)
-        return per.reshape(n, *call.outputs[0].shape)
+        per = grad.sum_to_size(operand)
+        per = per.movedim(axis, 0) if axis else per
+        factor = broadcast_factor(b.edge)
+        per = per * factor if factor != 1.0 else per
+        shape = (n, *call.outputs[0].shape)
+        return per if per.shape == shape else per.reshape(shape)
 
     def _fingerprint(self, name: str, form: PerExampleGrad) -> None:
         if name in self.fingerprint_vectors:
@@ -492,11 +512,11 @@ class HooksPass:
             handle.remove()
         self._handles.clear()
 
-    def _dtype(self, call: CallRecord) -> torch.dtype:
-        return next(iter(self.params.values())).dtype
+    def _dtype(self, call: CallRecord | None) -> torch.dtype:
+        return self._first.dtype
 
     def _device(self, call: CallRecord) -> torch.device:
-        return next(iter(self.params.values())).device
+        return self._first.device
 
 
 def grouped_row_sq_norms(dense: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
@@ -511,9 +531,12 @@ def grouped_row_sq_norms(dense: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
     norms: defaultdict[tuple, list[Tensor]] = defaultdict(list)  # (m, n) per group
     out: dict[str, Tensor] = {}
     for (shape, dtype, device), members in groups.items():
-        if len(members) == 1:
+        if len(members) == 1:  # its row norms join the others' square and split
             name, t = members[0]
-            out[name] = Dense(t).sq_norms()
+            rows = t.unsqueeze(0) if len(shape) == 1 else torch.linalg.vector_norm(
+                t, dim=tuple(range(1, t.dim()))).unsqueeze(0)
+            names[(dtype, device)].append(name)
+            norms[(dtype, device)].append(rows)
             continue
         stacked = torch.stack([t for _, t in members])
         # (n,) tensors: each row is one number, squared below as it is

@@ -159,13 +159,18 @@ class OnlineDiversity:
         b = batch_size
         self._update(S_B / b, (T_B - S_B) / (b * (b - 1)))
 
-    def defer_from_norms(self, S_B: Tensor, T_B: Tensor, batch_size: int) -> None:
-        """``update_from_norms`` with S_B and T_B as 0-dim tensors on the device: kept there
-        and folded in, in order, when any estimate (or ``steps``) is next read, so a training
-        step never waits for the device. Past ``MAX_DEFERRED`` steps they are folded."""
+    def defer_from_norms(self, S_B: Tensor, T_B: Tensor, batch_size: int, *,
+                         scale: float = 1.0) -> None:
+        """``update_from_norms`` with S_B and T_B (both times ``scale``) as 0-dim tensors on
+        the device: kept there and folded in, in order, when any estimate (or ``steps``) is
+        next read, so a training step never waits for the device. Past ``MAX_DEFERRED``
+        steps they are folded."""
         if batch_size < 2:
             raise BatchboundError(f"per-example estimates need a batch of ≥ 2, got {batch_size}")
-        row = torch.stack([S_B.reshape(()), T_B.reshape(())]).to(torch.float64)
+        f64 = torch.float64
+        row = torch.stack([t if t.dim() == 0 else t.reshape(()) for t in (S_B, T_B)])
+        row = row if row.dtype == f64 else row.to(f64)
+        row = row * scale if scale != 1.0 else row
         self._deferred.append((row, batch_size))
         if len(self._deferred) >= MAX_DEFERRED:
             self.fold()

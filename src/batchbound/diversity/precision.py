@@ -26,8 +26,12 @@ _RANK = {torch.float16: 0, torch.bfloat16: 0, torch.float32: 1, torch.float64: 2
 
 def lowest(*dtypes: torch.dtype | None) -> torch.dtype:
     """The least precise of the floating ``dtypes`` (None entries ignored; float32 if none)."""
-    found = [d for d in dtypes if d in _RANK]
-    return min(found, key=lambda d: _RANK[d]) if found else torch.float32
+    best, rank = torch.float32, 3  # one pass, no list: called per tensor of every call
+    for d in dtypes:
+        r = _RANK.get(d, 3)  # type: ignore[arg-type]
+        if r < rank:
+            best, rank = d, r
+    return best  # type: ignore[return-value]
 
 
 def autocast_dtypes() -> list[torch.dtype]:

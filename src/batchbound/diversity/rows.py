@@ -131,8 +131,19 @@ class RowTracker(TorchDispatchMode):
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if isinstance(out, Tensor) and out.dtype in LOW_PRECISION:
-            self.lowest = out.dtype
+        if isinstance(out, Tensor):
+            if out.dtype in LOW_PRECISION:
+                self.lowest = out.dtype
+            kind = _KINDS.get(func) or _kind(func)
+            if not (kind[0] or kind[2] or self.positions or self.marked
+                    or out.dtype in _INDEX_DTYPES):
+                # The common case, decided without collecting the inputs: an activation
+                # from an activation (one top-level input not known clean makes the output
+                # not clean either; nothing is marked, chosen or drawn).
+                clean = self.clean
+                for arg in args:
+                    if isinstance(arg, Tensor) and id(arg) not in clean:
+                        return out
         inputs = _tensors(kwargs.values(), _tensors(args, [])) if kwargs else _tensors(args, [])
         dynamic, pointwise, random = _KINDS.get(func) or _kind(func)
         clean = not random and all(id(t) in self.clean for t in inputs)

@@ -183,7 +183,7 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     scale = float(b) if reduction == "mean" else 1.0
     S_B, T_B = batch_sums(sq_norms, [run.totals.get(k, delta[k]) for k in params])
     _state_precision(monitor, planned, precision)
-    monitor.defer_from_norms(scale**2 * S_B, scale**2 * T_B, b)  # no host sync in the step
+    monitor.defer_from_norms(S_B, T_B, b, scale=scale**2)  # no host sync in the step
 
 
 def batch_sums(sq_norms: dict[str, Tensor], sums: list[Tensor]) -> tuple[Tensor, Tensor]:
@@ -194,8 +194,8 @@ def batch_sums(sq_norms: dict[str, Tensor], sums: list[Tensor]) -> tuple[Tensor,
     norms = list(sq_norms.values())
     S_B = (torch.cat(norms).sum(dtype=f64) if len({t.dtype for t in norms}) == 1
            else torch.stack([t.sum(dtype=f64) for t in norms]).sum())
-    T_B = torch.stack(torch._foreach_norm(sums, 2, dtype=f64)).square().sum()
-    return S_B, T_B
+    norms_of_sums = torch.stack(torch._foreach_norm(sums, 2, dtype=f64))
+    return S_B, torch.dot(norms_of_sums, norms_of_sums)
 
 
 def _grad_copies(params: dict[str, nn.Parameter]) -> dict[str, Tensor | None]:
@@ -290,16 +290,20 @@ class _Planned:
     deterministic: dict[tuple[bool, ...], bool] = field(default_factory=dict)
 
 
-_PLANS: weakref.WeakKeyDictionary[nn.Module, _Planned] = weakref.WeakKeyDictionary()
+# One plan per model and subset: a loop that alternates watch(subset="all") and
+# watch(subset="norms") on one model keeps both, instead of re-checking the model (the probe
+# and the per-example loop) on every step.
+_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[str, _Planned]] = weakref.WeakKeyDictionary()
 
 
 def _planned(model: nn.Module, subset: str = "all") -> _Planned:
     params = monitored_parameters(model, subset)
     structure = structure_of(model, params, None, f"watch:{subset}")
-    planned = _PLANS.get(model)
+    plans = _PLANS.setdefault(model, {})
+    planned = plans.get(subset)
     if planned is None or planned.structure != structure:
         plan = plan_hooks(model, params)
-        planned = _PLANS[model] = _Planned(structure, params, plan,
+        planned = plans[subset] = _Planned(structure, params, plan,
                                            draw_fingerprint_vectors(params),
                                            batch_norm_modules(model))
     return planned

@@ -7,6 +7,7 @@ module and one line here. ``forms.py`` holds the forms a rule returns its gradie
 
 from batchbound.diversity.rules import attention, conv, embedding, linear, norm, recurrent
 from batchbound.diversity.rules.forms import (
+    DEFER_NUMEL,
     Dense,
     Lazy,
     Outer,
@@ -14,6 +15,7 @@ from batchbound.diversity.rules.forms import (
     combined_sq_norms,
     inner,
     project,
+    sum_dense,
 )
 from batchbound.diversity.rules.registry import (
     RULES,
@@ -25,6 +27,7 @@ from batchbound.diversity.rules.registry import (
 )
 
 __all__ = [
+    "DEFER_NUMEL",
     "RULES",
     "Call",
     "Dense",
@@ -44,4 +47,5 @@ __all__ = [
     "recurrent",
     "register_rule",
     "rule_for",
+    "sum_dense",
 ]

@@ -93,7 +93,8 @@ def attention_rule(call: Call) -> dict[str, PerExampleGrad]:
     parts: dict[str, list[Tensor]] = {k: [] for k in params}
     for start in range(0, n, step):
         length = min(n, start + step) - start
-        args = [call.inputs[name].narrow(axis, start, length) for name in ("query", "key", "value")]
+        args = [call.inputs[name].detach().narrow(axis, start, length)  # vjp with grad on
+                for name in ("query", "key", "value")]
         args += [padding.narrow(0, start, length) if padding is not None else None,
                  per_mask.narrow(0, start, length) if per_mask is not None else None]
         args += [g.narrow(d, start, length) for g, d in zip(cotangents, dims[5:], strict=True)]

@@ -23,8 +23,9 @@ def embedding_rule(call: Call) -> dict[str, PerExampleGrad]:
     if not trainable(layer, "weight"):
         return {}
     n, dim = idx.shape[0], b.shape[-1]
-    idx = idx.reshape(n, -1).long()
-    b = b.reshape(n, -1, dim)
+    idx = idx if idx.dim() == 2 else idx.reshape(n, -1)
+    idx = idx if idx.dtype == torch.int64 else idx.long()
+    b = b if b.dim() == 3 else b.reshape(n, -1, dim)
     if layer.padding_idx is not None:
         b = b * (idx != layer.padding_idx).unsqueeze(-1).to(b.dtype)
     if layer.scale_grad_by_freq:

@@ -21,6 +21,7 @@ example i alone has its own counts); the engine then takes ``total()`` for Σ_i 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -35,6 +36,17 @@ DEFER_NUMEL = 2**20
 # than normed by its Gram form (6): small steps are bound by operations, not flops, so it
 # may cost up to this factor more flops than the Gram form.
 SMALL_FLOPS_FACTOR = 2
+
+
+@functools.lru_cache(maxsize=32)
+def _offsets(n: int, p: int, device: torch.device) -> Tensor:
+    """(n, 1): p·example, the same tensor for every call of these sizes (never written)."""
+    return torch.arange(0, n * p, p, device=device).unsqueeze(1)
+
+
+def _long(t: Tensor) -> Tensor:
+    """Integer indices as int64 (no operation when they are already)."""
+    return t if t.dtype == torch.int64 else t.long()
 
 
 def _row_sq(t: Tensor) -> Tensor:
@@ -59,6 +71,10 @@ class PerExampleGrad:
     def dense(self) -> Tensor:
         """The gradients, (n, ...) with the parameter's number of entries per example."""
         raise NotImplementedError
+
+    def flat_dense(self) -> Tensor:
+        """The gradients as (n, numel)."""
+        return self.dense().reshape(self.n, -1)
 
     def total(self) -> Tensor:
         """Σ_i g_i, flattened."""
@@ -153,17 +169,17 @@ class Outer(PerExampleGrad):
 
     def _keys(self) -> Tensor:
         """Row index + p·example, flattened: one key per (example, row) pair."""
-        n, steps = self.u.shape
-        example = torch.arange(n, device=self.u.device).unsqueeze(1).expand(n, steps)
-        return (example * self.p + self.u.long()).reshape(-1)
+        return (_long(self.u) + _offsets(self.u.shape[0], self.p, self.u.device)).reshape(-1)
 
     def small_dense(self) -> Dense | None:
         """The materialised gradients, (n, p, q), when they are small enough to be normed
         with others of their shape (``DEFER_NUMEL``) and the product is not much more work
         than the Gram form (``SMALL_FLOPS_FACTOR``); else None."""
-        if self._sq is not None or self.indexed or self.steps == 1:
+        if self._sq is not None or self.steps == 1:
             return None
         steps, p, q = self.steps, self.p, self.q
+        if self.indexed:  # scattered by index_add (no unique, which waits for the device)
+            return Dense(self.dense()) if self.n * p * q <= DEFER_NUMEL else None
         if self.n * p * q > DEFER_NUMEL or p * q > SMALL_FLOPS_FACTOR * steps * (p + q + 1):
             return None
         return Dense(self.u.transpose(1, 2) @ self.v)
@@ -188,16 +204,21 @@ class Outer(PerExampleGrad):
 
     def dense(self) -> Tensor:
         if self.indexed:
+            return self.flat_dense().view(self.n, self.p, self.q)
+        return self.u.transpose(1, 2) @ self.v
+
+    def flat_dense(self) -> Tensor:
+        if self.indexed:  # scattered straight into (n, p·q)
             out = self.v.new_zeros(self.n * self.p, self.q)
             out.index_add_(0, self._keys(), self.v.reshape(-1, self.q))
-            return out.view(self.n, self.p, self.q)
-        return self.u.transpose(1, 2) @ self.v
+            return out.view(self.n, -1)
+        return super().flat_dense()
 
     def total(self) -> Tensor:
         v = self.v.reshape(-1, self.q)
         if self.indexed:
             out = v.new_zeros(self.p, self.q)
-            return out.index_add_(0, self.u.reshape(-1).long(), v).reshape(-1)
+            return out.index_add_(0, _long(self.u).reshape(-1), v).reshape(-1)
         return (self.u.reshape(-1, self.p).transpose(0, 1) @ v).reshape(-1)
 
 
@@ -209,7 +230,7 @@ def _gram_u(a: Outer, b: Outer) -> Tensor:
         return _gram_u(b, a).transpose(1, 2)
     if b.indexed:  # u'_s is one-hot at row b.u[s]: pick that column of u_t
         n, t_a, t_b = a.n, a.steps, b.steps
-        return a.u.gather(2, b.u.long().unsqueeze(1).expand(n, t_a, t_b))
+        return a.u.gather(2, _long(b.u).unsqueeze(1).expand(n, t_a, t_b))
     return a.u @ b.u.transpose(1, 2)
 
 
@@ -227,7 +248,7 @@ def _dense_outer_inner(d: Tensor, o: Outer) -> Tensor:
     """⟨D_i, Σ_t u_t v_tᵀ⟩ = Σ_t u_tᵀ D_i v_t for a materialised D (n, p·q)."""
     d = d.reshape(o.n, o.p, o.q)
     if o.indexed:
-        picked = d.gather(1, o.u.long().unsqueeze(2).expand(o.n, o.steps, o.q))
+        picked = d.gather(1, _long(o.u).unsqueeze(2).expand(o.n, o.steps, o.q))
         return (picked * o.v).sum(dim=(1, 2))
     return torch.einsum("ntp,npq,ntq->n", o.u, d, o.v)
 
@@ -263,10 +284,18 @@ def project(form: PerExampleGrad, a: Tensor, b: Tensor) -> Tensor:
     """⟨Σ_i g_i, a bᵀ⟩ for the parameter viewed as a (len(a) × len(b)) matrix: a cheap
     fingerprint of the gradient sum, compared with autograd's to catch unseen uses."""
     if isinstance(form, Outer):
-        left = a[form.u.long()] if form.indexed else form.u @ a
+        left = a[_long(form.u)] if form.indexed else form.u @ a
         return (left * (form.v @ b)).sum()
     total = form.total().reshape(a.shape[0], b.shape[0])
     return a @ total @ b
+
+
+def sum_dense(forms: list[PerExampleGrad]) -> Tensor:
+    """Σ_c g_i^(c) materialised, (n, numel): for small parameters used by several calls."""
+    summed = forms[0].flat_dense()
+    for form in forms[1:]:
+        summed = summed + form.flat_dense()
+    return summed
 
 
 def combined_sq_norms(forms: list[PerExampleGrad], numel: int) -> Tensor:
@@ -274,11 +303,7 @@ def combined_sq_norms(forms: list[PerExampleGrad], numel: int) -> Tensor:
     ``DEFER_NUMEL``) summed materialised and normed once (fewer operations than the cross
     terms), others by their norms and inner products, nothing large materialised."""
     if len(forms) > 1 and forms[0].n * numel <= DEFER_NUMEL:
-        n = forms[0].n
-        summed = forms[0].dense().reshape(n, -1)
-        for form in forms[1:]:
-            summed = summed + form.dense().reshape(n, -1)
-        return _row_sq(summed)
+        return _row_sq(sum_dense(forms))
     total = forms[0].sq_norms()
     for i, a in enumerate(forms):
         if i:

@@ -60,8 +60,8 @@ def _initial(call: Call, n: int, dtype: torch.dtype, device: torch.device) -> tu
     out_size = m.proj_size or m.hidden_size
     hx = call.inputs.get("hx")
     if isinstance(hx, (tuple, list)):
-        return hx[0], hx[1]
-    h0 = hx if isinstance(hx, Tensor) else torch.zeros(rows, n, out_size, dtype=dtype,
+        return hx[0].detach(), hx[1].detach()
+    h0 = hx.detach() if isinstance(hx, Tensor) else torch.zeros(rows, n, out_size, dtype=dtype,
                                                        device=device)
     return h0, torch.zeros(rows, n, m.hidden_size, dtype=dtype, device=device)
 
@@ -146,7 +146,8 @@ def _rerun(call: Call, x: Tensor) -> tuple[list[_Direction], list[Tensor]]:
                unsupported=_unsupported)
 def recurrent_rule(call: Call) -> dict[str, PerExampleGrad]:
     m = call.module
-    x = call.input if m.batch_first else call.input.transpose(0, 1)
+    x = call.input.detach()  # rerun from it with grad enabled: not into the model's graph
+    x = x if m.batch_first else x.transpose(0, 1)
     grads = [g if m.batch_first or k else g.transpose(0, 1) for k, g in enumerate(call.grads)]
     with torch.enable_grad():
         runs, outputs = _rerun(call, x)

@@ -3,7 +3,9 @@
 A rule has one signature, ``rule(call) -> {param_name: PerExampleGrad}``:
 
 - ``call.inputs`` holds the module's forward arguments by name, however they were passed
-  (positionally or as keywords), tensors detached; ``call.input`` is the main one;
+  (positionally or as keywords), the forward's own tensors (not detached: the rule runs
+  under no_grad, and one that enables grad detaches what it reads); ``call.input`` is the
+  main one;
 - ``call.grads`` holds ∂(Σ_i f_i)/∂output for each tensor output, in output order (None for
   an output the loss does not use); row i of each is ∂f_i/∂output_i because the loss is an
   explicit sum of per-example losses and the layer keeps examples apart;
