@@ -53,7 +53,7 @@ def test_advise_pilots_and_times_on_cuda(capsys: pytest.CaptureFixture[str]):
                  "--device", "cuda", "--json"]) == 0
     advice = json.loads(capsys.readouterr().out)
     pilot = advice["pilot"]  # the pilot is its fraction of the plan, as on the CPU
-    assert pilot["iterations"] == round(pilot["fraction"] * pilot["planned_iterations"]) == 25
+    assert pilot["iterations"] == round(pilot["fraction"] * pilot["planned_iterations"])
     assert all(r["seconds_per_iteration"] > 0 for r in advice["rows"])
 
 
