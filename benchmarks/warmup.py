@@ -34,10 +34,10 @@ CASES: dict[str, dict[str, Any]] = {
     "mnist5k-fc": dict(dataset="mnist5k", model="fc(depth=2,params=20000)", b0=16, lr=0.1,
                        epochs=4, every=10),
     "fortunes-gpt": dict(dataset="fortunes", model="gpt(depth=2,width=64,heads=4)", b0=16,
-                         lr=0.003, epochs=3, every=5),
+                         lr=0.003, epochs=3, every=25),
     # the jobs people run: AdamW (benchmarks/advise.py's case)
     "fortunes-gpt-adamw": dict(dataset="fortunes", model="gpt(depth=2,width=64,heads=4)",
-                               b0=16, lr=0.003, epochs=3, every=5,
+                               b0=16, lr=0.003, epochs=3, every=25,
                                options=dict(optimizer="adamw", betas=(0.9, 0.95),
                                             weight_decay=0.1)),
 }
@@ -59,8 +59,10 @@ def to_loss(config: TrainConfig, loss: float, every: int, limit: int) -> dict[st
     # the branch trigger's cost: the run stops at the target, so its branches are all before
     steps += run.final.get("policy_branch_steps", 0)
     examples += run.final.get("policy_branch_examples", 0)
+    changes = [(int(i), int(v)) for i, _, _, v in run.curve("batch_size")]
     return {"steps": steps, "examples": examples,
-            "seconds": hit.seconds if hit.reached else math.inf, "batches": sizes}
+            "seconds": hit.seconds if hit.reached else math.inf, "batches": sizes,
+            "changes": changes}
 
 
 def _examples(changes: list[tuple[int, float, float, float]], steps: float) -> float:
@@ -74,28 +76,36 @@ def _examples(changes: list[tuple[int, float, float, float]], steps: float) -> f
     return total + (steps - last_it) * last_b
 
 
-def run_case(name: str, seeds: int) -> dict[str, Any]:
+def run_case(name: str, seeds: list[int], fixed: list[int]) -> dict[str, Any]:
+    """Fixed B0's run over the budget gives L and, read on its own curve (evaluated every
+    few steps, as the others are), the steps and examples it took to first reach L; then
+    each contender trains to L."""
     case = CASES[name]
     b0 = case["b0"]
-    contenders = {f"fixed B={b0 * k}": (b0 * k, "fixed") for k in (1, 2, 4, 8)}
+    contenders = {f"fixed B={b0 * k}": (b0 * k, "fixed") for k in fixed if k > 1}
     contenders.update({label: (b0, policy) for label, policy in WARMUPS.items()})
-    results: dict[str, list[dict[str, Any]]] = {c: [] for c in contenders}
-    for seed in range(seeds):
+    results: dict[str, list[dict[str, Any]]] = {f"fixed B={b0}": []}
+    results.update({c: [] for c in contenders})
+    for seed in seeds:
         base = TrainConfig(dataset=case["dataset"], model=case["model"], batch_size=b0,
                            lr=case["lr"], seed=seed, **case.get("options", {}))
         budget = math.ceil(case["epochs"] * _n(base) / b0)
         ref = train(base.replace(max_epochs=None, max_iterations=budget,
-                                 eval_every_epochs=None, eval_every_iterations=budget),
+                                 eval_every_epochs=None, eval_every_iterations=case["every"]),
                     progress=False)
         loss = ref.final["train_loss"]
-        log(f"{name} seed {seed}: fixed B0 over {budget} steps ends at train_loss {loss:.5g}")
+        first = next((i, s) for i, _, s, v in ref.curve("train_loss") if v <= loss)
+        results[f"fixed B={b0}"].append({"steps": first[0], "examples": first[0] * b0,
+                                         "seconds": first[1], "batches": [b0]})
+        log(f"{name} seed {seed}: fixed B0 over {budget} steps ends at train_loss {loss:.5g}, "
+            f"first reached at step {first[0]}")
         for label, (batch, policy) in contenders.items():
             lr = case["lr"] * math.sqrt(batch / b0)
             out = to_loss(base.replace(batch_size=batch, lr=lr, batch_policy=policy), loss,
                           case["every"], 6 * budget)
             results[label].append(out)
             log(f"  {label}: {out['steps']} steps, {out['examples']:.0f} examples, "
-                f"{out['seconds']:.3g} s; batches {sorted(set(out['batches']))}")
+                f"{out['seconds']:.3g} s; batches {out['changes']}")
     return {"case": name, "results": results}
 
 
@@ -134,12 +144,19 @@ def report(case: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--fixed", type=int, nargs="*", default=[],
+                        help="also fixed batches k·B0 for these k (rate η0·√k)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--warmup", nargs="*", metavar="LABEL=SPEC",
+                        help="other warmups to compare, in place of the two defaults")
     args = parser.parse_args()
+    if args.warmup:
+        WARMUPS.clear()
+        WARMUPS.update(dict(w.split("=", 1) for w in args.warmup))
     kernels.use()
     start = time.perf_counter()
-    reports = [report(run_case(name, args.seeds)) for name in args.cases]
+    reports = [report(run_case(name, args.seeds, args.fixed)) for name in args.cases]
     if args.json:
         print(json.dumps(reports, indent=1))
         return
@@ -160,7 +177,7 @@ def main() -> None:
               f"{q['examples_vs_b0'][0]:.2f} ({q['examples_vs_b0'][1]:.2f}–"
               f"{q['examples_vs_b0'][2]:.2f}; goal ≤ 1.15); seconds against the best fixed "
               f"({r['best_fixed']}) {q['seconds_vs_best'][0]:.2f} ({q['seconds_vs_best'][1]:.2f}"
-              f"–{q['seconds_vs_best'][2]:.2f}; goal ≤ 1.10); {args.seeds} seeds")
+              f"–{q['seconds_vs_best'][2]:.2f}; goal ≤ 1.10); n = {len(args.seeds)} seeds")
     print(f"{(time.perf_counter() - start) / 60:.0f} min")
 
 
