@@ -124,6 +124,11 @@ def test_a_real_run_doubles_with_its_rate_and_counts_the_branches():
             while due <= seen:
                 due *= 2
     assert tests == expected and len(tests) >= 2
+    # every test records its growth, the one the batch sizes show
+    growths = {int(i): int(v) for i, _, _, v in result.curve("warmup_growth")}
+    assert set(growths) == set(tests)
+    for i, b in changes[1:]:
+        assert growths[i] == b // max(v for j, v in changes if j < i)
     steps = examples = 0
     for it in tests:
         b = max(v for i, v in changes if i < it)

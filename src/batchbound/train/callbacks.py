@@ -217,9 +217,12 @@ class BatchPolicyCallback(Callback):
             flag = torch.tensor([float(factor)], device=trainer.ctx.device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
             factor = int(flag.item())
+        # every test: its growth (1 where B's branch did not fall by its trend: no point)
+        trainer.record("warmup_growth", factor)
         if point is not None:
             trainer.record("warmup_critical_batch", point.critical_batch)
             trainer.record("warmup_critical_batch_low", point.low)
+            trainer.record("warmup_branch_spread", point.spread)  # σ of r, floored
         if factor > 1:
             start = trainer.config.batch_size
             trainer.lr_factor *= rule.scale(factor * old / start) / rule.scale(old / start)
