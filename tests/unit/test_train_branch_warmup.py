@@ -76,9 +76,10 @@ def test_no_progress_at_b0_never_doubles():
 
 def test_the_branch_trigger_is_the_default_and_the_noise_trigger_an_option():
     policy = parse_batch_policy("warmup")
-    assert (policy.trigger, policy.every, policy.lr) == ("branch", 200, "auto")
-    assert policy.branch_rule("adamw") == "srsr" and policy.branch_rule("sgd") == "lsr"
-    assert parse_batch_policy("warmup(lr=blr)").branch_rule("adamw") == "blr"
+    assert (policy.trigger, policy.every, policy.lr) == ("branch", 100, "auto")
+    assert policy.branch_rule() == "srsr"  # for every optimiser (train/adaptive.py says why)
+    assert parse_batch_policy("warmup(lr=blr)").branch_rule() == "blr"
+    assert parse_batch_policy("warmup(cadence=doubling)") == policy
     noise = parse_batch_policy("warmup(trigger=noise)")
     assert (noise.trigger, noise.every, noise.lr) == ("noise", 50, "noise")
     # fraction and lr=noise are the noise trigger's: specs naming them keep their meaning
@@ -86,7 +87,9 @@ def test_the_branch_trigger_is_the_default_and_the_noise_trigger_an_option():
     assert parse_batch_policy("warmup(lr=noise)").trigger == "noise"
     for spec, words in (("warmup(trigger=branch,fraction=0.5)", "noise trigger's option"),
                         ("warmup(trigger=branch,lr=noise)", "belongs to trigger=noise"),
-                        ("warmup(trigger=noise,steps=4)", "branch trigger's options"),
+                        ("warmup(trigger=noise,steps=4)", "branch trigger's"),
+                        ("warmup(trigger=noise,cadence=doubling)", "branch trigger's"),
+                        ("warmup(cadence=fixed)", "cadence must be doubling"),
                         ("warmup(trigger=sometimes)", "unknown trigger"),
                         ("warmup(steps=0)", "steps must be >= 1"),
                         ("warmup(z=0)", "z must be > 0")):
@@ -94,10 +97,11 @@ def test_the_branch_trigger_is_the_default_and_the_noise_trigger_an_option():
             parse_batch_policy(spec)
 
 
-# mnist5k's fc at B0 = 4 and a small rate: the critical batch is well above 2B at first
+# mnist5k's fc at B0 = 4 and a small rate, far below its stable limit, so lsr (named: auto is
+# srsr) can raise it: the critical batch is well above 2B at first
 WARM = dict(dataset="mnist5k", model="fc(depth=2,params=20000)", batch_size=4, lr=0.01,
             max_epochs=None, max_iterations=150, eval_every_epochs=None,
-            eval_every_iterations=150, batch_policy="warmup(every=50,steps=4)")
+            eval_every_iterations=150, batch_policy="warmup(every=50,steps=4,lr=lsr)")
 
 
 @pytest.mark.slow
@@ -105,20 +109,32 @@ def test_a_real_run_doubles_with_its_rate_and_counts_the_branches():
     result = Trainer(TrainConfig(**WARM), DistContext()).run()
     sizes = [int(v) for _, _, _, v in result.curve("batch_size")]
     assert sizes[0] == 4 and sizes[-1] > 4
-    assert all(b == 2 * a for a, b in itertools.pairwise(sizes))  # doublings only, never down
+    assert all(b in (2 * a, 4 * a) for a, b in itertools.pairwise(sizes))  # never down
     rates = [v for _, _, _, v in result.curve("lr")]
-    assert rates[-1] == pytest.approx(0.01 * sizes[-1] / 4)  # lsr for SGD
-    # each test that made progress ran B (E/B steps), 2B, 4B and B again, E = 4 steps × 4B
-    batch_at = {i: v for i, _, _, v in result.curve("batch_size")}
-    tests = [i for i, _, _, _ in result.curve("warmup_critical_batch")]
-    assert tests == [50, 100, 150]
+    assert rates[-1] == pytest.approx(0.01 * sizes[-1] / 4)  # lsr, as asked
+    # tests at 50·B0 = 200 examples and then at the first 200·2^j beyond the last; each
+    # test that made progress ran B (E/B steps), 2B and 4B, E = 4 steps × 4B examples
+    changes = [(int(i), int(v)) for i, _, _, v in result.curve("batch_size")]
+    tests = [int(i) for i, _, _, _ in result.curve("warmup_critical_batch")]
+    expected, seen, due = [], 0, 200
+    for it in range(1, 151):
+        seen += max(b for i, b in changes if i < it)  # the batch step `it` trained at
+        if seen >= due:
+            expected.append(it)
+            while due <= seen:
+                due *= 2
+    assert tests == expected and len(tests) >= 2
+    # every test records its growth, the one the batch sizes show
+    growths = {int(i): int(v) for i, _, _, v in result.curve("warmup_growth")}
+    assert set(growths) == set(tests)
+    for i, b in changes[1:]:
+        assert growths[i] == b // max(v for j, v in changes if j < i)
     steps = examples = 0
     for it in tests:
-        b = int(max((v for i, v in batch_at.items() if i < it), default=4))
-        big = 4 * b
-        e = 4 * big
-        steps += 2 * (e // b) + e // (2 * b) + e // big
-        examples += 4 * e
+        b = max(v for i, v in changes if i < it)
+        e = 4 * 4 * b
+        steps += e // b + e // (2 * b) + e // (4 * b)
+        examples += 3 * e
     assert result.final["policy_branch_steps"] == steps
     assert result.final["policy_branch_examples"] == examples
 
@@ -173,9 +189,13 @@ def test_plain_warmup_names_its_trigger_so_no_stored_noise_run_is_reused() -> No
     """Plain `warmup` meant the noise trigger before the branch trigger was the default: the
     config names the trigger now, so its key differs from the one those runs were stored under."""
     branch = TrainConfig(batch_size=16, batch_policy="warmup(every=25)")
-    assert branch.batch_policy == "warmup(every=25,trigger=branch)"
+    assert branch.batch_policy == "warmup(every=25,trigger=branch,cadence=doubling)"
     assert TrainConfig(batch_size=16, batch_policy="warmup").batch_policy == \
-        "warmup(trigger=branch)"
+        "warmup(trigger=branch,cadence=doubling)"
+    # the branch trigger's earlier every-K-steps cadence was stored as trigger=branch alone
+    old = "warmup(every=25,trigger=branch)"
+    assert TrainConfig(batch_size=16, batch_policy=old).batch_policy == \
+        f"{old[:-1]},cadence=doubling)"
     noise = TrainConfig(batch_size=16, batch_policy="warmup(every=25,trigger=noise)")
     assert noise.batch_policy == "warmup(every=25,trigger=noise)"
     assert branch.config_hash() != noise.config_hash()

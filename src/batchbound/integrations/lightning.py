@@ -48,6 +48,7 @@ from batchbound.integrations.common import (
 )
 from batchbound.integrations.ddp import GNSHookState, gns_hook, gns_hook_state
 from batchbound.integrations.warmup import AccumulationWarmup, BranchWarmup
+from batchbound.train.adaptive import BRANCH_EVERY, BRANCH_STEPS
 
 L = require("lightning.pytorch", "lightning")
 _data = require("lightning.pytorch.utilities.data", "lightning")
@@ -254,12 +255,13 @@ class BatchWarmupCallback(DiversityCallback):
 
 class BranchWarmupCallback(L.Callback):
     """Batch-size warmup in a Lightning run with the branch trigger (batchbound's trainer's
-    default, ``batchbound.integrations.warmup.BranchWarmup``): every ``every`` optimizer
-    steps, short branches from the module's current weights and its optimiser's state at B,
-    2B and 4B (copied, run, restored); B (the loader's batch × accumulate_grad_batches ×
-    ranks) doubles, by doubling ``trainer.accumulate_grad_batches`` where a group of the new
-    size can start, when the critical batch's interval lies at or above 2B; the rates follow
-    ``lr`` (auto: srsr for Adam/AdamW, lsr otherwise). The branches draw from
+    default, ``batchbound.integrations.warmup.BranchWarmup``, at its cadence: first after
+    ``every``·B0 examples, then at doubling example counts), short branches from the
+    module's current weights and its optimiser's state at B, 2B and 4B (copied, run,
+    restored); B (the loader's batch × accumulate_grad_batches × ranks) grows by 2 (or 4),
+    by multiplying ``trainer.accumulate_grad_batches`` where a group of the new size can
+    start, when the critical batch's interval lies at or above 2B (or 4B); the rates follow
+    ``lr`` (auto: srsr, η0·√(B/B0)). The branches draw from
     ``train_dataloader.dataset`` (collated by torch's default_collate) and take their loss
     from ``loss(module, batch)``, by default the module's ``training_step(batch, 0)`` (its
     loss, or its dict's "loss"): pass ``loss`` when training_step logs or has side effects.
@@ -268,8 +270,8 @@ class BranchWarmupCallback(L.Callback):
     ``warmup/batch_size``, ``warmup/accumulation``, ``warmup/branch_steps`` and
     ``warmup/branch_examples`` (the policy's cost)."""
 
-    def __init__(self, every: int = 200, *, max_batch: int | None = None, steps: int = 2,
-                 z: float = 1.0, lr: str = "auto", seed: int = 0,
+    def __init__(self, every: int = BRANCH_EVERY, *, max_batch: int | None = None,
+                 steps: int = BRANCH_STEPS, z: float = 1.0, lr: str = "auto", seed: int = 0,
                  loss: Any = None) -> None:
         super().__init__()
         self.options = {"every": every, "max_batch": max_batch, "steps": steps, "z": z,
@@ -289,9 +291,8 @@ class BranchWarmupCallback(L.Callback):
                                   "optimisation (the branches step it themselves)")
         optimizer = trainer.optimizers[0]
         if self.warmup is None:
-            adaptive = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
             self.warmup = BranchWarmup(_data.extract_batch_size(batch), k, trainer.world_size,
-                                       adaptive=adaptive, **self.options)
+                                       **self.options)
             if self._warm_restored is not None:
                 self.warmup.load_state_dict(self._warm_restored)
         dataset = trainer.train_dataloader.dataset
@@ -302,8 +303,10 @@ class BranchWarmupCallback(L.Callback):
             return loss(pl_module, pl_module.transfer_batch_to_device(items, pl_module.device,
                                                                       0))
 
-        factor = self.warmup.step(pl_module, optimizer, loss_of, len(dataset),
-                                  ready=(batch_idx + 1) % (2 * k) == 0)
+        factor = self.warmup.step(pl_module, optimizer, loss_of, len(dataset), ready=False)
+        # a group of the new size (growth × k batches) can start after this batch
+        if self.warmup.pending and (batch_idx + 1) % (self.warmup.growth * k) == 0:
+            factor = self.warmup.apply()
         if factor == 1.0 and self.warmup.accumulation == k:
             return
         trainer.accumulate_grad_batches = self.warmup.accumulation

@@ -59,6 +59,7 @@ from batchbound.integrations.common import (
     require,
 )
 from batchbound.integrations.warmup import AccumulationWarmup, BranchWarmup
+from batchbound.train.adaptive import BRANCH_EVERY, BRANCH_STEPS
 
 transformers = require("transformers", "hf")
 _losses = require("transformers.loss.loss_utils", "hf")
@@ -307,21 +308,22 @@ class BatchWarmupCallback(DiversityCallback):
 
 class BranchWarmupCallback(transformers.TrainerCallback):
     """Batch-size warmup in a Hugging Face Trainer with the branch trigger (batchbound's
-    trainer's default, ``batchbound.integrations.warmup.BranchWarmup``): every ``every``
-    optimizer steps (at ``on_step_end``, which the Trainer hands the model, its optimizer and
-    the train loader) short branches from the current weights and optimiser state at B, 2B
+    trainer's default, ``batchbound.integrations.warmup.BranchWarmup``, at its cadence: first
+    after ``every``·B0 examples, then at doubling example counts; at ``on_step_end``, which
+    the Trainer hands the model, its optimizer and the train loader) short branches from the
+    current weights and optimiser state at B, 2B
     and 4B, copied, run and restored; the examples come from ``train_dataloader.dataset``
     through the loader's own ``collate_fn``, the loss is the model's output ``loss`` (the
     model is called with the collated batch as keyword arguments, the unwrapped module under
-    DDP). A doubling decided is made at the next epoch's start (the Trainer groups an epoch's
-    micro-batches from its first batch), with the rates by ``lr`` (auto: srsr for
-    Adam/AdamW, lsr otherwise). Every rank runs the same branches and, under
+    DDP). A growth (×2 or ×4) decided is made at the next epoch's start (the Trainer groups
+    an epoch's micro-batches from its first batch), with the rates by ``lr`` (auto: srsr).
+    Every rank runs the same branches and, under
     torch.distributed, the ranks agree on the doubling. Adds ``warmup/batch_size``,
     ``warmup/accumulation``, ``warmup/branch_steps`` and ``warmup/branch_examples`` to the
     logs."""
 
-    def __init__(self, every: int = 200, *, max_batch: int | None = None, steps: int = 2,
-                 z: float = 1.0, lr: str = "auto") -> None:
+    def __init__(self, every: int = BRANCH_EVERY, *, max_batch: int | None = None,
+                 steps: int = BRANCH_STEPS, z: float = 1.0, lr: str = "auto") -> None:
         self.options = {"every": every, "max_batch": max_batch, "steps": steps, "z": z,
                         "lr": lr}
         BranchWarmup(1, **self.options)  # checks the options now
@@ -337,10 +339,9 @@ class BranchWarmupCallback(transformers.TrainerCallback):
         raw = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
         module = getattr(model, "module", model)  # DDP's wrapper: branch on the module
         if self.warmup is None:
-            adaptive = isinstance(raw, (torch.optim.Adam, torch.optim.AdamW))
             self.warmup = BranchWarmup(args.per_device_train_batch_size,
                                        args.gradient_accumulation_steps, args.world_size,
-                                       adaptive=adaptive, seed=args.seed, **self.options)
+                                       seed=args.seed, **self.options)
         if self._warm_log:  # a change made at this epoch's start, logged with its first step
             control.should_log = True
         dataset, collate = train_dataloader.dataset, train_dataloader.collate_fn

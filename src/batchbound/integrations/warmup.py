@@ -28,8 +28,9 @@ import torch
 
 from batchbound.diversity.online import OnlineDiversity
 from batchbound.errors import BatchboundError
-from batchbound.train.adaptive import BatchPolicy
-from batchbound.train.branches import B0_EVALUATIONS, branch_point, doubles
+from batchbound.train.adaptive import BRANCH_EVERY, BRANCH_STEPS, BatchPolicy
+from batchbound.train.branch_trend import growth, next_test, trend_point
+from batchbound.train.branches import B0_EVALUATIONS
 from batchbound.train.lr_rules import lr_rule
 
 
@@ -127,18 +128,19 @@ BRANCH_EVAL = 1024  # the branches are evaluated on a fixed subset of this many 
 
 class BranchWarmup(_Accumulating):
     """Batch-size warmup with the branch trigger (``--batch-policy warmup``'s default) in your
-    own loop: every ``every`` optimizer steps, short branches from the current weights and
-    optimiser state at B, 2B and 4B (B replicated with another data order), each over
-    ``steps``·4B examples at the rate rule's rates (``lr``: auto = srsr for Adam-type
-    optimisers (``adaptive=True``), lsr for SGD); B doubles when the critical batch's
-    interval lies at or above 2B (each rung's band ± z σ), never past ``max_batch``, never
-    down. The branches copy the model and the optimiser (state, rates, gradients and the
+    own loop (train/branch_trend.py): the first test once the loop has trained on
+    ``every``·B0 examples, each next one at the first every·B0·2^j beyond the last; a test
+    runs short branches from the current weights and optimiser state at B, 2B and 4B, each
+    over ``steps``·4B examples at the rate rule's rates (``lr``: auto = srsr, η0·√(B/B0)),
+    read on B's trend line; B grows by 4 when the critical batch's interval lies at or above
+    4B, by 2 at or above 2B (each rung's band ± z σ), never past ``max_batch``, never down.
+    The branches copy the model and the optimiser (state, rates, gradients and the
     torch random state), run, and restore them. ``loss_of(indices)`` is the mean training
     loss of those train-set examples on ``model``; every rank runs the same branches (same
     seed, the whole train set) and, under torch.distributed, the doubling is the one all
     ranks reach. ``branch_steps`` and ``branch_examples`` are the policy's cost.
 
-        warmup = BranchWarmup(micro_batch=32, world_size=P, adaptive=True)
+        warmup = BranchWarmup(micro_batch=32, world_size=P)
         ...after each optimizer step:
         factor = warmup.step(model, optimizer, loss_of, n)
         warmup.scale_rates(optimizer, factor)
@@ -146,17 +148,21 @@ class BranchWarmup(_Accumulating):
     """
 
     def __init__(self, micro_batch: int, accumulation: int = 1, world_size: int = 1, *,
-                 every: int = 200, max_batch: int | None = None, steps: int = 2,
-                 z: float = 1.0, lr: str = "auto", adaptive: bool = False,
+                 every: int = BRANCH_EVERY, max_batch: int | None = None,
+                 steps: int = BRANCH_STEPS,
+                 z: float = 1.0, lr: str = "auto",
                  seed: int = 0) -> None:
         super().__init__(micro_batch, accumulation, world_size, every)
         self.policy = BatchPolicy(adaptive=True, source="online", pick="warmup",
                                   max=max_batch or 1 << 30, every=every, lr=lr,
                                   trigger="branch", steps=steps, z=z)
-        rule = lr_rule(self.policy.branch_rule("adamw" if adaptive else "sgd"), "lr rule")
+        rule = lr_rule(self.policy.branch_rule(), "lr rule")
         assert rule is not None
         self.rule, self.seed = rule, seed
         self.branch_steps = self.branch_examples = 0  # history: step, B, k, B_crit, low
+        self.growth = 1  # the factor of the growth pending (pending: growth > 1)
+        self.examples = 0  # trained on, and the count the next test is due at
+        self.due = every * self.start
 
     def step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              loss_of: Callable[[torch.Tensor], torch.Tensor], n: int,
@@ -164,15 +170,20 @@ class BranchWarmup(_Accumulating):
         """Call after every optimizer step; the rate's factor (1.0 when B did not change).
         ``ready``: a new accumulation group of twice the size could start now."""
         self.steps += 1
-        if self.steps % self.policy.every == 0 and not self.pending:
-            self.pending = self.decide(model, optimizer, loss_of, n)
+        self.examples += self.batch_size
+        if self.examples >= self.due and not self.pending:
+            self.due = next_test(self.examples, self.policy.every * self.start)
+            self.growth = self.decide(model, optimizer, loss_of, n)
+            self.pending = self.growth > 1
         return self.apply() if ready else 1.0
 
     def decide(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               loss_of: Callable[[torch.Tensor], torch.Tensor], n: int) -> bool:
+               loss_of: Callable[[torch.Tensor], torch.Tensor], n: int) -> int:
+        """The test: the factor B grows by (1, 2 or 4)."""
         old = self.batch_size
-        if 2 * old > min(self.policy.max, n):
-            return False
+        top = min(self.policy.max, n)
+        if 2 * old > top:
+            return 1
         ladder = [b for b in (old, 2 * old, 4 * old) if b <= n]
         examples = self.policy.steps * ladder[-1]
         pick = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed))
@@ -191,26 +202,27 @@ class BranchWarmup(_Accumulating):
             self.branch_examples += steps * batch
             return curve
 
-        point = branch_point(run, ladder, self.seed + self.steps, self.steps,
-                             evaluations=min(B0_EVALUATIONS, examples // old),
-                             z=self.policy.z)
-        double = doubles(point)
+        point = trend_point(run, ladder, self.seed + self.steps, self.steps,
+                            min(B0_EVALUATIONS, examples // old), self.policy.z)
+        factor = growth(point)
+        while factor > 1 and factor * old > top:
+            factor //= 2
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            flag = torch.tensor([float(double)], device=next(model.parameters()).device)
+            flag = torch.tensor([float(factor)], device=next(model.parameters()).device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-            double = bool(flag.item())
+            factor = int(flag.item())
         self.history.append((self.steps, old, self.accumulation,
                              point.critical_batch if point else math.nan,
                              point.low if point else math.nan))
-        return double
+        return factor
 
     def apply(self) -> float:
-        """Double the accumulation if a doubling is pending; the rate's factor (else 1.0)."""
+        """Grow the accumulation by the pending factor, if any; the rate's factor (else 1.0)."""
         if not self.pending:
             return 1.0
         old = self.batch_size
-        self.accumulation *= 2
-        self.pending = False
+        self.accumulation *= self.growth
+        self.pending, self.growth = False, 1
         return self.rule.scale(self.batch_size / self.start) / self.rule.scale(old / self.start)
 
     def metrics(self) -> dict[str, float]:
@@ -219,12 +231,18 @@ class BranchWarmup(_Accumulating):
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "branch_steps": self.branch_steps,
-                "branch_examples": self.branch_examples}
+                "branch_examples": self.branch_examples, "growth": self.growth,
+                "examples": self.examples, "due": self.due}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.branch_steps = int(state["branch_steps"])
         self.branch_examples = int(state["branch_examples"])
+        # a state saved before these keys: a pending doubling, the cadence from its steps
+        self.growth = int(state.get("growth", 2 if self.pending else 1))
+        self.examples = int(state.get("examples", self.steps * self.batch_size))
+        self.due = int(state.get("due", next_test(self.examples,
+                                                  self.policy.every * self.start)))
 
 
 class Saved:

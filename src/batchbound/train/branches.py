@@ -31,8 +31,10 @@ make every interval [0, cap]); the floor and the joint shift are what widen it
 (docs/advise.md).
 
 This module is the shared core: ``batchbound advise`` measures the critical batch along its
-pilot with it (advise/critical.py), and batch-size warmup's branch trigger doubles the batch
-when the interval's low end is at least 2·B0 (train/callbacks.py). Running a branch is the
+pilot with it (advise/critical.py); batch-size warmup's branch trigger fits its rungs with
+``fit_point`` too, but reads them on B0's trend line with σ from B0's own scatter, without
+the replicate (train/branch_trend.py), and grows the batch when the interval's low end is at
+least 2·B0 (train/callbacks.py). Running a branch is the
 caller's (``run``): the trainer and advise build it from their own parts.
 """
 

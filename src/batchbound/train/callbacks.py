@@ -25,7 +25,8 @@ import torch
 from batchbound.diversity.online import OnlineDiversity
 from batchbound.errors import BatchboundError
 from batchbound.train.adaptive import BatchPolicy
-from batchbound.train.branches import B0_EVALUATIONS, branch_point, doubles
+from batchbound.train.branch_trend import growth, next_test, trend_point
+from batchbound.train.branches import B0_EVALUATIONS
 from batchbound.train.cadence import EPS, next_due
 from batchbound.train.lr_rules import lr_rule
 
@@ -121,6 +122,10 @@ class BatchPolicyCallback(Callback):
                      if policy.warmup and policy.trigger == "noise" and estimator is not None
                      else None)
         self.folded = 0  # the monitor's steps folded into ``warm``
+        # the branch trigger's cadence (train/branch_trend.py): examples trained on, and the
+        # count the next test is due at
+        self.examples = 0
+        self.due = policy.every * trainer.config.batch_size
 
     def on_train_start(self, trainer: Trainer) -> None:
         estimator = trainer.monitor.estimator
@@ -131,10 +136,13 @@ class BatchPolicyCallback(Callback):
         if self.warm is not None and estimator is not None and estimator.steps > self.folded:
             self.warm.update(*estimator.last)
             self.folded = estimator.steps
-        if trainer.iteration % self.policy.every == 0:
-            if self.policy.warmup and self.policy.trigger == "branch":
+        if self.policy.warmup and self.policy.trigger == "branch":
+            self.examples += trainer.batch_size
+            if self.examples >= self.due:
+                self.due = next_test(self.examples, self.policy.every * trainer.config.batch_size)
                 self.branch_up(trainer)
-            elif self.policy.warmup:
+        elif trainer.iteration % self.policy.every == 0:
+            if self.policy.warmup:
                 self.warm_up(trainer)
             else:
                 self.adapt(trainer)
@@ -176,21 +184,19 @@ class BatchPolicyCallback(Callback):
         trainer.train_seconds += time.perf_counter() - started
 
     def branch_up(self, trainer: Trainer) -> None:
-        """The branch trigger: short branches from the current state at B, 2B (and 4B, where
-        the train set holds it) at the rate rule's rates, B replicated with another data
-        order (train/branches.py); B doubles when the critical batch's interval lies at or
-        above 2B, and the rate follows the same rule. The branches' seconds, steps and
+        """The branch trigger (train/branch_trend.py): short branches from the current state
+        at B, 2B (and 4B, where the train set holds it) at the rate rule's rates, read on B's
+        trend line; B grows by 4 when the critical batch's interval lies at or above 4B, by 2
+        at or above 2B, and the rate follows the same rule. The branches' seconds, steps and
         examples are the policy's cost. Every rank runs the same branches (same seed, the
-        whole train set); the decision is the one all ranks reach (an all-reduced minimum),
+        whole train set); the growth is the least all ranks reach (an all-reduced minimum),
         so it is the same everywhere."""
         started = time.perf_counter()
         policy, old = self.policy, trainer.batch_size
-        if 2 * old > min(policy.max, trainer.n):
+        top = min(policy.max, trainer.n)
+        if 2 * old > top:
             return
-        # a user's optimiser (Parts) is read by its type; the config's name otherwise
-        adam = isinstance(trainer.optimizer, (torch.optim.Adam, torch.optim.AdamW))
-        rule = lr_rule(policy.branch_rule("adamw" if adam else trainer.config.optimizer),
-                       "lr rule")
+        rule = lr_rule(policy.branch_rule(), "lr rule")
         assert rule is not None  # branch_rule names a registered rule
         ladder = [b for b in (old, 2 * old, 4 * old) if b <= trainer.n]
         examples = policy.steps * ladder[-1]
@@ -202,26 +208,31 @@ class BatchPolicyCallback(Callback):
                                   evaluations, seed, min(trainer.n, BRANCH_EVAL))
 
         # a data order per test, the same on a resume (the seed and the iteration)
-        point = branch_point(run, ladder, trainer.config.seed + trainer.iteration,
-                             trainer.iteration, evaluations=min(B0_EVALUATIONS,
-                                                                examples // old), z=policy.z)
-        double = doubles(point)
+        point = trend_point(run, ladder, trainer.config.seed + trainer.iteration,
+                            trainer.iteration, min(B0_EVALUATIONS, examples // old), policy.z)
+        factor = growth(point)
+        while factor > 1 and factor * old > top:
+            factor //= 2
         if trainer.ctx.distributed:
-            flag = torch.tensor([float(double)], device=trainer.ctx.device)
+            flag = torch.tensor([float(factor)], device=trainer.ctx.device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-            double = bool(flag.item())
+            factor = int(flag.item())
+        # every test: its growth (1 where B's branch did not fall by its trend: no point)
+        trainer.record("warmup_growth", factor)
         if point is not None:
             trainer.record("warmup_critical_batch", point.critical_batch)
             trainer.record("warmup_critical_batch_low", point.low)
-        if double:
+            trainer.record("warmup_branch_spread", point.spread)  # σ of r, floored
+        if factor > 1:
             start = trainer.config.batch_size
-            trainer.lr_factor *= rule.scale(2 * old / start) / rule.scale(old / start)
-            trainer.set_batch_size(2 * old)
+            trainer.lr_factor *= rule.scale(factor * old / start) / rule.scale(old / start)
+            trainer.set_batch_size(factor * old)
         trainer.train_seconds += time.perf_counter() - started
 
     def state_dict(self) -> dict[str, Any]:
         return {"warm_state": self.warm.state_dict() if self.warm is not None else {},
-                "warm_trigger": self.policy.trigger if self.policy.warmup else ""}
+                "warm_trigger": self.policy.trigger if self.policy.warmup else "",
+                "warm_examples": self.examples, "warm_due": self.due}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.policy.warmup and state.get("warm_state") and (
@@ -229,6 +240,8 @@ class BatchPolicyCallback(Callback):
             raise BatchboundError(
                 f"this checkpoint's warmup used trigger={state.get('warm_trigger', 'noise')}, "
                 f"this run's is trigger={self.policy.trigger}: add it to --batch-policy")
+        self.examples = int(state.get("warm_examples", self.examples))
+        self.due = int(state.get("warm_due", self.due))
         if self.warm is not None and state.get("warm_state"):
             self.warm.load_state_dict(state["warm_state"])
 

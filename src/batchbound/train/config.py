@@ -326,12 +326,15 @@ class TrainConfig:
         policy = self.parsed_batch_policy()
         if not policy.warmup:
             return
-        if policy.trigger == "branch" and "trigger" not in self.batch_policy:
+        if policy.trigger == "branch":
             # plain `warmup` meant the noise trigger before the branch trigger became the
-            # default: name the trigger, so the key differs and no stored run is reused
+            # default, and the branch trigger tested every K steps before its cadence became
+            # doubling example counts: name both, so the key differs and no stored run is
+            # reused under the new meaning
             text = self.batch_policy.strip()
-            text = (f"{text[:-1]},trigger=branch)" if text.endswith(")")
-                    else "warmup(trigger=branch)")
+            for part in ("trigger=branch", "cadence=doubling"):
+                if part.split("=")[0] not in text:
+                    text = f"{text[:-1]},{part})" if text.endswith(")") else f"warmup({part})"
             object.__setattr__(self, "batch_policy", text)
         if parse_strategy(self.strategy).name != "blr":
             raise BatchboundError("batch policy warmup sets the rate itself (its lr= rule); "

@@ -546,6 +546,10 @@ class Trainer:
         try:
             trainer = Trainer(run, DistContext(device=self.ctx.device), dataset=self.source,
                               parts=self.parts)
+            # every branch (the replicate's other data order too) is read on one subset,
+            # this run's: the branch's seed would pick another, and the subsets' difference
+            # would pass for chance variation between B0's two runs
+            trainer.eval_train = self.branch_subset(subset)
             trainer.model.load_state_dict(self.model.state_dict())
             state = copy.deepcopy(self.optimizer.state_dict())
             for group in state["param_groups"]:
@@ -560,6 +564,15 @@ class Trainer:
         if result.status == "diverged":
             curve.append((steps * batch, math.inf))
         return curve
+
+    def branch_subset(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fixed train subset of ``size`` examples the branches are evaluated on, drawn
+        from this run's seed (the whole train set when it is no larger)."""
+        if size >= self.n:
+            return self.data.x_train, self.data.y_train
+        pick = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.config.seed))
+        pick = pick[:size].to(self.ctx.device)
+        return self.data.x_train[pick], self.data.y_train[pick]
 
     def set_batch_size(self, new: int) -> None:
         """The global batch from the next step on (a batch policy's decision), recorded."""
