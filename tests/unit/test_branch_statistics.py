@@ -6,6 +6,7 @@ and named rather than read as "B_crit small"."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -112,3 +113,24 @@ def test_advises_text_names_exclusions_n_and_the_early_assumption() -> None:
     assert "excluded: B = 64" in text and "n = 1" in text
     assert "below 32" in text  # the second point is a bound
     assert "before iteration 40 (the first branch point)" in text
+
+
+def test_a_bound_is_inconclusive_not_a_prediction(monkeypatch) -> None:
+    """Every rung outside the model (fortunes GPT, AdamW: r = 0.42 at 32, 0.00 at 64) leaves
+    only "below 32": advise's measure() calls that inconclusive (the noise scale predicts),
+    where it used to hand the bound on as B_crit 0 (869 iterations at every B, measured
+    658/490/434)."""
+    import batchbound.advise.critical as critical
+    from batchbound.train.config import TrainConfig
+
+    bound = fit_point({16: 1.0, 32: 0.42, 64: 0.0}, 16, MIN_SPREAD, 42)
+    assert bound.below == 32
+    monkeypatch.setattr(critical, "branch_point", lambda *args, **kwargs: bound)
+    plan = plan_branches(16, n=10_000, largest=64, budget_examples=4 * 128,
+                         planned_examples=100_000, points=1)
+    state = (42, 0.5, {}, {})
+    config = TrainConfig(dataset="digits", model="fc(depth=1,params=800)", batch_size=16)
+    data = SimpleNamespace(n_train=10_000)
+    with pytest.raises(critical.Inconclusive, match="below 32") as caught:
+        critical.measure([state], config, data, None, plan, lambda b: 0.1)  # type: ignore[arg-type]
+    assert "\n" not in str(caught.value) and "no value to predict from" in str(caught.value)

@@ -15,8 +15,9 @@ says a step at B is worth B/(B + B_crit) examples at B0's best, so
 
 No linearity of the loss in the examples is assumed: only that B0's own curve measures
 progress. B_crit is the least-squares fit of r over the rungs the model explains (a rung
-that diverged or whose r is below B0/B is excluded and named; with none left the point is a
-bound: below the first rung); its interval's ends are the fits with every
+that diverged or whose r is below B0/B is excluded and named; with none left the point is
+only a bound, below the first rung, and advise calls the branches inconclusive: a bound is
+no value to predict from); its interval's ends are the fits with every
 rung's r shifted jointly by ∓2σ·√(B/B0) (σ: B0's two runs read against each other, n = 1
 pair, at least ``MIN_SPREAD``; the rungs share B0's curve, so their errors are correlated
 and are never intersected; train/branches.py). Every rung runs the same examples, a multiple of the
@@ -120,9 +121,9 @@ def plan_branches(b0: int, n: int, largest: int, budget_examples: int, planned_e
 
 
 class Inconclusive(BatchboundError):
-    """The branches measured nothing the answer can use (B0's own run did not progress, or
-    the interval spans every value they can tell apart): advise says so and predicts from
-    the noise scale instead."""
+    """The branches measured nothing the answer can use (B0's own run did not progress, no
+    rung above B0 could be fitted, or the interval spans every value they can tell apart):
+    advise says so and predicts from the noise scale instead."""
 
 
 def measure(states: Sequence[tuple[int, float, dict, dict]], config: TrainConfig,
@@ -131,7 +132,8 @@ def measure(states: Sequence[tuple[int, float, dict, dict]], config: TrainConfig
             ) -> list[CriticalPoint]:
     """Branch from the last ``plan.points`` kept states (iteration, epoch, model state,
     optimiser state) and fit B_crit at each. ``Inconclusive`` when B0's own run made no
-    progress (nothing to read the others against) or a point's interval spans everything."""
+    progress (nothing to read the others against), a point is only a bound (no rung left to
+    fit: "below 2·B0" is no value to predict from) or its interval spans everything."""
     if len(states) < plan.points:
         raise BatchboundError(f"the pilot kept {len(states)} states, the branches need "
                               f"{plan.points}; lengthen the pilot")
@@ -152,8 +154,13 @@ def measure(states: Sequence[tuple[int, float, dict, dict]], config: TrainConfig
             raise Inconclusive(
                 f"the branch at B0 = {b0} from iteration {iteration} made no progress (its "
                 "loss did not fall), so the others cannot be read against it")
+        if point.below is not None:  # a bound is not a value the rows can predict from
+            raise Inconclusive(
+                f"at iteration {iteration} no branch above B0 = {b0} could be fitted (every "
+                f"one outside the model or diverged), so they bound the critical batch below "
+                f"{point.below} but measure no value to predict from; {point.text()}")
         top = CAP * max(point.ratios)
-        if point.below is None and point.low <= 0 and point.high >= top:
+        if point.low <= 0 and point.high >= top:
             raise Inconclusive(
                 f"at iteration {iteration} the branches' interval for the critical batch, "
                 f"{point.low:.3g}–{point.high:.3g}, spans everything they can tell apart "
