@@ -374,9 +374,14 @@ def advise(
                         "gives them more examples)" if inconclusive else
                         " (the branches need a plan: --planned-epochs or --planned-iterations)"))
     named_optimizer = config.optimizer if parts is None or parts.optimizer is None else "yours"
+    momentum = 0.0 if adaptive else _momentum(config, parts)
     optimiser_text = (f"optimizer {named_optimizer}"
                       + (" (Adam-type: the rate rule's steps taken as the tuned rate's, "
-                         "S(B)/S(B0))" if adaptive else ""))
+                         "S(B)/S(B0))" if adaptive else "")
+                      + (f" with momentum μ = {momentum:g}, kept at every batch: the rate "
+                         f"rule scales η and with it the effective step η/(1 − μ) (= "
+                         f"{config.lr / (1 - momentum):.4g} at B0), the only way the model "
+                         "sees the rate (as the ratio η(B)/η0)" if momentum else ""))
     assumptions = (
         f"Iterations to {goal}: McCandlish et al.'s model applied step by step along the "
         f"planned run at B0 = {config.batch_size}; {critical_text}; noise scale: "
@@ -394,7 +399,8 @@ def advise(
         probe=points,
         warmup=warmup_schedule(path.central, max_batch=micro_limit) if planned else None,
         extra={"n": n, "strategy": strategy, "overlap": overlap,
-               "optimizer": named_optimizer, "critical_batch": "branches" if measured else "noise",
+               "optimizer": named_optimizer, "momentum": momentum,
+               "critical_batch": "branches" if measured else "noise",
                **({"branches": [{**p.to_dict(), "capped": _capped(p.high, p)}
                                 for p in measured[0]]} if measured else {}),
                **({"branches_inconclusive": inconclusive} if inconclusive else {}),
@@ -432,6 +438,14 @@ def _adaptive(config: TrainConfig, parts: Parts | None) -> bool:
         return is_adaptive(config.optimizer)
     probe_param = torch.zeros(1, requires_grad=True)
     return "betas" in parts.optimizer([probe_param]).defaults
+
+
+def _momentum(config: TrainConfig, parts: Parts | None) -> float:
+    """SGD's momentum μ: the config's, or a user's factory optimiser's default (0 without)."""
+    if parts is None or parts.optimizer is None:
+        return config.momentum
+    probe_param = torch.zeros(1, requires_grad=True)
+    return float(parts.optimizer([probe_param]).defaults.get("momentum", 0.0) or 0.0)
 
 
 def _critical_text(points: list[CriticalPoint], rows: list[Row], plan: BranchPlan | None
