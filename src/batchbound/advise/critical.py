@@ -62,7 +62,11 @@ from batchbound.train.distributed import DistContext
 from batchbound.train.loop import Parts, Trainer
 
 # the math of one state's branches is train/branches.py's (shared with warmup's trigger)
-MIN_STEPS = 2  # steps the largest rung must take
+# steps every rung must take (the largest rung takes the fewest): rungs of 2–6 steps read
+# the transient after the branch starts, not the critical batch (fortunes GPT, AdamW: 2- and
+# 3-step rungs ended above their start; docs/advise.md 2b); 10 is also the memory of
+# momentum 0.9 and of Adam's β1 = 0.9
+MIN_STEPS = 10
 MAX_RUNGS = 4  # B0 .. 8·B0
 EVAL_EXAMPLES = 4096  # the branches' loss is evaluated on a fixed subset of this many
 
@@ -103,7 +107,7 @@ def plan_branches(b0: int, n: int, largest: int, budget_examples: int, planned_e
                   points: int) -> BranchPlan:
     """The ladder and the examples per branch that fit ``budget_examples``: the same for
     every rung, a multiple of the largest batch (every rung takes whole steps over exactly
-    those examples, so r(B) is not biased by a rung seeing fewer); BatchboundError when not
+    those examples, so r(B) is not biased by a rung seeing fewer); ``TooShort`` when not
     even B0 and 2·B0 can take MIN_STEPS steps each."""
     top = min(largest, n)
     for rungs in range(MAX_RUNGS, 1, -1):
@@ -114,10 +118,24 @@ def plan_branches(b0: int, n: int, largest: int, budget_examples: int, planned_e
         examples = budget_examples // (points * (len(ladder) + 1)) // ladder[-1] * ladder[-1]
         if examples >= MIN_STEPS * ladder[-1]:
             return BranchPlan(ladder, examples, points, planned_examples)
-    raise BatchboundError(
+    needed = points * 3 * MIN_STEPS * 2 * b0
+    if top < 2 * b0:
+        raise TooShort(f"the branches need 2·B0 = {2 * b0} examples in a batch, the data or "
+                       f"the largest micro-batch allows {top}", needed)
+    raise TooShort(
         f"the branch budget ({budget_examples} examples, the plan's budget less the pilot) "
-        f"cannot run {points} × 3 branches of {MIN_STEPS} steps at B = {2 * b0}: raise "
-        "--budget, lower --pilot-fraction, or use --critical-batch noise")
+        f"cannot run {points} × 3 branches of {MIN_STEPS} steps at B = {2 * b0} ({needed} "
+        "examples): raise --budget, lower --pilot-fraction, or use --critical-batch noise",
+        needed)
+
+
+class TooShort(BatchboundError):
+    """The budget cannot give every rung MIN_STEPS steps; ``needed``: the examples the
+    smallest ladder (B0, 2·B0 and B0's replicate) would take."""
+
+    def __init__(self, message: str, needed: int) -> None:
+        super().__init__(message)
+        self.needed = needed
 
 
 class Inconclusive(BatchboundError):
@@ -234,6 +252,7 @@ def combine(branch: float, branch_interval: tuple[float, float], noise: float,
     return Combined(branch, interval, noise, noise_interval, disagree)
 
 
-__all__ = ["CAP", "MIN_SPREAD", "BranchPlan", "Combined", "CriticalPoint", "Inconclusive",
+__all__ = ["CAP", "MIN_SPREAD", "MIN_STEPS", "BranchPlan", "Combined", "CriticalPoint",
+           "Inconclusive", "TooShort",
            "combine", "examples_ratio", "fit_point", "invert", "measure", "plan_branches",
            "trajectories"]
