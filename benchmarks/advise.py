@@ -2,11 +2,12 @@
 
 Per case (data set, model, B0, lr, planned epochs):
 
-1. ``advise(config, planned_epochs=E, budget=0.1, max_workers=2)``: a pilot over the first
-   5 % of the plan and branches from its end within the other 5 % (the critical batch
-   measured), then, for P = 1, 2 and each candidate batch, the predicted iterations and
-   seconds (with intervals) to reach what the planned run reaches, the noise scale's
-   prediction beside.
+1. ``advise(config, planned_epochs=E, max_workers=2)`` at its default budget (0.1): a pilot
+   over the first 5 % of the plan and branches from its end within the other 5 % (the
+   critical batch measured; where that leaves a branch under 10 steps at 2·B0 the branches
+   are not run and the pilot takes the whole 10 %), then, for P = 1, 2 and each candidate
+   batch, the predicted iterations and seconds (with intervals) to reach what the planned
+   run reaches, the noise scale's prediction beside.
 2. The planned run itself (E epochs at B0, one worker): its final training loss L_K (on a
    fixed evaluation subset for the large sets) is what every other run must reach.
 3. For P in (1, 2) and three batch sizes: ``batchbound.train`` at the row's lr to
@@ -69,7 +70,7 @@ def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def run_case(name: str, device: str = "auto", budget: float = 0.1,
+def run_case(name: str, device: str = "auto", budget: float | None = None,
              workers: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
     case = CASES[name]
     config = TrainConfig(dataset=case["dataset"], model=case["model"], batch_size=case["b0"],
@@ -188,8 +189,9 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     parser.add_argument("--device", default="auto",
                         help="auto | cpu | cuda[:i] (with one GPU: P = 1 only)")
-    parser.add_argument("--budget", type=float, default=0.1,
-                        help="advise's budget: pilot + branches, this fraction of the plan")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="advise's budget: pilot + branches, this fraction of the plan "
+                        "(default: advise's, 0.1, which skips branches too short to measure)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
                         help="the worker counts trained (default 1 2)")
     parser.add_argument("--json", action="store_true")
