@@ -138,8 +138,10 @@ def summary(results: list[dict[str, Any]]) -> dict[str, float]:
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, float]:
     finite = [r for r in rows if math.isfinite(r["k_meas"])]
+    timed = [r for r in rows if math.isfinite(r["s_pred"])]
     k_ratio = [r["k_pred"] / r["k_meas"] for r in finite]
-    s_ratio = [r["s_pred"] / r["s_meas"] for r in finite if r["s_meas"] > 0]
+    s_ratio = [r["s_pred"] / r["s_meas"] for r in finite
+               if r["s_meas"] > 0 and math.isfinite(r["s_pred"])]
     return {
         "cases": len(rows), "reached": len(finite),
         "iterations_median_ratio": statistics.median(k_ratio) if k_ratio else math.nan,
@@ -149,7 +151,10 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, float]:
         "seconds_median_abs_log_ratio": statistics.median(abs(math.log(x)) for x in s_ratio)
         if s_ratio else math.nan,
         "iterations_coverage": sum(r["k_covered"] for r in rows) / len(rows),
-        "seconds_coverage": sum(r["s_covered"] for r in rows) / len(rows),
+        # over the rows whose seconds were predicted (a flagged timing predicts none)
+        "seconds_coverage": sum(r["s_covered"] for r in timed) / len(timed)
+        if timed else math.nan,
+        "seconds_predicted": len(timed),
     }
 
 
