@@ -2,11 +2,12 @@
 
 Per case (data set, model, B0, lr, planned epochs):
 
-1. ``advise(config, planned_epochs=E, budget=0.1, max_workers=2)``: a pilot over the first
-   5 % of the plan and branches from its end within the other 5 % (the critical batch
-   measured), then, for P = 1, 2 and each candidate batch, the predicted iterations and
-   seconds (with intervals) to reach what the planned run reaches, the noise scale's
-   prediction beside.
+1. ``advise(config, planned_epochs=E, max_workers=2)`` at its default budget (0.1): a pilot
+   over the first 5 % of the plan and branches from its end within the other 5 % (the
+   critical batch measured; where that leaves a branch under 10 steps at 2·B0 the branches
+   are not run and the pilot takes the whole 10 %), then, for P = 1, 2 and each candidate
+   batch, the predicted iterations and seconds (with intervals) to reach what the planned
+   run reaches, the noise scale's prediction beside.
 2. The planned run itself (E epochs at B0, one worker): its final training loss L_K (on a
    fixed evaluation subset for the large sets) is what every other run must reach.
 3. For P in (1, 2) and three batch sizes: ``batchbound.train`` at the row's lr to
@@ -69,7 +70,7 @@ def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def run_case(name: str, device: str = "auto", budget: float = 0.1,
+def run_case(name: str, device: str = "auto", budget: float | None = None,
              workers: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
     case = CASES[name]
     config = TrainConfig(dataset=case["dataset"], model=case["model"], batch_size=case["b0"],
@@ -137,8 +138,10 @@ def summary(results: list[dict[str, Any]]) -> dict[str, float]:
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, float]:
     finite = [r for r in rows if math.isfinite(r["k_meas"])]
+    timed = [r for r in rows if math.isfinite(r["s_pred"])]
     k_ratio = [r["k_pred"] / r["k_meas"] for r in finite]
-    s_ratio = [r["s_pred"] / r["s_meas"] for r in finite if r["s_meas"] > 0]
+    s_ratio = [r["s_pred"] / r["s_meas"] for r in finite
+               if r["s_meas"] > 0 and math.isfinite(r["s_pred"])]
     return {
         "cases": len(rows), "reached": len(finite),
         "iterations_median_ratio": statistics.median(k_ratio) if k_ratio else math.nan,
@@ -148,7 +151,10 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, float]:
         "seconds_median_abs_log_ratio": statistics.median(abs(math.log(x)) for x in s_ratio)
         if s_ratio else math.nan,
         "iterations_coverage": sum(r["k_covered"] for r in rows) / len(rows),
-        "seconds_coverage": sum(r["s_covered"] for r in rows) / len(rows),
+        # over the rows whose seconds were predicted (a flagged timing predicts none)
+        "seconds_coverage": sum(r["s_covered"] for r in timed) / len(timed)
+        if timed else math.nan,
+        "seconds_predicted": len(timed),
     }
 
 
@@ -188,8 +194,9 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     parser.add_argument("--device", default="auto",
                         help="auto | cpu | cuda[:i] (with one GPU: P = 1 only)")
-    parser.add_argument("--budget", type=float, default=0.1,
-                        help="advise's budget: pilot + branches, this fraction of the plan")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="advise's budget: pilot + branches, this fraction of the plan "
+                        "(default: advise's, 0.1, which skips branches too short to measure)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
                         help="the worker counts trained (default 1 2)")
     parser.add_argument("--json", action="store_true")

@@ -73,19 +73,19 @@ def test_a_run_is_read_as_the_examples_b0_needed_for_its_loss() -> None:
 
 
 def test_the_plan_fits_the_budget_and_says_its_cost() -> None:
-    plan = plan_branches(16, n=10_000, largest=10_000, budget_examples=5_000,
+    plan = plan_branches(16, n=10_000, largest=10_000, budget_examples=7_000,
                          planned_examples=100_000, points=1)
     assert plan.ladder == (16, 32, 64, 128)
-    assert plan.total_examples <= 5_000 and plan.examples >= 2 * 128
-    assert plan.examples == 896  # 5000 // 5 = 1000, down to a multiple of 128
-    assert "4.48 % of the plan" in plan.text(lambda b: 0.01)
+    assert plan.total_examples <= 7_000 and plan.examples >= 10 * 128  # 10 steps at 128
+    assert plan.examples == 1280  # 7000 // 5 = 1400, down to a multiple of 128
+    assert "6.4 % of the plan" in plan.text(lambda b: 0.01)
     assert plan.seconds(lambda b: 0.01) == pytest.approx(0.01 * (plan.examples // 16 * 2 + sum(
         plan.examples // b for b in (32, 64, 128))))
-    small = plan_branches(16, n=10_000, largest=10_000, budget_examples=600,
+    small = plan_branches(16, n=10_000, largest=10_000, budget_examples=3_000,
                           planned_examples=100_000, points=1)
     assert small.ladder == (16, 32, 64)  # fewer rungs rather than too few steps
     with pytest.raises(BatchboundError, match="branch budget"):
-        plan_branches(16, n=10_000, largest=10_000, budget_examples=100,
+        plan_branches(16, n=10_000, largest=10_000, budget_examples=900,
                       planned_examples=100_000, points=1)
 
 

@@ -6,11 +6,12 @@ and named rather than read as "B_crit small"."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from batchbound.advise.critical import plan_branches
+from batchbound.advise.critical import MIN_STEPS, TooShort, plan_branches
 from batchbound.errors import BatchboundError
 from batchbound.train.branches import (
     MIN_SPREAD,
@@ -28,11 +29,11 @@ def model(b_crit: float, b0: int, batch: int) -> float:
 
 
 def test_every_rung_sees_the_same_examples() -> None:
-    plan = plan_branches(16, n=10_000, largest=10_000, budget_examples=1915,
+    plan = plan_branches(16, n=10_000, largest=10_000, budget_examples=7015,
                          planned_examples=100_000, points=1)
     assert plan.ladder == (16, 32, 64, 128)
     seen = {b: plan.examples // b * b for b in plan.ladder}
-    assert set(seen.values()) == {plan.examples} == {256}  # was 368 at B0, 256 at 128
+    assert set(seen.values()) == {plan.examples} == {1280}  # not 1403 at B0, 1280 at 128
     # ratios made exactly from B_crit = 100, each rung's progress scaled by the examples it
     # saw over B0's: the plan's equal examples leave the fit unbiased (was 55 with 383)
     ratios = {b: model(100.0, 16, b) * seen[b] / seen[16] for b in plan.ladder}
@@ -40,9 +41,11 @@ def test_every_rung_sees_the_same_examples() -> None:
 
 
 def test_a_budget_without_a_step_for_every_rung_is_refused() -> None:
-    with pytest.raises(BatchboundError, match="branch budget") as caught:
-        plan_branches(16, n=10_000, largest=10_000, budget_examples=3 * 64 - 1,
+    with pytest.raises(TooShort, match="branch budget") as caught:
+        plan_branches(16, n=10_000, largest=10_000, budget_examples=3 * MIN_STEPS * 32 - 1,
                       planned_examples=100_000, points=1)
+    assert caught.value.needed == 3 * MIN_STEPS * 32 and isinstance(caught.value,
+                                                                     BatchboundError)
     assert "\n" not in str(caught.value)
 
 
@@ -112,3 +115,24 @@ def test_advises_text_names_exclusions_n_and_the_early_assumption() -> None:
     assert "excluded: B = 64" in text and "n = 1" in text
     assert "below 32" in text  # the second point is a bound
     assert "before iteration 40 (the first branch point)" in text
+
+
+def test_a_bound_is_inconclusive_not_a_prediction(monkeypatch) -> None:
+    """Every rung outside the model (fortunes GPT, AdamW: r = 0.42 at 32, 0.00 at 64) leaves
+    only "below 32": advise's measure() calls that inconclusive (the noise scale predicts),
+    where it used to hand the bound on as B_crit 0 (869 iterations at every B, measured
+    658/490/434)."""
+    import batchbound.advise.critical as critical
+    from batchbound.train.config import TrainConfig
+
+    bound = fit_point({16: 1.0, 32: 0.42, 64: 0.0}, 16, MIN_SPREAD, 42)
+    assert bound.below == 32
+    monkeypatch.setattr(critical, "branch_point", lambda *args, **kwargs: bound)
+    plan = plan_branches(16, n=10_000, largest=64, budget_examples=4 * 640,
+                         planned_examples=100_000, points=1)
+    state = (42, 0.5, {}, {})
+    config = TrainConfig(dataset="digits", model="fc(depth=1,params=800)", batch_size=16)
+    data = SimpleNamespace(n_train=10_000)
+    with pytest.raises(critical.Inconclusive, match="below 32") as caught:
+        critical.measure([state], config, data, None, plan, lambda b: 0.1)  # type: ignore[arg-type]
+    assert "\n" not in str(caught.value) and "no value to predict from" in str(caught.value)

@@ -36,10 +36,12 @@ from batchbound.advise.answer import (
 )
 from batchbound.advise.critical import (
     CAP,
+    MIN_STEPS,
     BranchPlan,
     Combined,
     CriticalPoint,
     Inconclusive,
+    TooShort,
     combine,
     measure,
     plan_branches,
@@ -294,6 +296,7 @@ def advise(
                               f"examples, got {budget!r}")
     if budget is None:  # the pilot and the branches: half each
         budget = BUDGET if pilot_fraction is None else 2 * pilot_fraction
+    pilot_given = pilot_fraction is not None
     if pilot_fraction is None:
         pilot_fraction = budget / 2 if branches else 0.1
     planned = _planned(config, data_set, planned_epochs, planned_iterations, pilot_fraction)
@@ -314,12 +317,30 @@ def advise(
     pilot_steps = None if planned is None else min(planned, math.ceil(pilot_fraction * planned))
     micro_limit = min(n, spec.max_micro_batch if spec and spec.max_micro_batch else n)
     counts = worker_counts(limit)
-    branch_plan = None
+    branch_plan, skipped = None, None
     if branches and planned is not None and pilot_steps is not None:  # refused before timing
         spent = pilot_steps * config.batch_size
-        branch_plan = plan_branches(config.batch_size, n, micro_limit,
-                                    math.floor(budget * planned * config.batch_size) - spent,
-                                    planned * config.batch_size, BRANCH_POINTS)
+        left = math.floor(budget * planned * config.batch_size) - spent
+        try:
+            branch_plan = plan_branches(config.batch_size, n, micro_limit, left,
+                                        planned * config.batch_size, BRANCH_POINTS)
+        except TooShort as exc:
+            if given:  # the user's budget: theirs to raise
+                raise
+            # advise's own budget: branches too short to measure anything are not run; the
+            # pilot takes the whole budget (as with --critical-batch noise) unless its
+            # fraction was given
+            wanted = (spent + exc.needed) / (planned * config.batch_size)
+            skipped = (f"not run: the default budget left them {left} examples, and 3 "
+                       f"branches of {MIN_STEPS} steps at 2·B0 = {2 * config.batch_size} take "
+                       f"{exc.needed} (shorter ones read the transient after a branch starts, "
+                       f"not the critical batch); "
+                       + ("the pilot took the whole budget instead " if not pilot_given else "")
+                       + f"(--budget {math.ceil(100 * wanted) / 100:g} runs them)")
+            log(f"branches {skipped}")
+            if not pilot_given:
+                pilot_fraction = budget
+                pilot_steps = min(planned, math.ceil(pilot_fraction * planned))
     payload = _payload(config, data_set, parts)
     others = OtherWork()
     with others:
@@ -334,7 +355,7 @@ def advise(
     path = extrapolate(run.segments, run.iterations, horizon, config.batch_size, config.lr)
     log(f"pilot: {run.iterations} iterations; B_noise {run.segments[0].noise:.4g} at the "
         f"start, {run.segments[-1].noise:.4g} at its end; κ = B_noise·L = {path.kappa:.3g}")
-    measured, inconclusive = None, None
+    measured, inconclusive = None, skipped
     if branch_plan is not None:
         log(branch_plan.text(curves[1].step))
         try:
@@ -374,9 +395,14 @@ def advise(
                         "gives them more examples)" if inconclusive else
                         " (the branches need a plan: --planned-epochs or --planned-iterations)"))
     named_optimizer = config.optimizer if parts is None or parts.optimizer is None else "yours"
+    momentum = 0.0 if adaptive else _momentum(config, parts)
     optimiser_text = (f"optimizer {named_optimizer}"
                       + (" (Adam-type: the rate rule's steps taken as the tuned rate's, "
-                         "S(B)/S(B0))" if adaptive else ""))
+                         "S(B)/S(B0))" if adaptive else "")
+                      + (f" with momentum μ = {momentum:g}, kept at every batch: the rate "
+                         f"rule scales η and with it the effective step η/(1 − μ) (= "
+                         f"{config.lr / (1 - momentum):.4g} at B0), the only way the model "
+                         "sees the rate (as the ratio η(B)/η0)" if momentum else ""))
     assumptions = (
         f"Iterations to {goal}: McCandlish et al.'s model applied step by step along the "
         f"planned run at B0 = {config.batch_size}; {critical_text}; noise scale: "
@@ -394,7 +420,8 @@ def advise(
         probe=points,
         warmup=warmup_schedule(path.central, max_batch=micro_limit) if planned else None,
         extra={"n": n, "strategy": strategy, "overlap": overlap,
-               "optimizer": named_optimizer, "critical_batch": "branches" if measured else "noise",
+               "optimizer": named_optimizer, "momentum": momentum,
+               "critical_batch": "branches" if measured else "noise",
                **({"branches": [{**p.to_dict(), "capped": _capped(p.high, p)}
                                 for p in measured[0]]} if measured else {}),
                **({"branches_inconclusive": inconclusive} if inconclusive else {}),
@@ -432,6 +459,14 @@ def _adaptive(config: TrainConfig, parts: Parts | None) -> bool:
         return is_adaptive(config.optimizer)
     probe_param = torch.zeros(1, requires_grad=True)
     return "betas" in parts.optimizer([probe_param]).defaults
+
+
+def _momentum(config: TrainConfig, parts: Parts | None) -> float:
+    """SGD's momentum μ: the config's, or a user's factory optimiser's default (0 without)."""
+    if parts is None or parts.optimizer is None:
+        return config.momentum
+    probe_param = torch.zeros(1, requires_grad=True)
+    return float(parts.optimizer([probe_param]).defaults.get("momentum", 0.0) or 0.0)
 
 
 def _critical_text(points: list[CriticalPoint], rows: list[Row], plan: BranchPlan | None

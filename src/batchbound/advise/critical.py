@@ -15,8 +15,9 @@ says a step at B is worth B/(B + B_crit) examples at B0's best, so
 
 No linearity of the loss in the examples is assumed: only that B0's own curve measures
 progress. B_crit is the least-squares fit of r over the rungs the model explains (a rung
-that diverged or whose r is below B0/B is excluded and named; with none left the point is a
-bound: below the first rung); its interval's ends are the fits with every
+that diverged or whose r is below B0/B is excluded and named; with none left the point is
+only a bound, below the first rung, and advise calls the branches inconclusive: a bound is
+no value to predict from); its interval's ends are the fits with every
 rung's r shifted jointly by ∓2σ·√(B/B0) (σ: B0's two runs read against each other, n = 1
 pair, at least ``MIN_SPREAD``; the rungs share B0's curve, so their errors are correlated
 and are never intersected; train/branches.py). Every rung runs the same examples, a multiple of the
@@ -61,7 +62,11 @@ from batchbound.train.distributed import DistContext
 from batchbound.train.loop import Parts, Trainer
 
 # the math of one state's branches is train/branches.py's (shared with warmup's trigger)
-MIN_STEPS = 2  # steps the largest rung must take
+# steps every rung must take (the largest rung takes the fewest): rungs of 2–6 steps read
+# the transient after the branch starts, not the critical batch (fortunes GPT, AdamW: 2- and
+# 3-step rungs ended above their start; docs/advise.md 2b); 10 is also the memory of
+# momentum 0.9 and of Adam's β1 = 0.9
+MIN_STEPS = 10
 MAX_RUNGS = 4  # B0 .. 8·B0
 EVAL_EXAMPLES = 4096  # the branches' loss is evaluated on a fixed subset of this many
 
@@ -102,7 +107,7 @@ def plan_branches(b0: int, n: int, largest: int, budget_examples: int, planned_e
                   points: int) -> BranchPlan:
     """The ladder and the examples per branch that fit ``budget_examples``: the same for
     every rung, a multiple of the largest batch (every rung takes whole steps over exactly
-    those examples, so r(B) is not biased by a rung seeing fewer); BatchboundError when not
+    those examples, so r(B) is not biased by a rung seeing fewer); ``TooShort`` when not
     even B0 and 2·B0 can take MIN_STEPS steps each."""
     top = min(largest, n)
     for rungs in range(MAX_RUNGS, 1, -1):
@@ -113,16 +118,30 @@ def plan_branches(b0: int, n: int, largest: int, budget_examples: int, planned_e
         examples = budget_examples // (points * (len(ladder) + 1)) // ladder[-1] * ladder[-1]
         if examples >= MIN_STEPS * ladder[-1]:
             return BranchPlan(ladder, examples, points, planned_examples)
-    raise BatchboundError(
+    needed = points * 3 * MIN_STEPS * 2 * b0
+    if top < 2 * b0:
+        raise TooShort(f"the branches need 2·B0 = {2 * b0} examples in a batch, the data or "
+                       f"the largest micro-batch allows {top}", needed)
+    raise TooShort(
         f"the branch budget ({budget_examples} examples, the plan's budget less the pilot) "
-        f"cannot run {points} × 3 branches of {MIN_STEPS} steps at B = {2 * b0}: raise "
-        "--budget, lower --pilot-fraction, or use --critical-batch noise")
+        f"cannot run {points} × 3 branches of {MIN_STEPS} steps at B = {2 * b0} ({needed} "
+        "examples): raise --budget, lower --pilot-fraction, or use --critical-batch noise",
+        needed)
+
+
+class TooShort(BatchboundError):
+    """The budget cannot give every rung MIN_STEPS steps; ``needed``: the examples the
+    smallest ladder (B0, 2·B0 and B0's replicate) would take."""
+
+    def __init__(self, message: str, needed: int) -> None:
+        super().__init__(message)
+        self.needed = needed
 
 
 class Inconclusive(BatchboundError):
-    """The branches measured nothing the answer can use (B0's own run did not progress, or
-    the interval spans every value they can tell apart): advise says so and predicts from
-    the noise scale instead."""
+    """The branches measured nothing the answer can use (B0's own run did not progress, no
+    rung above B0 could be fitted, or the interval spans every value they can tell apart):
+    advise says so and predicts from the noise scale instead."""
 
 
 def measure(states: Sequence[tuple[int, float, dict, dict]], config: TrainConfig,
@@ -131,7 +150,8 @@ def measure(states: Sequence[tuple[int, float, dict, dict]], config: TrainConfig
             ) -> list[CriticalPoint]:
     """Branch from the last ``plan.points`` kept states (iteration, epoch, model state,
     optimiser state) and fit B_crit at each. ``Inconclusive`` when B0's own run made no
-    progress (nothing to read the others against) or a point's interval spans everything."""
+    progress (nothing to read the others against), a point is only a bound (no rung left to
+    fit: "below 2·B0" is no value to predict from) or its interval spans everything."""
     if len(states) < plan.points:
         raise BatchboundError(f"the pilot kept {len(states)} states, the branches need "
                               f"{plan.points}; lengthen the pilot")
@@ -152,8 +172,13 @@ def measure(states: Sequence[tuple[int, float, dict, dict]], config: TrainConfig
             raise Inconclusive(
                 f"the branch at B0 = {b0} from iteration {iteration} made no progress (its "
                 "loss did not fall), so the others cannot be read against it")
+        if point.below is not None:  # a bound is not a value the rows can predict from
+            raise Inconclusive(
+                f"at iteration {iteration} no branch above B0 = {b0} could be fitted (every "
+                f"one outside the model or diverged), so they bound the critical batch below "
+                f"{point.below} but measure no value to predict from; {point.text()}")
         top = CAP * max(point.ratios)
-        if point.below is None and point.low <= 0 and point.high >= top:
+        if point.low <= 0 and point.high >= top:
             raise Inconclusive(
                 f"at iteration {iteration} the branches' interval for the critical batch, "
                 f"{point.low:.3g}–{point.high:.3g}, spans everything they can tell apart "
@@ -227,6 +252,7 @@ def combine(branch: float, branch_interval: tuple[float, float], noise: float,
     return Combined(branch, interval, noise, noise_interval, disagree)
 
 
-__all__ = ["CAP", "MIN_SPREAD", "BranchPlan", "Combined", "CriticalPoint", "Inconclusive",
+__all__ = ["CAP", "MIN_SPREAD", "MIN_STEPS", "BranchPlan", "Combined", "CriticalPoint",
+           "Inconclusive", "TooShort",
            "combine", "examples_ratio", "fit_point", "invert", "measure", "plan_branches",
            "trajectories"]

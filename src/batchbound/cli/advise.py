@@ -84,7 +84,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--budget", type=float, default=None, metavar="F",
                         help="the pilot and the branches together train at most this fraction "
                         "of the plan's examples (default 0.1, or twice --pilot-fraction); "
-                        "each part's cost is printed before it starts")
+                        "each part's cost is printed before it starts. Every branch takes at "
+                        "least 10 steps: a budget given too small for that is refused; at "
+                        "the default the branches are then not run, the pilot takes the "
+                        "whole budget, and the answer says so")
     parser.add_argument("--critical-batch", choices=("branches", "noise"), default="branches",
                         help="branches (default, with a plan): the critical batch measured by "
                         "short runs at B0·2^k from the pilot's states (Merrill et al. 2025) "
