@@ -123,3 +123,29 @@ def test_adam_type_is_told_by_name_or_by_the_factorys_betas() -> None:
     assert not _adaptive(TrainConfig(), None)
     assert not _adaptive(TrainConfig(), Parts(optimizer=lambda p: torch.optim.SGD(p, lr=0.1)))
     assert _adaptive(TrainConfig(), Parts(optimizer=lambda p: torch.optim.NAdam(p, lr=0.1)))
+
+
+def test_the_replicate_is_read_on_the_base_runs_subset() -> None:
+    """B0's replicate runs at seed + 1 (another data order) but is evaluated on the pilot's
+    subset: at a rate of 1e-12 nothing moves, so both curves must agree point for point (with the
+    replicate's own subset they differed by the subsets' difference, read as noise)."""
+    import torch
+
+    from batchbound.advise.critical import branch
+    from batchbound.train import TrainConfig
+    from batchbound.train.loop import Trainer
+    from batchbound.train.distributed import DistContext
+
+    config = TrainConfig(dataset="digits", model="fc(depth=1,params=2000)", batch_size=16,
+                         lr=0.1)
+    trainer = Trainer(config, DistContext(device=torch.device("cpu")))
+    model, opt = trainer.model.state_dict(), trainer.optimizer.state_dict()
+    data = trainer.source
+
+    def curve(seed: int) -> list[tuple[int, float]]:
+        return branch(config.replace(seed=seed), data, torch.device("cpu"), model, opt, 16,
+                      1e-12, 4, 2, 200, None, subset_seed=config.seed)
+
+    base, replicate = curve(config.seed), curve(config.seed + 1)
+    assert [i for i, _ in base] == [i for i, _ in replicate]
+    assert [v for _, v in base] == pytest.approx([v for _, v in replicate], rel=1e-7)

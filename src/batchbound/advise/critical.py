@@ -165,7 +165,7 @@ def measure(states: Sequence[tuple[int, float, dict, dict]], config: TrainConfig
             steps = plan.examples // batch  # exact: examples is a multiple of every rung
             return [(i * batch, v) for i, v in branch(
                 config.replace(seed=seed), data, device, model_state, optimizer_state, batch,
-                lr(batch), steps, max(1, steps // evaluations), subset, parts)]
+                lr(batch), steps, max(1, steps // evaluations), subset, parts, config.seed)]
 
         point = branch_point(run, plan.ladder, config.seed, iteration)
         if point is None:
@@ -191,8 +191,8 @@ def measure(states: Sequence[tuple[int, float, dict, dict]], config: TrainConfig
 
 def branch(config: TrainConfig, data: Dataset, device: torch.device,
            model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any], batch: int,
-           lr: float, steps: int, every: int, subset: int, parts: Parts | None
-           ) -> list[tuple[int, float]]:
+           lr: float, steps: int, every: int, subset: int, parts: Parts | None,
+           subset_seed: int) -> list[tuple[int, float]]:
     """(iteration, train loss on a fixed subset) every ``every`` steps of ``steps`` at
     ``batch`` from the state, and at its end; a diverged run ends at +inf."""
     run = config.replace(batch_size=batch, lr=lr, strategy="blr", targets=(),
@@ -201,6 +201,10 @@ def branch(config: TrainConfig, data: Dataset, device: torch.device,
                          diversity_every_epochs=None, online_diversity="off",
                          micro_batch=None, eval_subset=subset if subset < data.n_train else None)
     trainer = Trainer(run, DistContext(device=device), dataset=data, parts=parts)
+    # every branch (the replicate's other data order too) is read on the pilot's subset: the
+    # replicate's seed would pick another, and the subsets' difference would pass for chance
+    # variation between B0's two runs
+    trainer.eval_train = trainer.train_subset(subset, subset_seed)
     trainer.model.load_state_dict(model_state)
     saved = copy.deepcopy(optimizer_state)
     for group in saved["param_groups"]:

@@ -203,13 +203,7 @@ class Trainer:
         self.prepared_stats: PreparedStats | None = None  # made on the first monitored step
         self._backward_seed: tuple[float, torch.Tensor] | None = None  # (scale, tensor), reused
 
-        subset = config.eval_subset
-        if subset is not None and subset < self.n:
-            pick = torch.randperm(self.n, generator=torch.Generator().manual_seed(config.seed))
-            pick = pick[:subset].to(ctx.device)
-            self.eval_train = (self.data.x_train[pick], self.data.y_train[pick])
-        else:
-            self.eval_train = (self.data.x_train, self.data.y_train)
+        self.eval_train = self.train_subset(config.eval_subset or self.n, config.seed)
 
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
         # the data a checkpoint was trained on: a resume on other data is refused
@@ -549,7 +543,7 @@ class Trainer:
             # every branch (the replicate's other data order too) is read on one subset,
             # this run's: the branch's seed would pick another, and the subsets' difference
             # would pass for chance variation between B0's two runs
-            trainer.eval_train = self.branch_subset(subset)
+            trainer.eval_train = self.train_subset(subset, self.config.seed)
             trainer.model.load_state_dict(self.model.state_dict())
             state = copy.deepcopy(self.optimizer.state_dict())
             for group in state["param_groups"]:
@@ -565,12 +559,13 @@ class Trainer:
             curve.append((steps * batch, math.inf))
         return curve
 
-    def branch_subset(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fixed train subset of ``size`` examples the branches are evaluated on, drawn
-        from this run's seed (the whole train set when it is no larger)."""
+    def train_subset(self, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fixed train subset of ``size`` examples drawn from ``seed`` that the training
+        loss is evaluated on (the whole train set when it is no larger); branches pass their
+        parent run's seed, so that every branch is read on one subset."""
         if size >= self.n:
             return self.data.x_train, self.data.y_train
-        pick = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.config.seed))
+        pick = torch.randperm(self.n, generator=torch.Generator().manual_seed(seed))
         pick = pick[:size].to(self.ctx.device)
         return self.data.x_train[pick], self.data.y_train[pick]
 
