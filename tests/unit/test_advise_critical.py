@@ -133,8 +133,8 @@ def test_the_replicate_is_read_on_the_base_runs_subset() -> None:
 
     from batchbound.advise.critical import branch
     from batchbound.train import TrainConfig
-    from batchbound.train.loop import Trainer
     from batchbound.train.distributed import DistContext
+    from batchbound.train.loop import Trainer
 
     config = TrainConfig(dataset="digits", model="fc(depth=1,params=2000)", batch_size=16,
                          lr=0.1)
