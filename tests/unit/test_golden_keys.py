@@ -31,12 +31,16 @@ CONFIGS = {
 }
 # every packaged preset's planned keys (tuning runs, then finals at each cell's first η),
 # hashed together (skipped where the preset's data is not on this machine; the Fashion-MNIST
-# ones take half a minute each to plan, so they are slow tests)
+# and full-fortunes ones take half a minute each to plan, so they are slow tests)
 PRESETS: dict[str, str] = {
     "architectures-digits": "09c2461f25d24175",
+    "architectures-fashion": "c78f5b371126e4e5",
     "dropconnect-timing-digits": "d4c039c1ff93dc7a",
+    "dropconnect-timing-fashion": "a60c4e4cfcacbc0e",
     "generalization-digits": "21b1ce63cfe66450",
+    "generalization-fashion": "1b28b9d13d59f0b0",
     "linear-width-depth-synthetic": "4b2c9747a898edec",
+    "lm-speedup-fortunes": "de7a1b7de87c5603",
     "lm-speedup-text": "aeafb0479c9d2492",
     "replication-digits": "c72b529b3edbc5da",
     "replication-fashion": "8dc62ac303ae6013",
@@ -74,7 +78,8 @@ def key_without_files(run) -> str:
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.slow) if "fashion" in n else n for n in preset_names()])
+    pytest.param(n, marks=pytest.mark.slow) if n.endswith(("-fashion", "-fortunes")) else n
+    for n in preset_names()])
 def test_preset_run_keys_are_unchanged(name):
     try:
         digest = plan_digest(name)
