@@ -279,6 +279,11 @@ def test_settings_that_differ_from_the_papers_are_named():
     assert "linear networks" in settings.gaussian_linear(relu)
     gaussian = {"models": {"specs": ["linear(depth=1,width=8,init=normal,init_std=0.2)"]}}
     assert settings.gaussian_linear(gaussian) == ""
+    timing = {"data": [{"dataset": "fashion-mnist", "transform": None}],
+              "train": {"mechanism_granularity": "example"}}
+    text = settings.mechanism_timing(timing)
+    assert "MNIST to 90/95/99 %" in text and "fashion-mnist" in text and "per-example" in text
+    assert settings.mechanism_timing({"data": [{"dataset": "mnist"}], "train": {}}) == ""
 
 
 # ---- stability pairs share their tuned step size ----------------------------------------------
