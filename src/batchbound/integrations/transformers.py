@@ -220,13 +220,9 @@ class DiversityCallback(transformers.TrainerCallback):
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None,
                **kwargs: Any) -> None:
-        if not self._pending or logs is None:
-            return
-        logs.update(self._pending)
-        history = state.log_history
-        if history and history[-1].get("step") == state.global_step:
-            history[-1].update(self._pending)  # the Trainer appended a copy before on_log
-        self._pending = {}
+        if self._pending and logs is not None:
+            _log_into(logs, state, self._pending)
+            self._pending = {}
 
     # ------------------------------------------------------------------ the end
 
@@ -239,6 +235,26 @@ class DiversityCallback(transformers.TrainerCallback):
         if self._forward is not None:
             self._forward.remove()
             self._forward = None
+
+
+def _log_into(logs: dict, state: Any, values: dict) -> None:
+    """Add ``values`` to this log call and to the copy the Trainer appended before on_log."""
+    logs.update(values)
+    history = state.log_history
+    if history and history[-1].get("step") == state.global_step:
+        history[-1].update(values)
+
+
+def _grow(warmup: Any, factor: float, args: Any, optimizer: Any, lr_scheduler: Any
+          ) -> dict[str, float]:
+    """Apply a warmup's growth by ``factor`` to the Trainer (accumulation steps, the rates);
+    its metrics to log, or {} when it did not grow."""
+    if factor == 1.0:
+        return {}
+    args.gradient_accumulation_steps = warmup.accumulation
+    if optimizer is not None:
+        warmup.scale_rates(optimizer, factor, lr_scheduler)
+    return warmup.metrics()
 
 
 def _batch_size(args: tuple, kwargs: dict) -> int:
@@ -297,13 +313,8 @@ class BatchWarmupCallback(DiversityCallback):
                        lr_scheduler: Any = None, **kwargs: Any) -> None:
         if self.warmup is None or self.monitor is None:
             return
-        factor = self.warmup.apply(self.monitor)
-        if factor == 1.0:
-            return
-        args.gradient_accumulation_steps = self.warmup.accumulation
-        if optimizer is not None:
-            self.warmup.scale_rates(optimizer, factor, lr_scheduler)
-        self._warm_log = self.warmup.metrics()
+        self._warm_log = _grow(self.warmup, self.warmup.apply(self.monitor), args, optimizer,
+                               lr_scheduler) or self._warm_log
 
 
 class BranchWarmupCallback(transformers.TrainerCallback):
@@ -359,19 +370,11 @@ class BranchWarmupCallback(transformers.TrainerCallback):
                        lr_scheduler: Any = None, **kwargs: Any) -> None:
         if self.warmup is None:
             return
-        factor = self.warmup.apply()
-        if factor == 1.0:
-            return
-        args.gradient_accumulation_steps = self.warmup.accumulation
-        if optimizer is not None:
-            self.warmup.scale_rates(optimizer, factor, lr_scheduler)
-        self._warm_log = self.warmup.metrics()
+        self._warm_log = _grow(self.warmup, self.warmup.apply(), args, optimizer,
+                               lr_scheduler) or self._warm_log
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None,
                **kwargs: Any) -> None:
         if logs is not None and self._warm_log:
-            logs.update(self._warm_log)
-            history = state.log_history
-            if history and history[-1].get("step") == state.global_step:
-                history[-1].update(self._warm_log)  # the Trainer appended a copy before
+            _log_into(logs, state, self._warm_log)
             self._warm_log = {}
