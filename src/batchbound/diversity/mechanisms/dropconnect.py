@@ -78,8 +78,16 @@ def sample(
     rescale: bool,
 ) -> list[Tensor]:
     # one mask entry per coordinate: the batch dimensions need no special care
-    return [
-        t * dropconnect_mask(t.shape, mech.p, generator=generator, device=t.device,
-                             dtype=t.dtype, rescale=rescale)
-        for t in tensors
-    ]
+    return [masked(t, mech.p, generator, rescale=rescale) for t in tensors]
+
+
+def masked(t: Tensor, p: float, generator: torch.Generator | None, *, rescale: bool) -> Tensor:
+    """t times a fresh mask, with fewer passes over t: the same draws and the same
+    bits as ``t * dropconnect_mask(t.shape, p, ..., rescale=rescale)`` (per-example DropConnect
+    masks B × |w| entries per step, so these passes were most of its cost)."""
+    require_p(p)
+    keep = torch.rand(t.shape, generator=generator, device=t.device, dtype=t.dtype) >= p
+    out = t * keep.to(t.dtype)  # faster than torch.where or masked_fill on CPU
+    if rescale:  # the factor rounded as dropconnect_mask rounds it: 1 / (1 − p) in t's dtype
+        out.mul_(torch.ones((), dtype=t.dtype, device=t.device) / (1.0 - p))
+    return out
