@@ -97,3 +97,36 @@ def test_a_changing_batch_leaves_the_first_evaluation_unjudged_by_step() -> None
     config = ('{"eval_every_epochs": 0.01, "eval_growth": 1.5, "batch_size": 16, '
               '"batch_policy": "warmup(every=5)"}')
     assert A._second_evaluation(config, N) == pytest.approx(0.015)  # by epochs alone
+
+
+def _curves(result, metric: str) -> list[tuple[int, float]]:
+    return [(i, v) for i, _, _, v in result.curve(metric)]
+
+
+@pytest.mark.parametrize("target", [("train_acc", 0.9), None])
+def test_eval_test_last_evaluates_the_test_split_once_with_the_same_numbers(target) -> None:
+    # stopped by a target or by max_epochs: the run's last evaluation carries the test split,
+    # with the value the every-evaluation run records at that iteration; train metrics agree
+    from batchbound.train import Target
+
+    base = dict(dataset="digits", model="fc(depth=1,params=800)", batch_size=32, lr=0.1,
+                max_epochs=1.0, eval_every_epochs=0.1,
+                targets=(Target(*target),) if target else ())
+    every = train(TrainConfig(**base))
+    last = train(TrainConfig(**base, eval_test="last"))
+    assert _curves(last, "train_loss") == _curves(every, "train_loss")
+    assert len(_curves(every, "test_acc")) > 3
+    assert _curves(last, "test_acc") == _curves(every, "test_acc")[-1:]
+    assert last.final["test_acc"] == every.final["test_acc"]
+    assert TrainConfig(**base).config_hash() == TrainConfig(**base, eval_test="every").config_hash()
+
+
+def test_eval_test_last_refuses_a_test_target() -> None:
+    from batchbound.train import Target
+
+    with pytest.raises(BatchboundError, match=r"test_acc.*eval_test"):
+        TrainConfig(dataset="digits", model="fc(depth=1,params=800)", batch_size=32, lr=0.1,
+                    eval_test="last", targets=(Target("test_acc", 0.9),))
+    with pytest.raises(BatchboundError, match="eval_test"):
+        TrainConfig(dataset="digits", model="fc(depth=1,params=800)", batch_size=32, lr=0.1,
+                    eval_test="sometimes")

@@ -180,6 +180,11 @@ class TrainConfig:
     eval_subset: int | None = option(None, "evaluation",
                                      "train metrics on this many fixed examples")
     eval_batch_size: int = option(4096, "evaluation", "examples per evaluation chunk")
+    eval_test: str = option(
+        "every", "evaluation", "when to evaluate the test split: every (at each evaluation) | "
+        "last (at the run's last evaluation only: where train metrics drive the run, evaluating "
+        "10 000 test examples each time can cost more than the training)",
+        choices=("every", "last"))
     # diversity
     diversity_every_epochs: float | None = option(
         None, "evaluation", "measure the exact Δ and n·Δ over the whole train set every k "
@@ -291,6 +296,10 @@ class TrainConfig:
         """The spec strings parse now (a typo fails before any work) and fit together."""
         self.parsed_strategy()
         mechanism = self.parsed_mechanism()
+        tested = [t.name for t in self.targets if t.metric.startswith("test_")]
+        if self.eval_test == "last" and tested:
+            raise BatchboundError(f"target {tested[0]} needs the test split at every evaluation;"
+                                  " eval_test = 'last' evaluates it only at the end")
         if self.online_diversity != "off" and not mechanism.is_identity:
             raise BatchboundError(
                 "online_diversity estimates the plain gradient's diversity and cannot be "

@@ -226,6 +226,7 @@ class Trainer:
         self.last_batch_loss = math.nan
         self.next_eval_epoch = config.eval_every_epochs or math.inf
         self.last_eval_iteration = -1
+        self.test_iteration = -1  # where the test split was last evaluated (eval_test = "last")
         self.metrics: dict[str, float] = {}
         self.curves: list[tuple[int, float, float, str, float]] = []
         self.targets = [TargetResult(t.name, t.metric, t.threshold) for t in config.targets]
@@ -261,8 +262,8 @@ class Trainer:
                     self.message = f"stopped by {stop.signal_name or 'a signal on another rank'}"
                     self.checkpoint_step()
                     break
-            if self.status == "complete" and self.last_eval_iteration != self.iteration:
-                self.evaluate_step()
+            if self.status == "complete":
+                self.last_evaluation()
             if self.status == "complete" and self.config.final_probes:
                 self.probe_step()
         except NonFiniteLossError as exc:
@@ -428,7 +429,33 @@ class Trainer:
             g.copy_(chunk.view_as(g))
         return flat[-len(extras) :].tolist(), flat.numel() * flat.element_size()
 
-    def evaluate_step(self) -> None:
+    def last_evaluation(self) -> None:
+        """The run's last evaluation, which carries the test split whatever ``eval_test``."""
+        if self.last_eval_iteration != self.iteration:
+            self.evaluate_step(last=True)
+        elif self.data.n_test > 0 and self.test_iteration != self.iteration:
+            started = time.perf_counter()
+            self.evaluate_test(self.metrics)
+            self.timer.totals["eval"] = (self.timer.totals.get("eval", 0.0)
+                                         + time.perf_counter() - started)
+
+    def evaluate_test(self, metrics: dict[str, float]) -> None:
+        """Test loss (and accuracy) into ``metrics`` and the run's records."""
+        test = evaluate(
+            self.model,
+            self.data.x_test,
+            self.data.y_test,
+            self.loss_fn,
+            self.ctx,
+            self.config.eval_batch_size,
+            self.classification,
+        )
+        for name, value in test.items():
+            metrics[f"test_{name}"] = value
+            self.record(f"test_{name}", value)
+        self.test_iteration = self.iteration
+
+    def evaluate_step(self, last: bool = False) -> None:
         started = time.perf_counter()
         cfg, data = self.config, self.data
         train = evaluate(
@@ -440,20 +467,11 @@ class Trainer:
             self.classification,
         )
         metrics = {f"train_{k}": v for k, v in train.items()}
-        if data.n_test > 0:
-            test = evaluate(
-                self.model,
-                data.x_test,
-                data.y_test,
-                self.loss_fn,
-                self.ctx,
-                cfg.eval_batch_size,
-                self.classification,
-            )
-            metrics.update({f"test_{k}": v for k, v in test.items()})
-        self.metrics = metrics
         for name, value in metrics.items():
             self.record(name, value)
+        if data.n_test > 0 and (cfg.eval_test == "every" or last):
+            self.evaluate_test(metrics)
+        self.metrics = metrics
         if self.initial_loss is None:
             self.initial_loss = metrics["train_loss"]
         for target, goal in zip(self.targets, cfg.targets, strict=True):
