@@ -114,6 +114,36 @@ def test_three_regimes_need_a_linear_start_and_a_stagnant_end():
     assert verdict(runs(lambda b: 100 * (1 + 4 / b)), "three_regimes") != SUPPORTED
 
 
+def test_three_regimes_read_a_missed_largest_batch_as_censored_not_stagnant():
+    # perfect scaling to B = 2048, then B = 4096 misses the target within the budget: its α
+    # is only bounded, log(k_2048 / K_4096)/log 2 with K = max_epochs·n/4096 (−∞ before,
+    # which "supported" stagnation that the runs never showed)
+    n = 100_000
+
+    def runs(max_reached: int) -> pd.DataFrame:
+        return pd.DataFrame([
+            {"key": f"{b}-{s}", "model_label": "M", "batch_size": b, "seed": s,
+             "n_train": n, "iterations": 1e5 / b if b <= max_reached else math.inf,
+             "epochs": 1e5 / n if b <= max_reached else math.inf,
+             "reached": b <= max_reached, "diverged": False}
+            for b in [16, 32, 64, 128, 256, 512, 1024, 2048, 4096] for s in range(3)])
+
+    def finding(max_epochs: float):
+        context = Context(evidence=Evidence(runs(2048), draws=50), budget=2.0,
+                          max_batch=4096.0, spec={"train": {"max_epochs": max_epochs}})
+        return CLAIMS["three_regimes"].test(context)
+
+    # 1.5 epochs: K = 36.6 against k_2048 = 48.8, α ≤ 0.41: no sign of stagnation
+    loose = finding(1.5)
+    assert loose.verdict != SUPPORTED
+    assert "censored" in loose.evidence and "≤ 0.415" in loose.evidence
+    # a bound never contradicts: 1.05 epochs, K = 25.6, α ≤ 0.93
+    assert finding(1.05).verdict != CONTRADICTED
+    # 2.2 epochs: B = 4096 missed in more iterations (K = 53.7) than B = 2048 needed, so
+    # α ≤ −0.14: stagnant whatever the censored value
+    assert finding(2.2).verdict == SUPPORTED
+
+
 def test_claims_apply_only_to_what_the_study_varies():
     one_depth = per_run({2: 128}).assign(width=50)
     context = Context(evidence=Evidence(one_depth, draws=20), budget=2.0, max_batch=1024.0)

@@ -30,9 +30,22 @@ SOURCE = "inefficiency"
 LINEAR, STAGNANT = 0.8, 0.1  # the regimes' α thresholds (analysis.speedup)
 
 
-def _first_last(model: Model, row: int) -> tuple[float, float]:
+def _first_last(model: Model, row: int, max_epochs: float | None) -> tuple[float, float]:
+    """The first and the last step's α. A last step into a miss is censored, not −∞: that
+    batch m had K = max_epochs·n/m iterations and did not reach the target, so α there is
+    at most log(k_prev/K)/log(m/m_prev), and that bound stands in for it (NaN where the
+    batch before missed too, or the budget is unknown)."""
     steps = A.alphas(model.batches, model.iterations[row])
-    return (steps[0], steps[-1]) if len(steps) >= 2 else (math.nan, math.nan)
+    if len(steps) < 2:
+        return math.nan, math.nan
+    last = steps[-1]
+    if last == -math.inf:
+        (b_prev, b), (k_prev, k) = model.batches[-2:], model.iterations[row][-2:]
+        n = model.labels.get("n_train")
+        last = math.nan
+        if max_epochs and n and math.isfinite(k_prev) and not math.isfinite(k):
+            last = math.log(k_prev / (max_epochs * float(n) / b)) / math.log(b / b_prev)
+    return steps[0], last
 
 
 @register_claim(SOURCE, needs=("batch_size",))
@@ -42,8 +55,9 @@ def three_regimes(context: Context) -> Finding:
              f"(α ≥ {LINEAR}), that of the last step with stagnation (α < {STAGNANT}), and α "
              "falls between them.")
     parts, verdicts = [], []
+    max_epochs = context.spec.get("train", {}).get("max_epochs")
     for model in context.evidence.models:
-        rows = [_first_last(model, r) for r in range(context.evidence.draws + 1)]
+        rows = [_first_last(model, r, max_epochs) for r in range(context.evidence.draws + 1)]
         first = np.array([a for a, _ in rows])
         last = np.array([b for _, b in rows])
         if math.isnan(first[0]):
@@ -56,11 +70,18 @@ def three_regimes(context: Context) -> Finding:
         low_first, high_first = interval(first)
         low_last, high_last = interval(last)
         low_drop, high_drop = interval(drop)
+        # a censored last step gives bounds: α_last at most, the fall at least, so they can
+        # support stagnation (conservatively) but never contradict it
+        censored = not np.isfinite(model.iterations[:, -1]).all()
         shows = high_first >= LINEAR and low_last < STAGNANT and low_drop > 0
-        verdicts.append(directional(context, shows, high_drop <= 0))
+        verdicts.append(directional(context, shows, high_drop <= 0 and not censored))
+        at_most, at_least = ("≤ ", "≥ ") if censored else ("", "")
         parts.append(f"{model.name}: first α {fmt(first[0])} {span(low_first, high_first)}, "
-                     f"last α {fmt(last[0])} {span(low_last, high_last)}, fall "
-                     f"{span(low_drop, high_drop)}")
+                     f"last α {at_most}{fmt(last[0])} {span(low_last, high_last)}, fall "
+                     f"{at_least}{span(low_drop, high_drop)}"
+                     + (f" (B = {fmt(float(model.batches[-1]))} missed the target within "
+                        f"{fmt(max_epochs)} epochs in some or all draws: censored, its α "
+                        "bounded by the budget)" if censored else ""))
     return Finding(SOURCE, claim, all_models(verdicts), "; ".join(parts) + " (95 % intervals)."
                    + one_run_note(context))
 
