@@ -81,9 +81,19 @@ def test_speedup_and_regimes():
     assert s.loc[64, "ideal"] == 4 and s.loc[64, "efficiency"] == pytest.approx(1000 / 1200)
     assert s.loc[32, "alpha"] == pytest.approx(1.0)
     assert s.loc[64, "alpha"] == pytest.approx(math.log(5 / 3) / math.log(2))
-    assert s["regime"].tolist() == ["", "linear", "diminishing", "stagnant", "stagnant"]
+    # B = 256 missed: censored, not stagnant, unless the budget bounds its α below 0.1
+    assert s["regime"].tolist() == ["", "linear", "diminishing", "stagnant", "censored"]
     bounds = A.regime_boundaries(A.speedup(summary)).iloc[0]
-    assert bounds["linear_until"] == 32 and bounds["stagnation_from"] == 64
+    assert bounds["linear_until"] == 32 and math.isnan(bounds["stagnation_from"])
+    # 256 had 3·16 000/256 = 187.5 iterations (< 280 at 128): α ≤ 0.58, still censored;
+    # with 6 epochs, 375 > 280 iterations: α ≤ −0.42, stagnant
+    for epochs, regime, start in ((3, "censored", math.nan), (6, "stagnant", 64)):
+        s = A.speedup(summary.assign(n_train=16_000), max_epochs=epochs)
+        assert s["regime"].iloc[-1] == regime
+        assert s["alpha"].iloc[-1] == pytest.approx(math.log(280 / (epochs * 16_000 / 256))
+                                                    / math.log(2))
+        found = A.regime_boundaries(s).iloc[0]["stagnation_from"]
+        assert found == start or (math.isnan(start) and math.isnan(found))
 
 
 def test_speedup_starts_at_first_reached_batch():

@@ -265,6 +265,7 @@ def summarize_to_target(per_run: pd.DataFrame, value: str = "epochs") -> pd.Data
             "min": float(values.min()),
             "max": float(values.max()),
             **({"lr": float(frame["lr"].median())} if "lr" in frame else {}),
+            **({"n_train": float(frame["n_train"].max())} if "n_train" in frame else {}),
         })
     return pd.DataFrame(rows)
 
@@ -304,18 +305,35 @@ def largest_within(batches: Sequence[float], epochs: Sequence[float], budget: fl
     return float(max(ok)) if ok else math.nan
 
 
-def alphas(batches: Sequence[float], iterations: Sequence[float]) -> list[float]:
+def alphas(batches: Sequence[float], iterations: Sequence[float],
+           budgets: Sequence[float] | None = None) -> list[float]:
     """The local scaling exponent of each step from the first batch that reaches the target:
-    α = log(k_prev/k)/log(m/m_prev); −∞ for a step into (or out of) a miss."""
+    α = log(k_prev/k)/log(m/m_prev). A step into a miss is censored: with ``budgets`` (the
+    iterations each batch had, max_epochs·n/m) its α is at most log(k_prev/K)/log(m/m_prev),
+    and that bound stands in for it; without, or out of a miss, NaN (never −∞: a miss within
+    a budget is not evidence of stagnation)."""
     pairs = list(zip(batches, iterations, strict=True))
     first = next((i for i, (_, k) in enumerate(pairs) if math.isfinite(k)), None)
     if first is None:
         return []
     out = []
-    for (b0, k0), (b1, k1) in zip(pairs[first:], pairs[first + 1:], strict=False):
-        out.append(math.log(k0 / k1) / math.log(b1 / b0)
-                   if math.isfinite(k0) and math.isfinite(k1) else -math.inf)
+    for i in range(first, len(pairs) - 1):
+        (b0, k0), (b1, k1) = pairs[i], pairs[i + 1]
+        if math.isfinite(k0) and math.isfinite(k1):
+            out.append(math.log(k0 / k1) / math.log(b1 / b0))
+        elif math.isfinite(k0) and budgets is not None and budgets[i + 1] > 0:
+            out.append(math.log(k0 / budgets[i + 1]) / math.log(b1 / b0))
+        else:
+            out.append(math.nan)
     return out
+
+
+def iteration_budgets(batches: Sequence[float], n_train: float | None,
+                      max_epochs: float | None) -> list[float] | None:
+    """The iterations each batch had (max_epochs·n/m), or None when either is unknown."""
+    if not n_train or not max_epochs:
+        return None
+    return [float(max_epochs) * float(n_train) / float(b) for b in batches]
 
 
 def largest_batch_within(summary: pd.DataFrame, epochs: float) -> pd.DataFrame:
@@ -327,9 +345,12 @@ def largest_batch_within(summary: pd.DataFrame, epochs: float) -> pd.DataFrame:
                          for group, frame in groups])
 
 
-def speedup(summary: pd.DataFrame, linear: float = 0.8, stagnant: float = 0.1) -> pd.DataFrame:
+def speedup(summary: pd.DataFrame, linear: float = 0.8, stagnant: float = 0.1,
+            max_epochs: float | None = None) -> pd.DataFrame:
     """s(m; m0) per model from an iterations summary, with the ideal, efficiency, local
-    exponent α and the regime of the step into each m."""
+    exponent α and the regime of the step into each m. A step into a miss is "censored":
+    with ``max_epochs`` (and the summary's ``n_train``) its α is the budget's bound, and
+    "stagnant" only when that bound is."""
     groups, keys = _by_model(summary)
     rows = []
     for group, frame in groups:
@@ -338,14 +359,20 @@ def speedup(summary: pd.DataFrame, linear: float = 0.8, stagnant: float = 0.1) -
             continue
         m0 = int(reached["batch_size"].iloc[0])
         k0 = float(reached["median"].iloc[0])
-        steps = [math.nan, *alphas(frame["batch_size"], frame["median"])]
+        n = float(frame["n_train"].iloc[0]) if "n_train" in frame else None
+        budgets = iteration_budgets(frame["batch_size"].tolist(), n, max_epochs)
+        steps = [math.nan, *alphas(frame["batch_size"], frame["median"], budgets)]
         tail = frame[frame["batch_size"] >= m0]
         diverged = tail["diverged"] if "diverged" in tail else [0] * len(tail)
         for batch, k, alpha, dead in zip(tail["batch_size"], tail["median"], steps, diverged,
                                          strict=True):
-            regime = "" if math.isnan(alpha) else ("linear" if alpha >= linear else
-                                                   "stagnant" if alpha < stagnant
-                                                   else "diminishing")
+            if not math.isfinite(k):  # a bound at most: stagnant only if the bound is
+                regime = "stagnant" if alpha < stagnant else "censored"
+            elif math.isnan(alpha):  # m0, or a step out of a miss
+                regime = ""
+            else:
+                regime = ("linear" if alpha >= linear else "stagnant" if alpha < stagnant
+                          else "diminishing")
             s = k0 / k if math.isfinite(k) else 0.0
             rows.append({**dict(zip(keys, group, strict=True)), "batch_size": int(batch),
                          "iterations": k, "speedup": s, "ideal": batch / m0,

@@ -68,7 +68,8 @@ def analyze(frames: dict[str, pd.DataFrame], spec: dict[str, Any],
     per_run = A.per_run_to_target(runs, frames["targets"], targets[0] if targets else None)
     epochs = A.summarize_to_target(per_run, "epochs")
     iterations = A.summarize_to_target(per_run, "iterations")
-    speedups = A.speedup(iterations)
+    max_epochs = train.get("max_epochs")
+    speedups = A.speedup(iterations, max_epochs=max_epochs)
     loss_thresholds = A.loss_threshold(runs, frames["curves"])
     per_loss = A.per_run_to_loss(runs, frames["curves"], loss_thresholds)
     cadence = float(train.get("diversity_every_epochs") or 0.0)
@@ -83,11 +84,12 @@ def analyze(frames: dict[str, pd.DataFrame], spec: dict[str, Any],
         regimes=A.regime_boundaries(speedups) if len(speedups) else pd.DataFrame(),
         critical=A.critical_batch(per_run), critical_joint=A.critical_batch(per_run, by=[]),
         loss_thresholds=loss_thresholds,
-        loss_speedups=A.speedup(A.summarize_to_target(per_loss, "iterations")),
+        loss_speedups=A.speedup(A.summarize_to_target(per_loss, "iterations"),
+                                max_epochs=max_epochs),
         along=A.diversity_along_training(runs, frames["diversity"]), diversity=diversity,
         delta_runs=delta_runs, targets=targets,
         # shown only for several targets; the first target's tables are the ones above
-        by_target=target_table(runs, frames["targets"], targets, float(budget))
+        by_target=target_table(runs, frames["targets"], targets, float(budget), max_epochs)
         if len(targets) > 1 else pd.DataFrame(),
     )
     for name, value in vars(out).items():
@@ -100,7 +102,7 @@ def analyze(frames: dict[str, pd.DataFrame], spec: dict[str, Any],
 
 
 def target_table(runs: pd.DataFrame, targets: pd.DataFrame, names: list[str],
-                 budget: float) -> pd.DataFrame:
+                 budget: float, max_epochs: float | None = None) -> pd.DataFrame:
     """Per model and target: B*, the largest B within E epochs, near-linear up to, and
     B_crit with its 95 % interval; one block per target the runs were trained to."""
     blocks = []
@@ -110,7 +112,8 @@ def target_table(runs: pd.DataFrame, targets: pd.DataFrame, names: list[str],
         keys = [*A.model_keys(epochs), *[c for c in A.SHAPE_COLUMNS if c in epochs]]
         table = A.threshold_batch(epochs).merge(A.largest_batch_within(epochs, budget),
                                                 on=keys, how="outer")
-        speedups = A.speedup(A.summarize_to_target(per_run, "iterations"))
+        speedups = A.speedup(A.summarize_to_target(per_run, "iterations"),
+                             max_epochs=max_epochs)
         if len(speedups):
             table = table.merge(A.regime_boundaries(speedups), on=keys, how="left")
         crit = A.critical_batch(per_run)

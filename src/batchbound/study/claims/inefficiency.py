@@ -30,22 +30,18 @@ SOURCE = "inefficiency"
 LINEAR, STAGNANT = 0.8, 0.1  # the regimes' α thresholds (analysis.speedup)
 
 
+def _steps(model: Model, row: int, max_epochs: float | None) -> list[float]:
+    """α of each step; a step into a miss bounded by the budget (analysis.alphas)."""
+    n = model.labels.get("n_train")
+    budgets = A.iteration_budgets(model.batches, float(n) if n else None, max_epochs)
+    return A.alphas(model.batches, model.iterations[row], budgets)
+
+
 def _first_last(model: Model, row: int, max_epochs: float | None) -> tuple[float, float]:
-    """The first and the last step's α. A last step into a miss is censored, not −∞: that
-    batch m had K = max_epochs·n/m iterations and did not reach the target, so α there is
-    at most log(k_prev/K)/log(m/m_prev), and that bound stands in for it (NaN where the
-    batch before missed too, or the budget is unknown)."""
-    steps = A.alphas(model.batches, model.iterations[row])
-    if len(steps) < 2:
-        return math.nan, math.nan
-    last = steps[-1]
-    if last == -math.inf:
-        (b_prev, b), (k_prev, k) = model.batches[-2:], model.iterations[row][-2:]
-        n = model.labels.get("n_train")
-        last = math.nan
-        if max_epochs and n and math.isfinite(k_prev) and not math.isfinite(k):
-            last = math.log(k_prev / (max_epochs * float(n) / b)) / math.log(b / b_prev)
-    return steps[0], last
+    """The first and the last step's α; a last step into a miss is censored, its bound
+    (at most log(k_prev/K)/log(m/m_prev), K = max_epochs·n/m) stands in for it."""
+    steps = _steps(model, row, max_epochs)
+    return (steps[0], steps[-1]) if len(steps) >= 2 else (math.nan, math.nan)
 
 
 @register_claim(SOURCE, needs=("batch_size",))
@@ -86,11 +82,11 @@ def three_regimes(context: Context) -> Finding:
                    + one_run_note(context))
 
 
-def _stagnation(model: Model, row: int) -> float:
-    """The smallest batch from which every following step is stagnant (NaN if none)."""
+def _stagnation(model: Model, row: int, max_epochs: float | None) -> float:
+    """The smallest batch from which every following step is stagnant (NaN if none); a
+    censored step counts only where its bound is stagnant."""
     first = next((i for i, k in enumerate(model.iterations[row]) if math.isfinite(k)), 0)
-    return A.stagnation_start(model.batches[first:],
-                              A.alphas(model.batches, model.iterations[row]), STAGNANT)
+    return A.stagnation_start(model.batches[first:], _steps(model, row, max_epochs), STAGNANT)
 
 
 @register_claim(SOURCE, needs=("n_train",))
@@ -106,8 +102,9 @@ def stagnation_ignores_data_size(context: Context) -> Finding:
     if not groups:
         return Finding(SOURCE, claim, UNTESTABLE, "no model was trained on several sizes")
     parts, verdicts = [], []
+    max_epochs = context.spec.get("train", {}).get("max_epochs")
     for models in groups.values():
-        points = np.array([[_stagnation(m, r) for m in models]
+        points = np.array([[_stagnation(m, r, max_epochs) for m in models]
                            for r in range(context.evidence.draws + 1)])
         spread = np.log2(np.nanmax(points, axis=1) / np.nanmin(points, axis=1))
         spread[np.isnan(points).any(axis=1)] = np.inf  # no stagnation in a draw: no evidence
