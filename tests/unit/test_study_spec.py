@@ -243,3 +243,13 @@ def test_train_optimizer_reaches_every_run():
     assert all("optimizer" not in r.fields for r in plain)  # stored keys unchanged
     with pytest.raises(BatchboundError, match="momentum is SGD's"):
         study_from_dict(raw(train__optimizer="adam", train__momentum=0.9))
+
+
+def test_diversity_every_epochs_zero_turns_the_exact_delta_off():
+    # TOML has no None: 0 gives final runs no Δ measurement (and no pass over the data)
+    off = study_from_dict(raw(train__diversity_every_epochs=0)).train
+    on = study_from_dict(raw(train__diversity_every_epochs=2)).train
+    assert off.run_fields(with_targets=True)["diversity_every_epochs"] is None
+    assert on.run_fields(with_targets=True)["diversity_every_epochs"] == 2
+    with pytest.raises(BatchboundError, match="diversity_every_epochs"):
+        study_from_dict(raw(train__diversity_every_epochs=-1))

@@ -182,7 +182,7 @@ class TrainSpec:
     convention: str = "mean"
     sampling: str = "epoch"
     eval_every_epochs: float = 0.25
-    diversity_every_epochs: float | None = 1.0
+    diversity_every_epochs: float | None = 1.0  # 0: no exact Δ (a pass over n per measurement)
     mechanisms: tuple[str, ...] = ("none",)
     mechanism_granularity: str = "worker"  # example: [diversity]'s per-example draws (costly)
     workers: int = 1
@@ -240,6 +240,8 @@ class TrainSpec:
         for name, without in FINAL_RUN_FIELDS.items():
             value = getattr(self, name) if with_targets else without
             out[name] = list(value) if isinstance(value, tuple) else value
+        if out["diversity_every_epochs"] == 0:  # TOML has no None: 0 turns the exact Δ off
+            out["diversity_every_epochs"] = None
         return out
 
     @property
