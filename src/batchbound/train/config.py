@@ -38,7 +38,7 @@ NOT_HASHED = ("data_dir",)
 # their default, so a config that leaves them alone keeps the key it had before they existed
 # (and finds its stored runs and checkpoints). A new field goes here, not into the hash.
 HASHED_WHEN_SET = ("snapshot_every_epochs", "final_probes", "micro_batch", "eval_growth",
-                   "optimizer", "betas", "eps", "data_files")
+                   "optimizer", "betas", "eps", "data_files", "eval_test")
 
 
 @dataclass(frozen=True)
