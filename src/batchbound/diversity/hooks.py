@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
 from torch.utils.hooks import RemovableHandle
 
 from batchbound.diversity.calls import CallRecord, CallRecorder, Inputs, call_model, flatten
@@ -188,6 +189,10 @@ class HooksPass:
         self.shapes: dict[tuple[str, int], ProbeShapes] = {}
         self.unused: set[str] = set()  # parameters no operation in the graph uses
         self.loss_uses: set[str] = set()  # parameters the loss function itself uses
+        # Parameters whose batch gradient the rules give (``own_sums``), and the calls whose
+        # output gradients autograd is asked for instead (``capture_edges``).
+        self.rule_sums: set[str] = set()
+        self._captures: list[CallRecord] = []
         self._ids = {id(p): name for name, p in params.items()}
         self._first = next(iter(params.values()))  # its dtype and device stand for all
         self._contributions: dict[str, int] = {}
@@ -258,6 +263,36 @@ class HooksPass:
             claimed = self.plan.claims[call.prefix].values()
             if call.key not in why and any(call in contributing.get(k, ()) for k in claimed):
                 self._hook_call(call)
+                self._own_sums(call, contributing)
+
+    def _own_sums(self, call: CallRecord, contributing: dict[str, list[CallRecord]]) -> None:
+        """The parameters of ``call`` (its only contributing call) whose batch gradient its
+        rule gives at no extra cost: autograd is asked for the call's output gradient instead,
+        so a backward that needs nothing below the call (a first layer) skips it."""
+        own = call.entry.own_sums
+        if (own is None or len(call.outputs) != 1 or call.outputs[0].node is None
+                or not isinstance(call.main_input, Tensor)):
+            return
+        claims = self.plan.claims[call.prefix]
+        names = [claims[local] for local in own(call.module, call.main_input,
+                                                call.outputs[0].shape) if local in claims]
+        names = [k for k in names if k not in self.reasons and contributing.get(k) == [call]]
+        if names:
+            self.rule_sums.update(names)
+            self._captures.append(call)
+
+    def capture_edges(self) -> list[GradientEdge]:
+        """The outputs whose gradients ``captured`` takes, for ``torch.autograd.grad``."""
+        return [GradientEdge(c.outputs[0].node, c.outputs[0].index) for c in self._captures]
+
+    def captured(self, grads: Sequence[Tensor | None]) -> None:
+        """The captured output gradients, for the calls whose node the backward did not run
+        (no prehook fired: nothing below them was asked for)."""
+        for call, grad in zip(self._captures, grads, strict=True):
+            if call.grads:  # not run yet
+                self.backward_seen = True
+                call.grads = [grad]
+                self._run(call)
 
     def finish(self) -> None:
         """After the backward pass: deferred calls, cross terms, and zeros for parameters
@@ -417,7 +452,7 @@ class HooksPass:
             else:
                 self.sq_norms[name] = form.sq_norms()
             self._fingerprint(name, form)
-            if not form.batch_sum_exact:
+            if not form.batch_sum_exact or name in self.rule_sums:
                 self.totals[name] = form.total().reshape(self.params[name].shape)
 
     def _defer(self, name: str, grads: Tensor) -> None:
@@ -625,9 +660,13 @@ def hooks_stats(
         check_losses(losses, n, offset)
         total = losses.sum()
         run.attach([total.grad_fn], output_nodes(outputs))
-        wanted = [name for name in params if name not in run.reasons]
-        grads = (gradients(total, [params[k] for k in wanted])
-                 if wanted and total.requires_grad else [None] * len(wanted))
+        wanted = [k for k in params if k not in run.reasons and k not in run.rule_sums]
+        edges = run.capture_edges()
+        grads: Sequence[Tensor | None] = [None] * len(wanted)
+        if (wanted or edges) and total.requires_grad:
+            found = gradients(total, [*(params[k] for k in wanted), *edges])
+            grads = found[: len(wanted)]
+            run.captured(found[len(wanted):])
         run.finish()
     finally:
         run.close()
@@ -639,6 +678,9 @@ def hooks_stats(
                                  "accounts for (a custom autograd.Function using it unseen?)")
             continue
         grad_sum[name] = run.totals.get(name, g)
+    for name in run.rule_sums:  # in the parameters' order below
+        grad_sum[name] = run.totals.get(name, torch.zeros_like(params[name]))
+    grad_sum = {name: grad_sum[name] for name in params if name in grad_sum}
     sq_norms = {k: v for k, v in run.sq_norms.items() if k in grad_sum}
     return HooksResult(losses.detach(), sq_norms, grad_sum, run.reasons, run.loss_uses,
                        run.precision)
