@@ -298,7 +298,8 @@ class HooksPass:
         """After the backward pass: deferred calls, cross terms, and zeros for parameters
         that took no part in this pass."""
         self._remove_hooks()
-        with torch.no_grad():  # the recorded inputs are the forward's own (not detached)
+        # the recorded inputs are the forward's own (not detached)
+        with torch.no_grad(), _no_autocast(self._first.device.type):
             self._finish()
 
     def _finish(self) -> None:
@@ -412,7 +413,7 @@ class HooksPass:
         """The rule on one call's inputs and output gradients, under no_grad: the recorded
         inputs are the forward's own tensors, and a backward with create_graph runs its
         hooks with grad enabled."""
-        with torch.no_grad():
+        with torch.no_grad(), _no_autocast(self._first.device.type):
             self._run_rule(call)
 
     def _run_rule(self, call: CallRecord) -> None:
@@ -552,6 +553,16 @@ class HooksPass:
 
     def _device(self, call: CallRecord) -> torch.device:
         return self._first.device
+
+
+def _no_autocast(device_type: str) -> Any:
+    """The rules compute in their working precision (``_in_working_precision``), also when
+    the backward runs under autocast (a ``loss.backward()`` inside the autocast block, or
+    ``measure`` called under it): autocast would cast their float32 operands back down to
+    bfloat16 (two casts per product) and round the per-example gradients and their norms."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return nullcontext()
 
 
 def grouped_row_sq_norms(dense: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
