@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from batchbound.diversity.calls import Inputs, call_model, one_example, vmap_parts
+from batchbound.diversity.graph import parameter_users, walk
 from batchbound.diversity.losses import PerExampleLoss, check_finite, check_losses
 from batchbound.diversity.stats import (
     PerExampleStats,
@@ -102,9 +103,11 @@ def loop_gradients(
 
 
 def _per_example_fn(
-    model: nn.Module, loss_fn: PerExampleLoss, names: Sequence[str]
+    model: nn.Module, loss_fn: PerExampleLoss, names: Sequence[str], *, outer: bool = False
 ) -> Callable[[dict[str, Tensor], Tensor, Tensor], tuple[dict[str, Tensor], Tensor]]:
-    """(params of ``names``, x_i, y_i) -> (∇f_i w.r.t. those params, f_i)."""
+    """(params of ``names``, x_i, y_i) -> (∇f_i w.r.t. those params, f_i). With ``outer``,
+    f_i keeps the autograd graph of whatever it used from outside the functional call (a
+    parameter the loss reads itself, which torch.func cannot see): ``outside_uses``."""
     fixed = {k: v.detach() for k, v in model.named_parameters()}
     fixed.update({k: v.detach() for k, v in model.named_buffers()})
 
@@ -118,7 +121,7 @@ def _per_example_fn(
             raise BatchboundError(f"the loss must return one value per example, got shape "
                                   f"{tuple(values.shape)} for one example; use reduction='none'")
         value = values.sum()
-        return value, value.detach()
+        return value, value if outer else value.detach()
 
     per_example = grad(loss_of_one, has_aux=True)
 
@@ -201,13 +204,25 @@ def vmap_stats(
 
 def vmap_gradients(
     model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss, names: Sequence[str]
-) -> dict[str, Tensor]:
+) -> tuple[dict[str, Tensor], set[str]]:
+    """Per-example gradients of ``names`` by torch.func, and the parameters the losses used
+    from outside the functional call (the loss function's own uses, which torch.func cannot
+    see: those gradients are then incomplete), read off the losses' outer autograd graph,
+    on this very call. Run it with grad enabled."""
     params = dict(model.named_parameters())
     chosen = {name: params[name].detach() for name in names}
     with _dense_embeddings(model), _torch_func_errors():
-        grads, losses = _per_example_fn(model, loss_fn, names)(chosen, x, y)
+        grads, losses = _per_example_fn(model, loss_fn, names, outer=True)(chosen, x, y)
     check_finite(losses)
-    return grads
+    return grads, outside_uses(losses, params)
+
+
+def outside_uses(losses: Tensor, params: dict[str, nn.Parameter]) -> set[str]:
+    """The parameters (trainable or not) that ``losses`` reach through their autograd graph."""
+    if losses.grad_fn is None:
+        return set()
+    nodes, _ = walk([losses.grad_fn])
+    return set(parameter_users(nodes, {id(p): k for k, p in params.items()}))
 
 
 def fallback_sq_norms(

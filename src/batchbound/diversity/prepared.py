@@ -344,10 +344,13 @@ def per_example_gradients(
     names = list(params)
     check_model_mode(model)
     with torch.enable_grad():
-        if loss_uses_parameters(model, x, y, loss_fn, params):  # torch.func cannot see them
-            return loop_gradients(model, x, y, loss_fn, names)
         try:
-            grads = vmap_gradients(model, x, y, loss_fn, names)
+            # the loss's own uses of parameters (torch.func cannot see them) are read off
+            # this call's graph, not checked by a forward of their own (a training step calls
+            # this every step)
+            grads, outside = vmap_gradients(model, x, y, loss_fn, names)
+            if outside:
+                return loop_gradients(model, x, y, loss_fn, names)
             key = structure_of(model, params, loss_fn, "vmap")
             if _VMAP_CHECKED.get(model) != key:  # once per model: a training step calls this
                 _check_first_row(model, x, y, loss_fn, grads)
