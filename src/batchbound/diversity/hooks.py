@@ -189,9 +189,11 @@ class HooksPass:
         self.shapes: dict[tuple[str, int], ProbeShapes] = {}
         self.unused: set[str] = set()  # parameters no operation in the graph uses
         self.loss_uses: set[str] = set()  # parameters the loss function itself uses
-        # Parameters whose batch gradient the rules give (``own_sums``), and the calls whose
-        # output gradients autograd is asked for instead (``capture_edges``).
+        # Parameters whose batch gradient the rules give (``own_sums``; only where the caller
+        # asks autograd itself, ``hooks_stats``: watch reads the user's backward), and the
+        # calls whose output gradients autograd is asked for instead (``capture_edges``).
         self.rule_sums: set[str] = set()
+        self.own_sums = False
         self._captures: list[CallRecord] = []
         self._ids = {id(p): name for name, p in params.items()}
         self._first = next(iter(params.values()))  # its dtype and device stand for all
@@ -263,7 +265,8 @@ class HooksPass:
             claimed = self.plan.claims[call.prefix].values()
             if call.key not in why and any(call in contributing.get(k, ()) for k in claimed):
                 self._hook_call(call)
-                self._own_sums(call, contributing)
+                if self.own_sums:
+                    self._own_sums(call, contributing)
 
     def _own_sums(self, call: CallRecord, contributing: dict[str, list[CallRecord]]) -> None:
         """The parameters of ``call`` (its only contributing call) whose batch gradient its
@@ -665,6 +668,7 @@ def hooks_stats(
     parameters are left to the caller from the start (with their reasons)."""
     n = x.shape[0]
     run = HooksPass(plan, params, layout, n, excluded)
+    run.own_sums = True  # autograd is asked here, for what the rules do not sum themselves
     try:
         outputs = run.forward(model, x)
         losses = loss_fn(outputs, y)
@@ -690,7 +694,8 @@ def hooks_stats(
             continue
         grad_sum[name] = run.totals.get(name, g)
     for name in run.rule_sums:  # in the parameters' order below
-        grad_sum[name] = run.totals.get(name, torch.zeros_like(params[name]))
+        grad_sum[name] = run.totals[name] if name in run.totals else torch.zeros_like(
+            params[name])
     grad_sum = {name: grad_sum[name] for name in params if name in grad_sum}
     sq_norms = {k: v for k, v in run.sq_norms.items() if k in grad_sum}
     return HooksResult(losses.detach(), sq_norms, grad_sum, run.reasons, run.loss_uses,
