@@ -102,3 +102,24 @@ def test_a_conv_the_loss_does_not_reach_sums_to_zero() -> None:
         stats = PreparedStats(model, _loss, engine="hooks")(x, y)
         _against_loop(model, x, y)
     assert not stats.grad_sum["ignored.weight"].any()
+
+
+def test_a_conv_run_twice_with_one_call_unused() -> None:
+    """One call of a conv reaches the loss, the other does not: the used call's rule gives
+    the sum (the unused call contributes nothing), exactly."""
+
+    class Spare(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(1, 2, 3)
+            self.head = nn.Linear(2 * 4 * 4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.conv(x.flip(-1))  # a second call whose output is dropped
+            return self.head(self.conv(x).flatten(1))
+
+    torch.manual_seed(3)
+    model = Spare().double().eval()
+    x, y = torch.randn(4, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (4,))
+    with conv.force_strategy("conv"):
+        _against_loop(model, x, y)

@@ -279,7 +279,7 @@ class HooksPass:
         claims = self.plan.claims[call.prefix]
         names = [claims[local] for local in own(call.module, call.main_input,
                                                 call.outputs[0].shape) if local in claims]
-        names = [k for k in names if k not in self.reasons and contributing.get(k) == [call]]
+        names = [k for k in names if k not in self.reasons and _only(contributing.get(k), call)]
         if names:
             self.rule_sums.update(names)
             self._captures.append(call)
@@ -556,6 +556,11 @@ class HooksPass:
 
     def _device(self, call: CallRecord) -> torch.device:
         return self._first.device
+
+
+def _only(calls: list[CallRecord] | None, call: CallRecord) -> bool:
+    """Whether ``call`` is the one call in ``calls`` (by identity: records hold tensors)."""
+    return calls is not None and len(calls) == 1 and calls[0] is call
 
 
 def _no_autocast(device_type: str) -> Any:
