@@ -5,6 +5,7 @@ still caught on the call that makes it. Against the float64 per-example loop."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -56,4 +57,5 @@ def test_a_use_on_some_calls_only_is_caught_on_that_call() -> None:
     x, y = torch.randn(5, 4, dtype=torch.float64), torch.tensor([0, 2, 1, 1, 0])
     _assert_loop(model, x, y, loss)  # no use: vmap
     regularise["on"] = True
-    _assert_loop(model, x, y, loss)  # uses: caught on this call, the loop
+    with pytest.warns(UserWarning, match=r"outside their modules' attributes.*0\.bias, 2\.weight"):
+        _assert_loop(model, x, y, loss)  # uses: caught on this call, the loop, said

@@ -171,13 +171,16 @@ def _sub_chunks(n: int, numel: int) -> Iterator[slice]:
 
 
 def vmap_sq_norms(
-    model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss, names: Sequence[str]
+    model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss, names: Sequence[str],
+    *, uses: set[str] | None = None,
 ) -> tuple[SqNorms, GradSums, Tensor]:
     """Per-example squared norms and gradient sums of the parameters ``names``, and losses.
-    Raises VmapUnsupported where torch.func cannot run the model."""
+    Raises VmapUnsupported where torch.func cannot run the model. ``uses``, when given (run
+    with grad enabled), receives the parameters the losses used outside the functional call
+    (``outside_uses``): their numbers here are then incomplete."""
     params = dict(model.named_parameters())
     chosen = {name: params[name].detach() for name in names}
-    per_example = _per_example_fn(model, loss_fn, names)
+    per_example = _per_example_fn(model, loss_fn, names, outer=uses is not None)
     n = x.shape[0]
     sq_norms = {name: p.new_zeros(n, dtype=norm_dtype(p.dtype)) for name, p in chosen.items()}
     grad_sum = {name: torch.zeros_like(p, dtype=norm_dtype(p.dtype)) for name, p in chosen.items()}
@@ -185,7 +188,9 @@ def vmap_sq_norms(
     for part in _sub_chunks(n, sum(p.numel() for p in chosen.values())):
         with _dense_embeddings(model), _torch_func_errors():
             grads, values = per_example(chosen, x[part], y[part])
-        losses[part] = values
+        if uses is not None:
+            uses.update(outside_uses(values, params))
+        losses[part] = values.detach()
         for name, g in grads.items():
             sq_norms[name][part] = torch.linalg.vector_norm(
                 g.reshape(g.shape[0], -1), dim=1, dtype=sq_norms[name].dtype).square()
@@ -194,10 +199,13 @@ def vmap_sq_norms(
 
 
 def vmap_stats(
-    model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss, *, offset: int = 0
+    model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss, *, offset: int = 0,
+    uses: set[str] | None = None,
 ) -> PerExampleStats:
     names = list(trainable_parameters(model))
-    sq_norms, grad_sum, losses = vmap_sq_norms(model, x, y, loss_fn, names)
+    sq_norms, grad_sum, losses = vmap_sq_norms(model, x, y, loss_fn, names, uses=uses)
+    if uses:  # incomplete numbers: the caller refuses them, whatever the losses
+        return PerExampleStats(losses, sq_norms, grad_sum)
     check_finite(losses, offset)
     return PerExampleStats(losses, sq_norms, grad_sum)
 
