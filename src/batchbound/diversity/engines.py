@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from batchbound.diversity.calls import Inputs, call_model, one_example, vmap_parts
+from batchbound.diversity.graph import parameter_users, walk
 from batchbound.diversity.losses import PerExampleLoss, check_finite, check_losses
 from batchbound.diversity.stats import (
     PerExampleStats,
@@ -102,9 +103,11 @@ def loop_gradients(
 
 
 def _per_example_fn(
-    model: nn.Module, loss_fn: PerExampleLoss, names: Sequence[str]
+    model: nn.Module, loss_fn: PerExampleLoss, names: Sequence[str], *, outer: bool = False
 ) -> Callable[[dict[str, Tensor], Tensor, Tensor], tuple[dict[str, Tensor], Tensor]]:
-    """(params of ``names``, x_i, y_i) -> (∇f_i w.r.t. those params, f_i)."""
+    """(params of ``names``, x_i, y_i) -> (∇f_i w.r.t. those params, f_i). With ``outer``,
+    f_i keeps the autograd graph of whatever it used from outside the functional call (a
+    parameter the loss reads itself, which torch.func cannot see): ``outside_uses``."""
     fixed = {k: v.detach() for k, v in model.named_parameters()}
     fixed.update({k: v.detach() for k, v in model.named_buffers()})
 
@@ -118,7 +121,7 @@ def _per_example_fn(
             raise BatchboundError(f"the loss must return one value per example, got shape "
                                   f"{tuple(values.shape)} for one example; use reduction='none'")
         value = values.sum()
-        return value, value.detach()
+        return value, value if outer else value.detach()
 
     per_example = grad(loss_of_one, has_aux=True)
 
@@ -168,13 +171,16 @@ def _sub_chunks(n: int, numel: int) -> Iterator[slice]:
 
 
 def vmap_sq_norms(
-    model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss, names: Sequence[str]
+    model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss, names: Sequence[str],
+    *, uses: set[str] | None = None,
 ) -> tuple[SqNorms, GradSums, Tensor]:
     """Per-example squared norms and gradient sums of the parameters ``names``, and losses.
-    Raises VmapUnsupported where torch.func cannot run the model."""
+    Raises VmapUnsupported where torch.func cannot run the model. ``uses``, when given (run
+    with grad enabled), receives the parameters the losses used outside the functional call
+    (``outside_uses``): their numbers here are then incomplete."""
     params = dict(model.named_parameters())
     chosen = {name: params[name].detach() for name in names}
-    per_example = _per_example_fn(model, loss_fn, names)
+    per_example = _per_example_fn(model, loss_fn, names, outer=uses is not None)
     n = x.shape[0]
     sq_norms = {name: p.new_zeros(n, dtype=norm_dtype(p.dtype)) for name, p in chosen.items()}
     grad_sum = {name: torch.zeros_like(p, dtype=norm_dtype(p.dtype)) for name, p in chosen.items()}
@@ -182,7 +188,9 @@ def vmap_sq_norms(
     for part in _sub_chunks(n, sum(p.numel() for p in chosen.values())):
         with _dense_embeddings(model), _torch_func_errors():
             grads, values = per_example(chosen, x[part], y[part])
-        losses[part] = values
+        if uses is not None:
+            uses.update(outside_uses(values, params))
+        losses[part] = values.detach()
         for name, g in grads.items():
             sq_norms[name][part] = torch.linalg.vector_norm(
                 g.reshape(g.shape[0], -1), dim=1, dtype=sq_norms[name].dtype).square()
@@ -191,23 +199,38 @@ def vmap_sq_norms(
 
 
 def vmap_stats(
-    model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss, *, offset: int = 0
+    model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss, *, offset: int = 0,
+    uses: set[str] | None = None,
 ) -> PerExampleStats:
     names = list(trainable_parameters(model))
-    sq_norms, grad_sum, losses = vmap_sq_norms(model, x, y, loss_fn, names)
+    sq_norms, grad_sum, losses = vmap_sq_norms(model, x, y, loss_fn, names, uses=uses)
+    if uses:  # incomplete numbers: the caller refuses them, whatever the losses
+        return PerExampleStats(losses, sq_norms, grad_sum)
     check_finite(losses, offset)
     return PerExampleStats(losses, sq_norms, grad_sum)
 
 
 def vmap_gradients(
     model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss, names: Sequence[str]
-) -> dict[str, Tensor]:
+) -> tuple[dict[str, Tensor], set[str]]:
+    """Per-example gradients of ``names`` by torch.func, and the parameters the losses used
+    from outside the functional call (the loss function's own uses, which torch.func cannot
+    see: those gradients are then incomplete), read off the losses' outer autograd graph,
+    on this very call. Run it with grad enabled."""
     params = dict(model.named_parameters())
     chosen = {name: params[name].detach() for name in names}
     with _dense_embeddings(model), _torch_func_errors():
-        grads, losses = _per_example_fn(model, loss_fn, names)(chosen, x, y)
+        grads, losses = _per_example_fn(model, loss_fn, names, outer=True)(chosen, x, y)
     check_finite(losses)
-    return grads
+    return grads, outside_uses(losses, params)
+
+
+def outside_uses(losses: Tensor, params: dict[str, nn.Parameter]) -> set[str]:
+    """The parameters (trainable or not) that ``losses`` reach through their autograd graph."""
+    if losses.grad_fn is None:
+        return set()
+    nodes, _ = walk([losses.grad_fn])
+    return set(parameter_users(nodes, {id(p): k for k, p in params.items()}))
 
 
 def fallback_sq_norms(

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
 from torch.utils.hooks import RemovableHandle
 
 from batchbound.diversity.calls import CallRecord, CallRecorder, Inputs, call_model, flatten
@@ -188,6 +189,12 @@ class HooksPass:
         self.shapes: dict[tuple[str, int], ProbeShapes] = {}
         self.unused: set[str] = set()  # parameters no operation in the graph uses
         self.loss_uses: set[str] = set()  # parameters the loss function itself uses
+        # Parameters whose batch gradient the rules give (``own_sums``; only where the caller
+        # asks autograd itself, ``hooks_stats``: watch reads the user's backward), and the
+        # calls whose output gradients autograd is asked for instead (``capture_edges``).
+        self.rule_sums: set[str] = set()
+        self.own_sums = False
+        self._captures: list[CallRecord] = []
         self._ids = {id(p): name for name, p in params.items()}
         self._first = next(iter(params.values()))  # its dtype and device stand for all
         self._contributions: dict[str, int] = {}
@@ -258,12 +265,44 @@ class HooksPass:
             claimed = self.plan.claims[call.prefix].values()
             if call.key not in why and any(call in contributing.get(k, ()) for k in claimed):
                 self._hook_call(call)
+                if self.own_sums:
+                    self._own_sums(call, contributing)
+
+    def _own_sums(self, call: CallRecord, contributing: dict[str, list[CallRecord]]) -> None:
+        """The parameters of ``call`` (its only contributing call) whose batch gradient its
+        rule gives at no extra cost: autograd is asked for the call's output gradient instead,
+        so a backward that needs nothing below the call (a first layer) skips it."""
+        own = call.entry.own_sums
+        if (own is None or len(call.outputs) != 1 or call.outputs[0].node is None
+                or not isinstance(call.main_input, Tensor)):
+            return
+        claims = self.plan.claims[call.prefix]
+        names = [claims[local] for local in own(call.module, call.main_input,
+                                                call.outputs[0].shape) if local in claims]
+        names = [k for k in names if k not in self.reasons and _only(contributing.get(k), call)]
+        if names:
+            self.rule_sums.update(names)
+            self._captures.append(call)
+
+    def capture_edges(self) -> list[GradientEdge]:
+        """The outputs whose gradients ``captured`` takes, for ``torch.autograd.grad``."""
+        return [GradientEdge(c.outputs[0].node, c.outputs[0].index) for c in self._captures]
+
+    def captured(self, grads: Sequence[Tensor | None]) -> None:
+        """The captured output gradients, for the calls whose node the backward did not run
+        (no prehook fired: nothing below them was asked for)."""
+        for call, grad in zip(self._captures, grads, strict=True):
+            if call.grads:  # not run yet
+                self.backward_seen = True
+                call.grads = [grad]
+                self._run(call)
 
     def finish(self) -> None:
         """After the backward pass: deferred calls, cross terms, and zeros for parameters
         that took no part in this pass."""
         self._remove_hooks()
-        with torch.no_grad():  # the recorded inputs are the forward's own (not detached)
+        # the recorded inputs are the forward's own (not detached)
+        with torch.no_grad(), _no_autocast(self._first.device.type):
             self._finish()
 
     def _finish(self) -> None:
@@ -377,7 +416,7 @@ class HooksPass:
         """The rule on one call's inputs and output gradients, under no_grad: the recorded
         inputs are the forward's own tensors, and a backward with create_graph runs its
         hooks with grad enabled."""
-        with torch.no_grad():
+        with torch.no_grad(), _no_autocast(self._first.device.type):
             self._run_rule(call)
 
     def _run_rule(self, call: CallRecord) -> None:
@@ -417,7 +456,7 @@ class HooksPass:
             else:
                 self.sq_norms[name] = form.sq_norms()
             self._fingerprint(name, form)
-            if not form.batch_sum_exact:
+            if not form.batch_sum_exact or name in self.rule_sums:
                 self.totals[name] = form.total().reshape(self.params[name].shape)
 
     def _defer(self, name: str, grads: Tensor) -> None:
@@ -517,6 +556,21 @@ class HooksPass:
 
     def _device(self, call: CallRecord) -> torch.device:
         return self._first.device
+
+
+def _only(calls: list[CallRecord] | None, call: CallRecord) -> bool:
+    """Whether ``call`` is the one call in ``calls`` (by identity: records hold tensors)."""
+    return calls is not None and len(calls) == 1 and calls[0] is call
+
+
+def _no_autocast(device_type: str) -> Any:
+    """The rules compute in their working precision (``_in_working_precision``), also when
+    the backward runs under autocast (a ``loss.backward()`` inside the autocast block, or
+    ``measure`` called under it): autocast would cast their float32 operands back down to
+    bfloat16 (two casts per product) and round the per-example gradients and their norms."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return nullcontext()
 
 
 def grouped_row_sq_norms(dense: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
@@ -619,15 +673,20 @@ def hooks_stats(
     parameters are left to the caller from the start (with their reasons)."""
     n = x.shape[0]
     run = HooksPass(plan, params, layout, n, excluded)
+    run.own_sums = True  # autograd is asked here, for what the rules do not sum themselves
     try:
         outputs = run.forward(model, x)
         losses = loss_fn(outputs, y)
         check_losses(losses, n, offset)
         total = losses.sum()
         run.attach([total.grad_fn], output_nodes(outputs))
-        wanted = [name for name in params if name not in run.reasons]
-        grads = (gradients(total, [params[k] for k in wanted])
-                 if wanted and total.requires_grad else [None] * len(wanted))
+        wanted = [k for k in params if k not in run.reasons and k not in run.rule_sums]
+        edges = run.capture_edges()
+        grads: Sequence[Tensor | None] = [None] * len(wanted)
+        if (wanted or edges) and total.requires_grad:
+            found = gradients(total, [*(params[k] for k in wanted), *edges])
+            grads = found[: len(wanted)]
+            run.captured(found[len(wanted):])
         run.finish()
     finally:
         run.close()
@@ -639,6 +698,10 @@ def hooks_stats(
                                  "accounts for (a custom autograd.Function using it unseen?)")
             continue
         grad_sum[name] = run.totals.get(name, g)
+    for name in run.rule_sums:  # in the parameters' order below
+        grad_sum[name] = run.totals[name] if name in run.totals else torch.zeros_like(
+            params[name])
+    grad_sum = {name: grad_sum[name] for name in params if name in grad_sum}
     sq_norms = {k: v for k, v in run.sq_norms.items() if k in grad_sum}
     return HooksResult(losses.detach(), sq_norms, grad_sum, run.reasons, run.loss_uses,
                        run.precision)

@@ -28,14 +28,12 @@ from batchbound.diversity.engines import (
     vmap_gradients,
     vmap_stats,
 )
-from batchbound.diversity.graph import loss_users
-from batchbound.diversity.hooks import HookPlan, Layout, hooks_stats, output_nodes, plan_hooks
+from batchbound.diversity.hooks import HookPlan, Layout, hooks_stats, plan_hooks
 from batchbound.diversity.losses import PerExampleLoss, check_losses, resolve_loss
 from batchbound.diversity.precision import lowest
 from batchbound.diversity.rule_check import (
     COUPLED,
     INTERACTING,
-    buffers_kept,
     check_rows,
     disagreements,
     probe_layout,
@@ -128,13 +126,15 @@ class PreparedStats:
             if self.engine == "loop":
                 return loop_stats(self.model, x, y, self.loss_fn, offset=offset)
             if self.engine == "vmap":
-                used = loss_uses_parameters(self.model, x, y, self.loss_fn, self.params)
-                if used:
-                    raise BatchboundError(
-                        f"engine='vmap' cannot see parameters the loss itself uses "
-                        f"({', '.join(sorted(used))}); use engine='auto' or 'loop'")
+                used: set[str] = set()  # read off this call's own graph (no extra forward)
                 try:
-                    stats = vmap_stats(self.model, x, y, self.loss_fn, offset=offset)
+                    stats = vmap_stats(self.model, x, y, self.loss_fn, offset=offset,
+                                       uses=used)
+                    if used:
+                        raise BatchboundError(
+                            f"engine='vmap' cannot see parameters used outside their modules' "
+                            f"attributes, by the loss itself or through a closure or plain "
+                            f"list ({', '.join(sorted(used))}); use engine='auto' or 'loop'")
                     if not self._vmap_checked:
                         self._check_vmap(x, y, stats.sq_norms, stats.losses)
                     return stats
@@ -287,21 +287,6 @@ class PreparedStats:
         return PerExampleStats(losses.detach(), sq_norms, grad_sum)
 
 
-def loss_uses_parameters(
-    model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss,
-    params: dict[str, nn.Parameter],
-) -> set[str]:
-    """The parameters the loss function itself uses (outside the model's forward), read off
-    the autograd graph of one forward pass: torch.func cannot see those uses."""
-    with torch.enable_grad(), buffers_kept(model):
-        outputs = call_model(model, x)
-        losses = loss_fn(outputs, y)
-    if not isinstance(losses, Tensor) or not losses.requires_grad:
-        return set()
-    ids = {id(p): k for k, p in params.items()}
-    return loss_users(losses.sum().grad_fn, output_nodes(outputs), ids)
-
-
 def per_example_stats(
     model: nn.Module,
     x: Tensor,
@@ -344,10 +329,18 @@ def per_example_gradients(
     names = list(params)
     check_model_mode(model)
     with torch.enable_grad():
-        if loss_uses_parameters(model, x, y, loss_fn, params):  # torch.func cannot see them
-            return loop_gradients(model, x, y, loss_fn, names)
         try:
-            grads = vmap_gradients(model, x, y, loss_fn, names)
+            # the loss's own uses of parameters (torch.func cannot see them) are read off
+            # this call's graph, not checked by a forward of their own (a training step calls
+            # this every step)
+            grads, outside = vmap_gradients(model, x, y, loss_fn, names)
+            if outside:
+                warnings.warn(
+                    "batchbound: torch.func cannot see parameters used outside their modules' "
+                    f"attributes, by the loss itself or through a closure or plain list "
+                    f"({', '.join(sorted(outside))}); materialising per-example gradients with "
+                    "the per-example loop instead (exact, slower)", stacklevel=2)
+                return loop_gradients(model, x, y, loss_fn, names)
             key = structure_of(model, params, loss_fn, "vmap")
             if _VMAP_CHECKED.get(model) != key:  # once per model: a training step calls this
                 _check_first_row(model, x, y, loss_fn, grads)

@@ -14,12 +14,13 @@ S = Σ_i ``total_sq_norms`` and T = ‖``grad_sum``‖² over all parameters.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
 
 from batchbound.errors import BatchboundError
 
@@ -113,8 +114,10 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
             module.training = training
 
 
-def gradients(total: Tensor, tensors: list[Tensor]) -> tuple[Tensor | None, ...]:
-    """∂total/∂tensors by ``torch.autograd.grad`` (so no ``.grad`` field is touched)."""
+def gradients(total: Tensor,
+              tensors: Sequence[Tensor | GradientEdge]) -> tuple[Tensor | None, ...]:
+    """∂total/∂tensors (or ∂total/∂ a node's output, for a GradientEdge) by
+    ``torch.autograd.grad`` (so no ``.grad`` field is touched)."""
     try:
         return torch.autograd.grad(total, tensors, allow_unused=True)
     except RuntimeError as exc:

@@ -192,8 +192,7 @@ def batch_sums(sq_norms: dict[str, Tensor], sums: list[Tensor]) -> tuple[Tensor,
     multi-tensor norm for T_B (tests/unit/test_watch_fused.py checks them against a loop)."""
     f64 = torch.float64
     norms = list(sq_norms.values())
-    S_B = (torch.cat(norms).sum(dtype=f64) if len({t.dtype for t in norms}) == 1
-           else torch.stack([t.sum(dtype=f64) for t in norms]).sum())
+    S_B = torch.cat(norms).sum(dtype=f64)  # mixed dtypes: cat widens to the widest, exactly
     norms_of_sums = torch.stack(torch._foreach_norm(sums, 2, dtype=f64))
     return S_B, torch.dot(norms_of_sums, norms_of_sums)
 

@@ -190,20 +190,40 @@ def _unbatched(call: Call, n: int) -> str | None:
     return None
 
 
+def _method_for(layer: nn.Module, x: Tensor, out_shape: torch.Size) -> str:
+    return choose_strategy(x.shape[0], layer.in_channels, layer.out_channels, layer.groups,
+                           math.prod(layer.kernel_size), math.prod(out_shape[2:]))
+
+
 def _weight(layer: nn.Module, x: Tensor, b: Tensor) -> Lazy:
+    held: list[Tensor] = []  # the "conv" method's gradients, until their sum is taken
+
+    def materialised() -> Tensor:
+        if not held:
+            held.append(conv_weight_grads(layer, x, b))
+        return held[0]
+
     def sq_norms() -> Tensor:
-        method = choose_strategy(
-            x.shape[0],
-            layer.in_channels,
-            layer.out_channels,
-            layer.groups,
-            math.prod(layer.kernel_size),
-            math.prod(b.shape[2:]),
-        )
+        method = _method_for(layer, x, b.shape)
+        if method == "conv":
+            return row_sq_norms(materialised().reshape(x.shape[0], -1))
         return _METHODS[method](layer, x, b)
 
-    return Lazy(x.shape[0], sq_norms, lambda: conv_weight_grads(layer, x, b),
-                lambda rows: _weight(layer, x[rows], b[rows]), lambda: _weight_sum(layer, x, b))
+    def total() -> Tensor:
+        if held:  # Σ_i of the gradients already made: no second weight-gradient kernel
+            return held.pop().sum(dim=0)
+        return _weight_sum(layer, x, b)
+
+    return Lazy(x.shape[0], sq_norms, materialised,
+                lambda rows: _weight(layer, x[rows], b[rows]), total)
+
+
+def _own_sums(layer: nn.Module, x: Tensor, out_shape: torch.Size) -> tuple[str, ...]:
+    """Weight and bias, when the weight's norms materialise its per-example gradients: their
+    sum then costs one reduction, and autograd's weight gradient would be a second kernel."""
+    if x.dim() != len(layer.kernel_size) + 2 or _method_for(layer, x, out_shape) != "conv":
+        return ()
+    return tuple(k for k in ("weight", "bias") if trainable(layer, k))
 
 
 def _weight_sum(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
@@ -217,7 +237,8 @@ def _weight_sum(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
                        dilation=layer.dilation, groups=layer.groups)
 
 
-@register_rule(nn.Conv1d, nn.Conv2d, example_axis=first_axis, unsupported=_unbatched)
+@register_rule(nn.Conv1d, nn.Conv2d, example_axis=first_axis, unsupported=_unbatched,
+               own_sums=_own_sums)
 def conv_rule(call: Call) -> dict[str, PerExampleGrad]:
     layer, x, b = call.module, call.input, call.grad
     grads: dict[str, PerExampleGrad] = {}

@@ -79,6 +79,9 @@ class RuleEntry:
     feature_dims: Callable[[nn.Module], int]  # trailing non-example dims, for example_axis=None
     main: str | None  # the name of the main input argument (None: forward's first)
     unsupported: Callable[[Call, int], str | None] | None  # (call, n) -> reason, at forward
+    # (module, main input, output shape) -> local names whose batch gradient the rule's form
+    # gives from work it does anyway (materialised per-example gradients): autograd skips them.
+    own_sums: Callable[[nn.Module, Tensor, torch.Size], tuple[str, ...]] | None = None
 
 
 RULES: dict[type[nn.Module], RuleEntry] = {}
@@ -92,6 +95,7 @@ def register_rule(
     feature_dims: int | Callable[[nn.Module], int] = 0,
     main: str | None = None,
     unsupported: Callable[[Call, int], str | None] | None = None,
+    own_sums: Callable[[nn.Module, Tensor, torch.Size], tuple[str, ...]] | None = None,
 ) -> Callable[[Rule], Rule]:
     """Register ``rule`` for each of ``module_types``: classes, or the full dotted paths of
     classes from libraries batchbound does not import (see the module docstring).
@@ -102,6 +106,10 @@ def register_rule(
     engine moves that axis to 0 (and expands a batch-less input) before calling the rule;
     ``feature_dims`` trailing dimensions are features, never examples. Otherwise a function
     giving the fixed axis of the examples in the main input, which the rule handles itself.
+    ``own_sums``: for a call about to run backward, the local names whose Σ_i g_i the rule's
+    forms give at no extra cost (``total()`` of gradients they materialise anyway); the
+    engine then asks autograd for the call's output gradient instead of those parameters'
+    gradients, so the batch weight gradient is not computed twice.
     """
 
     names = params if callable(params) else (lambda module, _p=tuple(params): _p)
@@ -113,7 +121,8 @@ def register_rule(
             if module_type in table:
                 name = module_type if isinstance(module_type, str) else module_type.__name__
                 raise ValueError(f"a rule for {name} is registered twice")
-            table[module_type] = RuleEntry(rule, names, example_axis, features, main, unsupported)
+            table[module_type] = RuleEntry(rule, names, example_axis, features, main, unsupported,
+                                           own_sums)
         return rule
 
     return decorate
