@@ -92,10 +92,12 @@ def figures(a: StudyAnalysis) -> list[Figure]:
                     "2a].",
                     lambda fig: P.delta_vs_shape(fig.add_subplot(), a.along, a.diversity, x,
                                                  how)))
-        out.append(("delta_along_training", "Gradient diversity Δ against epoch at the "
-                    "smallest batch size, one line per run: a shape stuck near a stationary "
-                    "point shows Δ far above the others until it starts to train.",
-                    lambda fig: P.delta_along_training(fig.add_subplot(), a.along)))
+        if (a.along.groupby("key").size() > 1).any():  # Δ only at initialisation: no lines
+            out.append(("delta_along_training", "Gradient diversity Δ against epoch at the "
+                        "smallest batch size, one line per run: a shape stuck near a "
+                        "stationary point shows Δ far above the others until it starts to "
+                        "train.",
+                        lambda fig: P.delta_along_training(fig.add_subplot(), a.along)))
         out.append(("largest_batch_vs_delta", "Largest batch within E epochs and threshold "
                     "B* against Δ (at matched training loss when every shape reaches it, else "
                     f"{how}) [width, Figure 2c].",
