@@ -72,9 +72,13 @@ def three_regimes(context: Context) -> Finding:
         shows = high_first >= LINEAR and low_last < STAGNANT and low_drop > 0
         verdicts.append(directional(context, shows, high_drop <= 0 and not censored))
         at_most, at_least = ("≤ ", "≥ ") if censored else ("", "")
+        if math.isnan(high_last):  # every draw's last two batches missed: no bound at all
+            last_text = "last α unknown (the last two batches missed the target)"
+        else:
+            last_text = (f"last α {at_most}{fmt(last[0])} {span(low_last, high_last)}, fall "
+                         f"{at_least}{span(low_drop, high_drop)}")
         parts.append(f"{model.name}: first α {fmt(first[0])} {span(low_first, high_first)}, "
-                     f"last α {at_most}{fmt(last[0])} {span(low_last, high_last)}, fall "
-                     f"{at_least}{span(low_drop, high_drop)}"
+                     + last_text
                      + (f" (B = {fmt(float(model.batches[-1]))} missed the target within "
                         f"{fmt(max_epochs)} epochs in some or all draws: censored, its α "
                         "bounded by the budget)" if censored else ""))
