@@ -39,6 +39,7 @@ PILOT_EXCLUDED = {
     "max_seconds": "the pilot's length is the plan's fraction",
     "eval_every_epochs": "set by advise", "eval_every_iterations": "set by advise",
     "eval_growth": "set by advise (the pilot evaluates by iterations)",
+    "eval_test": "the pilot reads train metrics; its test split is evaluated as the default",
     "diversity_every_epochs": "--diversity-every", "online_diversity": "--estimator",
     "mechanism": "advise predicts plain SGD", "mechanism_granularity": "as mechanism",
     "batch_policy": "the rows are fixed batches; the warmup schedule is printed beside",
