@@ -177,7 +177,8 @@ def test_hash_ignores_new_fields_at_their_defaults() -> None:
     # the value before snapshot_every_epochs and final_probes existed: stores keep their keys
     assert TrainConfig().config_hash() == "956d8208960ae2e5"
     assert set(HASHED_WHEN_SET) == {"snapshot_every_epochs", "final_probes", "micro_batch",
-                                    "eval_growth", "optimizer", "betas", "eps", "data_files"}
+                                    "eval_growth", "optimizer", "betas", "eps", "data_files",
+                                    "eval_test"}
     base = TrainConfig(batch_size=32, lr=0.05, convention="sum", seed=2)
     explicit = TrainConfig.from_dict({**base.to_dict(), "final_probes": [],
                                       "snapshot_every_epochs": None})
