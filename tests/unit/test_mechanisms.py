@@ -233,3 +233,15 @@ def test_several_mechanisms_in_one_pass_equal_single_calls() -> None:
     assert together[-1].diversity == pytest.approx(together[-1].base_diversity)
     with pytest.raises(BatchboundError, match="no mechanism"):
         mechanism_diversities(model, (x, y), "cross_entropy", [])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.0, 0.3, 0.4, 0.5])
+@pytest.mark.parametrize("rescale", [True, False])
+def test_the_fast_mask_gives_the_same_bits_as_mask_times_tensor(dtype, p, rescale) -> None:
+    from batchbound.diversity.mechanisms.dropconnect import masked
+
+    t = torch.randn(64, 300, generator=torch.Generator().manual_seed(3)).to(dtype)
+    slow = t * dropconnect_mask(t.shape, p, generator=torch.Generator().manual_seed(1),
+                                dtype=dtype, rescale=rescale)
+    assert torch.equal(masked(t, p, torch.Generator().manual_seed(1), rescale=rescale), slow)
