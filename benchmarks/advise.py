@@ -22,6 +22,11 @@ portable kernels; a busy machine is flagged in the output (``timing_warning``).
     .venv/bin/python benchmarks/advise.py                        # all cases, over an hour
     .venv/bin/python benchmarks/advise.py --cases mnist5k-fc --json
     .venv/bin/python benchmarks/advise.py --device cuda          # on a GPU: P = 1
+    .venv/bin/python benchmarks/advise.py --leave-one-out        # the recorded errors, no runs
+
+Each interval includes the model's own error as recorded in advise/model_error.json
+(``--record`` writes that file from a run); a case's own recorded rows are left out of its
+band, so a case is never checked against its own errors.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from batchbound import kernels
-from batchbound.advise import advise
+from batchbound.advise import advise, model_error
 from batchbound.train import TrainConfig, target_list, train
 
 CASES: dict[str, dict[str, Any]] = {
@@ -133,6 +138,7 @@ def run_case(name: str, device: str = "auto", budget: float | None = None,
                 row.iterations_interval[1] + every
             # the noise scale's prediction beside the branches' (nan with --critical-batch
             # noise): is the measured critical batch the better predictor?
+            out["k_pilot_interval"] = list(row.pilot_interval)  # before the model's error
             out["k_noise"] = row.noise_iterations
             out["k_noise_interval"] = list(row.noise_interval)
             out["disagree"] = row.disagree
@@ -147,7 +153,51 @@ def run_case(name: str, device: str = "auto", budget: float | None = None,
                 pilot_iterations=advice.pilot["iterations"],
                 pilot_seconds=advice.pilot["seconds"], advise_seconds=advise_seconds,
                 planned_seconds=full.final["seconds"], target_loss=target,
-                timing_warning=advice.extra.get("timing_warning"), rows=rows)
+                timing_warning=advice.extra.get("timing_warning"),
+                model_error=advice.extra.get("model_error"), rows=rows)
+
+
+def recorded_rows(results: list[dict[str, Any]], device: str) -> dict[str, Any]:
+    """The run's rows (P = 1) in advise/model_error.json's form: the job, B, the central
+    prediction and its interval before the model's error, the measured iterations."""
+    rows = []
+    for c in results:
+        case = CASES[c["case"]]
+        job = dict(case=c["case"], dataset=case["dataset"].format(
+            licenses="common-licenses.txt"), model=case["model"],
+            optimizer=case.get("optimizer", "sgd"), momentum=case.get("momentum", 0.0),
+            b0=case["b0"], lr=case["lr"])
+        rows += [{**job, "batch": r["batch"], "predicted": round(r["k_pred"]),
+                  "measured": r["k_meas"], "pilot_interval": [round(x) for x in
+                                                            r["k_pilot_interval"]]}
+                 for r in c["rows"] if r["workers"] == 1 and math.isfinite(r["k_meas"])]
+    return {"source": f"benchmarks/advise.py --cases {' '.join(c['case'] for c in results)} "
+            f"--record, device {device}, {time.strftime('%Y-%m-%d')}", "rows": rows}
+
+
+def leave_one_job_out(path: Path) -> None:
+    """The recorded rows checked against the band from the other jobs' rows: does the
+    widened interval cover the measured iterations, and how wide is it?"""
+    rows = model_error.load(path)
+    covered, pilot_covered, widths, pilot_widths = 0, 0, [], []
+    for r in rows:
+        key = model_error.job_key(r["dataset"], r["model"], r["optimizer"], r["momentum"],
+                                  r["b0"], r["lr"])
+        band = model_error.error_for(key, rows)
+        pilot = tuple(r["pilot_interval"])
+        lo, hi = band.widen(r["predicted"], pilot, r["batch"], r["b0"])
+        inside = lo <= r["measured"] <= hi
+        covered += inside
+        pilot_covered += pilot[0] <= r["measured"] <= pilot[1]
+        widths.append(hi / lo)
+        pilot_widths.append(pilot[1] / pilot[0])
+        print(f"{r['case']:<24} B={r['batch']:>5} predicted {r['predicted']:>5} "
+              f"({lo:.0f}–{hi:.0f}; pilot {pilot[0]}–{pilot[1]}) measured {r['measured']:>5} "
+              f"{'yes' if inside else 'no'}  band e^({band.low:.3f}·d)–e^({band.high:.3f}·d)")
+    print(f"leave one job out: {covered} of {len(rows)} covered ({covered / len(rows):.0%}; "
+          f"the pilot's intervals alone {pilot_covered}, {pilot_covered / len(rows):.0%}); "
+          f"median width ×{statistics.median(widths):.2f} (alone "
+          f"×{statistics.median(pilot_widths):.2f})")
 
 
 def summary(results: list[dict[str, Any]]) -> dict[str, float]:
@@ -222,12 +272,24 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
                         help="the worker counts trained (default 1 2)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--record", metavar="FILE", type=Path,
+                        help="also write the run's P = 1 rows as advise's recorded model "
+                        "errors (the form of src/batchbound/advise/model_error.json)")
+    parser.add_argument("--leave-one-out", metavar="FILE", type=Path, nargs="?",
+                        const=model_error.RECORDED,
+                        help="train nothing: check recorded rows (default: advise's own "
+                        "file) against the band from the other jobs' rows")
     args = parser.parse_args()
+    if args.leave_one_out:
+        leave_one_job_out(args.leave_one_out)
+        return
     kernels.use()
     start = time.perf_counter()
     results = [run_case(name, args.device, args.budget, tuple(args.workers))
                for name in args.cases]
     total = summary(results)
+    if args.record:
+        args.record.write_text(json.dumps(recorded_rows(results, args.device), indent=1) + "\n")
     if args.json:
         print(json.dumps({"results": results, "summary": total}, indent=1, default=str))
     else:

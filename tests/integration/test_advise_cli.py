@@ -37,9 +37,13 @@ def test_advise_json_on_this_machine(capsys: pytest.CaptureFixture[str], tmp_pat
     assert {r["workers"] for r in advice["rows"]} == {1, 2}  # every candidate batch, each P
     trusted = advice["timing_reliable"]
     assert advice["recommended_on"] == ("seconds" if trusted else "iterations")
+    band = advice["model_error"]  # no recorded run of this job: every recorded row counts
+    assert band["left_out"] == 0 and band["per_doubling"][0] < 0 <= band["per_doubling"][1]
     for row in advice["rows"]:
         low, high = row["iterations_interval"]
         assert low <= row["iterations"] <= high
+        p_low, p_high = row["pilot_interval"]  # the model's error only widens
+        assert low <= p_low and p_high <= high
         assert row["batch_size"] % row["workers"] == 0
         if not trusted:  # a busy machine: the seconds are unknown, not guessed
             assert row["seconds_to_target"] is None and row["speedup"] is None

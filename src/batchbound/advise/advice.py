@@ -55,6 +55,7 @@ from batchbound.advise.iterations import (
     minimum_iterations,
     predict_iterations,
 )
+from batchbound.advise.model_error import ModelError, error_for, job_key
 from batchbound.advise.pilot import ESTIMATORS, PilotRun, ProbePoint, pilot_config, probe, run_pilot
 from batchbound.advise.study import StudySource
 from batchbound.advise.timing import (
@@ -313,6 +314,7 @@ def advise(
     config.validate_against(data_set, model_given=parts is not None and parts.model is not None)
     spec, limit = _worker_limit(max_workers, cluster)
     device_ = resolve_device(config.device)
+    error = error_for(_job(config, parts))  # the model's recorded error, read before any work
     n = data_set.n_train
     pilot_steps = None if planned is None else min(planned, math.ceil(pilot_fraction * planned))
     micro_limit = min(n, spec.max_micro_batch if spec and spec.max_micro_batch else n)
@@ -371,7 +373,8 @@ def advise(
             log(f"branches inconclusive: {inconclusive}; the noise scale predicts")
     busy = _timing_check(config, data_set, curves, others, parts, spec)
     rows = _prediction_rows(config, path, strategy, counts, n, micro_limit, curves,
-                            communication, overlap, adaptive, measured[1] if measured else None)
+                            communication, overlap, adaptive, measured[1] if measured else None,
+                            error)
     # S_min of what the rows predict from: the branches' central trajectory when they do
     fewest = minimum_iterations(measured[1][0] if measured else path.central)
     if busy:  # seconds not to be trusted: the answer on iterations alone, the same each time
@@ -406,7 +409,8 @@ def advise(
     assumptions = (
         f"Iterations to {goal}: McCandlish et al.'s model applied step by step along the "
         f"planned run at B0 = {config.batch_size}; {critical_text}; noise scale: "
-        f"{path.assumption}; the pilot's lr taken as the best at B0; {optimiser_text}. "
+        f"{path.assumption}; the pilot's lr taken as the best at B0; {optimiser_text}; "
+        f"interval: {error.text()}. "
         f"Learning rate per batch: strategy '{strategy}' ({_rule_text(strategy)}"
         f"{'; the default for Adam-type optimisers' if adaptive and strategy == 'srsr' else ''})"
         f", constant through training (no warm-up or decay). "
@@ -422,6 +426,7 @@ def advise(
         extra={"n": n, "strategy": strategy, "overlap": overlap,
                "optimizer": named_optimizer, "momentum": momentum,
                "critical_batch": "branches" if measured else "noise",
+               "model_error": error.to_dict(),
                **({"branches": [{**p.to_dict(), "capped": _capped(p.high, p)}
                                 for p in measured[0]]} if measured else {}),
                **({"branches_inconclusive": inconclusive} if inconclusive else {}),
@@ -459,6 +464,15 @@ def _adaptive(config: TrainConfig, parts: Parts | None) -> bool:
         return is_adaptive(config.optimizer)
     probe_param = torch.zeros(1, requires_grad=True)
     return "betas" in parts.optimizer([probe_param]).defaults
+
+
+def _job(config: TrainConfig, parts: Parts | None) -> tuple[Any, ...]:
+    """The job's identity for the model's recorded errors; a model, loss or optimiser handed
+    over as Python objects matches no recorded job."""
+    if parts is not None and (parts.model or parts.loss or parts.optimizer):
+        return ("yours", id(parts))
+    return job_key(config.dataset, config.model, config.optimizer, config.momentum,
+                   config.batch_size, config.lr)
 
 
 def _momentum(config: TrainConfig, parts: Parts | None) -> float:
@@ -596,11 +610,13 @@ def _lr(config: TrainConfig, strategy: str, pilot: Pilot, batch: int) -> float:
 def _prediction_rows(config: TrainConfig, path: Trajectory, strategy: str, counts: list[int],
                      n: int, micro_limit: int, curves: dict[int, ComputeCurve],
                      communication: dict[int, float], overlap: str, adaptive: bool = False,
-                     measured: tuple[Pilot, Pilot, Pilot] | None = None) -> list[Row]:
+                     measured: tuple[Pilot, Pilot, Pilot] | None = None,
+                     error: ModelError | None = None) -> list[Row]:
     """Every candidate (P, B) with its iterations, interval and seconds (see answer.py).
     An Adam-type optimiser's steps follow the tuned-rate relation whatever its rate rule
     (the SGD quadratic's penalty does not describe Adam); ``measured``: the branches'
-    (central, low, high) critical batch, which then predicts, the noise scale beside it."""
+    (central, low, high) critical batch, which then predicts, the noise scale beside it;
+    ``error``: the model's own measured error, joined to each iterations' interval."""
     model = "noise" if adaptive else strategy
 
     def from_noise(batch: int) -> tuple[float, tuple[float, float]]:
@@ -619,7 +635,10 @@ def _prediction_rows(config: TrainConfig, path: Trajectory, strategy: str, count
         return both(batch).iterations
 
     def interval(batch: int) -> tuple[float, float]:
-        return both(batch).interval
+        row = both(batch)
+        if error is None:
+            return row.interval
+        return error.widen(row.iterations, row.interval, batch, config.batch_size)
 
     spread = 0.1  # the step timing's own uncertainty, when it is trusted (docs/advise.md)
     rows = []
@@ -628,9 +647,10 @@ def _prediction_rows(config: TrainConfig, path: Trajectory, strategy: str, count
                                overlap, iterations, lambda b: _lr(config, strategy,
                                                                   path.central, b),
                                interval, spread)
-    if measured is not None:
-        for row in rows:
-            beside = both(row.batch_size)
+    for row in rows:
+        beside = both(row.batch_size)
+        row.pilot_interval = beside.interval
+        if measured is not None:
             row.noise_iterations, row.noise_interval = beside.noise_iterations, \
                 beside.noise_interval
             row.disagree = beside.disagree

@@ -39,6 +39,9 @@ class Row:
     noise_iterations: float = math.nan
     noise_interval: tuple[float, float] = (math.nan, math.nan)
     disagree: bool = False
+    # the iterations' interval before the model's own measured error is joined to it
+    # (model_error.py): the estimator's sampling error and the extrapolation alone
+    pilot_interval: tuple[float, float] = (math.nan, math.nan)
 
     def to_dict(self) -> dict[str, Any]:
         def plain(v: Any) -> Any:
