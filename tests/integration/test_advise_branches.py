@@ -58,6 +58,8 @@ def test_adamw_plan_with_branches_within_budget(conclusive) -> None:
     at_64 = next(r for r in out["rows"] if r["batch_size"] == 64)
     assert at_64["lr"] == pytest.approx(0.003 * 2)  # √(64/16): the Adam default rule
     assert out["strategy"] == "srsr" and out["optimizer"] == "adamw"
+    # the noise scale in AdamW's own metric, from its second step on
+    assert out["pilot"]["metric"] == "adam" and "1/(√v̂ + ε)" in out["assumptions"]
     assert "square-root" in out["assumptions"] and "Adam-type" in out["assumptions"]
     assert "rate rule srsr" in advice.summary()
 

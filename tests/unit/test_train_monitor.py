@@ -58,3 +58,16 @@ def test_two_batch_mode_from_worker_gradients() -> None:
         total = [a + b for a, b in zip(*halves, strict=True)]
         out = monitor.update(total, scale, extras, batch)
     assert out["online_batch_bound"] == pytest.approx(exact_bound(), rel=0.3)
+
+
+def test_squared_norm_in_a_diagonal_metric() -> None:
+    from batchbound.train.monitor import squared_norm
+
+    torch.manual_seed(0)
+    tensors = [torch.randn(4, 3), torch.randn(7)]
+    weights = [torch.rand(4, 3) + 0.1, torch.rand(7) + 0.1]
+    reference = sum(float((w.double() * t.double() ** 2).sum())
+                    for w, t in zip(weights, tensors, strict=True))
+    assert squared_norm(tensors, weights) == pytest.approx(reference, rel=1e-12)
+    ones = [torch.ones_like(t) for t in tensors]
+    assert squared_norm(tensors, ones) == pytest.approx(squared_norm(tensors), rel=1e-6)

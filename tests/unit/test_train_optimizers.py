@@ -137,3 +137,29 @@ def test_a_checkpointed_run_on_data_without_a_test_split(tmp_path) -> None:
     empty = Dataset(name="tiny", task="classification", x_train=x, y_train=y,
                     x_test=x[:0], y_test=y[:0], num_classes=2, source="test")
     assert data_digest(empty).startswith("sha256:")
+
+
+def test_adams_preconditioner_is_one_over_root_v_hat_plus_eps() -> None:
+    from batchbound.train.optimizers import adam_preconditioner
+
+    torch.manual_seed(0)
+    params = [torch.randn(3, 4, requires_grad=True), torch.randn(5, requires_grad=True)]
+    opt = torch.optim.AdamW(params, lr=0.01, betas=(0.9, 0.95), eps=1e-6)
+    assert adam_preconditioner(opt, params) is None  # before its first step: no v
+    grads = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = sum((p.double() ** 3).sum() for p in params)
+        loss.backward()
+        grads.append([p.grad.clone() for p in params])
+        opt.step()
+    weights = adam_preconditioner(opt, params)
+    for i, w in enumerate(weights):
+        v = sum(0.95 ** (2 - k) * 0.05 * grads[k][i] ** 2 for k in range(3))  # float reference
+        expected = 1.0 / ((v / (1 - 0.95**3)).sqrt() + 1e-6)
+        torch.testing.assert_close(w, expected, rtol=1e-5, atol=0)
+    sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    sgd.zero_grad()
+    sum(p.sum() for p in params).backward()
+    sgd.step()
+    assert adam_preconditioner(sgd, params) is None  # no second moment: not Adam's kind

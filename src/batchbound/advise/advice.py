@@ -351,7 +351,8 @@ def advise(
     log(_pilot_plan(config, planned, pilot_steps, curves[1], estimator))
     started = time.perf_counter()
     run = run_pilot(config, data_set, device_, iterations=pilot_steps, estimator=estimator,
-                    exact_every_epochs=diversity_every_epochs, parts=parts, progress=progress)
+                    exact_every_epochs=diversity_every_epochs, parts=parts, progress=progress,
+                    precondition=adaptive)
     pilot_wall = time.perf_counter() - started
     horizon = planned if planned is not None else run.iterations
     path = extrapolate(run.segments, run.iterations, horizon, config.batch_size, config.lr)
@@ -402,6 +403,9 @@ def advise(
     optimiser_text = (f"optimizer {named_optimizer}"
                       + (" (Adam-type: the rate rule's steps taken as the tuned rate's, "
                          "S(B)/S(B0))" if adaptive else "")
+                      + ("; the noise scale measured in its own metric, squared norms "
+                         "weighted by 1/(√v̂ + ε) (preconditioned SGD's tr(PΣ)/GᵀPG)"
+                         if run.metric == "adam" else "")
                       + (f" with momentum μ = {momentum:g}, kept at every batch: the rate "
                          f"rule scales η and with it the effective step η/(1 − μ) (= "
                          f"{config.lr / (1 - momentum):.4g} at B0), the only way the model "
@@ -420,7 +424,7 @@ def advise(
         rows=rows, recommended=recommended, workers_stop_paying=stop,
         assumptions=assumptions,
         pilot={**_pilot_record(config, run, path, planned, pilot_fraction, goal),
-               "wall_seconds": pilot_wall},
+               "wall_seconds": pilot_wall, "metric": run.metric},
         probe=points,
         warmup=warmup_schedule(path.central, max_batch=micro_limit) if planned else None,
         extra={"n": n, "strategy": strategy, "overlap": overlap,

@@ -32,6 +32,7 @@ from batchbound.errors import BatchboundError
 from batchbound.train.config import TrainConfig
 from batchbound.train.distributed import DistContext
 from batchbound.train.loop import Parts, Trainer
+from batchbound.train.optimizers import adam_preconditioner
 from batchbound.train.result import RunResult
 
 ESTIMATORS = ("two_batch", "norms", "exact")
@@ -42,9 +43,13 @@ class _PilotTrainer(Trainer):
     """The trainer, keeping each step's raw (M2, C) estimate and the model's state at a few
     iterations."""
 
-    def __init__(self, *args: Any, keep_every: int, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, keep_every: int, precondition: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.keep_every = max(1, keep_every)
+        # the two-batch estimate in the optimiser's own metric (Adam's 1/(√v̂ + ε)); a step
+        # before the optimiser has one is not estimated
+        self.precondition = precondition and self.monitor.mode == "two_batch"
         self.steps: list[Step] = []
         # (iteration, epoch, model state, optimiser state): branches resume both
         self.states: list[tuple[int, float, dict[str, torch.Tensor], dict[str, Any]]] = []
@@ -52,8 +57,15 @@ class _PilotTrainer(Trainer):
     def train_step(self, stop_requested: bool, time_exceeded: bool) -> dict[str, bool]:
         estimator = self.monitor.estimator
         before = estimator.steps if estimator is not None else 0
+        if self.precondition:
+            weights = adam_preconditioner(self.optimizer, self.params)
+            if weights is None and self.iteration >= 1:  # stepped, yet no second moment
+                self.precondition = False  # not Adam's kind: the Euclidean estimate
+            self.monitor.weights = weights
         flags = super().train_step(stop_requested, time_exceeded)
-        if estimator is not None and estimator.steps > before and estimator.last is not None:
+        skipped = self.precondition and self.monitor.weights is None
+        if estimator is not None and estimator.steps > before and estimator.last is not None \
+                and not skipped:
             m2, cross = estimator.last
             self.steps.append(Step(self.iteration, self.last_batch_loss, m2, cross))
         if self.iteration % self.keep_every == 0:
@@ -73,6 +85,7 @@ class PilotRun:
     result: RunResult
     states: list[tuple[int, float, dict[str, torch.Tensor], dict[str, Any]]]
     estimator: str
+    metric: str = "euclidean"  # "adam": the two-batch estimate in Adam's 1/(√v̂ + ε)
 
     @property
     def seconds(self) -> float:
@@ -109,16 +122,19 @@ def pilot_config(config: TrainConfig, iterations: int | None, estimator: str,
 def run_pilot(config: TrainConfig, data: Dataset, device: torch.device, *,
               iterations: int | None = None, estimator: str = "two_batch",
               exact_every_epochs: float = 0.1, parts: Parts | None = None,
-              progress: bool = False) -> PilotRun:
+              progress: bool = False, precondition: bool = False) -> PilotRun:
     """Train the pilot (see ``pilot_config``); BatchboundError if it diverges or, in target
-    mode, stops short, since nothing can be predicted from it."""
+    mode, stops short, since nothing can be predicted from it. ``precondition``: the
+    two-batch noise scale in an Adam-type optimiser's metric, tr(PΣ)/GᵀPG with
+    P = 1/(√v̂ + ε), the noise scale of the steps it takes (its first step not estimated)."""
     pilot = pilot_config(config, iterations, estimator, exact_every_epochs)
     # states for the probe: KEPT_STATES over a planned pilot; every exact_every_epochs (the
     # target's iteration is not known in advance) in target mode
     keep_every = (iterations // KEPT_STATES if iterations is not None else
                   round(exact_every_epochs * data.n_train / config.batch_size))
     trainer = _PilotTrainer(pilot, DistContext(device=device), dataset=data, parts=parts,
-                            progress=progress, keep_every=keep_every)
+                            progress=progress, keep_every=keep_every,
+                            precondition=precondition)
     result = trainer.run()
     if result.status == "diverged":
         raise BatchboundError(f"the pilot at batch {config.batch_size} diverged "
@@ -144,7 +160,8 @@ def run_pilot(config: TrainConfig, data: Dataset, device: torch.device, *,
                         "without_replacement" if pilot.sampling == "epoch"
                         else "with_replacement")
     kept = [s for s in trainer.states if s[0] <= trained]
-    return PilotRun(segs, trained, result, kept, estimator)
+    return PilotRun(segs, trained, result, kept, estimator,
+                    "adam" if trainer.precondition else "euclidean")
 
 
 def _exact_segments(result: RunResult, trained: int) -> list[Segment]:

@@ -34,6 +34,9 @@ class OnlineMonitor:
     def __init__(self, mode: str, n: int, ctx: DistContext, sampling: str = "epoch",
                  micro_batch: int | None = None) -> None:
         self.mode, self.n, self.ctx, self.micro_batch = mode, n, ctx, micro_batch
+        # two_batch in a diagonal metric (advise's pilot under Adam: its preconditioner),
+        # set by the caller before each step; None: the Euclidean norm
+        self.weights: list[torch.Tensor] | None = None
         if mode == "two_batch" and ctx.world_size < 2 and micro_batch is None:
             raise BatchboundError(
                 "online_diversity=two_batch compares small-batch and global gradients: it needs "
@@ -56,7 +59,7 @@ class OnlineMonitor:
         scale·Σg_i over its ``size`` examples. The loop sums these over the rank's small
         batches and the all-reduce over ranks."""
         factor = 1.0 / (scale * size)
-        return squared_norm(grads) * factor**2
+        return squared_norm(grads, self.weights) * factor**2
 
     def small_batch_sizes(self, batch: int) -> list[int]:
         """Every small batch of a step at global batch ``batch``: each rank's share, split
@@ -73,7 +76,7 @@ class OnlineMonitor:
         """Fold in one step, given the all-reduced gradient (scale·Σg_i over the global batch)
         and the summed extras; returns the metrics to record."""
         assert self.estimator is not None
-        total_sq = squared_norm(grads) / scale**2  # T_B
+        total_sq = squared_norm(grads, self.weights) / scale**2  # T_B
         if not all(math.isfinite(v) for v in (total_sq, *extras)):
             return {}  # a diverging step; the loop's divergence check reports it
         if self.mode == "norms":
@@ -107,7 +110,12 @@ class OnlineMonitor:
             self.estimator.load_state_dict(state)
 
 
-def squared_norm(tensors: list[torch.Tensor]) -> float:
-    """Σ‖t‖² over tensors: fused per-tensor norms, squared and summed in float64 (one sync)."""
+def squared_norm(tensors: list[torch.Tensor],
+                 weights: list[torch.Tensor] | None = None) -> float:
+    """Σ‖t‖² over tensors: fused per-tensor norms, squared and summed in float64 (one sync);
+    with ``weights``, Σ w·t² (a diagonal metric, one weight tensor per tensor), in float64."""
+    if weights is not None:
+        return float(torch.stack([(w.double() * t.double().square()).sum()
+                                  for w, t in zip(weights, tensors, strict=True)]).sum())
     norms = torch.stack([torch.linalg.vector_norm(t) for t in tensors])
     return float(norms.double().square().sum())

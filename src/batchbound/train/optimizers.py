@@ -58,4 +58,24 @@ def is_adaptive(name: str) -> bool:
     return name in ADAPTIVE
 
 
-__all__ = ["ADAPTIVE", "OPTIMIZERS", "build_optimizer", "is_adaptive", "register_optimizer"]
+def adam_preconditioner(optimizer: torch.optim.Optimizer,
+                        params: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """An Adam-type optimiser's diagonal preconditioner 1/(√v̂ + ε) per parameter, v̂ its
+    bias-corrected second moment: the metric its steps take. None before its first step, or
+    when some parameter has no second moment (not Adam-type)."""
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    out = []
+    for p in params:
+        state, group = optimizer.state.get(p, {}), group_of.get(id(p))
+        if "exp_avg_sq" not in state or group is None or "betas" not in group:
+            return None
+        steps = float(state["step"])
+        if steps < 1:
+            return None
+        v = state["exp_avg_sq"] / (1.0 - group["betas"][1] ** steps)
+        out.append(1.0 / (v.sqrt() + group["eps"]))
+    return out
+
+
+__all__ = ["ADAPTIVE", "OPTIMIZERS", "adam_preconditioner", "build_optimizer", "is_adaptive",
+           "register_optimizer"]
