@@ -1,0 +1,213 @@
+"""No host synchronisation on the per-step path of ``watch`` and of the callbacks' shared
+bookkeeping (``MicroBatchNorms`` + ``StepRecords``), and on the Hugging Face and Lightning
+``DiversityCallback``s' steps: on a GPU each one makes the step wait for the device. The CPU
+proxy: every Tensor method that copies a value to the host (``item``, ``tolist``, ``bool``,
+``float``, ``int``) and ``torch.nonzero``/``torch.unique`` are counted while N steps run, when
+the Python code that called into torch is batchbound's; the reads happen only on the logging
+cadence (``fold``, ``monitor.batch_bound``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import batchbound
+from batchbound.diversity import OnlineDiversity, watch
+from batchbound.integrations.common import MicroBatchNorms, StepRecords
+
+_OURS = os.path.dirname(os.path.abspath(batchbound.__file__)) + os.sep
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "nonzero")
+_FUNCTIONS = ("nonzero", "unique")
+
+
+def _caller_is_ours(cadence: tuple[str, ...]) -> str | None:
+    """The batchbound function that called into torch (frames inside torch skipped), or None
+    when the caller is someone else's (the trainer's own loss logging, the test) or the read
+    happens inside one of batchbound's ``cadence`` functions (the logging reads)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH):
+        frame = frame.f_back
+    if frame is None or not frame.f_code.co_filename.startswith(_OURS):
+        return None
+    where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} {frame.f_code.co_name}"
+    while frame is not None:
+        if frame.f_code.co_name in cadence and frame.f_code.co_filename.startswith(_OURS):
+            return None
+        frame = frame.f_back
+    return where
+
+
+@contextmanager
+def host_syncs(cadence: tuple[str, ...] = ()) -> Iterator[Counter]:
+    """Counts batchbound's host reads of tensor values, by call site, while active, except
+    those inside the functions named in ``cadence``."""
+    found: Counter = Counter()
+    saved = {name: getattr(torch.Tensor, name) for name in _METHODS}
+    saved_fn = {name: getattr(torch, name) for name in _FUNCTIONS}
+
+    def counting(original):
+        def wrapper(*args, **kwargs):
+            where = _caller_is_ours(cadence)
+            if where is not None:
+                found[where] += 1
+            return original(*args, **kwargs)
+        return wrapper
+
+    for name, original in saved.items():
+        setattr(torch.Tensor, name, counting(original))
+    for name, original in saved_fn.items():
+        setattr(torch, name, counting(original))
+    try:
+        yield found
+    finally:
+        for name, original in saved.items():
+            setattr(torch.Tensor, name, original)
+        for name, original in saved_fn.items():
+            setattr(torch, name, original)
+
+
+def test_the_counter_sees_a_sync_in_batchbound_code() -> None:
+    """The proxy can fail: a float() of a tensor in batchbound's code is counted, the same
+    call from the test is not."""
+    monitor = OnlineDiversity(100)
+    monitor.defer_from_norms(torch.tensor(4.0), torch.tensor(9.0), 4)
+    with host_syncs() as syncs:
+        float(torch.ones(()))  # the test's own: not counted
+        _ = monitor.batch_bound  # the read folds the deferred steps: counted
+    assert sum(syncs.values()) > 0, syncs
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(torch.tanh(self.ln(x)))
+
+
+def tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(11, 16), Block(), Block(), nn.LayerNorm(16),
+                         nn.Linear(16, 11))
+
+
+def tokens(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 11, (n, 6), generator=g), torch.randint(0, 11, (n, 6), generator=g)
+
+
+@pytest.mark.parametrize("subset", ["all", "norms"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_watch_steps_do_not_sync(subset: str, autocast: bool) -> None:
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = OnlineDiversity(1000)
+
+    def step(seed: int) -> None:
+        x, y = tokens(8, seed)
+        opt.zero_grad()
+        with watch(model, monitor, subset=subset), torch.autocast(
+                "cpu", dtype=torch.bfloat16, enabled=autocast):
+            F.cross_entropy(model(x).transpose(1, 2).float(), y).backward()
+        opt.step()
+
+    step(0)  # the first step checks the model (the probe, the loop): not a training step
+    with host_syncs() as syncs:
+        for seed in range(1, 6):
+            step(seed)
+    assert not syncs, syncs
+    with host_syncs() as syncs:
+        value = monitor.batch_bound  # the logging cadence: the deferred steps are read here
+    assert syncs and value == value
+    assert monitor.steps == 6
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_callback_bookkeeping_does_not_sync(fused: bool) -> None:
+    """What both DiversityCallbacks run per micro-batch and per optimizer step."""
+    model = tiny_model()
+    norms = MicroBatchNorms(model.parameters(), fused=fused)
+    records = StepRecords(OnlineDiversity(1000))
+
+    def step(seed: int) -> None:
+        model.zero_grad()
+        for j in range(3):  # three micro-batches of one optimizer step
+            x, y = tokens(4, 10 * seed + j)
+            norms.start(4, 1.0)
+            F.cross_entropy(model(x).transpose(1, 2), y).backward()
+        row = norms.record(1.0 / 3, 1.0)
+        assert row is not None
+        records.add(row)
+
+    with host_syncs() as syncs:
+        for seed in range(5):
+            step(seed)
+    assert not syncs, syncs
+    with host_syncs() as syncs:
+        monitor = records.fold()  # the logging cadence
+    assert syncs and monitor.steps == 5
+    norms.remove()
+
+
+def test_hf_callback_syncs_only_on_the_logging_cadence(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from torch.utils.data import Dataset
+
+    from batchbound.integrations.transformers import DiversityCallback
+
+    class Pairs(Dataset):
+        def __init__(self, n: int) -> None:
+            g = torch.Generator().manual_seed(0)
+            self.x, self.y = torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+        def __len__(self) -> int:
+            return len(self.y)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"x": self.x[i], "labels": self.y[i]}
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.body = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"loss": F.cross_entropy(self.body(x), labels)}
+
+    every = 4
+    callback = DiversityCallback(every=every, decay=None)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        learning_rate=0.01, num_train_epochs=1, logging_steps=1000, save_strategy="no",
+        report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+    trainer = transformers.Trainer(model=Net(), args=args, train_dataset=Pairs(64),
+                                   callbacks=[callback])
+    folds = Counter()
+    fold = StepRecords.fold
+
+    def counted(self: StepRecords) -> OnlineDiversity:
+        folds["fold"] += 1
+        return fold(self)
+
+    StepRecords.fold = counted  # type: ignore[method-assign]
+    try:
+        with host_syncs(cadence=("fold",)) as syncs:
+            trainer.train()
+    finally:
+        StepRecords.fold = fold  # type: ignore[method-assign]
+    steps = 64 // 8
+    assert callback.monitor.steps == steps
+    assert not syncs, syncs  # nothing read outside the folds
+    assert folds["fold"] == steps // every + 1  # every ``every`` steps, and at the end
