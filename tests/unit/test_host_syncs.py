@@ -96,26 +96,28 @@ class Block(nn.Module):
         return x + self.fc(torch.tanh(self.ln(x)))
 
 
-def tiny_model() -> nn.Module:
+def tiny_model(vocab: int = 11) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Embedding(11, 16), Block(), Block(), nn.LayerNorm(16),
+    return nn.Sequential(nn.Embedding(vocab, 16), Block(), Block(), nn.LayerNorm(16),
                          nn.Linear(16, 11))
 
 
-def tokens(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def tokens(n: int, seed: int, vocab: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 11, (n, 6), generator=g), torch.randint(0, 11, (n, 6), generator=g)
+    return (torch.randint(0, vocab, (n, 6), generator=g),
+            torch.randint(0, 11, (n, 6), generator=g))
 
 
 @pytest.mark.parametrize("subset", ["all", "norms"])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_watch_steps_do_not_sync(subset: str, autocast: bool) -> None:
-    model = tiny_model()
+@pytest.mark.parametrize("vocab", [11, 20_000])  # 20 000: an embedding too large to materialise
+def test_watch_steps_do_not_sync(subset: str, autocast: bool, vocab: int) -> None:
+    model = tiny_model(vocab)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = OnlineDiversity(1000)
 
     def step(seed: int) -> None:
-        x, y = tokens(8, seed)
+        x, y = tokens(8, seed, vocab)
         opt.zero_grad()
         with watch(model, monitor, subset=subset), torch.autocast(
                 "cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -211,3 +213,16 @@ def test_hf_callback_syncs_only_on_the_logging_cadence(tmp_path) -> None:
     assert callback.monitor.steps == steps
     assert not syncs, syncs  # nothing read outside the folds
     assert folds["fold"] == steps // every + 1  # every ``every`` steps, and at the end
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 500])
+def test_segments_equal_uniques_inverse(size: int) -> None:
+    """The sort-based stand-in for ``torch.unique(return_inverse=True)`` (rules/forms.py),
+    which the embedding rules use so that the backward does not wait for the device."""
+    from batchbound.diversity.rules.forms import segments
+
+    g = torch.Generator().manual_seed(size)
+    keys = torch.randint(0, 40, (size,), generator=g) * 1000 + torch.randint(0, 3, (size,),
+                                                                             generator=g)
+    _, inverse = torch.unique(keys, return_inverse=True)
+    assert torch.equal(segments(keys), inverse)
