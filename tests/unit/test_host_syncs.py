@@ -9,6 +9,8 @@ cadence (``fold``, ``monitor.batch_bound``)."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -18,6 +20,23 @@ from torch import nn
 
 from batchbound.diversity import OnlineDiversity, watch
 from batchbound.integrations.common import MicroBatchNorms, StepRecords
+
+
+@contextmanager
+def counted_folds() -> Iterator[Counter]:
+    """How often the callbacks' StepRecords are folded (the logging cadence's one read)."""
+    folds: Counter = Counter()
+    fold = StepRecords.fold
+
+    def counted(self: StepRecords) -> OnlineDiversity:
+        folds["fold"] += 1
+        return fold(self)
+
+    StepRecords.fold = counted  # type: ignore[method-assign]
+    try:
+        yield folds
+    finally:
+        StepRecords.fold = fold  # type: ignore[method-assign]
 
 
 def test_the_counter_sees_a_sync_in_batchbound_code() -> None:
@@ -119,19 +138,8 @@ def test_hf_callback_syncs_only_on_the_logging_cadence(tmp_path) -> None:
         report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
     trainer = transformers.Trainer(model=Net(), args=args, train_dataset=Pairs(64),
                                    callbacks=[callback])
-    folds = Counter()
-    fold = StepRecords.fold
-
-    def counted(self: StepRecords) -> OnlineDiversity:
-        folds["fold"] += 1
-        return fold(self)
-
-    StepRecords.fold = counted  # type: ignore[method-assign]
-    try:
-        with host_syncs(cadence=("fold",)) as syncs:
-            trainer.train()
-    finally:
-        StepRecords.fold = fold  # type: ignore[method-assign]
+    with counted_folds() as folds, host_syncs(cadence=("fold",)) as syncs:
+        trainer.train()
     steps = 64 // 8
     assert callback.monitor.steps == steps
     assert not syncs, syncs  # nothing read outside the folds
@@ -149,3 +157,37 @@ def test_segments_equal_uniques_inverse(size: int) -> None:
                                                                              generator=g)
     _, inverse = torch.unique(keys, return_inverse=True)
     assert torch.equal(segments(keys), inverse)
+
+
+def test_lightning_callback_syncs_only_on_the_logging_cadence() -> None:
+    L = pytest.importorskip("lightning")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from batchbound.integrations.lightning import DiversityCallback
+
+    class Classifier(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g))
+    every = 4
+    callback = DiversityCallback(every=every, decay=None)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, max_epochs=1,
+                        accumulate_grad_batches=2, callbacks=[callback])
+    with counted_folds() as folds, host_syncs(cadence=("fold",)) as syncs:
+        trainer.fit(Classifier(), DataLoader(data, batch_size=4))
+    steps = 64 // 8
+    assert callback.monitor.steps == steps
+    assert not syncs, syncs  # nothing read outside the folds
+    assert folds["fold"] == steps // every + 1  # every ``every`` steps, and at the end
