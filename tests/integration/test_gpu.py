@@ -97,3 +97,56 @@ def test_watch_around_a_bf16_autocast_step_of_gpt2_at_context_1024():
     assert not any("exact per-example gradients by" in m for m in messages), messages  # rules
     assert monitor.m2 * n == pytest.approx(S, rel=0.02)
     assert monitor.precision.startswith("bfloat16 (autocast")
+
+
+def test_watch_and_the_callbacks_bookkeeping_steps_do_not_sync_the_device():
+    """No host synchronisation in a watch() step (float32 and bfloat16 autocast, an embedding
+    too large to materialise) nor in the callbacks' per-step bookkeeping:
+    torch.cuda.set_sync_debug_mode("error") raises on any, torch's own included. The read
+    (monitor.batch_bound, StepRecords.fold) is the one sync (tests/unit/test_host_syncs.py is
+    the CPU proxy)."""
+    import torch.nn.functional as F
+    from host_syncs import tiny_model
+
+    from batchbound.diversity import OnlineDiversity, watch
+    from batchbound.integrations.common import MicroBatchNorms, StepRecords
+
+    vocab = 20_000
+    batches = [(torch.randint(0, vocab, (8, 6), device="cuda"),
+                torch.randint(0, 11, (8, 6), device="cuda")) for _ in range(6)]
+    for autocast in (False, True):
+        model = tiny_model(vocab).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        monitor = OnlineDiversity(1000)
+
+        def step(x, y, model=model, opt=opt, monitor=monitor, autocast=autocast):
+            opt.zero_grad()
+            with watch(model, monitor), torch.autocast("cuda", dtype=torch.bfloat16,
+                                                      enabled=autocast):
+                F.cross_entropy(model(x).transpose(1, 2).float(), y).backward()
+            opt.step()
+
+        step(*batches[0])  # the first step checks the model (the probe, the loop)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for x, y in batches[1:]:
+                step(x, y)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert monitor.steps == 6 and monitor.batch_bound > 0
+
+    model = tiny_model(vocab).cuda()
+    norms, records = MicroBatchNorms(model.parameters()), StepRecords(OnlineDiversity(1000))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for k in range(2):
+            model.zero_grad()
+            for x, y in batches[3 * k: 3 * k + 3]:
+                norms.start(8, 1.0)
+                F.cross_entropy(model(x).transpose(1, 2), y).backward()
+            records.add(norms.record(1.0 / 3, 1.0))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert records.fold().steps == 2

@@ -192,7 +192,8 @@ def measure(
     if n == 0:
         raise BatchboundError("the data are empty: 0 examples")
     per_param_S = dict(zip(names, map(float, reduced[2 : 2 + len(names)]), strict=True))
-    T = float(sum(g.square().sum() for g in reduced[2 + len(names) :]))
+    sums = reduced[2 + len(names) :]  # float64, or one float32 block (see _accumulate)
+    T = float(torch.stack(torch._foreach_norm(sums, 2, dtype=torch.float64)).square().sum())
     return DiversityReport(
         n=n,
         S=float(sum(per_param_S.values())),
@@ -239,7 +240,11 @@ def _accumulate(
     The gradient sum is gathered in the model's own dtype (float32 for float16 and bfloat16)
     over blocks of ``BLOCK`` chunks
     (no less precise than one chunk of that many examples) and each block is added into
-    float64: converting every chunk's gradient to float64 cost 5 % of a forward+backward."""
+    float64: converting every chunk's gradient to float64 cost 5 % of a forward+backward.
+    A block starts as a copy of its first chunk's sum (no zeros to fill and add to), and the
+    float64 totals are made at the second block: with one block (up to ``BLOCK`` chunks) the
+    block itself is returned, and T is normed from it in float64 (``_foreach_norm``), which
+    equals converting it first."""
     from tqdm.auto import tqdm
 
     stats_of = PreparedStats(work, loss_fn, engine)
@@ -247,8 +252,8 @@ def _accumulate(
     first = next(iter(params.values()))
     device, dtype, acc = first.device, first.dtype, torch.float64
     per_param = torch.zeros(len(params), dtype=acc, device=device)
-    grad_sum = [torch.zeros(p.shape, dtype=acc, device=device) for p in params.values()]
-    block = [torch.zeros_like(p, dtype=norm_dtype(p.dtype)) for p in params.values()]
+    grad_sum: list[Tensor] | None = None
+    block: list[Tensor] | None = None
     loss_sum = torch.zeros((), dtype=acc, device=device)
     seen, fallback, chunks_in_block = 0, set(), 0
     shown = progress and sys.stderr.isatty()  # a bar that erases itself says nothing to a log
@@ -259,17 +264,23 @@ def _accumulate(
             y = y.to(device=device, dtype=dtype if y.dtype.is_floating_point else None)
             stats = stats_of(x, y, offset=seen)
             per_param += torch.stack([stats.sq_norms[k] for k in params]).sum(dim=1, dtype=acc)
-            torch._foreach_add_(block, [stats.grad_sum[k].reshape(b.shape)
-                                        for k, b in zip(params, block, strict=True)])
+            sums = [stats.grad_sum[k].reshape(p.shape) for k, p in params.items()]
+            if block is None:  # a copy: autograd's tensors may alias others of the graph
+                block = [g.to(norm_dtype(p.dtype), copy=True) for g, p in zip(
+                    sums, params.values(), strict=True)]
+            else:
+                torch._foreach_add_(block, sums)
             chunks_in_block += 1
             if chunks_in_block == BLOCK:
-                _flush(grad_sum, block)
-                chunks_in_block = 0
+                grad_sum, block, chunks_in_block = _flush(grad_sum, block), None, 0
             loss_sum += stats.losses.sum(dtype=acc)
             seen += stats.n
             fallback.update(stats.fallback)
             bar.update(stats.n)
-    _flush(grad_sum, block)
+    if block is not None:
+        grad_sum = _flush(grad_sum, block)
+    if grad_sum is None:  # no chunk at all
+        grad_sum = [torch.zeros(p.shape, dtype=acc, device=device) for p in params.values()]
     count = torch.tensor(float(seen), dtype=acc, device=device)
     return (count, loss_sum, list(per_param.unbind()), grad_sum, sorted(fallback),
             stats_of.precision)
@@ -278,6 +289,11 @@ def _accumulate(
 BLOCK = 16
 
 
-def _flush(totals: list[Tensor], block: list[Tensor]) -> None:
-    torch._foreach_add_(totals, block)  # one multi-tensor op each, not one per parameter
-    torch._foreach_zero_(block)
+def _flush(totals: list[Tensor] | None, block: list[Tensor]) -> list[Tensor]:
+    """The totals with ``block`` added: the block itself while it is the only one, float64
+    from the second on (one multi-tensor op, not one per parameter)."""
+    if totals is None:
+        return block
+    totals = [t.to(torch.float64) for t in totals]  # no copy once they are
+    torch._foreach_add_(totals, block)
+    return totals

@@ -182,8 +182,10 @@ class OnlineDiversity:
         if not self._deferred:
             return
         deferred, self._deferred = self._deferred, []
-        rows = [row if row.device.type == "cpu" else row.cpu() for row, _ in deferred]
-        values = torch.stack(rows).tolist() if len(rows) > 1 else [rows[0].tolist()]
+        rows = [row for row, _ in deferred]
+        if len({row.device for row in rows}) > 1:
+            rows = [row.cpu() for row in rows]
+        values = torch.stack(rows).tolist()  # one copy to the host for all of them
         refused = []
         for (S_B, T_B), (_, b) in zip(values, deferred, strict=True):
             try:

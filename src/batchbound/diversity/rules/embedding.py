@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from batchbound.diversity.rules.forms import Outer, PerExampleGrad
+from batchbound.diversity.rules.forms import Outer, PerExampleGrad, segments
 from batchbound.diversity.rules.registry import Call, register_rule, trainable
 
 
@@ -38,8 +38,9 @@ def _counts_in_example(idx: Tensor, rows: int) -> Tensor:
     """For each position, how often its index occurs in the same example: (n, T)."""
     n, steps = idx.shape
     keys = torch.arange(n, device=idx.device).unsqueeze(1) * rows + idx
-    _, inverse, counts = torch.unique(keys.reshape(-1), return_inverse=True, return_counts=True)
-    return counts[inverse].reshape(n, steps)
+    segment = segments(keys.reshape(-1))  # no torch.unique: it waits for the device
+    counts = torch.zeros_like(segment).index_add_(0, segment, torch.ones_like(segment))
+    return counts[segment].reshape(n, steps)
 
 
 def _bag_unsupported(call: Call, n: int) -> str | None:

@@ -44,6 +44,17 @@ def _offsets(n: int, p: int, device: torch.device) -> Tensor:
     return torch.arange(0, n * p, p, device=device).unsqueeze(1)
 
 
+def segments(keys: Tensor) -> Tensor:
+    """For each entry of the 1-D ``keys``, the index of its value among the distinct values
+    (equal keys, equal index; indices 0..distinct-1), as ``torch.unique``'s ``inverse`` gives
+    it, but in fixed-size operations: a sort and a running count. ``unique``'s output size
+    waits for the device, a host synchronisation inside the backward pass on a GPU."""
+    ordered, order = torch.sort(keys)
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    return torch.empty_like(order).scatter_(0, order, torch.cumsum(starts, 0) - 1)
+
+
 def _long(t: Tensor) -> Tensor:
     """Integer indices as int64 (no operation when they are already)."""
     return t if t.dtype == torch.int64 else t.long()
@@ -188,10 +199,12 @@ class Outer(PerExampleGrad):
         if self._sq is not None:
             return self._sq
         if self.indexed:  # sum v over positions sharing (example, row); no n·p·q tensor
-            unique, inverse = torch.unique(self._keys(), return_inverse=True)
-            sums = self.v.new_zeros(unique.numel(), self.q)
-            sums.index_add_(0, inverse, self.v.reshape(-1, self.q))
-            owner = torch.div(unique, self.p, rounding_mode="floor")
+            keys = self._keys()
+            segment = segments(keys)
+            sums = self.v.new_zeros(keys.numel(), self.q)  # rows past the last segment: 0
+            sums.index_add_(0, segment, self.v.reshape(-1, self.q))
+            owner = torch.zeros_like(segment).scatter_(
+                0, segment, torch.div(keys, self.p, rounding_mode="floor"))
             return self.v.new_zeros(self.n).index_add_(0, owner, sums.square().sum(dim=1))
         if self.steps == 1:  # one outer product: ‖u‖²‖v‖²
             return _row_sq(self.u[:, 0]) * _row_sq(self.v[:, 0])
