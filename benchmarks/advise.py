@@ -51,6 +51,7 @@ from typing import Any
 from batchbound import kernels
 from batchbound.advise import advise, model_error
 from batchbound.train import TrainConfig, target_list, train
+from batchbound.train.distributed import resolve_device
 
 CASES: dict[str, dict[str, Any]] = {
     "mnist5k-fc": dict(dataset="mnist5k", model="fc(depth=2,params=20000)", b0=16, lr=0.1,
@@ -185,7 +186,7 @@ def run_case(name: str, device: str = "auto", budget: float | None = None,
                 f"last: {k_first}); predicted "
                 f"{row.seconds_to_target:.3g} s, measured {seconds:.3g} s")
             rows.append(out)
-    return dict(case=name, planned_iterations=planned, device=device,
+    return dict(case=name, planned_iterations=planned, device=str(resolve_device(device)),
                 branches=advice.extra.get("branches"),
                 pilot_iterations=advice.pilot["iterations"],
                 pilot_seconds=advice.pilot["seconds"], advise_seconds=advise_seconds,
@@ -214,7 +215,7 @@ def crossing(curve: list[tuple[int, float, float]], target: float) -> tuple[floa
     return math.inf, math.inf
 
 
-def recorded_rows(results: list[dict[str, Any]], device: str) -> dict[str, Any]:
+def recorded_rows(results: list[dict[str, Any]]) -> dict[str, Any]:
     """The run's rows (P = 1) in advise/model_error.json's form: the job, B, the central
     prediction and its interval before the model's error, the measured iterations."""
     rows = []
@@ -230,7 +231,7 @@ def recorded_rows(results: list[dict[str, Any]], device: str) -> dict[str, Any]:
                   "date": time.strftime("%Y-%m-%d")}
                  for r in c["rows"] if r["workers"] == 1 and math.isfinite(r["k_meas"])]
     return {"source": f"benchmarks/advise.py --cases {' '.join(c['case'] for c in results)} "
-            f"--record on device {device}; measured: where the run's mean curve reaches the "
+            f"--record; measured: where the run's mean curve reaches the "
             "planned run's (benchmarks/advise.py's docstring)", "rows": rows}
 
 
@@ -358,7 +359,7 @@ def main() -> None:
                for name in args.cases]
     total = summary(results)
     if args.record:
-        args.record.write_text(json.dumps(recorded_rows(results, args.device), indent=1) + "\n")
+        args.record.write_text(json.dumps(recorded_rows(results), indent=1) + "\n")
     if args.json:
         print(json.dumps({"results": results, "summary": total}, indent=1, default=str))
     else:
