@@ -9,6 +9,7 @@ import math
 import pytest
 
 from batchbound.advise import advise
+from batchbound.advise.critical import combine
 from batchbound.errors import BatchboundError
 from batchbound.train import TrainConfig
 
@@ -46,9 +47,15 @@ def test_adamw_plan_with_branches_within_budget(conclusive) -> None:
     assert out["critical_batch"] == "branches" and len(out["branches"]) == 1
     point = out["branches"][0]
     assert point["interval"][0] <= point["critical_batch"] <= point["interval"][1]
-    # the rows: the branches' prediction with the noise scale's beside it
+    # the rows: the branches' and the noise scale's predictions joined by their precision,
+    # both kept beside the result
     for row in out["rows"]:
         assert row["noise_iterations"] is not None
+        joined = combine(row["branch_iterations"], tuple(row["branch_interval"]),
+                         row["noise_iterations"], tuple(row["noise_interval"]))
+        assert row["iterations"] == pytest.approx(joined.iterations)
+        assert row["branch_weight"] == pytest.approx(joined.branch_weight)
+        assert row["pilot_interval"] == pytest.approx(list(joined.interval))
         low, high = row["iterations_interval"]
         assert low <= row["iterations"] <= high
         if row["disagree"]:

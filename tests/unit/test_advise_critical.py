@@ -106,9 +106,46 @@ def test_trajectories_plateau_and_bracket() -> None:
 
 def test_combine_spans_both_only_when_they_disagree() -> None:
     agree = combine(500, (450, 560), 700, (520, 900))
-    assert not agree.disagree and agree.interval == (450, 560) and agree.iterations == 500
+    assert not agree.disagree and agree.interval == (450, 560)
+    assert (agree.branch_iterations, agree.noise_iterations) == (500, 700)
     split = combine(500, (450, 560), 800, (700, 900))
     assert split.disagree and split.interval == (450, 900) and split.noise_iterations == 800
+
+
+def test_combine_weights_each_estimate_by_its_precision_in_log() -> None:
+    # closed form: σ = ln(hi/lo)/4 each; the mean of the logs weighted by 1/σ²
+    branch, b_band, noise, n_band = 500.0, (450.0, 560.0), 700.0, (520.0, 900.0)
+    wb, wn = (4 / math.log(b_band[1] / b_band[0])) ** 2, (4 / math.log(n_band[1] / n_band[0])) ** 2
+    expected = math.exp((wb * math.log(branch) + wn * math.log(noise)) / (wb + wn))
+    joined = combine(branch, b_band, noise, n_band)
+    assert joined.iterations == pytest.approx(expected)
+    assert joined.branch_weight == pytest.approx(wb / (wb + wn))
+    assert branch < joined.iterations < noise  # the narrower band pulls harder
+    assert joined.iterations - branch < noise - joined.iterations
+    # equally wide bands: the geometric mean
+    assert combine(400, (200, 800), 900, (450, 1800)).iterations == pytest.approx(600)
+
+
+def test_a_branch_ladder_that_tells_little_leaves_the_prior_in_charge() -> None:
+    # LeNet-5 on the H100 (fashion-lenet, 1875-step plan): one branch point, B_crit 12
+    # (0–168); B = 2048 predicted 1200 (178–1875) from it, 500 (218–1210) from n·Δ;
+    # training took 665. Weighted by precision the row is 677.
+    joined = combine(1200, (178, 1875), 500, (218, 1210))
+    assert 600 < joined.iterations < 760 and joined.branch_weight < 0.5
+    assert joined.interval == (178, 1875) and not joined.disagree
+
+
+def test_combine_with_a_silent_or_an_exact_band() -> None:
+    # a band with no lower end says nothing: the other estimate alone
+    assert combine(500, (0.0, 900), 700, (600, 800)).iterations == pytest.approx(700)
+    assert combine(500, (450, 560), 700, (0.0, math.inf)).iterations == pytest.approx(500)
+    both_silent = combine(500, (0.0, 900), 700, (0.0, 900))
+    assert both_silent.iterations == 500  # the measurement, as before the prior was joined
+    # a zero-width band is exact
+    assert combine(500, (500, 500), 700, (600, 800)).iterations == pytest.approx(500)
+    # the interval always holds the central value
+    far = combine(300, (100, 2000), 900, (880, 920))
+    assert far.interval[0] <= far.iterations <= far.interval[1]
 
 
 def test_adam_type_is_told_by_name_or_by_the_factorys_betas() -> None:

@@ -154,10 +154,11 @@ class Advice:
             if not r.best and one is not None:  # B0's row: against the best one-worker row
                 speedup = one.seconds_to_target / r.seconds_to_target
             beside = ""
-            if math.isfinite(r.noise_iterations):  # the branches predict; n·Δ's beside
-                n_low, n_high = r.noise_interval
-                beside = (f"; n·Δ: {r.noise_iterations:.0f} ({n_low:.0f}–{n_high:.0f})"
-                          + (" disagree" if r.disagree else ""))
+            if math.isfinite(r.noise_iterations):  # branches and n·Δ, joined; both beside
+                (b_low, b_high), (n_low, n_high) = r.branch_interval, r.noise_interval
+                beside = (f"; branches {r.branch_iterations:.0f} ({b_low:.0f}–{b_high:.0f}) "
+                          f"× {r.branch_weight:.0%}, n·Δ {r.noise_iterations:.0f} "
+                          f"({n_low:.0f}–{n_high:.0f})" + (" disagree" if r.disagree else ""))
             seconds = ("unknown | unknown | – | – " if not math.isfinite(r.seconds_per_iteration)
                        else f"{r.seconds_per_iteration:.3g} ({r.compute_seconds:.3g} + "
                        f"{r.communication_seconds:.3g}) | {r.seconds_to_target:.3g} "
@@ -376,8 +377,7 @@ def advise(
     rows = _prediction_rows(config, path, strategy, counts, n, micro_limit, curves,
                             communication, overlap, adaptive, measured[1] if measured else None,
                             error)
-    # S_min of what the rows predict from: the branches' central trajectory when they do
-    fewest = minimum_iterations(measured[1][0] if measured else path.central)
+    fewest = _fewest(path, measured[1] if measured else None)
     if busy:  # seconds not to be trusted: the answer on iterations alone, the same each time
         recommended, stop = on_iterations(rows, fewest), None
     else:
@@ -511,7 +511,9 @@ def _critical_text(points: list[CriticalPoint], rows: list[Row], plan: BranchPla
             f"value, though the critical batch rises early in training; past the pilot "
             f"(trajectories in critical.py) low stays at its low end, high grows as the noise "
             f"scale's trend, and the central value half way between in log (times the square "
-            f"root of that growth)")
+            f"root of that growth); each row's iterations join the branches' prediction and "
+            f"the noise scale's (the prior) in log, weighted by the precision of their "
+            f"intervals (the branches' share is shown per row)")
     if any(_capped(p.high, p) for p in points):
         text += (f"; '≥ X': within the branches' noise a larger batch kept up with B0, so "
                  f"the fit cannot tell B_crit above X = {CAP}× the largest branch: a lower "
@@ -657,10 +659,23 @@ def _prediction_rows(config: TrainConfig, path: Trajectory, strategy: str, count
         if measured is not None:
             row.noise_iterations, row.noise_interval = beside.noise_iterations, \
                 beside.noise_interval
-            row.disagree = beside.disagree
+            row.branch_iterations, row.branch_interval = beside.branch_iterations, \
+                beside.branch_interval
+            row.branch_weight, row.disagree = beside.branch_weight, beside.disagree
     if not any(r.best for r in rows):
         raise BatchboundError("no batch size is predicted to reach the target")
     return rows
+
+
+def _fewest(path: Trajectory, measured: tuple[Pilot, Pilot, Pilot] | None) -> float:
+    """S_min of what the rows predict from: the noise scale's, joined with the branches' as
+    the rows are (``combine``) when they ran."""
+    def ends(paths: tuple[Pilot, Pilot, Pilot]) -> tuple[float, tuple[float, float]]:
+        central, low, high = (minimum_iterations(p) for p in paths)
+        return central, (min(low, high), max(low, high))
+
+    noise = ends((path.central, path.low, path.high))
+    return noise[0] if measured is None else combine(*ends(measured), *noise).iterations
 
 
 def _pilot_record(config: TrainConfig, run: PilotRun, path: Trajectory, planned: int | None,

@@ -34,11 +34,15 @@ class Row:
     iterations_interval: tuple[float, float] = (math.nan, math.nan)
     seconds_interval: tuple[float, float] = (math.nan, math.nan)
     best: bool = False  # the fastest batch for its worker count
-    # with the critical batch measured by branches: the noise scale's prediction beside it,
-    # and whether the two intervals miss each other (the interval then spans both)
+    # with the critical batch measured by branches: the branches' and the noise scale's
+    # predictions, the branches' share of the central value (critical.combine), and whether
+    # the two intervals miss each other (the interval then spans both)
     noise_iterations: float = math.nan
     noise_interval: tuple[float, float] = (math.nan, math.nan)
     disagree: bool = False
+    branch_iterations: float = math.nan
+    branch_interval: tuple[float, float] = (math.nan, math.nan)
+    branch_weight: float = math.nan
     # the iterations' interval before the model's own measured error is joined to it
     # (model_error.py): the estimator's sampling error and the extrapolation alone
     pilot_interval: tuple[float, float] = (math.nan, math.nan)

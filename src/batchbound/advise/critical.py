@@ -30,8 +30,9 @@ critical batch rises). Before the first branch point the trajectory holds that p
 turns these into k(B) with the tuned-rate relation.
 
 This is the measurement of *this* run that the noise scale n·Δ − 1 only approximates (for
-language models it underestimates it; Merrill et al.): the rows predict from it, and show
-the noise scale's prediction beside it (``combine``).
+language models it underestimates it; Merrill et al.). The rows predict from it and the noise
+scale's prior together, each weighted by the precision of its interval, and show both beside
+the result (``combine``).
 """
 
 from __future__ import annotations
@@ -239,24 +240,61 @@ def trajectories(points: Sequence[CriticalPoint], noise: Pilot, batch_size: int,
 
 @dataclass(frozen=True)
 class Combined:
-    """One batch's iterations: from the branches, with the noise scale's beside it."""
+    """One batch's iterations: the branches' measurement and the noise scale's prior, joined
+    by their precision, with both kept beside it."""
 
     iterations: float
     interval: tuple[float, float]
     noise_iterations: float
     noise_interval: tuple[float, float]
     disagree: bool  # the two intervals do not overlap: the interval spans both
+    branch_iterations: float = math.nan
+    branch_interval: tuple[float, float] = (math.nan, math.nan)
+    branch_weight: float = 1.0  # the branches' share of the central value (in log)
+
+
+def log_precision(interval: tuple[float, float]) -> float:
+    """1/σ² of a ±2σ band in log: σ = ln(high/low)/4. 0 for a band with no lower end (it
+    says nothing about how few steps), inf for a band of zero width."""
+    low, high = interval
+    if not (low > 0 and math.isfinite(high)):
+        return 0.0
+    sigma = math.log(high / low) / 4
+    return math.inf if sigma <= 0 else 1.0 / sigma**2
 
 
 def combine(branch: float, branch_interval: tuple[float, float], noise: float,
             noise_interval: tuple[float, float]) -> Combined:
+    """The central value is the two estimates' mean in log, each weighted by its precision
+    (``log_precision``): the noise scale is the prior, the branches the measurement, and a
+    branch ladder too short to tell much (LeNet-5's one point at B_crit 12, 0–168, on a
+    1875-step plan) no longer overrides a prior that knows more. The interval is the branches'
+    (stretched to hold the central value), or spans both where they disagree."""
     (blo, bhi), (nlo, nhi) = branch_interval, noise_interval
     disagree = bhi < nlo or nhi < blo
+    weight = _share(log_precision(branch_interval), log_precision(noise_interval))
+    central = branch if weight == 1.0 else noise if weight == 0.0 else \
+        math.exp(weight * math.log(branch) + (1 - weight) * math.log(noise))
     interval = (min(blo, nlo), max(bhi, nhi)) if disagree else (blo, bhi)
-    return Combined(branch, interval, noise, noise_interval, disagree)
+    interval = (min(interval[0], central), max(interval[1], central))
+    return Combined(central, interval, noise, noise_interval, disagree, branch,
+                    branch_interval, weight)
+
+
+def _share(branch: float, noise: float) -> float:
+    """The branches' weight from the two precisions: all of it where the noise scale's
+    interval says nothing or the branches' is exact, none in the opposite cases."""
+    if branch == noise:  # both exact, both silent, or equally precise
+        return 0.5 if branch > 0 else 1.0
+    if math.isinf(branch) or noise == 0:
+        return 1.0
+    if math.isinf(noise) or branch == 0:
+        return 0.0
+    return branch / (branch + noise)
 
 
 __all__ = ["CAP", "MIN_SPREAD", "MIN_STEPS", "BranchPlan", "Combined", "CriticalPoint",
            "Inconclusive", "TooShort",
-           "combine", "examples_ratio", "fit_point", "invert", "measure", "plan_branches",
+           "combine", "examples_ratio", "fit_point", "invert", "log_precision", "measure",
+           "plan_branches",
            "trajectories"]
