@@ -173,10 +173,13 @@ def run_case(name: str, device: str = "auto", budget: float | None = None,
             out["k_covered"] = row.iterations_interval[0] - every <= k <= \
                 row.iterations_interval[1] + every
             out["k_pilot_interval"] = list(row.pilot_interval)  # before the model's error
-            # the noise scale's prediction beside the branches' (nan with --critical-batch
-            # noise): is the measured critical batch the better predictor?
+            # the branches' and the noise scale's predictions, which k_pred joins (nan where
+            # the branches did not run): which is the better predictor?
             out["k_noise"] = row.noise_iterations
             out["k_noise_interval"] = list(row.noise_interval)
+            out["k_branch"] = row.branch_iterations
+            out["k_branch_interval"] = list(row.branch_interval)
+            out["branch_weight"] = row.branch_weight
             out["disagree"] = row.disagree
             out["s_covered"] = row.seconds_interval[0] <= seconds <= row.seconds_interval[1]
             log(f"  {name}: P={workers} B={batch} lr={row.lr:.4g}: predicted "
