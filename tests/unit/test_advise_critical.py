@@ -186,3 +186,21 @@ def test_the_replicate_is_read_on_the_base_runs_subset() -> None:
     base, replicate = curve(config.seed), curve(config.seed + 1)
     assert [i for i, _ in base] == [i for i, _ in replicate]
     assert [v for _, v in base] == pytest.approx([v for _, v in replicate], rel=1e-7)
+
+
+def test_the_fewest_iterations_join_the_branches_and_the_noise_scale_as_the_rows_do() -> None:
+    from batchbound.advise.advice import _fewest
+    from batchbound.advise.iterations import minimum_iterations
+    from batchbound.advise.trajectory import Segment, extrapolate
+
+    segs = [Segment(1, 20, 8.0, 1.0, 2.0), Segment(21, 40, 10.0, 1.0, 1.6),
+            Segment(41, 60, 12.0, 1.5, 1.4)]
+    path = extrapolate(segs, 60, 600, 16, 0.1)
+    assert _fewest(path, None) == pytest.approx(minimum_iterations(path.central))
+    measured = tuple(Pilot(16, 0.1, 600, (60,), (1.0 + b,)) for b in (40.0, 10.0, 160.0))
+    s_min = [minimum_iterations(p) for p in (path.central, path.low, path.high)]
+    b_min = [minimum_iterations(p) for p in measured]
+    expected = combine(b_min[0], (min(b_min[1:]), max(b_min[1:])), s_min[0],
+                       (min(s_min[1:]), max(s_min[1:]))).iterations
+    assert _fewest(path, measured) == pytest.approx(expected)
+    assert min(b_min[0], s_min[0]) < expected < max(b_min[0], s_min[0])
