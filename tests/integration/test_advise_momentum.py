@@ -21,12 +21,16 @@ def test_momentum_is_kept_and_the_effective_step_said() -> None:
     out = advice.to_dict()
     assert out["momentum"] == 0.9
     assert "momentum μ = 0.9" in out["assumptions"]
+    # the heavy ball builds its step over μ/(1 − μ) = 9 steps: the loss trend counts from there
+    assert out["pilot"]["lag"] == pytest.approx(9.0, rel=1e-4)
+    assert "counted from 9 steps in" in out["assumptions"]
     assert "η/(1 − μ) (= 0.1 at B0)" in out["assumptions"]
     for row in advice.rows:  # the rule scales η; μ stays, so η/(1 − μ) scales the same
         assert row.lr == pytest.approx(0.01 * lr_scale("noise", row.batch_size, advice.source))
     plain = advise(CONFIG.replace(momentum=0.0), planned_epochs=4, max_workers=1,
                    critical_batch="noise").to_dict()
     assert plain["momentum"] == 0.0 and "momentum μ" not in plain["assumptions"]
+    assert plain["pilot"]["lag"] == 0.0 and "steps in" not in plain["assumptions"]
 
 
 @pytest.mark.slow
@@ -44,3 +48,4 @@ def test_a_factorys_momentum_is_read() -> None:
                  batch_size=16, planned_epochs=4, max_workers=1,
                  critical_batch="noise").to_dict()
     assert out["momentum"] == 0.5 and "η/(1 − μ) (= 0.04 at B0)" in out["assumptions"]
+    assert out["pilot"]["lag"] == pytest.approx(1.0, rel=1e-4)  # the factory's own μ

@@ -204,3 +204,36 @@ def test_the_fewest_iterations_join_the_branches_and_the_noise_scale_as_the_rows
                        (min(s_min[1:]), max(s_min[1:]))).iterations
     assert _fewest(path, measured) == pytest.approx(expected)
     assert min(b_min[0], s_min[0]) < expected < max(b_min[0], s_min[0])
+
+
+def test_the_loss_trend_runs_on_the_steps_the_optimiser_has_been_moving() -> None:
+    from batchbound.advise.trajectory import Segment, _grid, extrapolate
+
+    lag, p = 9.0, 0.5
+    segs = [Segment(a, a + 19, 10.0, 1.0, 3.0 * ((a + 9.5) - lag) ** -p)
+            for a in (1, 21, 41, 61, 81)]
+    shifted = extrapolate(segs, 100, 1000, 16, 0.1, lag)
+    assert shifted.loss_exponent == pytest.approx(p) and shifted.lag == lag
+    plain = extrapolate(segs, 100, 1000, 16, 0.1)  # read from step 0, the trend looks steeper
+    assert plain.loss_exponent > p + 0.05
+    # past the pilot the noise scale grows as ((t − lag)/(tp − lag))^p
+    first, k = _grid(100, 1000)[0], 1000
+    growth = shifted.central.noise_scale(k) / shifted.central.noise_scale(first)
+    assert growth == pytest.approx(((k - lag) / (first - lag)) ** p)
+    assert "counted from 9 steps in" in shifted.assumption
+
+
+def test_advise_reads_the_lag_of_the_config_or_the_users_factory() -> None:
+    import torch
+
+    from batchbound.advise.advice import _lag
+    from batchbound.train import TrainConfig
+    from batchbound.train.loop import Parts
+
+    config = TrainConfig(dataset="digits", model="fc", lr=0.01, momentum=0.9)
+    assert _lag(config, None) == pytest.approx(9.0, rel=1e-4)
+    assert _lag(config.replace(momentum=0.0), None) == 0.0
+    factory = Parts(optimizer=lambda p: torch.optim.SGD(p, lr=0.02, momentum=0.5))
+    assert _lag(config, factory) == pytest.approx(1.0, rel=1e-4)
+    closure_only = Parts(optimizer=lambda p: torch.optim.LBFGS(p, lr=0.1))
+    assert _lag(config, closure_only) == 0.0  # cannot step without a closure: no lag

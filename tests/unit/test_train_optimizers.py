@@ -163,3 +163,26 @@ def test_adams_preconditioner_is_one_over_root_v_hat_plus_eps() -> None:
     sum(p.sum() for p in params).backward()
     sgd.step()
     assert adam_preconditioner(sgd, params) is None  # no second moment: not Adam's kind
+
+
+@pytest.mark.parametrize("momentum", [0.5, 0.9, 0.99])
+def test_heavy_balls_lag_is_mu_over_one_minus_mu(momentum: float) -> None:
+    from batchbound.train.optimizers import step_lag
+
+    lag = step_lag(lambda p: torch.optim.SGD(p, lr=0.1, momentum=momentum))
+    assert lag == pytest.approx(momentum / (1 - momentum), rel=1e-4)
+
+
+def test_step_lag_of_nesterov_plain_sgd_and_adam() -> None:
+    from batchbound.train import TrainConfig
+    from batchbound.train.optimizers import build_optimizer, step_lag
+
+    # Nesterov steps g + μ·buf: Σ_s μ^(s+1) = μ²/(1 − μ) behind its steady step
+    nesterov = step_lag(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True))
+    assert nesterov == pytest.approx(0.81 / 0.1, rel=1e-4)
+    for config in (TrainConfig(dataset="digits", model="fc", lr=0.1),
+                   TrainConfig(dataset="digits", model="fc", lr=0.003, optimizer="adamw",
+                               weight_decay=0.1),
+                   TrainConfig(dataset="digits", model="fc", lr=0.003, optimizer="adam")):
+        # plain SGD moves its steady step at once; Adam's bias correction does the same
+        assert step_lag(lambda p, c=config: build_optimizer(p, c)) == pytest.approx(0, abs=1e-6)

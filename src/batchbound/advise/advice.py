@@ -79,7 +79,7 @@ from batchbound.train.config import Target, TrainConfig
 from batchbound.train.distributed import resolve_device
 from batchbound.train.loop import Parts
 from batchbound.train.lr_rules import lr_rule
-from batchbound.train.optimizers import is_adaptive
+from batchbound.train.optimizers import build_optimizer, is_adaptive, step_lag
 
 CRITICAL_BATCH = ("branches", "noise")  # where the rows' critical batch comes from
 BUDGET = 0.1  # pilot + branches: this fraction of the plan's examples, by default
@@ -356,7 +356,8 @@ def advise(
                     precondition=adaptive)
     pilot_wall = time.perf_counter() - started
     horizon = planned if planned is not None else run.iterations
-    path = extrapolate(run.segments, run.iterations, horizon, config.batch_size, config.lr)
+    lag = _lag(config, parts)
+    path = extrapolate(run.segments, run.iterations, horizon, config.batch_size, config.lr, lag)
     log(f"pilot: {run.iterations} iterations; B_noise {run.segments[0].noise:.4g} at the "
         f"start, {run.segments[-1].noise:.4g} at its end; κ = B_noise·L = {path.kappa:.3g}")
     measured, inconclusive = None, skipped
@@ -485,6 +486,17 @@ def _momentum(config: TrainConfig, parts: Parts | None) -> float:
         return config.momentum
     probe_param = torch.zeros(1, requires_grad=True)
     return float(parts.optimizer([probe_param]).defaults.get("momentum", 0.0) or 0.0)
+
+
+def _lag(config: TrainConfig, parts: Parts | None) -> float:
+    """The steps the run's optimiser (the config's or the user's factory's) takes to build
+    up its steady step: ``step_lag``."""
+    make = parts.optimizer if parts is not None and parts.optimizer is not None else \
+        (lambda params: build_optimizer(params, config))
+    try:
+        return step_lag(make)
+    except (TypeError, RuntimeError):  # it cannot step without a closure (L-BFGS): no lag
+        return 0.0
 
 
 def _critical_text(points: list[CriticalPoint], rows: list[Row], plan: BranchPlan | None
@@ -686,6 +698,7 @@ def _pilot_record(config: TrainConfig, run: PilotRun, path: Trajectory, planned:
         "seconds": run.seconds, "estimator": run.estimator, "target": goal,
         "minimum_iterations": minimum_iterations(path.central),
         "kappa": path.kappa, "kappa_se": path.kappa_se, "loss_exponent": path.loss_exponent,
+        "lag": path.lag,
         "final_loss": list(path.final_loss) if planned else None,
         "segments": [{"start": s.start, "end": s.end, "noise_scale": s.noise, "se": s.se,
                       "loss": s.loss} for s in path.segments],

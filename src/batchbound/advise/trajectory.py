@@ -120,11 +120,16 @@ class Trajectory:
     loss_exponent: float  # p in L(t) ∝ t^(−p)
     final_loss: tuple[float, float, float]  # extrapolated loss at the plan's end: central, lo, hi
     assumption: str
+    lag: float = 0.0  # steps the optimiser took to build up its steady step (step_lag)
 
 
 def extrapolate(segs: Sequence[Segment], pilot_iterations: int, planned_iterations: int,
-                batch_size: int, lr: float) -> Trajectory:
-    """The three trajectories over ``planned_iterations`` (see the module docstring)."""
+                batch_size: int, lr: float, lag: float = 0.0) -> Trajectory:
+    """The three trajectories over ``planned_iterations`` (see the module docstring).
+    ``lag``: the steps by which the optimiser's summed step trails its steady step from the
+    start (``train.optimizers.step_lag``: μ/(1 − μ) for SGD's heavy ball, 0 for plain SGD
+    and Adam); the loss trend and the growth past the pilot run on t − lag, the time the
+    optimiser has actually been moving at its steady rate."""
     later = list(segs[1:]) if len(segs) > 2 else list(segs)
     products = np.array([s.noise * s.loss for s in later])
     errors = np.array([max(s.se, 1e-12) * s.loss for s in later])
@@ -132,8 +137,11 @@ def extrapolate(segs: Sequence[Segment], pilot_iterations: int, planned_iteratio
     kappa = float(np.sum(weights * products) / np.sum(weights))
     spread = float(np.std(products, ddof=1) / math.sqrt(len(products))) if len(later) > 1 else 0
     kappa_se = max(math.sqrt(1.0 / float(np.sum(weights))), spread)
-    exponent, loss_end = _loss_trend(later, pilot_iterations)
+    exponent, loss_end = _loss_trend(later, pilot_iterations, lag)
     tp, k = pilot_iterations, planned_iterations
+
+    def moved(t: float) -> float:  # (t − lag)/(tp − lag): the growth past the pilot
+        return _moving(t, lag) / _moving(tp, lag)
     measured_its = [round(s.middle) for s in segs]
     grid = _grid(tp, k)
     base = kappa / loss_end
@@ -145,25 +153,28 @@ def extrapolate(segs: Sequence[Segment], pilot_iterations: int, planned_iteratio
 
     shift = _level_error(segs)
     central = pilot([s.noise for s in segs],
-                    [base * (t / tp) ** exponent for t in grid])
+                    [base * moved(t) ** exponent for t in grid])
     low = pilot([s.noise * (1 - 2 * shift) for s in segs],
                 [(kappa - 2 * kappa_se) / loss_end for _ in grid])
     high = pilot([s.noise * (1 + 2 * shift) for s in segs],
-                 [(kappa + 2 * kappa_se) / loss_end * (t / tp) for t in grid])
-    ratio = k / tp
+                 [(kappa + 2 * kappa_se) / loss_end * moved(t) for t in grid])
+    ratio = moved(k)
     final = (loss_end * ratio ** -exponent, loss_end / ratio, loss_end)
     assumption = (
         f"B_noise measured over the pilot's {tp} steps ({len(segs)} segments, ± two standard "
         f"errors of their level) and extrapolated to the plan's {k} as B_noise·L ≈ κ = "
         f"{kappa:.3g} ± "
         f"{kappa_se:.2g} (McCandlish et al.) with the training loss continuing its pilot "
-        f"trend L ∝ t^−{exponent:.2f}; the interval runs from B_noise staying where the "
-        f"pilot ended (a plateau, Merrill et al. 2025) to B_noise growing in proportion to "
-        f"t (the loss falling as 1/t)" if k > tp else
+        f"trend L ∝ t^−{exponent:.2f}"
+        + (f" (t counted from {lag:.3g} steps in: the optimiser's momentum builds up its "
+           f"steady step over the first steps)" if lag > 0 else "")
+        + "; the interval runs from B_noise staying where the "
+        "pilot ended (a plateau, Merrill et al. 2025) to B_noise growing in proportion to "
+        "t (the loss falling as 1/t)" if k > tp else
         f"B_noise measured over the whole run to the target ({k} steps, {len(segs)} segments, "
         f"± two standard errors of their level)")
     return Trajectory(central, low, high, tuple(segs), kappa, kappa_se, exponent, final,
-                      assumption)
+                      assumption, lag)
 
 
 def _level_error(segs: Sequence[Segment]) -> float:
@@ -177,17 +188,24 @@ def _level_error(segs: Sequence[Segment]) -> float:
     return min(error / mean, 0.5)
 
 
-def _loss_trend(later: Sequence[Segment], pilot_iterations: int) -> tuple[float, float]:
-    """(p, L at the pilot's end) from a least-squares fit of log L on log t; p in [0, 1]."""
-    t = np.array([s.middle for s in later], dtype=float)
+def _loss_trend(later: Sequence[Segment], pilot_iterations: int, lag: float = 0.0
+                ) -> tuple[float, float]:
+    """(p, L at the pilot's end) from a least-squares fit of log L on log(t − lag);
+    p in [0, 1]."""
+    t = np.array([_moving(s.middle, lag) for s in later], dtype=float)
     loss = np.array([s.loss for s in later], dtype=float)
     if len(later) < 2 or np.any(loss <= 0):
         return 0.0, float(loss[-1])
     slope, intercept = np.polyfit(np.log(t), np.log(loss), 1)
     exponent = float(min(max(-slope, 0.0), 1.0))
-    end = float(math.exp(intercept + slope * math.log(pilot_iterations))) if exponent > 0 \
-        else float(loss[-1])
+    end = float(math.exp(intercept + slope * math.log(_moving(pilot_iterations, lag)))) \
+        if exponent > 0 else float(loss[-1])
     return exponent, end
+
+
+def _moving(t: float, lag: float) -> float:
+    """Steps at the optimiser's steady rate by step t (at least one)."""
+    return max(t - lag, 1.0)
 
 
 def _grid(pilot_iterations: int, planned_iterations: int) -> list[int]:

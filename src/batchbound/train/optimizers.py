@@ -10,6 +10,7 @@ square root (Malladi et al. 2022; Merrill et al. 2025), where SGD's follows the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -77,5 +78,33 @@ def adam_preconditioner(optimizer: torch.optim.Optimizer,
     return out
 
 
+def step_lag(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+             tolerance: float = 1e-9, max_steps: int = 100_000) -> float:
+    """How many steps the optimiser's summed step trails its steady step from the start,
+    under a constant gradient and a constant rate: Σ_s (1 − step_s/step_∞). Measured by
+    stepping the optimiser ``make`` builds on one float64 scalar (weight decay off), so it
+    holds for any optimiser: μ/(1 − μ) for SGD's heavy ball (PyTorch starts its buffer at
+    the first gradient, so the step grows from η to η/(1 − μ)), 0 for plain SGD and for
+    Adam (its bias-corrected moments give the steady step from the first)."""
+    param = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    optimizer = make([param])
+    for group in optimizer.param_groups:
+        group["weight_decay"] = 0.0
+    steps: list[float] = []
+    with torch.no_grad():
+        for _ in range(max_steps):
+            before = float(param)
+            param.grad = torch.ones_like(param)
+            optimizer.step()
+            steps.append(before - float(param))
+            if len(steps) > 1 and abs(steps[-1] - steps[-2]) <= tolerance * abs(steps[-1]):
+                break
+    steady = steps[-1]
+    if not (math.isfinite(steady) and steady > 0):
+        return 0.0  # it does not move down a constant gradient: no lag to speak of
+    lag = sum(1.0 - step / steady for step in steps)
+    return lag if lag > 1e-6 else 0.0  # below that: float rounding of a steady step
+
+
 __all__ = ["ADAPTIVE", "OPTIMIZERS", "adam_preconditioner", "build_optimizer", "is_adaptive",
-           "register_optimizer"]
+           "register_optimizer", "step_lag"]
