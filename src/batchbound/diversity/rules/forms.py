@@ -91,6 +91,11 @@ class PerExampleGrad:
         """Σ_i g_i, flattened."""
         return self.dense().sum(dim=0).reshape(-1)
 
+    def add_total_to(self, out: Tensor) -> None:
+        """``out += Σ_i g_i``, ``out`` a contiguous tensor of the parameter's shape (a running
+        sum over chunks)."""
+        out.add_(self.total().reshape(out.shape))
+
     def part(self, rows: slice) -> PerExampleGrad:
         """The same gradients for the examples ``rows``."""
         raise NotImplementedError
@@ -233,6 +238,18 @@ class Outer(PerExampleGrad):
             out = v.new_zeros(self.p, self.q)
             return out.index_add_(0, _long(self.u).reshape(-1), v).reshape(-1)
         return (self.u.reshape(-1, self.p).transpose(0, 1) @ v).reshape(-1)
+
+    def add_total_to(self, out: Tensor) -> None:
+        """The product added by the matrix kernel itself (``addmm_``, β = 1): no (p × q)
+        temporary and no separate addition, for a running sum."""
+        if self.v.dtype != out.dtype or not out.is_contiguous():
+            super().add_total_to(out)
+            return
+        v, into = self.v.reshape(-1, self.q), out.view(self.p, self.q)
+        if self.indexed:
+            into.index_add_(0, _long(self.u).reshape(-1), v)
+        else:
+            into.addmm_(self.u.reshape(-1, self.p).transpose(0, 1), v)
 
 
 def _gram_u(a: Outer, b: Outer) -> Tensor:
