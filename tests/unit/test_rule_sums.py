@@ -280,3 +280,37 @@ def test_a_first_chunk_run_again_after_the_check_adds_its_sum_once() -> None:
             torch.testing.assert_close(running[name], total, rtol=RTOL, atol=1e-12)
     finally:
         del RULES[Wrong]
+
+
+def test_conv_and_bias_sums_go_into_the_running_sums() -> None:
+    """The conv rule's materialised gradients and every bias, summed into the running sums
+    by one matrix-vector product each (``add_row_sum``), equal the loop's sums; for each
+    conv method (with "gram" and "shifts" autograd sums the conv weight)."""
+    torch.manual_seed(8)
+    model = _lenet_like()
+    x, y = torch.randn(6, 1, 8, 8, dtype=torch.float64), torch.randint(0, 5, (6,))
+    slow = _loop_grad_sum(model, x, y)
+    for method in ("conv", "gram", "shifts"):
+        with conv.force_strategy(method):
+            prepared = PreparedStats(model, _loss, engine="hooks")
+            prepared(x, y)  # the first chunk: checked
+            start = {k: torch.full_like(t, -0.25) for k, t in _zeros_like_params(model).items()}
+            running = {k: t.clone() for k, t in start.items()}
+            assert prepared(x, y, into=running).grad_sum == {}
+        for name, total in slow.items():
+            torch.testing.assert_close(running[name] - start[name], total, rtol=RTOL,
+                                       atol=1e-12)
+
+
+def test_add_row_sum_adds_the_rows_sum_in_place() -> None:
+    """One addmv_ where shapes and dtype allow, the plain sum and addition otherwise."""
+    from batchbound.diversity.rules.forms import add_row_sum
+
+    g = torch.Generator().manual_seed(9)
+    rows = torch.randn(5, 3, 4, generator=g, dtype=torch.float64)
+    for out in (torch.randn(3, 4, generator=g, dtype=torch.float64),
+                torch.randn(4, 3, generator=g, dtype=torch.float64).t(),  # not contiguous
+                torch.randn(3, 4, generator=g)):  # another dtype
+        expected = (out.double() + rows.sum(dim=0)).to(out.dtype)
+        add_row_sum(out, rows)
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)

@@ -256,8 +256,7 @@ def _accumulate(
     dtype = first.dtype
     per_param = torch.zeros(len(params), dtype=acc, device=device)
     grad_sum: list[Tensor] | None = None
-    block = {k: torch.zeros(p.shape, dtype=norm_dtype(p.dtype), device=device)
-             for k, p in params.items()}
+    block = _zeros_like_each(params)
     loss_sum = torch.zeros((), dtype=acc, device=device)
     seen, fallback, chunks_in_block = 0, set(), 0
     shown = progress and sys.stderr.isatty()  # a bar that erases itself says nothing to a log
@@ -282,6 +281,21 @@ def _accumulate(
 
 
 BLOCK = 16
+
+
+def _zeros_like_each(params: dict[str, nn.Parameter]) -> dict[str, Tensor]:
+    """A zero running sum per parameter (its shape, ``norm_dtype``): views of one buffer
+    per dtype and device, filled by one operation instead of one per parameter."""
+    groups: dict[tuple[torch.dtype, torch.device], list[str]] = {}
+    for name, p in params.items():
+        groups.setdefault((norm_dtype(p.dtype), p.device), []).append(name)
+    out: dict[str, Tensor] = {}
+    for (dtype, device), names in groups.items():
+        sizes = [params[k].numel() for k in names]
+        flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
+        for name, part in zip(names, flat.split(sizes), strict=True):
+            out[name] = part.view(params[name].shape)
+    return {name: out[name] for name in params}
 
 
 def _flush(totals: list[Tensor] | None, block: list[Tensor], last: bool = False

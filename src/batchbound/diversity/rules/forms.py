@@ -44,6 +44,23 @@ def _offsets(n: int, p: int, device: torch.device) -> Tensor:
     return torch.arange(0, n * p, p, device=device).unsqueeze(1)
 
 
+@functools.lru_cache(maxsize=32)
+def ones(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """(n,) ones, the same tensor for every call of these sizes (never written): Σ_i of n
+    rows as one matrix-vector product added into a running sum (``addmv_``)."""
+    return torch.ones(n, dtype=dtype, device=device)
+
+
+def add_row_sum(out: Tensor, rows: Tensor) -> None:
+    """``out += Σ_i rows[i]`` for ``rows`` (n, ...) with ``out``'s entries per row: one
+    ``addmv_`` (β = 1), no temporary sum and no separate addition; else those two."""
+    n = rows.shape[0]
+    if rows.dtype != out.dtype or not out.is_contiguous() or rows.numel() != n * out.numel():
+        out.add_(rows.sum(dim=0).reshape(out.shape))
+        return
+    out.view(-1).addmv_(rows.reshape(n, -1).t(), ones(n, rows.dtype, rows.device))
+
+
 def segments(keys: Tensor) -> Tensor:
     """For each entry of the 1-D ``keys``, the index of its value among the distinct values
     (equal keys, equal index; indices 0..distinct-1), as ``torch.unique``'s ``inverse`` gives
@@ -120,6 +137,9 @@ class Dense(PerExampleGrad):
     def dense(self) -> Tensor:
         return self.grads
 
+    def add_total_to(self, out: Tensor) -> None:
+        add_row_sum(out, self.grads)
+
     def part(self, rows: slice) -> Dense:
         return Dense(self.grads[rows])
 
@@ -129,9 +149,10 @@ class Lazy(PerExampleGrad):
     ``total`` their sum (without materialising them)."""
 
     def __init__(self, n: int, sq_norms: Callable[[], Tensor], materialise: Callable[[], Tensor],
-                 part: Callable[[slice], Lazy], total: Callable[[], Tensor]) -> None:
+                 part: Callable[[slice], Lazy], total: Callable[[], Tensor],
+                 add_total_to: Callable[[Tensor], None] | None = None) -> None:
         self._n, self._sq, self._dense, self._part = n, sq_norms, materialise, part
-        self._total = total
+        self._total, self._add_total_to = total, add_total_to
 
     @property
     def n(self) -> int:
@@ -148,6 +169,12 @@ class Lazy(PerExampleGrad):
 
     def total(self) -> Tensor:
         return self._total().reshape(-1)
+
+    def add_total_to(self, out: Tensor) -> None:
+        if self._add_total_to is None:
+            super().add_total_to(out)
+        else:
+            self._add_total_to(out)
 
 
 class Outer(PerExampleGrad):
