@@ -1,6 +1,7 @@
-"""measure()'s gradient sum over blocks of chunks (a block starts as a copy of its first
-chunk's sum; float64 totals from the second block on; one block is normed as it is) against
-the float64 per-example loop, for every way the chunks fall into blocks."""
+"""measure()'s gradient sum over blocks of chunks (each chunk adds its sum into the block,
+the rules' own sums in their kernels; float64 totals from the second block on; one block is
+normed as it is) against the float64 per-example loop, for every way the chunks fall into
+blocks."""
 
 from __future__ import annotations
 

@@ -194,6 +194,10 @@ class HooksPass:
         # calls whose output gradients autograd is asked for instead (``capture_edges``).
         self.rule_sums: set[str] = set()
         self.own_sums = False
+        # With ``into`` (``hooks_stats``): running sums the rules add their batch sums to in
+        # their own kernels (``add_total_to``), for the parameters in ``added``.
+        self.into: dict[str, Tensor] | None = None
+        self.added: set[str] = set()
         self._captures: list[CallRecord] = []
         self._ids = {id(p): name for name, p in params.items()}
         self._first = next(iter(params.values()))  # its dtype and device stand for all
@@ -456,7 +460,10 @@ class HooksPass:
             else:
                 self.sq_norms[name] = form.sq_norms()
             self._fingerprint(name, form)
-            if not form.batch_sum_exact or name in self.rule_sums:
+            if self.into is not None and name in self.rule_sums and form.batch_sum_exact:
+                form.add_total_to(self.into[name])
+                self.added.add(name)
+            elif not form.batch_sum_exact or name in self.rule_sums:
                 self.totals[name] = form.total().reshape(self.params[name].shape)
 
     def _defer(self, name: str, grads: Tensor) -> None:
@@ -668,12 +675,17 @@ def hooks_stats(
     *,
     excluded: dict[str, str] | None = None,
     offset: int = 0,
+    into: dict[str, Tensor] | None = None,
 ) -> HooksResult:
     """One chunk through the hooks engine. ``layout`` comes from ``rule_check.py``; ``excluded``
-    parameters are left to the caller from the start (with their reasons)."""
+    parameters are left to the caller from the start (with their reasons). ``into``: running
+    sums (each parameter's shape, ``norm_dtype``, contiguous) that the rules add the batch
+    sums they compute themselves to (``own_sums``); those parameters are then left out of
+    ``grad_sum``, which holds the others as usual."""
     n = x.shape[0]
     run = HooksPass(plan, params, layout, n, excluded)
     run.own_sums = True  # autograd is asked here, for what the rules do not sum themselves
+    run.into = into
     try:
         outputs = run.forward(model, x)
         losses = loss_fn(outputs, y)
@@ -698,11 +710,11 @@ def hooks_stats(
                                  "accounts for (a custom autograd.Function using it unseen?)")
             continue
         grad_sum[name] = run.totals.get(name, g)
-    for name in run.rule_sums:  # in the parameters' order below
+    for name in run.rule_sums - run.added:  # in the parameters' order below
         grad_sum[name] = run.totals[name] if name in run.totals else torch.zeros_like(
             params[name])
     grad_sum = {name: grad_sum[name] for name in params if name in grad_sum}
-    sq_norms = {k: v for k, v in run.sq_norms.items() if k in grad_sum}
+    sq_norms = {k: v for k, v in run.sq_norms.items() if k in grad_sum or k in run.added}
     return HooksResult(losses.detach(), sq_norms, grad_sum, run.reasons, run.loss_uses,
                        run.precision)
 

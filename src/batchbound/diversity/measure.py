@@ -241,19 +241,22 @@ def _accumulate(
     over blocks of ``BLOCK`` chunks
     (no less precise than one chunk of that many examples) and each block is added into
     float64: converting every chunk's gradient to float64 cost 5 % of a forward+backward.
-    A block starts as a copy of its first chunk's sum (no zeros to fill and add to), and the
-    float64 totals are made at the second block: with one block (up to ``BLOCK`` chunks) the
-    block itself is returned, and T is normed from it in float64 (``_foreach_norm``), which
-    equals converting it first."""
+    Each chunk's sum is added into the block by the chunk itself (``PreparedStats``'s
+    ``into``): a layer rule that computes the batch weight gradient adds it in its matrix
+    kernel (``addmm_``), autograd's are added in one multi-tensor addition. The float64
+    totals are made at the second block: with one block (up to ``BLOCK`` chunks) the block
+    itself is returned, and T is normed from it in float64 (``_foreach_norm``), which equals
+    converting it first."""
     from tqdm.auto import tqdm
 
     stats_of = PreparedStats(work, loss_fn, engine)
     params = stats_of.params
     first = next(iter(params.values()))
-    device, dtype, acc = first.device, first.dtype, torch.float64
+    device, acc = first.device, torch.float64
+    dtype = first.dtype
     per_param = torch.zeros(len(params), dtype=acc, device=device)
     grad_sum: list[Tensor] | None = None
-    block: list[Tensor] | None = None
+    block = _zeros_like_each(params)
     loss_sum = torch.zeros((), dtype=acc, device=device)
     seen, fallback, chunks_in_block = 0, set(), 0
     shown = progress and sys.stderr.isatty()  # a bar that erases itself says nothing to a log
@@ -262,25 +265,16 @@ def _accumulate(
             x = x.to(device, dtype) if isinstance(x, Inputs) else x.to(
                 device=device, dtype=dtype if x.dtype.is_floating_point else None)
             y = y.to(device=device, dtype=dtype if y.dtype.is_floating_point else None)
-            stats = stats_of(x, y, offset=seen)
+            if chunks_in_block == BLOCK:  # full, and more to come: into float64
+                grad_sum, chunks_in_block = _flush(grad_sum, list(block.values())), 0
+            stats = stats_of(x, y, offset=seen, into=block)
             per_param += torch.stack([stats.sq_norms[k] for k in params]).sum(dim=1, dtype=acc)
-            sums = [stats.grad_sum[k].reshape(p.shape) for k, p in params.items()]
-            if block is None:  # a copy: autograd's tensors may alias others of the graph
-                block = [g.to(norm_dtype(p.dtype), copy=True) for g, p in zip(
-                    sums, params.values(), strict=True)]
-            else:
-                torch._foreach_add_(block, sums)
             chunks_in_block += 1
-            if chunks_in_block == BLOCK:
-                grad_sum, block, chunks_in_block = _flush(grad_sum, block), None, 0
             loss_sum += stats.losses.sum(dtype=acc)
             seen += stats.n
             fallback.update(stats.fallback)
             bar.update(stats.n)
-    if block is not None:
-        grad_sum = _flush(grad_sum, block)
-    if grad_sum is None:  # no chunk at all
-        grad_sum = [torch.zeros(p.shape, dtype=acc, device=device) for p in params.values()]
+    grad_sum = _flush(grad_sum, list(block.values()), last=True)
     count = torch.tensor(float(seen), dtype=acc, device=device)
     return (count, loss_sum, list(per_param.unbind()), grad_sum, sorted(fallback),
             stats_of.precision)
@@ -289,11 +283,32 @@ def _accumulate(
 BLOCK = 16
 
 
-def _flush(totals: list[Tensor] | None, block: list[Tensor]) -> list[Tensor]:
-    """The totals with ``block`` added: the block itself while it is the only one, float64
-    from the second on (one multi-tensor op, not one per parameter)."""
-    if totals is None:
+def _zeros_like_each(params: dict[str, nn.Parameter]) -> dict[str, Tensor]:
+    """A zero running sum per parameter (its shape, ``norm_dtype``): views of one buffer
+    per dtype and device, filled by one operation instead of one per parameter."""
+    groups: dict[tuple[torch.dtype, torch.device], list[str]] = {}
+    for name, p in params.items():
+        groups.setdefault((norm_dtype(p.dtype), p.device), []).append(name)
+    out: dict[str, Tensor] = {}
+    for (dtype, device), names in groups.items():
+        sizes = [params[k].numel() for k in names]
+        flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
+        for name, part in zip(names, flat.split(sizes), strict=True):
+            out[name] = part.view(params[name].shape)
+    return {name: out[name] for name in params}
+
+
+def _flush(totals: list[Tensor] | None, block: list[Tensor], last: bool = False
+           ) -> list[Tensor]:
+    """The totals with ``block`` added, and the block zeroed for the next chunks: the block
+    itself when it is the only one and the last, float64 from the second on (one
+    multi-tensor op, not one per parameter)."""
+    if totals is None and last:
         return block
-    totals = [t.to(torch.float64) for t in totals]  # no copy once they are
-    torch._foreach_add_(totals, block)
+    if totals is None:
+        totals = [t.to(torch.float64, copy=True) for t in block]
+    else:
+        torch._foreach_add_(totals, block)
+    if not last:
+        torch._foreach_zero_(block)
     return totals

@@ -114,9 +114,25 @@ class PreparedStats:
             else:
                 self.plan = plan_hooks(model, self.params)
 
-    def __call__(self, x: Tensor | Inputs, y: Tensor, offset: int = 0) -> PerExampleStats:
+    def __call__(self, x: Tensor | Inputs, y: Tensor, offset: int = 0,
+                 into: dict[str, Tensor] | None = None) -> PerExampleStats:
         """One chunk: ``x`` a tensor of examples, or ``Inputs`` for a model called with
-        several arguments (``inputs(img, cond=c)``)."""
+        several arguments (``inputs(img, cond=c)``).
+
+        ``into``: running sums, one per parameter (its shape, ``norm_dtype``, contiguous):
+        the chunk's Σ_i g_i is added to them instead of returned (``grad_sum`` is then
+        empty); the layer rules that compute a batch sum themselves add it in their own
+        kernel (``Outer.add_total_to``), with no temporary and no separate addition."""
+        stats = self._stats(x, y, offset, into)
+        if into is not None and stats.grad_sum:
+            names = list(stats.grad_sum)
+            torch._foreach_add_([into[k] for k in names], [stats.grad_sum[k] for k in names])
+        if into is not None:
+            stats.grad_sum = {}
+        return stats
+
+    def _stats(self, x: Tensor | Inputs, y: Tensor, offset: int,
+               into: dict[str, Tensor] | None) -> PerExampleStats:
         if isinstance(x, Inputs):
             check_chunk(torch.empty(x.n, 0), y)
         else:
@@ -147,7 +163,7 @@ class PreparedStats:
             if self.checked is None and any(m.training for m in self.model.modules()):
                 self._checked(self_check(self.model, x, y, self.loss_fn, self.plan,
                                          self.params, self.layout, self.plan.static_reasons()))
-            return self._hooks(x, y, offset)
+            return self._hooks(x, y, offset, into)
 
     def _probe(self, x: Tensor, y: Tensor, offset: int) -> None:
         assert self.plan is not None
@@ -169,12 +185,16 @@ class PreparedStats:
             raise BatchboundError(f"engine='hooks' cannot compute these parameters' per-example "
                                   f"gradients exactly: {describe(reasons)}")
 
-    def _hooks(self, x: Tensor, y: Tensor, offset: int) -> PerExampleStats:
+    def _hooks(self, x: Tensor, y: Tensor, offset: int,
+               into: dict[str, Tensor] | None = None) -> PerExampleStats:
+        """``into`` (see ``__call__``): what the rules add there themselves is left out of
+        the result's ``grad_sum``. Not on the first chunk, which may be run again."""
         assert self.plan is not None and self.layout is not None
         start = time.perf_counter()
         excluded = self.checked if self.checked is not None else self.plan.static_reasons()
         result = hooks_stats(self.model, x, y, self.loss_fn, self.plan, self.params,
-                             self.layout, excluded=excluded, offset=offset)
+                             self.layout, excluded=excluded, offset=offset,
+                             into=into if self.checked is not None else None)
         self.precision = lowest(self.precision, result.precision)
         if self.checked is None:  # the first chunk, in eval mode: check it against the loop
             self._checked(check_rows(self.model, x, y, self.loss_fn, self.params,
@@ -198,7 +218,8 @@ class PreparedStats:
         result.sq_norms.update(sq)
         result.grad_sum.update(sums)
         ordered = {name: result.sq_norms[name] for name in self.params}
-        grad_sum = {name: result.grad_sum[name] for name in self.params}
+        grad_sum = {name: result.grad_sum[name] for name in self.params
+                    if name in result.grad_sum}  # without those the rules added to ``into``
         return PerExampleStats(result.losses, ordered, grad_sum, tuple(names))
 
     def _fallback(
@@ -267,7 +288,7 @@ class PreparedStats:
         warnings.warn(
             f"batchbound: computing exact per-example gradients by {how} ({cost}) for the "
             f"parameters no layer rule can take: {key}",
-            stacklevel=4,
+            stacklevel=5,  # _warn, _hooks, _stats, __call__: its caller
         )
 
     def _one_example(self, x: Tensor, y: Tensor, offset: int) -> PerExampleStats:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from batchbound.diversity.rules.forms import Dense, Lazy, PerExampleGrad
+from batchbound.diversity.rules.forms import Dense, Lazy, PerExampleGrad, add_row_sum
 from batchbound.diversity.rules.registry import (
     Call,
     first_axis,
@@ -214,8 +214,14 @@ def _weight(layer: nn.Module, x: Tensor, b: Tensor) -> Lazy:
             return held.pop().sum(dim=0)
         return _weight_sum(layer, x, b)
 
+    def add_total_to(out: Tensor) -> None:
+        if held:  # into the running sum in one matrix-vector product
+            add_row_sum(out, held.pop())
+        else:
+            out.add_(_weight_sum(layer, x, b))
+
     return Lazy(x.shape[0], sq_norms, materialised,
-                lambda rows: _weight(layer, x[rows], b[rows]), total)
+                lambda rows: _weight(layer, x[rows], b[rows]), total, add_total_to)
 
 
 def _own_sums(layer: nn.Module, x: Tensor, out_shape: torch.Size) -> tuple[str, ...]:

@@ -44,6 +44,23 @@ def _offsets(n: int, p: int, device: torch.device) -> Tensor:
     return torch.arange(0, n * p, p, device=device).unsqueeze(1)
 
 
+@functools.lru_cache(maxsize=32)
+def ones(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """(n,) ones, the same tensor for every call of these sizes (never written): Σ_i of n
+    rows as one matrix-vector product added into a running sum (``addmv_``)."""
+    return torch.ones(n, dtype=dtype, device=device)
+
+
+def add_row_sum(out: Tensor, rows: Tensor) -> None:
+    """``out += Σ_i rows[i]`` for ``rows`` (n, ...) with ``out``'s entries per row: one
+    ``addmv_`` (β = 1), no temporary sum and no separate addition; else those two."""
+    n = rows.shape[0]
+    if rows.dtype != out.dtype or not out.is_contiguous() or rows.numel() != n * out.numel():
+        out.add_(rows.sum(dim=0).reshape(out.shape))
+        return
+    out.view(-1).addmv_(rows.reshape(n, -1).t(), ones(n, rows.dtype, rows.device))
+
+
 def segments(keys: Tensor) -> Tensor:
     """For each entry of the 1-D ``keys``, the index of its value among the distinct values
     (equal keys, equal index; indices 0..distinct-1), as ``torch.unique``'s ``inverse`` gives
@@ -91,6 +108,11 @@ class PerExampleGrad:
         """Σ_i g_i, flattened."""
         return self.dense().sum(dim=0).reshape(-1)
 
+    def add_total_to(self, out: Tensor) -> None:
+        """``out += Σ_i g_i``, ``out`` a contiguous tensor of the parameter's shape (a running
+        sum over chunks)."""
+        out.add_(self.total().reshape(out.shape))
+
     def part(self, rows: slice) -> PerExampleGrad:
         """The same gradients for the examples ``rows``."""
         raise NotImplementedError
@@ -115,6 +137,9 @@ class Dense(PerExampleGrad):
     def dense(self) -> Tensor:
         return self.grads
 
+    def add_total_to(self, out: Tensor) -> None:
+        add_row_sum(out, self.grads)
+
     def part(self, rows: slice) -> Dense:
         return Dense(self.grads[rows])
 
@@ -124,9 +149,10 @@ class Lazy(PerExampleGrad):
     ``total`` their sum (without materialising them)."""
 
     def __init__(self, n: int, sq_norms: Callable[[], Tensor], materialise: Callable[[], Tensor],
-                 part: Callable[[slice], Lazy], total: Callable[[], Tensor]) -> None:
+                 part: Callable[[slice], Lazy], total: Callable[[], Tensor],
+                 add_total_to: Callable[[Tensor], None] | None = None) -> None:
         self._n, self._sq, self._dense, self._part = n, sq_norms, materialise, part
-        self._total = total
+        self._total, self._add_total_to = total, add_total_to
 
     @property
     def n(self) -> int:
@@ -143,6 +169,12 @@ class Lazy(PerExampleGrad):
 
     def total(self) -> Tensor:
         return self._total().reshape(-1)
+
+    def add_total_to(self, out: Tensor) -> None:
+        if self._add_total_to is None:
+            super().add_total_to(out)
+        else:
+            self._add_total_to(out)
 
 
 class Outer(PerExampleGrad):
@@ -233,6 +265,18 @@ class Outer(PerExampleGrad):
             out = v.new_zeros(self.p, self.q)
             return out.index_add_(0, _long(self.u).reshape(-1), v).reshape(-1)
         return (self.u.reshape(-1, self.p).transpose(0, 1) @ v).reshape(-1)
+
+    def add_total_to(self, out: Tensor) -> None:
+        """The product added by the matrix kernel itself (``addmm_``, β = 1): no (p × q)
+        temporary and no separate addition, for a running sum."""
+        if self.v.dtype != out.dtype or not out.is_contiguous():
+            super().add_total_to(out)
+            return
+        v, into = self.v.reshape(-1, self.q), out.view(self.p, self.q)
+        if self.indexed:
+            into.index_add_(0, _long(self.u).reshape(-1), v)
+        else:
+            into.addmm_(self.u.reshape(-1, self.p).transpose(0, 1), v)
 
 
 def _gram_u(a: Outer, b: Outer) -> Tensor:

@@ -10,6 +10,7 @@ so its gradient is the transpose, Σ_t a_t b_tᵀ: the same form with u and v sw
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from batchbound.diversity.rules.forms import Dense, Outer, PerExampleGrad
@@ -38,11 +39,26 @@ def _affine(layer: nn.Module, a: Tensor, b: Tensor, transposed: bool) -> dict[st
     return grads
 
 
-@register_rule(nn.Linear, feature_dims=1)
+def _own_sums(layer: nn.Module, x: Tensor, out_shape: torch.Size) -> tuple[str, ...]:
+    """Weight and bias: the forms' batch sum is the one product autograd would compute
+    (bᵀa over all rows), and ``add_total_to`` adds it into a running sum in the same kernel.
+    Not under autocast or for a low-precision input, where autograd's own sum is rounded
+    (the rules widen it)."""
+    weight = layer._parameters.get("weight")
+    if (weight is None or x.dtype != weight.dtype or x.dtype not in _EXACT
+            or torch.is_autocast_enabled(x.device.type)):
+        return ()
+    return tuple(k for k in ("weight", "bias") if trainable(layer, k))
+
+
+_EXACT = (torch.float32, torch.float64)
+
+
+@register_rule(nn.Linear, feature_dims=1, own_sums=_own_sums)
 def linear_rule(call: Call) -> dict[str, PerExampleGrad]:
     return _affine(call.module, call.input, call.grad, transposed=False)
 
 
-@register_rule("transformers.pytorch_utils.Conv1D", feature_dims=1)
+@register_rule("transformers.pytorch_utils.Conv1D", feature_dims=1, own_sums=_own_sums)
 def conv1d_transformers_rule(call: Call) -> dict[str, PerExampleGrad]:
     return _affine(call.module, call.input, call.grad, transposed=True)
