@@ -157,7 +157,7 @@ class Advice:
             if math.isfinite(r.noise_iterations):  # branches and n·Δ, joined; both beside
                 (b_low, b_high), (n_low, n_high) = r.branch_interval, r.noise_interval
                 beside = (f"; branches {r.branch_iterations:.0f} ({b_low:.0f}–{b_high:.0f}) "
-                          f"× {r.branch_weight:.0%}, n·Δ {r.noise_iterations:.0f} "
+                          f"weight {r.branch_weight:.0%}, n·Δ {r.noise_iterations:.0f} "
                           f"({n_low:.0f}–{n_high:.0f})" + (" disagree" if r.disagree else ""))
             seconds = ("unknown | unknown | – | – " if not math.isfinite(r.seconds_per_iteration)
                        else f"{r.seconds_per_iteration:.3g} ({r.compute_seconds:.3g} + "
