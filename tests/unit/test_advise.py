@@ -374,3 +374,14 @@ def test_the_table_shows_b0_and_unknown_seconds_on_a_busy_machine() -> None:
     assert "unknown | unknown" in on_busy.table()
     assert on_busy.summary().startswith("the seconds cannot be trusted here (hog), so "
                                               "this answer is on iterations alone")
+
+
+def test_the_step_timer_reports_the_mean_wait_the_run_pays() -> None:
+    from batchbound.advise.step_timer import summarise
+
+    # a heavy-tailed wait: one stall in ten; the run pays the mean, the median hides it
+    waits = [0.001] * 9 + [0.011]
+    row = summarise([32], {32: [0.002] * 9 + [0.020]}, {32: waits}, {32: [0.001] * 10})[0]
+    assert row["communication"] == pytest.approx(0.002)  # mean: (9·1 + 11)/10 ms
+    assert row["compute"] == pytest.approx(0.002)  # compute stays the median
+    assert row["forward"] == pytest.approx(0.001)

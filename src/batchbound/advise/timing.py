@@ -208,8 +208,9 @@ def time_workers(config: TrainConfig, workers: int, sizes: Sequence[int], thread
                  repeats: int = 30) -> tuple[ComputeCurve, float]:
     """The trainer's real step on ``workers`` local gloo processes, in lockstep, at global
     batches P·m for each micro-batch m in ``sizes`` (``step_timer.py``): the compute curve of
-    one worker, and the median seconds per iteration its all-reduce takes, waiting for the
-    slower peer included."""
+    one worker, and the seconds per iteration its all-reduce takes, waiting for the slower
+    peer included (per size the mean over rounds, since the run pays every wait; the median
+    over sizes)."""
     timed = config.replace(workers=workers, lr=1e-9, online_diversity="off",
                            diversity_every_epochs=None, batch_policy="fixed", targets=())
     with tempfile.TemporaryDirectory(prefix="batchbound-steps-") as tmp:
