@@ -25,6 +25,8 @@ if importlib.util.find_spec("lightning") is None:
     pytest.skip("lightning is not installed (pip install 'batchbound[lightning]')",
                 allow_module_level=True)
 # installed but broken (e.g. a mismatched torchvision): this import fails, naming the cause
+from spawn_exit import fit_tolerating_exit_abort
+
 from batchbound.integrations import lightning as integration
 
 L = integration.L
@@ -207,9 +209,12 @@ def test_ddp_spawn_matches_hand_two_batch(tmp_path: Path) -> None:
     dataset = data(n, dtype=torch.float32, seed=5)
     model = Recording(str(tmp_path))
     logger = L.loggers.CSVLogger(tmp_path, name="run", version=0)
-    trainer(strategy="ddp_spawn", devices=2, accumulate_grad_batches=k, max_epochs=epochs,
-            logger=logger, callbacks=[DiversityCallback(every=8, decay=None)]).fit(
-        model, DataLoader(dataset, batch_size=micro, shuffle=True))
+    spawned = trainer(strategy="ddp_spawn", devices=2, accumulate_grad_batches=k,
+                      max_epochs=epochs, logger=logger,
+                      callbacks=[DiversityCallback(every=8, decay=None)])
+    fit_tolerating_exit_abort(
+        lambda: spawned.fit(model, DataLoader(dataset, batch_size=micro, shuffle=True)),
+        [tmp_path / f"rank{r}.pt" for r in range(2)])
     with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("gradient_diversity/batch_bound")]
     steps = epochs * n // (2 * micro * k)

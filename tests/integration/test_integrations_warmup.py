@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from spawn_exit import fit_tolerating_exit_abort
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
@@ -145,11 +146,12 @@ def test_lightning_schedule_follows_the_trainers_own_warmup():
 def test_lightning_ddp_ranks_change_together(tmp_path: Path):
     model = DigitsNet(str(tmp_path))
     logger = L.loggers.CSVLogger(tmp_path, name="run", version=0)
-    lightning_trainer(strategy="ddp_spawn", devices=2, accumulate_grad_batches=1,
-                      max_epochs=6, logger=logger,
-                      callbacks=[lightning_integration.BatchWarmupCallback(every=10,
-                                                                           fraction=1.0)]
-                      ).fit(model, digits_loader(8, seed=None))
+    trainer = lightning_trainer(
+        strategy="ddp_spawn", devices=2, accumulate_grad_batches=1, max_epochs=6,
+        logger=logger,
+        callbacks=[lightning_integration.BatchWarmupCallback(every=10, fraction=1.0)])
+    fit_tolerating_exit_abort(lambda: trainer.fit(model, digits_loader(8, seed=None)),
+                              [tmp_path / f"rank{r}.pt" for r in range(2)])
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert ranks[0] == ranks[1]  # the same accumulation at every batch on both ranks
     assert max(ranks[0]) >= 2
