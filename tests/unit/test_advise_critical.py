@@ -231,9 +231,19 @@ def test_advise_reads_the_lag_of_the_config_or_the_users_factory() -> None:
     from batchbound.train.loop import Parts
 
     config = TrainConfig(dataset="digits", model="fc", lr=0.01, momentum=0.9)
-    assert _lag(config, None) == pytest.approx(9.0, rel=1e-4)
-    assert _lag(config.replace(momentum=0.0), None) == 0.0
+    assert _lag(config, None)[0] == pytest.approx(9.0, rel=1e-4)
+    assert _lag(config.replace(momentum=0.0), None) == (0.0, None)
     factory = Parts(optimizer=lambda p: torch.optim.SGD(p, lr=0.02, momentum=0.5))
-    assert _lag(config, factory) == pytest.approx(1.0, rel=1e-4)
+    assert _lag(config, factory)[0] == pytest.approx(1.0, rel=1e-4)
     closure_only = Parts(optimizer=lambda p: torch.optim.LBFGS(p, lr=0.1))
-    assert _lag(config, closure_only) == 0.0  # cannot step without a closure: no lag
+    lag, why = _lag(config, closure_only)  # cannot step without a closure: no lag, said
+    assert lag == 0.0 and why is not None and "closure" in why
+
+    class Float32Only(torch.optim.SGD):  # an outside optimiser with its own demands
+        def step(self, closure=None):
+            assert all(p.dtype == torch.float32 for g in self.param_groups
+                       for p in g["params"]), "float32 parameters only"
+            return super().step(closure)
+
+    lag, why = _lag(config, Parts(optimizer=lambda p: Float32Only(p, lr=0.1, momentum=0.9)))
+    assert lag == 0.0 and why == "AssertionError: float32 parameters only"

@@ -356,7 +356,7 @@ def advise(
                     precondition=adaptive)
     pilot_wall = time.perf_counter() - started
     horizon = planned if planned is not None else run.iterations
-    lag = _lag(config, parts)
+    lag, lag_failed = _lag(config, parts)
     path = extrapolate(run.segments, run.iterations, horizon, config.batch_size, config.lr, lag)
     log(f"pilot: {run.iterations} iterations; B_noise {run.segments[0].noise:.4g} at the "
         f"start, {run.segments[-1].noise:.4g} at its end; κ = B_noise·L = {path.kappa:.3g}")
@@ -410,7 +410,9 @@ def advise(
                       + (f" with momentum μ = {momentum:g}, kept at every batch: the rate "
                          f"rule scales η and with it the effective step η/(1 − μ) (= "
                          f"{config.lr / (1 - momentum):.4g} at B0), the only way the model "
-                         "sees the rate (as the ratio η(B)/η0)" if momentum else ""))
+                         "sees the rate (as the ratio η(B)/η0)" if momentum else "")
+                      + (f"; its start-up lag could not be measured on a scalar ({lag_failed}):"
+                         " the loss trend counted from step 0" if lag_failed else ""))
     assumptions = (
         f"Iterations to {goal}: McCandlish et al.'s model applied step by step along the "
         f"planned run at B0 = {config.batch_size}; {critical_text}; noise scale: "
@@ -488,15 +490,17 @@ def _momentum(config: TrainConfig, parts: Parts | None) -> float:
     return float(parts.optimizer([probe_param]).defaults.get("momentum", 0.0) or 0.0)
 
 
-def _lag(config: TrainConfig, parts: Parts | None) -> float:
+def _lag(config: TrainConfig, parts: Parts | None) -> tuple[float, str | None]:
     """The steps the run's optimiser (the config's or the user's factory's) takes to build
-    up its steady step: ``step_lag``."""
+    up its steady step (``step_lag``), and why it could not be measured (then 0: the loss
+    trend counts from step 0, as before the lag was known)."""
     make = parts.optimizer if parts is not None and parts.optimizer is not None else \
         (lambda params: build_optimizer(params, config))
     try:
-        return step_lag(make)
-    except (TypeError, RuntimeError):  # it cannot step without a closure (L-BFGS): no lag
-        return 0.0
+        return step_lag(make), None
+    except Exception as exc:  # a user's optimiser may refuse a float64 scalar,
+        # need a closure (L-BFGS) or a GPU: the lag is a refinement, not worth the answer
+        return 0.0, f"{type(exc).__name__}: {exc}".splitlines()[0]
 
 
 def _critical_text(points: list[CriticalPoint], rows: list[Row], plan: BranchPlan | None
