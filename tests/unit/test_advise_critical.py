@@ -247,3 +247,42 @@ def test_advise_reads_the_lag_of_the_config_or_the_users_factory() -> None:
 
     lag, why = _lag(config, Parts(optimizer=lambda p: Float32Only(p, lr=0.1, momentum=0.9)))
     assert lag == 0.0 and why == "AssertionError: float32 parameters only"
+
+
+def _segments(kappa_exponent: float, loss_exponent: float) -> list:
+    """Five pilot segments whose loss is 3·t^−p and whose B_noise·L is 10·t^r exactly."""
+    from batchbound.advise.trajectory import Segment
+
+    out = []
+    for a in (1, 21, 41, 61, 81):
+        t = a + 9.5
+        loss = 3.0 * t**-loss_exponent
+        out.append(Segment(a, a + 19, 10.0 * t**kappa_exponent / loss, 1.0, loss))
+    return out
+
+
+def test_kappa_continues_its_rise_over_the_pilot() -> None:
+    from batchbound.advise.trajectory import _grid, extrapolate
+
+    p, r = 0.2, 0.3
+    path = extrapolate(_segments(r, p), 100, 1000, 16, 0.1)
+    assert path.loss_exponent == pytest.approx(p) and path.kappa_growth == pytest.approx(r)
+    first, k = _grid(100, 1000)[0], 1000
+    growth = path.central.noise_scale(k) / path.central.noise_scale(first)
+    assert growth == pytest.approx((k / first) ** (p + r))  # B_noise = κ(t)/L(t)
+    # the low end stays the plateau, the high end still grows as t: the central lies between
+    for t in (first, 500, k):
+        assert path.low.noise_scale(t) <= path.central.noise_scale(t) <= path.high.noise_scale(t)
+    assert "κ ∝ t^0.30" in path.assumption
+
+
+def test_a_falling_kappa_is_the_start_and_a_steep_rise_is_capped_at_the_high_end() -> None:
+    from batchbound.advise.trajectory import _grid, extrapolate
+
+    falling = extrapolate(_segments(-0.5, 0.2), 100, 1000, 16, 0.1)
+    assert falling.kappa_growth == 0.0 and "κ ∝" not in falling.assumption
+    steep = extrapolate(_segments(2.0, 0.2), 100, 1000, 16, 0.1)
+    assert steep.kappa_growth == pytest.approx(0.8)  # r + p ≤ 1: no faster than t
+    first = _grid(100, 1000)[0]
+    assert steep.central.noise_scale(1000) / steep.central.noise_scale(first) == \
+        pytest.approx(1000 / first)

@@ -13,7 +13,13 @@ pairs (M2, C) (``batchbound.diversity.online``). Here:
    (the first is the initialisation's transient), the loss is fitted as a power law
    L(t) ∝ t^(−p) over them (0 ≤ p ≤ 1), and past the pilot
 
-   - central: B_noise(t) = κ / L(t), the loss continuing on its fitted power law;
+   - central: B_noise(t) = κ(t) / L(t), the loss continuing on its fitted power law and κ
+     on its own trend over the later segments, κ(t) ∝ t^r (a least-squares fit of log κ on
+     log t, r clipped to [0, 1 − p]). McCandlish et al.'s κ is constant; on language models
+     it grows while the loss falls slowly (the critical batch rising well past B_noise·L,
+     Merrill et al. 2025), and the pilot sees the start of that rise. A falling κ is read as
+     the start's transient (the critical batch does not fall as training goes on: r ≥ 0),
+     and B_noise grows no faster than the high trajectory's t (r ≤ 1 − p);
    - low (the most steps at a large batch): κ − 2·SE at the pilot's last loss, constant (the
      noise scale plateaus where the pilot ended);
    - high (the fewest steps): κ + 2·SE, growing in proportion to t (the loss falling as fast
@@ -118,6 +124,7 @@ class Trajectory:
     kappa: float  # B_noise·L over the pilot's later segments
     kappa_se: float
     loss_exponent: float  # p in L(t) ∝ t^(−p)
+    kappa_growth: float  # r in κ(t) ∝ t^r past the pilot, in [0, 1 − p]
     final_loss: tuple[float, float, float]  # extrapolated loss at the plan's end: central, lo, hi
     assumption: str
     lag: float = 0.0  # steps the optimiser took to build up its steady step (step_lag)
@@ -138,6 +145,7 @@ def extrapolate(segs: Sequence[Segment], pilot_iterations: int, planned_iteratio
     spread = float(np.std(products, ddof=1) / math.sqrt(len(products))) if len(later) > 1 else 0
     kappa_se = max(math.sqrt(1.0 / float(np.sum(weights))), spread)
     exponent, loss_end = _loss_trend(later, pilot_iterations, lag)
+    growth = _kappa_trend(later, lag, 1.0 - exponent)
     tp, k = pilot_iterations, planned_iterations
 
     def moved(t: float) -> float:  # (t − lag)/(tp − lag): the growth past the pilot
@@ -153,7 +161,7 @@ def extrapolate(segs: Sequence[Segment], pilot_iterations: int, planned_iteratio
 
     shift = _level_error(segs)
     central = pilot([s.noise for s in segs],
-                    [base * moved(t) ** exponent for t in grid])
+                    [base * moved(t) ** (exponent + growth) for t in grid])
     low = pilot([s.noise * (1 - 2 * shift) for s in segs],
                 [(kappa - 2 * kappa_se) / loss_end for _ in grid])
     high = pilot([s.noise * (1 + 2 * shift) for s in segs],
@@ -166,6 +174,8 @@ def extrapolate(segs: Sequence[Segment], pilot_iterations: int, planned_iteratio
         f"{kappa:.3g} ± "
         f"{kappa_se:.2g} (McCandlish et al.) with the training loss continuing its pilot "
         f"trend L ∝ t^−{exponent:.2f}"
+        + (f" and κ its rise over the pilot, κ ∝ t^{growth:.2f} (the critical batch growing "
+           f"as on language models, Merrill et al. 2025)" if growth > 0 else "")
         + (f" (t counted from {lag:.3g} steps in: the optimiser's momentum builds up its "
            f"steady step over the first steps)" if lag > 0 else "")
         + "; the interval runs from B_noise staying where the "
@@ -173,8 +183,8 @@ def extrapolate(segs: Sequence[Segment], pilot_iterations: int, planned_iteratio
         "t (the loss falling as 1/t)" if k > tp else
         f"B_noise measured over the whole run to the target ({k} steps, {len(segs)} segments, "
         f"± two standard errors of their level)")
-    return Trajectory(central, low, high, tuple(segs), kappa, kappa_se, exponent, final,
-                      assumption, lag)
+    return Trajectory(central, low, high, tuple(segs), kappa, kappa_se, exponent, growth,
+                      final, assumption, lag)
 
 
 def _level_error(segs: Sequence[Segment]) -> float:
@@ -201,6 +211,19 @@ def _loss_trend(later: Sequence[Segment], pilot_iterations: int, lag: float = 0.
     end = float(math.exp(intercept + slope * math.log(_moving(pilot_iterations, lag)))) \
         if exponent > 0 else float(loss[-1])
     return exponent, end
+
+
+def _kappa_trend(later: Sequence[Segment], lag: float, most: float) -> float:
+    """r in κ ∝ (t − lag)^r from a least-squares fit of log(B_noise·L) on log(t − lag) over
+    the later segments, each counted once (their standard errors grow with their values, so
+    weighting by them would favour the lowest); clipped to [0, most]. 0 with fewer than two
+    segments or a zero noise scale."""
+    products = [s.noise * s.loss for s in later]
+    if len(later) < 2 or min(products) <= 0:
+        return 0.0
+    t = np.log([_moving(s.middle, lag) for s in later])
+    slope = float(np.polyfit(t, np.log(products), 1)[0])
+    return min(max(slope, 0.0), max(most, 0.0))
 
 
 def _moving(t: float, lag: float) -> float:
