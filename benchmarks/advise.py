@@ -88,6 +88,9 @@ CASES: dict[str, dict[str, Any]] = {
                                 model="lstm(layers=1,hidden=128)", b0=16, lr=0.003,
                                 optimizer="adamw", betas=(0.9, 0.95), epochs=2,
                                 batches=(64, 256), eval_subset=None),
+    "mnist5k-fc-adamw": dict(dataset="mnist5k", model="fc(depth=2,params=20000)", b0=16,
+                             lr=0.001, optimizer="adamw", betas=(0.9, 0.999), epochs=4,
+                             batches=(64, 256, 1024), eval_subset=None),
 }
 OPTIMISER_KEYS = ("optimizer", "betas", "momentum", "weight_decay")
 HALF_WINDOW = 4  # a crossing is read on the centred mean of 9 evaluations

@@ -286,3 +286,12 @@ def test_a_falling_kappa_is_the_start_and_a_steep_rise_is_capped_at_the_high_end
     first = _grid(100, 1000)[0]
     assert steep.central.noise_scale(1000) / steep.central.noise_scale(first) == \
         pytest.approx(1000 / first)
+
+
+def test_a_rise_out_of_the_first_segment_is_not_a_trend() -> None:
+    from batchbound.advise.trajectory import extrapolate
+
+    two = _segments(1.0, 0.1)[:2]  # a pilot of two segments: the first is the start's
+    assert extrapolate(two, 40, 400, 16, 0.1).kappa_growth == 0.0
+    three = _segments(0.3, 0.1)[:3]  # two after the first: their trend counts
+    assert extrapolate(three, 60, 600, 16, 0.1).kappa_growth == pytest.approx(0.3)

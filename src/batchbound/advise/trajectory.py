@@ -14,8 +14,8 @@ pairs (M2, C) (``batchbound.diversity.online``). Here:
    L(t) ∝ t^(−p) over them (0 ≤ p ≤ 1), and past the pilot
 
    - central: B_noise(t) = κ(t) / L(t), the loss continuing on its fitted power law and κ
-     on its own trend over the later segments, κ(t) ∝ t^r (a least-squares fit of log κ on
-     log t, r clipped to [0, 1 − p]). McCandlish et al.'s κ is constant; on language models
+     on its own trend over the segments after the first, κ(t) ∝ t^r (a least-squares fit of
+     log κ on log t over at least two of them, else r = 0; r clipped to [0, 1 − p]). McCandlish et al.'s κ is constant; on language models
      it grows while the loss falls slowly (the critical batch rising well past B_noise·L,
      Merrill et al. 2025), and the pilot sees the start of that rise. A falling κ is read as
      the start's transient (the critical batch does not fall as training goes on: r ≥ 0),
@@ -145,7 +145,7 @@ def extrapolate(segs: Sequence[Segment], pilot_iterations: int, planned_iteratio
     spread = float(np.std(products, ddof=1) / math.sqrt(len(products))) if len(later) > 1 else 0
     kappa_se = max(math.sqrt(1.0 / float(np.sum(weights))), spread)
     exponent, loss_end = _loss_trend(later, pilot_iterations, lag)
-    growth = _kappa_trend(later, lag, 1.0 - exponent)
+    growth = _kappa_trend(segs[1:], lag, 1.0 - exponent)
     tp, k = pilot_iterations, planned_iterations
 
     def moved(t: float) -> float:  # (t − lag)/(tp − lag): the growth past the pilot
@@ -213,15 +213,17 @@ def _loss_trend(later: Sequence[Segment], pilot_iterations: int, lag: float = 0.
     return exponent, end
 
 
-def _kappa_trend(later: Sequence[Segment], lag: float, most: float) -> float:
+def _kappa_trend(after_first: Sequence[Segment], lag: float, most: float) -> float:
     """r in κ ∝ (t − lag)^r from a least-squares fit of log(B_noise·L) on log(t − lag) over
-    the later segments, each counted once (their standard errors grow with their values, so
-    weighting by them would favour the lowest); clipped to [0, most]. 0 with fewer than two
-    segments or a zero noise scale."""
-    products = [s.noise * s.loss for s in later]
-    if len(later) < 2 or min(products) <= 0:
+    the segments after the first, each counted once (their standard errors grow with their
+    values, so weighting by them would favour the lowest); clipped to [0, most]. 0 with
+    fewer than two such segments (a rise out of the first segment is the start's transient,
+    not a trend: on a held-out LSTM it read r = 0.9 from two segments and over-read the gain
+    ×1.5) or a zero noise scale."""
+    products = [s.noise * s.loss for s in after_first]
+    if len(after_first) < 2 or min(products) <= 0:
         return 0.0
-    t = np.log([_moving(s.middle, lag) for s in later])
+    t = np.log([_moving(s.middle, lag) for s in after_first])
     slope = float(np.polyfit(t, np.log(products), 1)[0])
     return min(max(slope, 0.0), max(most, 0.0))
 
