@@ -79,7 +79,7 @@ from batchbound.train.config import Target, TrainConfig
 from batchbound.train.distributed import resolve_device
 from batchbound.train.loop import Parts
 from batchbound.train.lr_rules import lr_rule
-from batchbound.train.optimizers import build_optimizer, is_adaptive, step_lag
+from batchbound.train.optimizers import build_optimizer, is_adaptive, step_lag, user_optimizer
 
 CRITICAL_BATCH = ("branches", "noise")  # where the rows' critical batch comes from
 BUDGET = 0.1  # pilot + branches: this fraction of the plan's examples, by default
@@ -470,7 +470,7 @@ def _adaptive(config: TrainConfig, parts: Parts | None) -> bool:
     if parts is None or parts.optimizer is None:
         return is_adaptive(config.optimizer)
     probe_param = torch.zeros(1, requires_grad=True)
-    return "betas" in parts.optimizer([probe_param]).defaults
+    return "betas" in user_optimizer(parts.optimizer, [probe_param]).defaults
 
 
 def _job(config: TrainConfig, parts: Parts | None) -> tuple[Any, ...]:
@@ -487,7 +487,8 @@ def _momentum(config: TrainConfig, parts: Parts | None) -> float:
     if parts is None or parts.optimizer is None:
         return config.momentum
     probe_param = torch.zeros(1, requires_grad=True)
-    return float(parts.optimizer([probe_param]).defaults.get("momentum", 0.0) or 0.0)
+    made = user_optimizer(parts.optimizer, [probe_param])
+    return float(made.defaults.get("momentum", 0.0) or 0.0)
 
 
 def _lag(config: TrainConfig, parts: Parts | None) -> tuple[float, str | None]:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from batchbound.errors import BatchboundError
+
 Factory = Callable[[list[torch.Tensor], Any], torch.optim.Optimizer]
 OPTIMIZERS: dict[str, Factory] = {}
 ADAPTIVE = ("adamw", "adam")  # Adam-type: per-coordinate scaling, √k rate rule
@@ -53,6 +55,49 @@ def _adam(params: list[torch.Tensor], config: Any) -> torch.optim.Optimizer:
 def build_optimizer(params: list[torch.Tensor], config: Any) -> torch.optim.Optimizer:
     """The config's optimiser over ``params`` (its name is checked by TrainConfig)."""
     return OPTIMIZERS[config.optimizer](params, config)
+
+
+def user_optimizer(factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+                   params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The optimiser a user's factory ``params -> Optimizer`` makes over ``params``, or a
+    BatchboundError naming what is wrong with it. It must hold exactly ``params``: the
+    trainer steps a copy of the user's model, so an optimiser over the user's own module (a
+    factory closing over it) would never move the copy, and a parameter left out would count
+    in the noise scale without ever being stepped. Its groups must share one rate: the
+    trainer sets every group's rate from η0 and the rate rule, which would silently replace
+    a group's own."""
+    try:
+        made = factory(params)
+    except BatchboundError:
+        raise
+    except Exception as exc:  # the user's code: its own words, on one line
+        said = str(exc).strip().splitlines()
+        raise BatchboundError(f"the optimizer factory raised {type(exc).__name__}"
+                              + (f": {said[0]}" if said else "")) from exc
+    if not isinstance(made, torch.optim.Optimizer):
+        raise BatchboundError(f"the optimizer factory returned a {type(made).__name__}, not a "
+                              "torch.optim.Optimizer")
+    given = {id(p) for p in params}
+    held = {id(p) for group in made.param_groups for p in group["params"]}
+    foreign = len(held - given)
+    if foreign:
+        raise BatchboundError(
+            f"the optimizer factory's optimizer holds {foreign} parameter(s) not given to it: "
+            "build it from the params it is passed (the trainer trains a copy of your model, "
+            "so your model's own parameters would never move)")
+    missing = len(given - held)
+    if missing:
+        raise BatchboundError(
+            f"the optimizer factory leaves {missing} of the {len(given)} trainable parameters "
+            "out of its optimizer: their gradients would count in the noise scale but never "
+            "be stepped; set requires_grad=False on the parameters you do not train")
+    rates = sorted({float(group["lr"]) for group in made.param_groups if "lr" in group})
+    if len(rates) > 1:
+        raise BatchboundError(
+            f"the optimizer's parameter groups have different rates ({', '.join(map(str, rates))}"
+            "): the trainer sets every group's rate from one η0 and the rate rule, so give "
+            "every group the same lr")
+    return made
 
 
 def is_adaptive(name: str) -> bool:
@@ -107,4 +152,4 @@ def step_lag(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
 
 
 __all__ = ["ADAPTIVE", "OPTIMIZERS", "adam_preconditioner", "build_optimizer", "is_adaptive",
-           "register_optimizer", "step_lag"]
+           "register_optimizer", "step_lag", "user_optimizer"]
