@@ -107,7 +107,8 @@ def is_adaptive(name: str) -> bool:
 def adam_preconditioner(optimizer: torch.optim.Optimizer,
                         params: list[torch.Tensor]) -> list[torch.Tensor] | None:
     """An Adam-type optimiser's diagonal preconditioner 1/(√v̂ + ε) per parameter, v̂ its
-    bias-corrected second moment: the metric its steps take. None before its first step, or
+    bias-corrected second moment (with amsgrad, of its running maximum): the metric its
+    steps take. None before its first step, or
     when some parameter has no second moment (not Adam-type)."""
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     out = []
@@ -118,7 +119,9 @@ def adam_preconditioner(optimizer: torch.optim.Optimizer,
         steps = float(state["step"])
         if steps < 1:
             return None
-        v = state["exp_avg_sq"] / (1.0 - group["betas"][1] ** steps)
+        # amsgrad divides by the running maximum of v, the metric its steps take
+        second = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
+        v = second / (1.0 - group["betas"][1] ** steps)
         out.append(1.0 / (v.sqrt() + group["eps"]))
     return out
 
