@@ -86,9 +86,9 @@ def monitored_step(
     in its current mode; BatchNorm in train mode has no per-example gradients and is refused.
     The model is checked on the first step and the plan kept for later steps with the same
     ``loss`` object, ``engine`` and trainable parameters. Under DDP pass the inner module and
-    all-reduce ``.grad`` as usual. Each rank's monitor then holds an unbiased estimate from its local batch; ranks
-    that must agree (an adaptive batch size) should feed global numbers instead, see
-    ``OnlineDiversity``.
+    all-reduce ``.grad`` as usual. Each rank's monitor then holds an unbiased estimate from
+    its local batch; ranks that must agree (an adaptive batch size) should feed global numbers
+    instead, see ``OnlineDiversity``.
     """
     if reduction not in ("mean", "sum"):
         raise BatchboundError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
