@@ -73,7 +73,9 @@ def user_optimizer(factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer
     except Exception as exc:  # the user's code: its own words, on one line
         said = str(exc).strip().splitlines()
         raise BatchboundError(f"the optimizer factory raised {type(exc).__name__}"
-                              + (f": {said[0]}" if said else "")) from exc
+                              + (f": {said[0]}" if said else "")
+                              + " (it is called with a list of the trainable parameter "
+                              "tensors)") from exc
     if not isinstance(made, torch.optim.Optimizer):
         raise BatchboundError(f"the optimizer factory returned a {type(made).__name__}, not a "
                               "torch.optim.Optimizer")
