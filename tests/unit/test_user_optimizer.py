@@ -140,3 +140,21 @@ def test_a_loss_not_finite_at_the_initial_weights_is_not_blamed_on_the_rate() ->
                planned_epochs=2, critical_batch="noise", max_workers=1)
     said = str(info.value)
     assert "initial weights" in said and "lower --lr" not in said
+
+
+def test_an_adam_pilot_on_per_example_norms_says_its_noise_scale_is_euclidean() -> None:
+    """Only the two-batch estimate can be weighted by Adam's 1/(√v̂ + ε); the norms the layer
+    rules read cannot. The answer must not pass the Euclidean noise scale off as the one the
+    steps take (the refusal for a pilot whose signal is below its noise suggests norms)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, 8, generator=g)
+    y = x[:, :3].argmax(1)
+    advice = advise(LoRAMLP(), (x, y), "cross_entropy", optimizer="adamw", lr=3e-3,
+                    batch_size=8, planned_epochs=2, critical_batch="noise", max_workers=1,
+                    estimator="norms")
+    assert advice.pilot["metric"] == "euclidean"
+    assert "Euclidean metric" in advice.assumptions
+    two_batch = advise(LoRAMLP(), (x, y), "cross_entropy", optimizer="adamw", lr=3e-3,
+                       batch_size=8, planned_epochs=2, critical_batch="noise", max_workers=1)
+    assert two_batch.pilot["metric"] == "adam"
+    assert "Euclidean metric" not in two_batch.assumptions
