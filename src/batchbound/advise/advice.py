@@ -404,9 +404,7 @@ def advise(
     optimiser_text = (f"optimizer {named_optimizer}"
                       + (" (Adam-type: the rate rule's steps taken as the tuned rate's, "
                          "S(B)/S(B0))" if adaptive else "")
-                      + ("; the noise scale measured in its own metric, squared norms "
-                         "weighted by 1/(√v̂ + ε) (preconditioned SGD's tr(PΣ)/GᵀPG)"
-                         if run.metric == "adam" else "")
+                      + _metric_text(run.metric, adaptive, estimator)
                       + (f" with momentum μ = {momentum:g}, kept at every batch: the rate "
                          f"rule scales η and with it the effective step η/(1 − μ) (= "
                          f"{config.lr / (1 - momentum):.4g} at B0), the only way the model "
@@ -471,6 +469,20 @@ def _adaptive(config: TrainConfig, parts: Parts | None) -> bool:
         return is_adaptive(config.optimizer)
     probe_param = torch.zeros(1, requires_grad=True)
     return "betas" in user_optimizer(parts.optimizer, [probe_param]).defaults
+
+
+def _metric_text(metric: str, adaptive: bool, estimator: str) -> str:
+    """The metric the pilot's noise scale is in, said beside an Adam-type optimiser: its
+    own, or the Euclidean one, which is not the metric its steps take."""
+    if metric == "adam":
+        return ("; the noise scale measured in its own metric, squared norms weighted by "
+                "1/(√v̂ + ε) (preconditioned SGD's tr(PΣ)/GᵀPG)")
+    if not adaptive:
+        return ""
+    why = ("the optimiser keeps no second moment exp_avg_sq to weight by"
+           if estimator == "two_batch" else
+           f"only --estimator two_batch weights by it, {estimator} does not")
+    return f"; the noise scale in the Euclidean metric, not the 1/(√v̂ + ε) its steps take ({why})"
 
 
 def _job(config: TrainConfig, parts: Parts | None) -> tuple[Any, ...]:
