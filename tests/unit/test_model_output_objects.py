@@ -48,7 +48,7 @@ def test_advise_plans_a_model_that_returns_an_object() -> None:
 
 
 def test_an_accuracy_target_on_an_object_is_refused_naming_it() -> None:
-    with pytest.raises(BatchboundError, match="Output") as info:
+    with pytest.raises(BatchboundError, match="output object") as info:
         advise(ReturnsObject(), data(), logits_loss, optimizer="adamw", lr=3e-3,
                batch_size=8, targets=({"metric": "train_acc", "threshold": 0.9},),
                max_workers=1)

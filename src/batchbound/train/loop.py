@@ -478,6 +478,12 @@ class Trainer:
         if self.initial_loss is None:
             self.initial_loss = metrics["train_loss"]
         for target, goal in zip(self.targets, cfg.targets, strict=True):
+            split = goal.metric.split("_", 1)[0]  # a split evaluated without the metric:
+            if f"{split}_loss" in metrics and goal.metric not in metrics:  # never reached
+                raise BatchboundError(
+                    f"the target {goal.name} needs {goal.metric}, which this run cannot "
+                    "measure (a model that returns an output object rather than a tensor "
+                    "of logits has a loss, not an accuracy): target a loss instead")
             if not target.reached and goal.reached(metrics.get(goal.metric, math.nan)):
                 target.reached = True
                 target.iteration = self.iteration
