@@ -158,3 +158,21 @@ def test_an_adam_pilot_on_per_example_norms_says_its_noise_scale_is_euclidean() 
                        batch_size=8, planned_epochs=2, critical_batch="noise", max_workers=1)
     assert two_batch.pilot["metric"] == "adam"
     assert "Euclidean metric" not in two_batch.assumptions
+
+
+@pytest.mark.parametrize(("make", "adaptive"), [
+    (lambda p: torch.optim.AdamW(p, lr=1e-3), True),
+    (lambda p: torch.optim.RMSprop(p, lr=1e-3), True),  # no betas, yet per-coordinate
+    (lambda p: torch.optim.Adagrad(p, lr=1e-2), True),
+    (lambda p: torch.optim.SGD(p, lr=0.1), False),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1),
+     False),
+])
+def test_an_optimiser_that_scales_each_coordinate_is_adam_type(make, adaptive: bool) -> None:
+    """Adam-type (the √ rate rule; the noise scale said to be Euclidean where it cannot be
+    Adam's) is what the optimiser does, read off its steps, not whether it names betas."""
+    from batchbound.advise.advice import _adaptive
+    from batchbound.train import TrainConfig
+    from batchbound.train.loop import Parts
+
+    assert _adaptive(TrainConfig(), Parts(optimizer=make)) is adaptive
