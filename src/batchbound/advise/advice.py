@@ -79,7 +79,13 @@ from batchbound.train.config import Target, TrainConfig
 from batchbound.train.distributed import resolve_device
 from batchbound.train.loop import Parts
 from batchbound.train.lr_rules import lr_rule
-from batchbound.train.optimizers import build_optimizer, is_adaptive, step_lag, user_optimizer
+from batchbound.train.optimizers import (
+    build_optimizer,
+    is_adaptive,
+    scales_per_coordinate,
+    step_lag,
+    user_optimizer,
+)
 
 CRITICAL_BATCH = ("branches", "noise")  # where the rows' critical batch comes from
 BUDGET = 0.1  # pilot + branches: this fraction of the plan's examples, by default
@@ -464,11 +470,17 @@ def _plain(value: Any) -> Any:
 
 def _adaptive(config: TrainConfig, parts: Parts | None) -> bool:
     """Whether the run's optimiser is Adam-type: by name, or a user's factory whose
-    optimiser has Adam's betas."""
+    optimiser has Adam's betas or scales each coordinate's step by its own (RMSprop,
+    Adagrad: ``scales_per_coordinate``)."""
     if parts is None or parts.optimizer is None:
         return is_adaptive(config.optimizer)
     probe_param = torch.zeros(1, requires_grad=True)
-    return "betas" in user_optimizer(parts.optimizer, [probe_param]).defaults
+    if "betas" in user_optimizer(parts.optimizer, [probe_param]).defaults:
+        return True
+    try:
+        return scales_per_coordinate(parts.optimizer)
+    except Exception:  # it refuses a float64 scalar or needs a closure: the betas decide
+        return False
 
 
 def _metric_text(metric: str, adaptive: bool, estimator: str) -> str:

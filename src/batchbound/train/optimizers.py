@@ -128,6 +128,27 @@ def adam_preconditioner(optimizer: torch.optim.Optimizer,
     return out
 
 
+def scales_per_coordinate(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+                          ) -> bool:
+    """Whether the optimiser divides each coordinate's step by that coordinate's own scale
+    (Adam, RMSprop, Adagrad, ...), read off what it does, not what it is called: a few steps
+    on two float64 coordinates whose constant gradients differ 100× (weight decay off). SGD,
+    with or without momentum, moves them 100× apart; a per-coordinate optimiser nearly
+    alike."""
+    param = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    optimizer = make([param])
+    for group in optimizer.param_groups:
+        group["weight_decay"] = 0.0
+    with torch.no_grad():
+        for _ in range(3):
+            param.grad = torch.tensor([1.0, 100.0], dtype=torch.float64)
+            optimizer.step()
+    small, large = (-param).tolist()
+    if not (math.isfinite(small) and math.isfinite(large) and small > 0):
+        return False  # it does not move down a constant gradient: nothing to tell
+    return not math.isclose(large / small, 100.0, rel_tol=1e-6)
+
+
 def step_lag(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
              tolerance: float = 1e-9, max_steps: int = 100_000) -> float:
     """How many steps the optimiser's summed step trails its steady step from the start,
@@ -157,4 +178,4 @@ def step_lag(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
 
 
 __all__ = ["ADAPTIVE", "OPTIMIZERS", "adam_preconditioner", "build_optimizer", "is_adaptive",
-           "register_optimizer", "step_lag", "user_optimizer"]
+           "register_optimizer", "scales_per_coordinate", "step_lag", "user_optimizer"]
