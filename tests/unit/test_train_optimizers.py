@@ -165,6 +165,30 @@ def test_adams_preconditioner_is_one_over_root_v_hat_plus_eps() -> None:
     assert adam_preconditioner(sgd, params) is None  # no second moment: not Adam's kind
 
 
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("kind", ["Adam", "AdamW"])
+def test_adams_preconditioner_is_the_metric_of_the_step_it_took(kind: str, amsgrad: bool
+                                                                ) -> None:
+    """By construction rather than by formula: the last step moved each coordinate by
+    lr·m̂·P. With amsgrad the step divides by the running maximum of v, not by v, so a
+    preconditioner read off v would be another metric than the one the steps take."""
+    from batchbound.train.optimizers import adam_preconditioner
+
+    torch.manual_seed(0)
+    params = [torch.randn(3, 4, dtype=torch.float64, requires_grad=True)]
+    opt = getattr(torch.optim, kind)(params, lr=0.01, betas=(0.9, 0.95), eps=1e-6,
+                                     weight_decay=0.0, amsgrad=amsgrad, foreach=False)
+    for scale in (10.0, 3.0, 1.0, 0.3):  # shrinking gradients: max(v) stays above v
+        before = params[0].detach().clone()
+        params[0].grad = scale * torch.randn(3, 4, dtype=torch.float64)
+        opt.step()
+    state, steps = opt.state[params[0]], 4
+    m_hat = state["exp_avg"] / (1 - 0.9**steps)
+    taken = before - params[0].detach()
+    (weights,) = adam_preconditioner(opt, params)
+    torch.testing.assert_close(taken, 0.01 * m_hat * weights, rtol=1e-10, atol=0)
+
+
 @pytest.mark.parametrize("momentum", [0.5, 0.9, 0.99])
 def test_heavy_balls_lag_is_mu_over_one_minus_mu(momentum: float) -> None:
     from batchbound.train.optimizers import step_lag

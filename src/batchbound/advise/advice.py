@@ -79,7 +79,13 @@ from batchbound.train.config import Target, TrainConfig
 from batchbound.train.distributed import resolve_device
 from batchbound.train.loop import Parts
 from batchbound.train.lr_rules import lr_rule
-from batchbound.train.optimizers import build_optimizer, is_adaptive, step_lag
+from batchbound.train.optimizers import (
+    build_optimizer,
+    is_adaptive,
+    scales_per_coordinate,
+    step_lag,
+    user_optimizer,
+)
 
 CRITICAL_BATCH = ("branches", "noise")  # where the rows' critical batch comes from
 BUDGET = 0.1  # pilot + branches: this fraction of the plan's examples, by default
@@ -404,9 +410,7 @@ def advise(
     optimiser_text = (f"optimizer {named_optimizer}"
                       + (" (Adam-type: the rate rule's steps taken as the tuned rate's, "
                          "S(B)/S(B0))" if adaptive else "")
-                      + ("; the noise scale measured in its own metric, squared norms "
-                         "weighted by 1/(√v̂ + ε) (preconditioned SGD's tr(PΣ)/GᵀPG)"
-                         if run.metric == "adam" else "")
+                      + _metric_text(run.metric, adaptive, estimator)
                       + (f" with momentum μ = {momentum:g}, kept at every batch: the rate "
                          f"rule scales η and with it the effective step η/(1 − μ) (= "
                          f"{config.lr / (1 - momentum):.4g} at B0), the only way the model "
@@ -466,11 +470,31 @@ def _plain(value: Any) -> Any:
 
 def _adaptive(config: TrainConfig, parts: Parts | None) -> bool:
     """Whether the run's optimiser is Adam-type: by name, or a user's factory whose
-    optimiser has Adam's betas."""
+    optimiser has Adam's betas or scales each coordinate's step by its own (RMSprop,
+    Adagrad: ``scales_per_coordinate``)."""
     if parts is None or parts.optimizer is None:
         return is_adaptive(config.optimizer)
     probe_param = torch.zeros(1, requires_grad=True)
-    return "betas" in parts.optimizer([probe_param]).defaults
+    if "betas" in user_optimizer(parts.optimizer, [probe_param]).defaults:
+        return True
+    try:
+        return scales_per_coordinate(parts.optimizer)
+    except Exception:  # it refuses a float64 scalar or needs a closure: the betas decide
+        return False
+
+
+def _metric_text(metric: str, adaptive: bool, estimator: str) -> str:
+    """The metric the pilot's noise scale is in, said beside an Adam-type optimiser: its
+    own, or the Euclidean one, which is not the metric its steps take."""
+    if metric == "adam":
+        return ("; the noise scale measured in its own metric, squared norms weighted by "
+                "1/(√v̂ + ε) (preconditioned SGD's tr(PΣ)/GᵀPG)")
+    if not adaptive:
+        return ""
+    why = ("the optimiser keeps no second moment exp_avg_sq to weight by"
+           if estimator == "two_batch" else
+           f"only --estimator two_batch weights by it, {estimator} does not")
+    return f"; the noise scale in the Euclidean metric, not the 1/(√v̂ + ε) its steps take ({why})"
 
 
 def _job(config: TrainConfig, parts: Parts | None) -> tuple[Any, ...]:
@@ -487,7 +511,8 @@ def _momentum(config: TrainConfig, parts: Parts | None) -> float:
     if parts is None or parts.optimizer is None:
         return config.momentum
     probe_param = torch.zeros(1, requires_grad=True)
-    return float(parts.optimizer([probe_param]).defaults.get("momentum", 0.0) or 0.0)
+    made = user_optimizer(parts.optimizer, [probe_param])
+    return float(made.defaults.get("momentum", 0.0) or 0.0)
 
 
 def _lag(config: TrainConfig, parts: Parts | None) -> tuple[float, str | None]:

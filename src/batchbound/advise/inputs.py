@@ -18,9 +18,11 @@ from torch import nn
 from batchbound.data import Dataset
 from batchbound.data.dataset import CLASSIFICATION, REGRESSION, TEXT, check_dataset
 from batchbound.diversity.measure import data_chunks
+from batchbound.diversity.stats import trainable_parameters
 from batchbound.errors import BatchboundError
 from batchbound.train.config import Target, TrainConfig
 from batchbound.train.loop import Parts
+from batchbound.train.optimizers import user_optimizer
 
 
 def as_module(model: nn.Module | Callable[[], nn.Module]) -> nn.Module:
@@ -69,6 +71,7 @@ def from_objects(model: nn.Module | Callable[[], nn.Module], data: Any,
                  max_epochs: float | None = 100.0) -> tuple[TrainConfig, Dataset, Parts]:
     """(config, data, parts) for the trainer from a user's objects."""
     module = as_module(model)
+    trainable_parameters(module)  # raises for a model with nothing to train
     dataset = as_dataset(data)
     config = TrainConfig(dataset=dataset.name, model=f"{type(module).__name__} (your module)",
                          loss=loss if isinstance(loss, str) else None, batch_size=batch_size,
@@ -87,7 +90,8 @@ def pilot_lr(lr: float | None, optimizer: Callable[..., torch.optim.Optimizer] |
     given and different is refused rather than one silently winning."""
     if optimizer is None:
         return DEFAULT_LR if lr is None else lr
-    made = optimizer([nn.Parameter(torch.zeros(1))])  # a throwaway parameter, to read its rate
+    # a throwaway parameter, to read its rate (and refuse a bad factory before any work)
+    made = user_optimizer(optimizer, [nn.Parameter(torch.zeros(1))])
     own = made.param_groups[0].get("lr") if made.param_groups else None
     own = float(own) if isinstance(own, (int, float)) else None
     if lr is None:

@@ -85,15 +85,18 @@ def monitored_step(
     existing step with it; the optimizer step and ``zero_grad`` stay the user's. The model runs
     in its current mode; BatchNorm in train mode has no per-example gradients and is refused.
     The model is checked on the first step and the plan kept for later steps with the same
-    ``loss`` object and ``engine``. Under DDP pass the inner module and all-reduce ``.grad``
-    as usual. Each rank's monitor then holds an unbiased estimate from its local batch; ranks
-    that must agree (an adaptive batch size) should feed global numbers instead, see
-    ``OnlineDiversity``.
+    ``loss`` object, ``engine`` and trainable parameters. Under DDP pass the inner module and
+    all-reduce ``.grad`` as usual. Each rank's monitor then holds an unbiased estimate from
+    its local batch; ranks that must agree (an adaptive batch size) should feed global numbers
+    instead, see ``OnlineDiversity``.
     """
     if reduction not in ("mean", "sum"):
         raise BatchboundError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     prepared = _PREPARED.setdefault(model, {})
-    key = (engine, loss)
+    # which parameters train is part of the plan: a loop that freezes or unfreezes some
+    # between steps (gradual unfreezing) gets a new one
+    trained = tuple((name, id(p)) for name, p in trainable_parameters(model).items())
+    key = (engine, loss, trained)
     if key not in prepared:
         prepared.clear()  # one live plan per model
         prepared[key] = PreparedStats(model, resolve_loss(loss), engine)

@@ -33,18 +33,22 @@ def evaluate(
     argmax is the next token, over all tokens, while the loss stays the mean per sequence
     (for ``sequence_cross_entropy`` the summed token loss; divide by T for per-token).
     Rank r evaluates examples r, r+P, r+2P, ...; the sums are all-reduced, so every rank
-    returns the same numbers. Returns ``{"loss": ..., "acc": ...}`` (acc only when it has one).
+    returns the same numbers. Returns ``{"loss": ..., "acc": ...}`` (acc only when it has one:
+    not for a model returning an object, e.g. a ModelOutput, that only the loss reads).
     """
     was_training = model.training
     model.eval()
     mine = torch.arange(ctx.rank, x.shape[0], ctx.world_size, device=x.device)
     # loss, correct predictions, examples, predictions, whether this rank saw sequences
     sums = torch.zeros(5, dtype=torch.float64, device=x.device)
+    readable = True  # whether the outputs are logits an accuracy can be read off
     for start in range(0, len(mine), chunk_size):
         idx = mine[start : start + chunk_size]
         outputs = model(x[idx])
         sums[0] += loss_fn(outputs, y[idx]).double().sum()
-        if _is_sequence(outputs, y):
+        if not isinstance(outputs, torch.Tensor):  # an output object (a ModelOutput): the
+            readable = False  # user's loss reads it; no predictions to count here
+        elif _is_sequence(outputs, y):
             sums[1] += (outputs.argmax(dim=-1) == y[idx]).sum()
             sums[3] += y[idx].numel()
             sums[4] = 1
@@ -57,6 +61,6 @@ def evaluate(
     count, predictions = float(sums[2]), float(sums[3])
     loss = float(sums[0]) / count if count else math.nan
     out = {"loss": loss}
-    if classification or sums[4] > 0:
+    if readable and (classification or sums[4] > 0):
         out["acc"] = float(sums[1]) / predictions if predictions else math.nan
     return out

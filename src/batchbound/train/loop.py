@@ -54,7 +54,7 @@ from batchbound.train.distributed import (
 from batchbound.train.evaluate import evaluate
 from batchbound.train.mechanisms import apply_to_worker, example_gradients, worker_seed
 from batchbound.train.monitor import OnlineMonitor
-from batchbound.train.optimizers import build_optimizer
+from batchbound.train.optimizers import build_optimizer, user_optimizer
 from batchbound.train.progress import Progress
 from batchbound.train.result import RunResult, TargetResult
 from batchbound.train.stall import collective_fault
@@ -190,7 +190,10 @@ class Trainer:
         self.names = [name for name, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.numels = [p.numel() for p in self.params]
-        self.optimizer = (parts.optimizer(self.params) if parts.optimizer
+        if not self.params:
+            raise BatchboundError(f"{type(self.model).__name__} has no trainable parameters "
+                                  "(none with requires_grad): nothing to train")
+        self.optimizer = (user_optimizer(parts.optimizer, self.params) if parts.optimizer
                           else build_optimizer(self.params, config))
         self.sampler = BatchSampler(
             self.n, config.seed, replacement=config.sampling == "replacement"
@@ -475,6 +478,12 @@ class Trainer:
         if self.initial_loss is None:
             self.initial_loss = metrics["train_loss"]
         for target, goal in zip(self.targets, cfg.targets, strict=True):
+            split = goal.metric.split("_", 1)[0]  # a split evaluated without the metric:
+            if f"{split}_loss" in metrics and goal.metric not in metrics:  # never reached
+                raise BatchboundError(
+                    f"the target {goal.name} needs {goal.metric}, which this run cannot "
+                    "measure (a model that returns an output object rather than a tensor "
+                    "of logits has a loss, not an accuracy): target a loss instead")
             if not target.reached and goal.reached(metrics.get(goal.metric, math.nan)):
                 target.reached = True
                 target.iteration = self.iteration

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from batchbound.errors import BatchboundError
+
 Factory = Callable[[list[torch.Tensor], Any], torch.optim.Optimizer]
 OPTIMIZERS: dict[str, Factory] = {}
 ADAPTIVE = ("adamw", "adam")  # Adam-type: per-coordinate scaling, √k rate rule
@@ -55,6 +57,51 @@ def build_optimizer(params: list[torch.Tensor], config: Any) -> torch.optim.Opti
     return OPTIMIZERS[config.optimizer](params, config)
 
 
+def user_optimizer(factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+                   params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The optimiser a user's factory ``params -> Optimizer`` makes over ``params``, or a
+    BatchboundError naming what is wrong with it. It must hold exactly ``params``: the
+    trainer steps a copy of the user's model, so an optimiser over the user's own module (a
+    factory closing over it) would never move the copy, and a parameter left out would count
+    in the noise scale without ever being stepped. Its groups must share one rate: the
+    trainer sets every group's rate from η0 and the rate rule, which would silently replace
+    a group's own."""
+    try:
+        made = factory(params)
+    except BatchboundError:
+        raise
+    except Exception as exc:  # the user's code: its own words, on one line
+        said = str(exc).strip().splitlines()
+        raise BatchboundError(f"the optimizer factory raised {type(exc).__name__}"
+                              + (f": {said[0]}" if said else "")
+                              + " (it is called with a list of the trainable parameter "
+                              "tensors)") from exc
+    if not isinstance(made, torch.optim.Optimizer):
+        raise BatchboundError(f"the optimizer factory returned a {type(made).__name__}, not a "
+                              "torch.optim.Optimizer")
+    given = {id(p) for p in params}
+    held = {id(p) for group in made.param_groups for p in group["params"]}
+    foreign = len(held - given)
+    if foreign:
+        raise BatchboundError(
+            f"the optimizer factory's optimizer holds {foreign} parameter(s) not given to it: "
+            "build it from the params it is passed (the trainer trains a copy of your model, "
+            "so your model's own parameters would never move)")
+    missing = len(given - held)
+    if missing:
+        raise BatchboundError(
+            f"the optimizer factory leaves {missing} of the {len(given)} trainable parameters "
+            "out of its optimizer: their gradients would count in the noise scale but never "
+            "be stepped; set requires_grad=False on the parameters you do not train")
+    rates = sorted({float(group["lr"]) for group in made.param_groups if "lr" in group})
+    if len(rates) > 1:
+        raise BatchboundError(
+            f"the optimizer's parameter groups have different rates ({', '.join(map(str, rates))}"
+            "): the trainer sets every group's rate from one η0 and the rate rule, so give "
+            "every group the same lr")
+    return made
+
+
 def is_adaptive(name: str) -> bool:
     return name in ADAPTIVE
 
@@ -62,7 +109,8 @@ def is_adaptive(name: str) -> bool:
 def adam_preconditioner(optimizer: torch.optim.Optimizer,
                         params: list[torch.Tensor]) -> list[torch.Tensor] | None:
     """An Adam-type optimiser's diagonal preconditioner 1/(√v̂ + ε) per parameter, v̂ its
-    bias-corrected second moment: the metric its steps take. None before its first step, or
+    bias-corrected second moment (with amsgrad, of its running maximum): the metric its
+    steps take. None before its first step, or
     when some parameter has no second moment (not Adam-type)."""
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     out = []
@@ -73,9 +121,32 @@ def adam_preconditioner(optimizer: torch.optim.Optimizer,
         steps = float(state["step"])
         if steps < 1:
             return None
-        v = state["exp_avg_sq"] / (1.0 - group["betas"][1] ** steps)
+        # amsgrad divides by the running maximum of v, the metric its steps take
+        second = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
+        v = second / (1.0 - group["betas"][1] ** steps)
         out.append(1.0 / (v.sqrt() + group["eps"]))
     return out
+
+
+def scales_per_coordinate(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+                          ) -> bool:
+    """Whether the optimiser divides each coordinate's step by that coordinate's own scale
+    (Adam, RMSprop, Adagrad, ...), read off what it does, not what it is called: a few steps
+    on two float64 coordinates whose constant gradients differ 100× (weight decay off). SGD,
+    with or without momentum, moves them 100× apart; a per-coordinate optimiser nearly
+    alike."""
+    param = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    optimizer = make([param])
+    for group in optimizer.param_groups:
+        group["weight_decay"] = 0.0
+    with torch.no_grad():
+        for _ in range(3):
+            param.grad = torch.tensor([1.0, 100.0], dtype=torch.float64)
+            optimizer.step()
+    small, large = (-param).tolist()
+    if not (math.isfinite(small) and math.isfinite(large) and small > 0):
+        return False  # it does not move down a constant gradient: nothing to tell
+    return not math.isclose(large / small, 100.0, rel_tol=1e-6)
 
 
 def step_lag(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
@@ -107,4 +178,4 @@ def step_lag(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
 
 
 __all__ = ["ADAPTIVE", "OPTIMIZERS", "adam_preconditioner", "build_optimizer", "is_adaptive",
-           "register_optimizer", "step_lag"]
+           "register_optimizer", "scales_per_coordinate", "step_lag", "user_optimizer"]
