@@ -15,9 +15,10 @@ pairs (M2, C) (``batchbound.diversity.online``). Here:
 
    - central: B_noise(t) = κ(t) / L(t), the loss continuing on its fitted power law and κ
      on its own trend over the segments after the first, κ(t) ∝ t^r (a least-squares fit of
-     log κ on log t over at least two of them, else r = 0; r clipped to [0, 1 − p]). McCandlish et al.'s κ is constant; on language models
-     it grows while the loss falls slowly (the critical batch rising well past B_noise·L,
-     Merrill et al. 2025), and the pilot sees the start of that rise. A falling κ is read as
+     log κ on log t over at least two of them, else r = 0; r clipped to [0, 1 − p]).
+     McCandlish et al.'s κ is constant; on language models it grows while the loss falls
+     slowly (the critical batch rising well past B_noise·L, Merrill et al. 2025), and the
+     pilot sees the start of that rise. A falling κ is read as
      the start's transient (the critical batch does not fall as training goes on: r ≥ 0),
      and B_noise grows no faster than the high trajectory's t (r ≤ 1 − p);
    - low (the most steps at a large batch): κ − 2·SE at the pilot's last loss, constant (the
