@@ -13,7 +13,6 @@ from torch import nn
 from batchbound.diversity import per_example_stats
 from batchbound.diversity.hooks import plan_hooks
 from batchbound.diversity.rules import RULES, conv
-from batchbound.diversity.stats import PerExampleStats
 
 RTOL = 1e-9
 
@@ -148,7 +147,6 @@ def test_auto_conv_strategy_gives_the_loop_s_norms_and_sums() -> None:
     assert chosen == ["conv", "conv", "conv", "conv"]
     from batchbound.diversity.rules import forms
 
-    slow = per_example_stats(model, x, y, "cross_entropy", engine="loop")
     for budget in (forms.MATERIALISE_BUDGET, 1):  # 1: every layer per tap ("shifts")
         original = conv.MATERIALISE_BUDGET
         conv.MATERIALISE_BUDGET = budget
@@ -156,63 +154,12 @@ def test_auto_conv_strategy_gives_the_loop_s_norms_and_sums() -> None:
             fast = per_example_stats(model, x, y, "cross_entropy", engine="hooks")
         finally:
             conv.MATERIALISE_BUDGET = original
-        _assert_same_stats(fast, slow)
-
-
-def _assert_same_stats(fast: PerExampleStats, slow: PerExampleStats) -> None:
-    for name in slow.sq_norms:
-        torch.testing.assert_close(fast.sq_norms[name], slow.sq_norms[name],
-                                   rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(fast.grad_sum[name], slow.grad_sum[name],
-                                   rtol=1e-10, atol=1e-12)
-
-
-class _TwiceConv(nn.Module):
-    """One convolution applied twice (its norms need the cross term: the materialised
-    gradients), then one applied once."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.same = nn.Conv2d(4, 4, 3, padding=1)
-        self.last = nn.Conv2d(4, 2, 3, stride=2)
-        self.head = nn.Linear(2 * 3 * 3, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.same(torch.relu(self.same(x)))
-        return self.head(self.last(torch.relu(h)).flatten(1))
-
-
-@pytest.mark.parametrize("step", [1, 3, None])
-def test_grouped_kernel_in_parts_gives_the_loop_s_norms_and_sums(step: int | None) -> None:
-    """The grouped weight-gradient calls split into parts of ``step`` examples (7 examples:
-    parts of 3, 3 and 1; None: as ``examples_per_call`` says, here one call), float64,
-    against the per-example loop: S per parameter, a conv used twice (cross terms from the
-    materialised gradients) and the gradient sums."""
-    torch.manual_seed(0)
-    model = _TwiceConv().double()
-    x, y = torch.randn(7, 4, 8, 8, dtype=torch.float64), torch.randint(0, 3, (7,))
-    assert conv.examples_per_call(model.same, x, x) == 7
-    original = conv.examples_per_call
-    if step is not None:
-        conv.examples_per_call = lambda layer, x, b: step  # type: ignore[assignment]
-    try:
-        with conv.force_strategy("conv"):
-            fast = per_example_stats(model, x, y, "cross_entropy", engine="hooks")
-    finally:
-        conv.examples_per_call = original  # type: ignore[assignment]
-    _assert_same_stats(fast, per_example_stats(model, x, y, "cross_entropy", engine="loop"))
-
-
-def test_examples_per_call_keeps_both_sizes_within_their_caps() -> None:
-    layer = nn.Conv2d(64, 64, 3, padding=1)  # 36 864 numbers of gradient per example
-    x, b = torch.empty(64, 64, 8, 8), torch.empty(64, 64, 8, 8)
-    assert conv.examples_per_call(layer, x, b) == conv.GRADS_PER_CALL // 36864 == 28
-    wide = nn.Conv2d(16, 16, 3, padding=1)  # patches: 16·9·1024 = 147 456 per example
-    x, b = torch.empty(64, 16, 32, 32), torch.empty(64, 16, 32, 32)
-    assert conv.examples_per_call(wide, x, b) == conv.PATCHES_PER_CALL // 147456 == 56
-    lenet = nn.Conv2d(1, 6, 5, padding=2)  # LeNet-5's first layer: one call for 256
-    assert conv.examples_per_call(lenet, torch.empty(256, 1, 28, 28),
-                                  torch.empty(256, 6, 28, 28)) == 256
+        slow = per_example_stats(model, x, y, "cross_entropy", engine="loop")
+        for name in slow.sq_norms:
+            torch.testing.assert_close(fast.sq_norms[name], slow.sq_norms[name],
+                                       rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(fast.grad_sum[name], slow.grad_sum[name],
+                                       rtol=1e-10, atol=1e-12)
 
 
 @settings(max_examples=10, deadline=None)

@@ -205,72 +205,32 @@ def _method_for(layer: nn.Module, x: Tensor, out_shape: torch.Size) -> str:
                            math.prod(layer.kernel_size), math.prod(out_shape[2:]))
 
 
-# Each grouped weight-gradient call takes at most as many examples as keep its output (the
-# per-example gradients) within GRADS_PER_CALL numbers and the input patches it unfolds within
-# PATCHES_PER_CALL: past such sizes glibc hands its buffers out as fresh pages on every call
-# (ResNet-8's 64→64 layer at 64 examples: 11.1 ms and 4.6 k page faults in one call, 3.3 ms
-# and none in two; its 16→16 layer 5.0 ms against 1.8 ms). Parts change no example's numbers.
-GRADS_PER_CALL = 2**20
-PATCHES_PER_CALL = 2**23
-
-
-def examples_per_call(layer: nn.Module, x: Tensor, b: Tensor) -> int:
-    """How many examples one grouped weight-gradient call takes (see GRADS_PER_CALL)."""
-    kernel = math.prod(layer.kernel_size)
-    grads = layer.out_channels * (layer.in_channels // layer.groups) * kernel
-    patches = layer.in_channels * kernel * math.prod(b.shape[2:])
-    return max(1, min(x.shape[0], GRADS_PER_CALL // grads, PATCHES_PER_CALL // patches))
-
-
 def _weight(layer: nn.Module, x: Tensor, b: Tensor) -> Lazy:
-    # the "conv" method's gradients ("grads"), or, made in parts, their sum ("sum"), until
-    # the sum is taken
-    held: dict[str, Tensor] = {}
-    n, step = x.shape[0], examples_per_call(layer, x, b)
+    held: list[Tensor] = []  # the "conv" method's gradients, until their sum is taken
 
     def materialised() -> Tensor:
-        if "grads" not in held:
-            held["grads"] = conv_weight_grads(layer, x, b) if step >= n else torch.cat(
-                [conv_weight_grads(layer, x[i : i + step], b[i : i + step])
-                 for i in range(0, n, step)])
-        return held["grads"]
-
-    def in_parts() -> Tensor:
-        """The norms part by part, the parts' gradients summed as they come."""
-        norms, total = [], None
-        for i in range(0, n, step):
-            grads = conv_weight_grads(layer, x[i : i + step], b[i : i + step])
-            norms.append(row_sq_norms(grads.reshape(grads.shape[0], -1)))
-            if total is None:
-                total = grads.sum(dim=0)
-            else:
-                add_row_sum(total, grads)
-        assert total is not None
-        held["sum"] = total
-        return torch.cat(norms)
+        if not held:
+            held.append(conv_weight_grads(layer, x, b))
+        return held[0]
 
     def sq_norms() -> Tensor:
         method = _method_for(layer, x, b.shape)
         if method == "conv":
-            return row_sq_norms(materialised().reshape(n, -1)) if step >= n else in_parts()
+            return row_sq_norms(materialised().reshape(x.shape[0], -1))
         return _METHODS[method](layer, x, b)
 
     def total() -> Tensor:
-        if "sum" in held:
-            return held.pop("sum")
-        if "grads" in held:  # Σ_i of the gradients already made: no second kernel
-            return held.pop("grads").sum(dim=0)
+        if held:  # Σ_i of the gradients already made: no second weight-gradient kernel
+            return held.pop().sum(dim=0)
         return _weight_sum(layer, x, b)
 
     def add_total_to(out: Tensor) -> None:
-        if "sum" in held:
-            out.add_(held.pop("sum").reshape(out.shape))
-        elif "grads" in held:  # into the running sum in one matrix-vector product
-            add_row_sum(out, held.pop("grads"))
+        if held:  # into the running sum in one matrix-vector product
+            add_row_sum(out, held.pop())
         else:
             out.add_(_weight_sum(layer, x, b))
 
-    return Lazy(n, sq_norms, materialised,
+    return Lazy(x.shape[0], sq_norms, materialised,
                 lambda rows: _weight(layer, x[rows], b[rows]), total, add_total_to)
 
 
