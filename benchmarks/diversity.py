@@ -266,6 +266,19 @@ class MeasureRow:
     ratio: float
     cpu_ratio: float  # the same in process CPU time, which other jobs disturb less
     fallback: list[str]
+    # Minor page faults per call (median; None where the platform does not count them):
+    # glibc hands large tensors out as fresh pages, and a pass that faults on them can take
+    # 1.5x as long, so a ratio depends on which side faulted (docs/benchmarks.md).
+    plain_faults: int | None = None
+    measure_faults: int | None = None
+
+
+def _minor_faults() -> int | None:
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def run_measure(case: Case, examples: int, chunk: int, repeats: int) -> MeasureRow:
@@ -286,24 +299,32 @@ def run_measure(case: Case, examples: int, chunk: int, repeats: int) -> MeasureR
     plain()
     times: dict[str, list[float]] = {"plain": [], "measure": []}
     cpu: dict[str, list[float]] = {"plain": [], "measure": []}
+    faults: dict[str, list[int]] = {"plain": [], "measure": []}
     for _ in range(repeats):
         for name, run in (("plain", plain), ("measure", whole)):
+            f0 = _minor_faults()
             t0, c0 = time.perf_counter(), time.process_time()
             run()
             times[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
+            f1 = _minor_faults()
+            if f0 is not None and f1 is not None:
+                faults[name].append(f1 - f0)
     p, m = statistics.median(times["plain"]), statistics.median(times["measure"])
     cpu_ratio = statistics.median(cpu["measure"]) / statistics.median(cpu["plain"])
-    return MeasureRow(case.name, examples, chunk, p, m, m / p, cpu_ratio, fallback)
+    counted = [round(statistics.median(faults[k])) if faults[k] else None
+               for k in ("plain", "measure")]
+    return MeasureRow(case.name, examples, chunk, p, m, m / p, cpu_ratio, fallback, *counted)
 
 
 def print_measure_table(rows: list[MeasureRow]) -> None:
     print("| case | examples / chunk | plain fwd+bwd s | measure() s | × plain | × plain, CPU "
-          "| fallback |")
-    print("|---|---|---|---|---|---|---|")
+          "| page faults, plain / measure() | fallback |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
+        faults = "n/a" if r.plain_faults is None else f"{r.plain_faults} / {r.measure_faults}"
         print(f"| {r.case} | {r.examples} / {r.chunk} | {r.plain_seconds:.3f} | "
-              f"{r.measure_seconds:.3f} | {r.ratio:.2f} | {r.cpu_ratio:.2f} | "
+              f"{r.measure_seconds:.3f} | {r.ratio:.2f} | {r.cpu_ratio:.2f} | {faults} | "
               f"{', '.join(r.fallback) or 'none'} |")
 
 

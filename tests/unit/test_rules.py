@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -116,8 +118,48 @@ def test_conv_strategy_follows_flop_estimate() -> None:
     assert conv.choose_strategy(8, 64, 64, 1, 9, 4) == "gram"
     assert conv.choose_strategy(8, 1, 6, 1, 25, 784) == "conv"
     assert conv.choose_strategy(8, 16, 16, 1, 9, 1024) == "conv"
-    assert conv.choose_strategy(8, 64, 64, 1, 9, 64) == "shifts"
-    assert conv.choose_strategy(8, 16, 32, 1, 1, 256) == "shifts"
+    # Small maps with many channels and 1×1 kernels: the grouped kernel too (it gives the
+    # batch sum, so autograd skips the weight gradient), up to MATERIALISE_BUDGET numbers.
+    assert conv.choose_strategy(8, 64, 64, 1, 9, 64) == "conv"
+    assert conv.choose_strategy(8, 16, 32, 1, 1, 256) == "conv"
+    assert conv.choose_strategy(4096, 64, 64, 1, 1, 64) == "conv"  # 4096·64·64 = 2**24
+    assert conv.choose_strategy(4097, 64, 64, 1, 1, 64) == "shifts"  # per tap beyond it
+    assert conv.choose_strategy(64, 512, 512, 1, 9, 3136) == "shifts"
+
+
+def test_auto_conv_strategy_gives_the_loop_s_norms_and_sums() -> None:
+    """The choice above on a model with the layers it used to compute per tap (a 1×1
+    convolution, a small map with many channels), and every layer per tap under a budget of
+    one number: float64, against the per-example loop, S per parameter and the gradient
+    sum."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(8, 32, 1), nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(32, 4, 3, padding=1, stride=2), nn.Flatten(), nn.Linear(4 * 4 * 4, 3),
+    ).double()
+    x, y = torch.randn(6, 3, 8, 8, dtype=torch.float64), torch.randint(0, 3, (6,))
+    chosen = [conv.choose_strategy(6, m.in_channels, m.out_channels, m.groups,
+                                   math.prod(m.kernel_size), out)
+              for m, out in zip([model[0], model[2], model[4], model[6]], (64, 64, 64, 16),
+                                strict=True)]
+    assert chosen == ["conv", "conv", "conv", "conv"]
+    from batchbound.diversity.rules import forms
+
+    for budget in (forms.MATERIALISE_BUDGET, 1):  # 1: every layer per tap ("shifts")
+        original = conv.MATERIALISE_BUDGET
+        conv.MATERIALISE_BUDGET = budget
+        try:
+            fast = per_example_stats(model, x, y, "cross_entropy", engine="hooks")
+        finally:
+            conv.MATERIALISE_BUDGET = original
+        slow = per_example_stats(model, x, y, "cross_entropy", engine="loop")
+        for name in slow.sq_norms:
+            torch.testing.assert_close(fast.sq_norms[name], slow.sq_norms[name],
+                                       rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(fast.grad_sum[name], slow.grad_sum[name],
+                                       rtol=1e-10, atol=1e-12)
 
 
 @settings(max_examples=10, deadline=None)

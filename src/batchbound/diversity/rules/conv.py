@@ -8,9 +8,10 @@ computed in one of two forms, whichever the flop estimate says is cheaper for th
 - Gram form Σ_ts (a_t·a_s)(b_t·b_s): n·L²·(C_in·k + C_out + g) flops, n·g·L² memory; wins
   when there are few output positions L;
 - materialising B_i A_iᵀ: n·C_out·(C_in/g)·k·L flops, without ever unfolding the n·C_in·k·L
-  patches, either by torch's weight-gradient kernel with the examples folded into groups, or
-  as k batched matrix products over views of the input, one per kernel tap (1×1 kernels,
-  small maps with many channels).
+  patches, by torch's weight-gradient kernel with the examples folded into groups (its
+  gradients also give the batch sum: autograd then skips the layer's weight gradient), or,
+  where all of them would hold more than ``MATERIALISE_BUDGET`` numbers, as k batched matrix
+  products over views of the input, one per kernel tap.
 
 ``force_strategy`` pins the choice (the tests check every branch against the loop).
 """
@@ -26,7 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from batchbound.diversity.rules.forms import Dense, Lazy, PerExampleGrad, add_row_sum
+from batchbound.diversity.rules.forms import (
+    MATERIALISE_BUDGET,
+    Dense,
+    Lazy,
+    PerExampleGrad,
+    add_row_sum,
+)
 from batchbound.diversity.rules.registry import (
     Call,
     first_axis,
@@ -169,16 +176,19 @@ _METHODS = {
 
 
 def choose_strategy(n: int, c_in: int, c_out: int, groups: int, kernel: int, positions: int) -> str:
-    """Gram form when its flop count is lower than materialising's. Otherwise materialise:
-    per kernel tap for 1×1 kernels and for small maps with many channels (few, larger
-    matrix products), else with the grouped weight-gradient kernel (measured on CPU)."""
+    """Gram form when its flop count is lower than materialising's. Otherwise materialise,
+    with the grouped weight-gradient kernel, whose gradients also give the batch sum, so
+    that autograd skips the layer's weight gradient (``_own_sums``); per kernel tap
+    (``"shifts"``: norms only, autograd's weight gradient on top) where all taps at once
+    would hold more than ``MATERIALISE_BUDGET`` numbers (one tap holds 1/kernel of them).
+    Timings of both on LeNet-5's and ResNet-8's layers: benchmarks/conv_grads.py."""
     if _strategy != "auto":
         return _strategy
     materialise = n * c_out * (c_in // groups) * kernel * positions
     gram = n * positions * positions * (c_in * kernel + c_out + groups)
     if gram < materialise:
         return "gram"
-    if kernel == 1 or (positions <= 64 and c_in // groups >= 32):
+    if n * c_out * (c_in // groups) * kernel > MATERIALISE_BUDGET:
         return "shifts"
     return "conv"
 
