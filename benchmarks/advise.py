@@ -91,6 +91,10 @@ CASES: dict[str, dict[str, Any]] = {
     "mnist5k-fc-adamw": dict(dataset="mnist5k", model="fc(depth=2,params=20000)", b0=16,
                              lr=0.001, optimizer="adamw", betas=(0.9, 0.999), epochs=4,
                              batches=(64, 256, 1024), eval_subset=None),
+    # the same with the language models' β2 (a shorter memory of the second moment)
+    "mnist5k-fc-adamw-b95": dict(dataset="mnist5k", model="fc(depth=2,params=20000)", b0=16,
+                                 lr=0.001, optimizer="adamw", betas=(0.9, 0.95), epochs=4,
+                                 batches=(64, 256, 1024), eval_subset=None),
 }
 OPTIMISER_KEYS = ("optimizer", "betas", "momentum", "weight_decay")
 HALF_WINDOW = 4  # a crossing is read on the centred mean of 9 evaluations
