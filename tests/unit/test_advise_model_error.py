@@ -63,11 +63,11 @@ def test_a_job_is_its_data_model_optimiser_b0_and_rate() -> None:
 
 def test_the_shipped_record_leaves_each_benchmark_job_out() -> None:
     rows = model_error.load()
-    jobs = {(r["case"], model_error._key_of(r)) for r in rows}
-    assert len(rows) >= 20 and len(jobs) == len({k for _, k in jobs}) >= 8
-    for case, key in jobs:
+    keys = [model_error._key_of(r) for r in rows]
+    assert len(rows) >= 20 and len(set(keys)) >= 8
+    for key in set(keys):  # two cases that differ only in betas are one job: both left out
         band = error_for(key, rows)
-        assert band.left_out == sum(r["case"] == case for r in rows)
+        assert band.left_out == keys.count(key) >= 2
         assert band.low < 0 <= band.high
 
 
