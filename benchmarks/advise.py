@@ -91,16 +91,11 @@ CASES: dict[str, dict[str, Any]] = {
     "mnist5k-fc-adamw": dict(dataset="mnist5k", model="fc(depth=2,params=20000)", b0=16,
                              lr=0.001, optimizer="adamw", betas=(0.9, 0.999), epochs=4,
                              batches=(64, 256, 1024), eval_subset=None),
-    # the same with the language models' β2 (a shorter memory of the second moment)
-    "mnist5k-fc-adamw-b95": dict(dataset="mnist5k", model="fc(depth=2,params=20000)", b0=16,
-                                 lr=0.001, optimizer="adamw", betas=(0.9, 0.95), epochs=4,
-                                 batches=(64, 256, 1024), eval_subset=None),
-    # the held-out GPT planned twice as long: a pilot of five segments, so κ's trend is read
-    "licenses-gpt-adamw-4ep": dict(dataset="text(path={licenses})",
-                                   model="gpt(depth=2,width=64,heads=4)", b0=16, lr=0.003,
-                                   optimizer="adamw", betas=(0.9, 0.95), weight_decay=0.1,
-                                   epochs=4, batches=(64, 256), eval_subset=None),
 }
+# the same with the language models' β2 (a shorter memory of the second moment)
+CASES["mnist5k-fc-adamw-b95"] = {**CASES["mnist5k-fc-adamw"], "betas": (0.9, 0.95)}
+# the held-out GPT planned twice as long: a pilot of five segments, so κ's trend is read
+CASES["licenses-gpt-adamw-4ep"] = {**CASES["licenses-gpt-adamw"], "epochs": 4}
 OPTIMISER_KEYS = ("optimizer", "betas", "momentum", "weight_decay")
 HALF_WINDOW = 4  # a crossing is read on the centred mean of 9 evaluations
 
