@@ -96,6 +96,17 @@ def test_a_foreign_database_with_a_meta_table_is_refused_untouched(tmp_path, spe
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
 
 
+@BAD_INPUT
+def test_reading_an_empty_store_says_nothing_is_recorded_yet(tmp_path, capsys):
+    """A store's file exists a moment before `study run` creates its tables: read then, it
+    is a new store with nothing in it, not someone else's database."""
+    store = tmp_path / "new.sqlite"
+    store.touch()
+    refused(["study", "export", str(store), "--out", str(tmp_path / "e")],
+            r"store .*new\.sqlite is empty: nothing is recorded in it yet", capsys)
+    assert store.read_bytes() == b""
+
+
 # ------------------------------------------------------ the store removed under a study
 
 

@@ -263,11 +263,15 @@ class Store:
         with a table called ``meta`` is refused before anything is written to it."""
         tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         ours = {"meta", "runs"} <= tables and _has_schema_row(db)
-        if (tables or self.readonly) and not ours:
+        if self.readonly and not tables:
+            # a new store's file exists a moment before its tables (`study run` creates it)
             db.close()
-            listed = f"its tables: {', '.join(sorted(tables)[:6])}" if tables else "empty"
+            raise BatchboundError(f"store {self.path} is empty: nothing is recorded in it yet")
+        if tables and not ours:
+            db.close()
             raise BatchboundError(f"{self.path} is an SQLite database but not a batchbound "
-                                  f"store ({listed}); give another store path")
+                                  f"store (its tables: {', '.join(sorted(tables)[:6])}); give "
+                                  "another store path")
 
     def _check_pages(self) -> None:
         """A damaged page (a disk error, a partial copy) found before any work, as one line,
