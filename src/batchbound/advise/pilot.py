@@ -136,11 +136,9 @@ def run_pilot(config: TrainConfig, data: Dataset, device: torch.device, *,
                             progress=progress, keep_every=keep_every,
                             precondition=precondition)
     result = trainer.run()
-    start = trainer.initial_loss
-    if result.status == "diverged" and start is not None and not math.isfinite(start):
-        raise BatchboundError(f"the training loss is {start} at the initial weights, before "
-                              "any step: the model or the loss gives a non-finite value "
-                              "there, which no learning rate changes")
+    refusal = result.start_refusal()
+    if refusal is not None:
+        raise BatchboundError(refusal)
     if result.status == "diverged":
         raise BatchboundError(f"the pilot at batch {config.batch_size} diverged "
                               f"({result.message}); lower --lr")
