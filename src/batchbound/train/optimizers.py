@@ -156,20 +156,33 @@ def step_lag(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
     stepping the optimiser ``make`` builds on one float64 scalar (weight decay off), so it
     holds for any optimiser: μ/(1 − μ) for SGD's heavy ball (PyTorch starts its buffer at
     the first gradient, so the step grows from η to η/(1 − μ)), 0 for plain SGD and for
-    Adam (its bias-corrected moments give the steady step from the first)."""
+    Adam (its bias-corrected moments give the steady step from the first).
+
+    A step that has only shrunk since the first, to half of it or less, is taken to lead
+    its steady step rather than trail it: lag 0, and the stepping stops there. That is a
+    rule read off the steps, not a proof: a step that shrank so far and later grew back
+    above its start would trail after all (NAdam's dips to 0.7 of its first and climbs
+    back, above the half). Adagrad's step η/√t never settles: it took all ``max_steps``
+    steps (seconds, on every advise call) to end at 0 all the same; RMSprop's falls from
+    η/√(1 − α) to η, lag 0 either way."""
     param = torch.zeros(1, dtype=torch.float64, requires_grad=True)
     optimizer = make([param])
     for group in optimizer.param_groups:
         group["weight_decay"] = 0.0
     steps: list[float] = []
+    shrinking = True  # no step so far larger than the one before
     with torch.no_grad():
         for _ in range(max_steps):
             before = float(param)
             param.grad = torch.ones_like(param)
             optimizer.step()
             steps.append(before - float(param))
-            if len(steps) > 1 and abs(steps[-1] - steps[-2]) <= tolerance * abs(steps[-1]):
-                break
+            if len(steps) > 1:
+                shrinking = shrinking and steps[-1] <= steps[-2]
+                if shrinking and 0 < steps[-1] <= steps[0] / 2:
+                    return 0.0  # each term 1 − step_s/step_∞ < 0 while it keeps shrinking
+                if abs(steps[-1] - steps[-2]) <= tolerance * abs(steps[-1]):
+                    break
     steady = steps[-1]
     if not (math.isfinite(steady) and steady > 0):
         return 0.0  # it does not move down a constant gradient: no lag to speak of
