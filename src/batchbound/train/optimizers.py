@@ -149,6 +149,32 @@ def scales_per_coordinate(make: Callable[[list[torch.Tensor]], torch.optim.Optim
     return not math.isclose(large / small, 100.0, rel_tol=1e-6)
 
 
+def coupled_decay(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> bool:
+    """Whether the optimiser's weight decay λ enters the gradient it steps on, g + λθ (L2:
+    SGD's, Adam's, RMSprop's, Adagrad's), read off what it does: three steps with decay λ
+    against three without it on the gradient plus λθ, on two float64 coordinates, must
+    land on the same point. Decoupled decay (AdamW's θ ← θ − ηλθ beside the step) does
+    not, nor does an optimiser without a weight_decay setting."""
+    def run(decay: float, added: float) -> list[float]:
+        param = torch.tensor([0.5, -1.5], dtype=torch.float64, requires_grad=True)
+        optimizer = make([param])
+        for group in optimizer.param_groups:
+            group["weight_decay"] = decay
+        with torch.no_grad():
+            for _ in range(3):
+                param.grad = torch.tensor([1.0, 0.01], dtype=torch.float64) + added * param
+                optimizer.step()
+        return param.tolist()
+
+    probe = make([torch.zeros(1, dtype=torch.float64, requires_grad=True)])
+    if not all("weight_decay" in group for group in probe.param_groups):
+        return False
+    decayed, added, plain = run(0.25, 0.0), run(0.0, 0.25), run(0.0, 0.0)
+    same = all(math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15)
+               for a, b in zip(decayed, added, strict=True))
+    return same and decayed != plain  # a decay that moves nothing is no decay
+
+
 def step_lag(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
              tolerance: float = 1e-9, max_steps: int = 100_000) -> float:
     """How many steps the optimiser's summed step trails its steady step from the start,
@@ -190,5 +216,6 @@ def step_lag(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
     return lag if lag > 1e-6 else 0.0  # below that: float rounding of a steady step
 
 
-__all__ = ["ADAPTIVE", "OPTIMIZERS", "adam_preconditioner", "build_optimizer", "is_adaptive",
-           "register_optimizer", "scales_per_coordinate", "step_lag", "user_optimizer"]
+__all__ = ["ADAPTIVE", "OPTIMIZERS", "adam_preconditioner", "build_optimizer", "coupled_decay",
+           "is_adaptive", "register_optimizer", "scales_per_coordinate", "step_lag",
+           "user_optimizer"]
