@@ -149,6 +149,30 @@ def scales_per_coordinate(make: Callable[[list[torch.Tensor]], torch.optim.Optim
     return not math.isclose(large / small, 100.0, rel_tol=1e-6)
 
 
+def unscaled_start(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+                   horizon: int = 1000) -> int:
+    """How many of the optimiser's first steps are unscaled, as SGD's, before one scales
+    each coordinate by its own: steps on two float64 coordinates whose constant gradients
+    differ 100×, each step's two moves compared (weight decay off). RAdam's first steps,
+    before its rectification (ρ_t > 5), move them 100× apart, its later ones alike. 0 when
+    the first step scales them, or when none of the first ``horizon`` does."""
+    param = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    optimizer = make([param])
+    for group in optimizer.param_groups:
+        group["weight_decay"] = 0.0
+    with torch.no_grad():
+        for step in range(horizon):
+            before = param.detach().clone()
+            param.grad = torch.tensor([1.0, 100.0], dtype=torch.float64)
+            optimizer.step()
+            small, large = (before - param).tolist()
+            if not (math.isfinite(small) and math.isfinite(large) and small > 0):
+                return 0  # it does not move down a constant gradient: nothing to tell
+            if not math.isclose(large / small, 100.0, rel_tol=1e-6):
+                return step
+    return 0
+
+
 def coupled_decay(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> bool:
     """Whether the optimiser's weight decay λ enters the gradient it steps on, g + λθ (L2:
     SGD's, Adam's, RMSprop's, Adagrad's), read off what it does: three steps with decay λ
@@ -218,4 +242,4 @@ def step_lag(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
 
 __all__ = ["ADAPTIVE", "OPTIMIZERS", "adam_preconditioner", "build_optimizer", "coupled_decay",
            "is_adaptive", "register_optimizer", "scales_per_coordinate", "step_lag",
-           "user_optimizer"]
+           "unscaled_start", "user_optimizer"]
