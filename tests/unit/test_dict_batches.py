@@ -24,7 +24,8 @@ VOCAB, STEPS, N = 48, 10, 7
 def gpt2() -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB,
-                                     n_positions=32, use_cache=False)
+                                     n_positions=32, use_cache=False, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)  # the trainer trains
     return transformers.GPT2LMHeadModel(config).double().eval()
 
 
@@ -112,3 +113,92 @@ def test_a_dict_whose_tensors_disagree_on_the_examples_is_refused() -> None:
              "labels": torch.ones(3, STEPS, dtype=torch.int64)}]
     with pytest.raises(BatchboundError, match="one row per example"):
         measure(gpt2(), DataLoader(rows, batch_size=None), lm_loss)
+
+
+# ---------------------------------------------------------------- advise on dict batches
+
+
+def test_the_packed_rows_give_the_numbers_of_model_on_the_dict() -> None:
+    """What advise's trainer sees (DictModel on packed rows, the loss on unpacked rows) has
+    the per-example gradients of model(**batch): the float64 loop's S and T."""
+    from batchbound.advise.batches import DictModel, dict_loss, pack_batches
+    from batchbound.diversity.measure import data_chunks
+
+    model, rows = gpt2(), examples()
+    loop_s, loop_t = loop_reference(model, rows)
+    chunks, _, _ = data_chunks(DataLoader(rows, batch_size=3), 4096)
+    packing, packed = pack_batches(chunks)
+    assert packed.shape == (N, 3 * STEPS) and packed.dtype == torch.int64
+    report = measure(DictModel(model, packing), (packed, packed), dict_loss(lm_loss, packing))
+    got_s, got_t = report.S, report.T
+    assert got_s == pytest.approx(loop_s, rel=1e-9)
+    assert got_t == pytest.approx(loop_t, rel=1e-9)
+
+
+def test_the_trainers_first_step_is_sgd_on_model_of_the_dict() -> None:
+    """One SGD step of advise's trainer equals θ − η·mean ∇ loss(model(**batch), batch) over
+    the examples its sampler drew, in float64."""
+    from batchbound.advise.inputs import from_objects
+    from batchbound.data import BatchSampler
+    from batchbound.train.distributed import DistContext
+    from batchbound.train.loop import Trainer
+
+    model, rows = gpt2(), examples()
+    lr, batch = 0.05, 4
+    config, dataset, parts = from_objects(
+        model, DataLoader(rows, batch_size=3), lm_loss, lambda p: torch.optim.SGD(p, lr=lr),
+        batch_size=batch, lr=None, seed=0, device="cpu")
+    config = config.replace(dtype="float64", max_epochs=None, max_iterations=1,
+                            eval_every_iterations=1)
+    trainer = Trainer(config, DistContext(device=torch.device("cpu")), dataset=dataset,
+                      parts=parts)
+    assert trainer.run().status == "complete"
+    picked = BatchSampler(N, config.seed).next_indices(batch).tolist()
+    params = [p for p in model.parameters() if p.requires_grad]
+    mean = [torch.zeros_like(p) for p in params]
+    for i in picked:
+        one = {k: v.unsqueeze(0) for k, v in rows[i].items()}
+        grads = torch.autograd.grad(lm_loss(model(**one), one).sum(), params,
+                                    allow_unused=True)
+        for m, g in zip(mean, grads, strict=True):
+            if g is not None:
+                m += g / batch
+    stepped = [p for p in trainer.model.parameters() if p.requires_grad]
+    for p, m, q in zip(params, mean, stepped, strict=True):
+        torch.testing.assert_close(q, p - lr * m, rtol=1e-9, atol=1e-12)
+
+
+def test_advise_answers_for_gpt2_on_dict_batches() -> None:
+    from batchbound.advise import advise
+
+    g = torch.Generator().manual_seed(2)
+    rows = [{"input_ids": ids, "attention_mask": torch.ones(STEPS, dtype=torch.int64),
+             "labels": ids} for ids in torch.randint(1, VOCAB, (256, STEPS), generator=g)]
+    advice = advise(gpt2().float().train(), DataLoader(rows, batch_size=32), lm_loss,
+                    optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3), batch_size=8,
+                    planned_epochs=4, pilot_fraction=0.25, critical_batch="noise",
+                    max_workers=1)
+    assert advice.pilot["metric"] == "adam"
+    assert advice.rows and advice.batch_bound > 1
+
+
+@pytest.mark.parametrize(("data", "loss", "words"), [
+    (lambda rows: DataLoader(rows, batch_size=3), "sequence_cross_entropy",
+     "dict batches need the loss as a callable"),
+    (lambda rows: [({k: v for k, v in r.items() if k != "labels"}, r["labels"])
+                   for r in rows], lm_loss, "give the targets inside the dict"),
+    (lambda rows: DataLoader([{**r, "input_ids": r["input_ids"][:STEPS - i % 2]}
+                              for i, r in enumerate(rows)], batch_size=1), lm_loss,
+     "pad every batch to one length"),
+    (lambda rows: DataLoader([{**r, "labels": r["labels"].double()} for r in rows],
+                             batch_size=3), lm_loss, "give them one dtype"),
+])
+def test_advise_refuses_what_it_cannot_pack_in_one_line(data, loss, words: str) -> None:
+    from batchbound.advise import advise
+
+    given = data(examples())
+    if isinstance(given, list):  # (inputs dict, targets) pairs, as a DataLoader yields them
+        given = DataLoader(given, batch_size=3)
+    with pytest.raises(BatchboundError) as info:
+        advise(gpt2(), given, loss, planned_epochs=2, critical_batch="noise", max_workers=1)
+    assert words in str(info.value) and "\n" not in str(info.value)
