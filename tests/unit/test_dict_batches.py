@@ -202,3 +202,20 @@ def test_advise_refuses_what_it_cannot_pack_in_one_line(data, loss, words: str) 
     with pytest.raises(BatchboundError) as info:
         advise(gpt2(), given, loss, planned_epochs=2, critical_batch="noise", max_workers=1)
     assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_watch_takes_model_of_the_dict_as_the_user_calls_it() -> None:
+    """watch sees the user's own call, ``model(**batch)``: the same S and T as the loop."""
+    from batchbound.diversity import OnlineDiversity, watch
+
+    model, rows = gpt2(), examples()
+    loop_s, loop_t = loop_reference(model, rows)
+    batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+    monitor = OnlineDiversity(1000, decay=0.0)
+    with watch(model, monitor, reduction="sum"):
+        lm_loss(model(**batch), batch).sum().backward()
+    expected = OnlineDiversity(1000, decay=0.0)
+    expected.update_from_norms(loop_s, loop_t, N)
+    got_m2, got_cross = monitor.m2, monitor.cross
+    assert got_m2 == pytest.approx(expected.m2, rel=1e-9)
+    assert got_cross == pytest.approx(expected.cross, rel=1e-9, abs=1e-9 * expected.m2)
