@@ -36,10 +36,30 @@ def test_radams_unscaled_steps_are_counted_as_its_closed_form_says(beta2: float)
     lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1),
     lambda p: torch.optim.Adagrad(p, lr=1e-2),
     lambda p: torch.optim.RMSprop(p, lr=1e-3),
-    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),  # never scaled: not this question
 ])
 def test_others_have_no_unscaled_start(make) -> None:
     assert unscaled_start(make) == 0
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    lambda p: torch.optim.RAdam(p, lr=1e-3, betas=(0.9, 0.5)),  # ρ∞ = 3: never rectified
+])
+def test_an_optimiser_that_never_scales_is_unscaled_throughout(make) -> None:
+    assert unscaled_start(make, horizon=200) == 200
+
+
+def test_advise_takes_a_radam_that_never_rectifies_as_sgd() -> None:
+    """Its steps are all momentum steps: the Euclidean noise scale and SGD's rate rule, not
+    Adam's metric (which its betas alone would have given it)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, 8, generator=g)
+    y = x[:, :3].argmax(1)
+    advice = advise(nn.Linear(8, 3), (x, y), "cross_entropy",
+                    optimizer=lambda p: torch.optim.RAdam(p, lr=1e-2, betas=(0.9, 0.5)),
+                    planned_epochs=2, pilot_fraction=0.3, critical_batch="noise",
+                    max_workers=1)
+    assert advice.pilot["metric"] == "euclidean" and advice.extra["strategy"] == "noise"
 
 
 def test_advise_refuses_radam_naming_its_unscaled_steps() -> None:

@@ -101,6 +101,17 @@ def test_a_torch_dataset_of_dicts_is_the_same() -> None:
     assert got_s == pytest.approx(loop_s, rel=1e-9)
 
 
+def test_a_batch_encoding_is_a_dict_batch() -> None:
+    """Hugging Face's collators (DataCollatorWithPadding) yield BatchEncoding, a mapping that
+    is not a dict."""
+    model, rows = gpt2(), examples()
+    loop_s, _ = loop_reference(model, rows)
+    loader = DataLoader(rows, batch_size=3, collate_fn=lambda items: transformers.BatchEncoding(
+        {k: torch.stack([item[k] for item in items]) for k in items[0]}))
+    got_s = measure(model, loader, lm_loss).S
+    assert got_s == pytest.approx(loop_s, rel=1e-9)
+
+
 def test_a_named_loss_is_refused_on_dict_batches() -> None:
     with pytest.raises(BatchboundError) as info:
         measure(gpt2(), DataLoader(examples(), batch_size=4), "sequence_cross_entropy")

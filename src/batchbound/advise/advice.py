@@ -90,6 +90,7 @@ from batchbound.train.optimizers import (
 
 CRITICAL_BATCH = ("branches", "noise")  # where the rows' critical batch comes from
 BUDGET = 0.1  # pilot + branches: this fraction of the plan's examples, by default
+UNSCALED_HORIZON = 1000  # steps read for an optimiser's unscaled start (RAdam's: 5 to ~20)
 BRANCH_POINTS = 1  # pilot states the branches start from (the last kept: the pilot's end)
 
 
@@ -479,9 +480,11 @@ def _adaptive(config: TrainConfig, parts: Parts | None) -> bool:
     adaptive = "betas" in user_optimizer(parts.optimizer, [probe_param]).defaults
     try:
         adaptive = adaptive or scales_per_coordinate(parts.optimizer)
-        unscaled = unscaled_start(parts.optimizer) if adaptive else 0
+        unscaled = unscaled_start(parts.optimizer, UNSCALED_HORIZON) if adaptive else 0
     except Exception:  # it refuses a float64 scalar or needs a closure: the betas decide
         return adaptive
+    if unscaled >= UNSCALED_HORIZON:  # it never scales a coordinate: SGD's steps, metric
+        return False
     if unscaled:
         raise BatchboundError(
             f"the optimizer takes its first {unscaled} steps unscaled, as SGD does, and "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, is_dataclass
 from types import TracebackType
@@ -269,7 +269,7 @@ class Inputs:
         return tree, _dims(tree, self.n)
 
 
-def dict_batch(batch: dict[str, Any]) -> Inputs:
+def dict_batch(batch: Mapping[str, Any]) -> Inputs:
     """A batch as a Hugging Face DataLoader yields it, ``{"input_ids": ..., "attention_mask":
     ..., "labels": ...}``, for ``model(**batch)``: every tensor with a dimension holds one
     row per example along its first (the examples are those rows); a 0-dim tensor or any

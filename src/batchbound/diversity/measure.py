@@ -11,7 +11,7 @@ import copy
 import sys
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -47,7 +47,8 @@ def _split(x: Tensor, y: Tensor, chunk_size: int) -> Iterator[tuple[Tensor, Tens
 
 def _from_loader(batches: Iterable[Any], chunk_size: int) -> Iterator[tuple[Tensor, Tensor]]:
     for batch in batches:
-        if isinstance(batch, dict):  # Hugging Face's: model(**batch), loss(outputs, batch)
+        if isinstance(batch, Mapping):  # Hugging Face's (a dict, a BatchEncoding):
+            # model(**batch), loss(outputs, batch)
             both = dict_batch(batch)
             yield from _split(both, both, chunk_size)  # type: ignore[arg-type]
             continue

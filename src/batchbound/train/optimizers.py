@@ -155,7 +155,8 @@ def unscaled_start(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
     each coordinate by its own: steps on two float64 coordinates whose constant gradients
     differ 100×, each step's two moves compared (weight decay off). RAdam's first steps,
     before its rectification (ρ_t > 5), move them 100× apart, its later ones alike. 0 when
-    the first step scales them, or when none of the first ``horizon`` does."""
+    the first step scales them, ``horizon`` when none of the first ``horizon`` does (its
+    steps are SGD's: RAdam whose β2 never lets ρ_t pass 5, Adam with a huge ε)."""
     param = torch.zeros(2, dtype=torch.float64, requires_grad=True)
     optimizer = make([param])
     for group in optimizer.param_groups:
@@ -170,7 +171,7 @@ def unscaled_start(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
                 return 0  # it does not move down a constant gradient: nothing to tell
             if not math.isclose(large / small, 100.0, rel_tol=1e-6):
                 return step
-    return 0
+    return horizon
 
 
 def coupled_decay(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> bool:
