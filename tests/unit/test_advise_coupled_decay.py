@@ -164,3 +164,36 @@ def test_the_exact_estimator_refuses_a_coupled_decay() -> None:
     # AdamW's decoupled decay is not in the gradient: nothing to refuse
     run_pilot(config.replace(optimizer="adamw", lr=1e-3), load_dataset("digits"),
               torch.device("cpu"), iterations=10, estimator="exact", exact_every_epochs=0.1)
+
+
+class MatricesL2(WithL2):
+    """λ/2·‖W‖² over the matrices alone: nanoGPT's decay groups."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.inner(x)
+        penalty = 0.5 * self.decay * sum(p.square().sum() for p in self.inner.parameters()
+                                         if p.dim() >= 2)
+        return torch.cat([out, penalty.expand(len(out), 1)], dim=1)
+
+
+def test_decay_groups_take_each_parameters_own_decay() -> None:
+    decay, lr = 0.05, 0.1
+    data = load_dataset("digits")
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)).double()
+    config = TrainConfig(dataset="digits", model="fc", batch_size=16, lr=lr, dtype="float64")
+
+    def groups(params):
+        return torch.optim.SGD([{"params": [p for p in params if p.dim() >= 2],
+                                 "weight_decay": decay},
+                                {"params": [p for p in params if p.dim() < 2],
+                                 "weight_decay": 0.0}], lr=lr)
+
+    decayed = run_pilot(config, data, torch.device("cpu"), iterations=30,
+                        parts=Parts(model=copy.deepcopy(inner), optimizer=groups)).segments
+    penalised = run_pilot(config, data, torch.device("cpu"), iterations=30, parts=Parts(
+        model=MatricesL2(copy.deepcopy(inner), decay), loss=_with_penalty,
+        optimizer=lambda p: torch.optim.SGD(p, lr=lr))).segments
+    assert len(decayed) == len(penalised) > 0
+    for a, b in zip(decayed, penalised, strict=True):
+        assert a.noise == pytest.approx(b.noise, rel=1e-8)
