@@ -47,6 +47,15 @@ def not_a_module():
 
 def raises():
     raise ValueError("no GPU here")
+
+
+class NaNHead(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * float("nan")
+
+
+def nan_at_start(num_outputs):
+    return NaNHead(64, num_outputs)
 '''
 
 
@@ -93,3 +102,12 @@ def test_a_bad_factory_is_one_line_and_exit_2(home, spec, words):
     done = run(["measure", "--dataset", "digits", "--model", spec], home)
     assert done.returncode == 2
     assert words in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_train_refuses_a_loss_not_finite_at_the_initial_weights(home):
+    """As advise does: exit 2, one line naming the cause, not 'diverged' and exit 0."""
+    done = run(["train", "--dataset", "digits", "--model", "mymodels:nan_at_start", "-B", "32",
+                "--lr", "0.1", "--max-iterations", "5", "--json"], home)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "at the initial weights, before any step" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and done.stdout == ""

@@ -4,6 +4,7 @@ resumes bit-identically from its checkpoint."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 
@@ -210,3 +211,66 @@ def test_step_lag_of_nesterov_plain_sgd_and_adam() -> None:
                    TrainConfig(dataset="digits", model="fc", lr=0.003, optimizer="adam")):
         # plain SGD moves its steady step at once; Adam's bias correction does the same
         assert step_lag(lambda p, c=config: build_optimizer(p, c)) == pytest.approx(0, abs=1e-6)
+
+
+def _lag_stepped_to_the_end(make, tolerance: float = 1e-9, max_steps: int = 100_000) -> float:
+    """The reference: step_lag as it was, every step until the step settles or max_steps,
+    no early exit (Adagrad takes all 100 000)."""
+    param = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    optimizer = make([param])
+    for group in optimizer.param_groups:
+        group["weight_decay"] = 0.0
+    steps: list[float] = []
+    with torch.no_grad():
+        for _ in range(max_steps):
+            before = float(param)
+            param.grad = torch.ones_like(param)
+            optimizer.step()
+            steps.append(before - float(param))
+            if len(steps) > 1 and abs(steps[-1] - steps[-2]) <= tolerance * abs(steps[-1]):
+                break
+    steady = steps[-1]
+    if not (math.isfinite(steady) and steady > 0):
+        return 0.0
+    lag = sum(1.0 - step / steady for step in steps)
+    return lag if lag > 1e-6 else 0.0
+
+
+LAG_OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+    "heavy ball": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "nesterov": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+    "dampening": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.5),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-3),
+    "amsgrad": lambda p: torch.optim.Adam(p, lr=1e-3, amsgrad=True),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3),
+    "adamax": lambda p: torch.optim.Adamax(p, lr=1e-3),
+    "nadam": lambda p: torch.optim.NAdam(p, lr=1e-3),  # dips, then climbs: lag 3.3
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3),
+    "rmsprop momentum": lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9),
+    "rprop": lambda p: torch.optim.Rprop(p, lr=1e-2),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2),
+}
+
+
+@pytest.mark.parametrize("name", [n if n != "adagrad" else pytest.param(
+    n, marks=pytest.mark.slow) for n in LAG_OPTIMIZERS])
+def test_step_lag_equals_stepping_to_the_end(name: str) -> None:
+    from batchbound.train.optimizers import step_lag
+
+    make = LAG_OPTIMIZERS[name]
+    assert step_lag(make) == _lag_stepped_to_the_end(make)
+
+
+def test_adagrads_lag_takes_a_few_steps_not_100_000() -> None:
+    from batchbound.train.optimizers import step_lag
+
+    taken = []
+
+    def make(params):
+        optimizer = torch.optim.Adagrad(params, lr=1e-2)
+        optimizer.register_step_post_hook(lambda *_: taken.append(1))
+        return optimizer
+
+    assert step_lag(make) == 0.0
+    assert len(taken) <= 5  # η/√t: at half of the first step by the fourth

@@ -84,11 +84,13 @@ from batchbound.train.optimizers import (
     is_adaptive,
     scales_per_coordinate,
     step_lag,
+    unscaled_start,
     user_optimizer,
 )
 
 CRITICAL_BATCH = ("branches", "noise")  # where the rows' critical batch comes from
 BUDGET = 0.1  # pilot + branches: this fraction of the plan's examples, by default
+UNSCALED_HORIZON = 1000  # steps read for an optimiser's unscaled start (RAdam's: 5 to ~20)
 BRANCH_POINTS = 1  # pilot states the branches start from (the last kept: the pilot's end)
 
 
@@ -475,12 +477,22 @@ def _adaptive(config: TrainConfig, parts: Parts | None) -> bool:
     if parts is None or parts.optimizer is None:
         return is_adaptive(config.optimizer)
     probe_param = torch.zeros(1, requires_grad=True)
-    if "betas" in user_optimizer(parts.optimizer, [probe_param]).defaults:
-        return True
+    adaptive = "betas" in user_optimizer(parts.optimizer, [probe_param]).defaults
     try:
-        return scales_per_coordinate(parts.optimizer)
+        adaptive = adaptive or scales_per_coordinate(parts.optimizer)
+        unscaled = unscaled_start(parts.optimizer, UNSCALED_HORIZON) if adaptive else 0
     except Exception:  # it refuses a float64 scalar or needs a closure: the betas decide
+        return adaptive
+    if unscaled >= UNSCALED_HORIZON:  # it never scales a coordinate: SGD's steps, metric
         return False
+    if unscaled:
+        raise BatchboundError(
+            f"the optimizer takes its first {unscaled} steps unscaled, as SGD does, and "
+            "scales each coordinate by its own after (RAdam before its rectification): "
+            "neither metric, Euclidean or 1/(√v̂ + ε), is the one all its steps take, and "
+            "its unscaled steps' size follows the gradient's scale, so its start-up lag "
+            "has no one value; use Adam or AdamW")
+    return adaptive
 
 
 def _metric_text(metric: str, adaptive: bool, estimator: str) -> str:

@@ -2,21 +2,26 @@
 
 ``advise(config)`` takes a TrainConfig (model and data by name). ``advise(model, data, ...)``
 takes a user's objects: a module or a zero-argument factory, data in every form ``measure``
-accepts (a batchbound Dataset, an (x, y) pair of tensors, a torch Dataset, a DataLoader), a
-loss name or per-example callable ``(outputs, targets) -> (n,)``, and an optimizer factory
-``params -> Optimizer``. Data are read into memory once (the pilot draws random batches).
+accepts (a batchbound Dataset, an (x, y) pair of tensors, a torch Dataset, a DataLoader;
+dict batches for ``model(**batch)`` with a loss ``(outputs, batch)``, packed by
+``batches.py``), a loss name or per-example callable ``(outputs, targets) -> (n,)``, and an
+optimizer factory ``params -> Optimizer``. Data are read into memory once (the pilot draws
+random batches).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from batchbound.advise.batches import DictModel, Packing, dict_loss, pack_batches
 from batchbound.data import Dataset
-from batchbound.data.dataset import CLASSIFICATION, REGRESSION, TEXT, check_dataset
+from batchbound.data.dataset import BATCH, CLASSIFICATION, REGRESSION, TEXT, check_dataset
+from batchbound.diversity.calls import Inputs
 from batchbound.diversity.measure import data_chunks
 from batchbound.diversity.stats import trainable_parameters
 from batchbound.errors import BatchboundError
@@ -39,14 +44,26 @@ def as_module(model: nn.Module | Callable[[], nn.Module]) -> nn.Module:
                           f"{type(model).__name__}")
 
 
-def as_dataset(data: Any) -> Dataset:
-    """The training examples as a batchbound Dataset (no test split unless given one)."""
+def as_dataset(data: Any) -> tuple[Dataset, Packing | None]:
+    """The training examples as a batchbound Dataset (no test split unless given one), and
+    for dict batches (``model(**batch)``) how their tensors are packed into its rows."""
     if isinstance(data, Dataset):
-        return data
+        return data, None
     if data is None:
         raise BatchboundError("advise(model, data): give the training data")
     chunks, _, _ = data_chunks(data, 4096)
-    xs, ys = zip(*[(x.detach().cpu(), y.detach().cpu()) for x, y in chunks], strict=True)
+    first = next(chunks)
+    if isinstance(first[0], Inputs):
+        if first[0].args or not isinstance(first[1], Inputs):
+            raise BatchboundError(
+                "advise takes inputs of several tensors as dict batches, {'input_ids': ..., "
+                "'labels': ...} for model(**batch) and loss(outputs, batch); give the "
+                "targets inside the dict")
+        packing, rows = pack_batches(itertools.chain([first], chunks))
+        return check_dataset(Dataset("your data", BATCH, rows, rows, rows[:0], rows[:0], None,
+                                     "dict batches handed to advise from Python")), packing
+    xs, ys = zip(*[(x.detach().cpu(), y.detach().cpu())
+                   for x, y in itertools.chain([first], chunks)], strict=True)
     x, y = torch.cat(xs), torch.cat(ys)
     if y.dtype == torch.int64 and y.dim() == 1:
         task, classes = CLASSIFICATION, int(y.max()) + 1
@@ -61,7 +78,7 @@ def as_dataset(data: Any) -> Dataset:
                               "float regression targets")
     empty_x, empty_y = x[:0], y[:0]
     return check_dataset(Dataset("your data", task, x, y, empty_x, empty_y, classes,
-                                 "handed to advise from Python"))
+                                 "handed to advise from Python")), None
 
 
 def from_objects(model: nn.Module | Callable[[], nn.Module], data: Any,
@@ -72,8 +89,15 @@ def from_objects(model: nn.Module | Callable[[], nn.Module], data: Any,
     """(config, data, parts) for the trainer from a user's objects."""
     module = as_module(model)
     trainable_parameters(module)  # raises for a model with nothing to train
-    dataset = as_dataset(data)
-    config = TrainConfig(dataset=dataset.name, model=f"{type(module).__name__} (your module)",
+    dataset, packing = as_dataset(data)
+    if packing is not None:  # dict batches: model(**batch), loss(outputs, batch)
+        if not callable(loss):
+            raise BatchboundError(
+                "dict batches need the loss as a callable (outputs, batch) -> one loss per "
+                "example, e.g. from outputs.logits and batch['labels']")
+        module, loss = DictModel(module, packing), dict_loss(loss, packing)
+    named = type(module.model if isinstance(module, DictModel) else module).__name__
+    config = TrainConfig(dataset=dataset.name, model=f"{named} (your module)",
                          loss=loss if isinstance(loss, str) else None, batch_size=batch_size,
                          lr=pilot_lr(lr, optimizer), seed=seed, device=device, targets=targets,
                          max_epochs=max_epochs)

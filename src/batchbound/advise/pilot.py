@@ -32,7 +32,7 @@ from batchbound.errors import BatchboundError
 from batchbound.train.config import TrainConfig
 from batchbound.train.distributed import DistContext
 from batchbound.train.loop import Parts, Trainer
-from batchbound.train.optimizers import adam_preconditioner
+from batchbound.train.optimizers import adam_preconditioner, build_optimizer, coupled_decay
 from batchbound.train.result import RunResult
 
 ESTIMATORS = ("two_batch", "norms", "exact")
@@ -51,6 +51,7 @@ class _PilotTrainer(Trainer):
         # before the optimiser has one is not estimated
         self.precondition = precondition and self.monitor.mode == "two_batch"
         self.steps: list[Step] = []
+        self.decays = coupled_decays(self)
         # (iteration, epoch, model state, optimiser state): branches resume both
         self.states: list[tuple[int, float, dict[str, torch.Tensor], dict[str, Any]]] = []
 
@@ -62,6 +63,11 @@ class _PilotTrainer(Trainer):
             if weights is None and self.iteration >= 1:  # stepped, yet no second moment
                 self.precondition = False  # not Adam's kind: the Euclidean estimate
             self.monitor.weights = weights
+        if self.decays is not None:  # the gradient the optimiser steps on: G + λθ
+            scale = 1.0 / self.batch_size if self.config.convention == "mean" else 1.0
+            self.monitor.shift = [None if decay == 0 else p.detach() * (decay / (
+                scale * self.batch_size)) for p, decay in zip(self.params, self.decays,
+                                                               strict=True)]
         flags = super().train_step(stop_requested, time_exceeded)
         skipped = self.precondition and self.monitor.weights is None
         if estimator is not None and estimator.steps > before and estimator.last is not None \
@@ -73,6 +79,37 @@ class _PilotTrainer(Trainer):
                                 copy.deepcopy(self.model.state_dict()),
                                 copy.deepcopy(self.optimizer.state_dict())))
         return flags
+
+
+def coupled_decays(trainer: Trainer) -> list[float] | None:
+    """Each trainable parameter's weight decay λ where the optimiser adds λθ to the gradient
+    it steps on (``coupled_decay``: SGD's and Adam's L2, not AdamW's), None where no
+    parameter has one. The decay is the same for every example: it moves the mean gradient
+    G the noise scale divides by, not Σ, so the pilot's estimate takes G + λθ. Refused when
+    it cannot be told whether a decay is coupled, or under ``exact``, whose n·Δ over the
+    training set has no place for it."""
+    group_of = {id(p): group for group in trainer.optimizer.param_groups for p in group["params"]}
+    decays = [float(group_of[id(p)].get("weight_decay", 0.0) or 0.0) for p in trainer.params]
+    if not any(decays):
+        return None
+    parts, config = trainer.parts, trainer.config
+    make = parts.optimizer if parts.optimizer is not None else \
+        (lambda params: build_optimizer(params, config))
+    try:
+        coupled = coupled_decay(make)
+    except Exception as exc:  # a user's optimiser may refuse a float64 probe
+        raise BatchboundError(
+            f"cannot tell whether the optimizer's weight decay enters its gradient (a probe on "
+            f"two float64 coordinates raised {type(exc).__name__}), which changes the noise "
+            "scale's G: set weight_decay=0, or decouple it (AdamW)") from None
+    if not coupled:
+        return None
+    if config.diversity_every_epochs is not None:  # the exact estimator's cadence
+        raise BatchboundError(
+            "the exact estimator measures n·Δ of the loss's gradients, and the optimizer's "
+            "coupled weight decay adds λθ to the gradient it steps on: use --estimator "
+            "two_batch or norms (which take it), or decouple the decay (AdamW)")
+    return decays
 
 
 @dataclass
@@ -136,11 +173,9 @@ def run_pilot(config: TrainConfig, data: Dataset, device: torch.device, *,
                             progress=progress, keep_every=keep_every,
                             precondition=precondition)
     result = trainer.run()
-    start = trainer.initial_loss
-    if result.status == "diverged" and start is not None and not math.isfinite(start):
-        raise BatchboundError(f"the training loss is {start} at the initial weights, before "
-                              "any step: the model or the loss gives a non-finite value "
-                              "there, which no learning rate changes")
+    refusal = result.start_refusal()
+    if refusal is not None:
+        raise BatchboundError(refusal)
     if result.status == "diverged":
         raise BatchboundError(f"the pilot at batch {config.batch_size} diverged "
                               f"({result.message}); lower --lr")

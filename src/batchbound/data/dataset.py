@@ -13,7 +13,10 @@ from batchbound.errors import BatchboundError
 CLASSIFICATION = "classification"
 REGRESSION = "regression"
 TEXT = "text"  # next-token prediction: (n, context) token ids in, (n, context) next tokens out
-TASKS = (CLASSIFICATION, REGRESSION, TEXT)
+# dict batches handed to advise from Python (advise/batches.py): each example's tensors
+# packed side by side, the targets the same rows; the caller's loss reads them, no accuracy
+BATCH = "batch"
+TASKS = (CLASSIFICATION, REGRESSION, TEXT, BATCH)
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,8 @@ class Dataset:
 
         def move(t: torch.Tensor, is_label: bool) -> torch.Tensor:
             floating = t.is_floating_point()
-            if dtype is not None and floating and (not is_label or self.task == REGRESSION):
+            if dtype is not None and floating and (not is_label or self.task in (REGRESSION,
+                                                                                 BATCH)):
                 t = t.to(dtype)
             return t.to(device)
 
@@ -98,6 +102,8 @@ def _finite(t: torch.Tensor) -> bool:
 
 def _label_problem(y: torch.Tensor, task: str, num_classes: int | None) -> str | None:
     """What is wrong with one split's labels or targets (their count is checked already)."""
+    if task == BATCH:  # the inputs' own rows (checked with them)
+        return None if y.dim() == 2 else f"targets must be packed rows (n, F), got {tuple(y.shape)}"
     if task == REGRESSION:
         if not y.is_floating_point() or y.dim() != 2 or y.shape[1] == 0:
             return f"targets must be float of shape (n, outputs), got {y.dtype} {tuple(y.shape)}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, is_dataclass
 from types import TracebackType
@@ -267,6 +267,36 @@ class Inputs:
         elsewhere): the ``in_dims`` torch.func.vmap needs."""
         tree = (self.args, self.kwargs)
         return tree, _dims(tree, self.n)
+
+
+def dict_batch(batch: Mapping[str, Any]) -> Inputs:
+    """A batch as a Hugging Face DataLoader yields it, ``{"input_ids": ..., "attention_mask":
+    ..., "labels": ...}``, for ``model(**batch)``: every tensor with a dimension holds one
+    row per example along its first (the examples are those rows); a 0-dim tensor or any
+    other value is passed whole. The same ``Inputs`` are the loss's targets: a per-example
+    loss callable gets the batch as the dict it came as (``batch_of``)."""
+    leading = {k: int(v.shape[0]) for k, v in batch.items()
+               if isinstance(v, Tensor) and v.dim() > 0}
+    if not leading:
+        raise BatchboundError(f"the batch dict holds no tensor of examples (keys: "
+                              f"{', '.join(map(str, batch)) or 'none'})")
+    if len(set(leading.values())) > 1:
+        sizes = ", ".join(f"{k} {n}" for k, n in leading.items())
+        raise BatchboundError(f"the batch dict's tensors must all hold one row per example "
+                              f"along their first dimension, got {sizes}")
+    nested = [k for k, v in batch.items() if isinstance(v, (tuple, list, dict))]
+    if nested:
+        raise BatchboundError(f"the batch dict's {', '.join(nested)} hold nested values: "
+                              "give one tensor of examples per key")
+    return Inputs((), dict(batch), next(iter(leading.values())))
+
+
+def batch_of(targets: Any) -> Any:
+    """The dict batch behind ``targets`` when they are ``dict_batch``'s keyword-only
+    ``Inputs`` (whole or split by example), else ``targets`` as they are."""
+    if isinstance(targets, Inputs) and not targets.args:
+        return targets.kwargs
+    return targets
 
 
 def vmap_parts(x: Tensor | Inputs) -> tuple[Any, Any]:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from batchbound.diversity.calls import batch_of
 from batchbound.errors import BatchboundError, NonFiniteLossError
 
 PerExampleLoss = Callable[[Tensor, Tensor], Tensor]
@@ -148,7 +149,7 @@ def _checked(fn: PerExampleLoss) -> PerExampleLoss:
     """The loss must give a 1-D tensor (the engines check its length against the chunk's)."""
 
     def per_example(outputs: Tensor, targets: Tensor) -> Tensor:
-        values = fn(outputs, targets)
+        values = fn(outputs, batch_of(targets))  # a dict batch: the dict, as it came
         if not isinstance(values, Tensor) or values.dim() != 1:
             shape = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
             n = targets.shape[0] if isinstance(targets, Tensor) and targets.dim() else "n"

@@ -11,7 +11,7 @@ import copy
 import sys
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -23,7 +23,7 @@ from torch.utils.data import Dataset as TorchDataset
 from batchbound import kernels
 from batchbound.data.dataset import Dataset
 from batchbound.diversity.budget import MEASURED_EXAMPLES, chunk_for_budget
-from batchbound.diversity.calls import Inputs
+from batchbound.diversity.calls import Inputs, dict_batch
 from batchbound.diversity.distributed import all_reduce_sum, world_size
 from batchbound.diversity.losses import PerExampleLoss, loss_name, resolve_loss
 from batchbound.diversity.precision import LOW_PRECISION, autocast_dtypes, lowest, statement
@@ -47,10 +47,15 @@ def _split(x: Tensor, y: Tensor, chunk_size: int) -> Iterator[tuple[Tensor, Tens
 
 def _from_loader(batches: Iterable[Any], chunk_size: int) -> Iterator[tuple[Tensor, Tensor]]:
     for batch in batches:
+        if isinstance(batch, Mapping):  # Hugging Face's (a dict, a BatchEncoding):
+            # model(**batch), loss(outputs, batch)
+            both = dict_batch(batch)
+            yield from _split(both, both, chunk_size)  # type: ignore[arg-type]
+            continue
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise BatchboundError(
-                "each batch of the data must be an (inputs, targets) pair, got "
-                f"{type(batch).__name__}"
+                "each batch of the data must be an (inputs, targets) pair or a dict for "
+                f"model(**batch), got {type(batch).__name__}"
             )
         x = batch[0]
         if isinstance(x, (tuple, list, dict)):  # a model of several inputs: model(*x) or (**x)
@@ -146,9 +151,13 @@ def measure(
     """Exact gradient diversity of ``model`` over all of ``data``.
 
     ``data``: a batchbound Dataset (its train split), a torch Dataset of (x, y) pairs, a
-    DataLoader yielding (x, y) batches, or an (x, y) pair of tensors. ``loss``: a name
-    (``"cross_entropy"``, ``"mse"``), a callable returning one loss per example, or None for
-    the data set's task default. ``engine``: ``"auto"``, ``"hooks"``, ``"vmap"`` or ``"loop"``
+    DataLoader yielding (x, y) batches, or an (x, y) pair of tensors; or, Hugging Face's
+    way, a DataLoader (or torch Dataset) of dicts ``{"input_ids": ..., "labels": ...}``:
+    the model is called as ``model(**batch)`` and ``loss(outputs, batch)`` must be a
+    callable (the batch split by example along the first dimension of each of its tensors,
+    ``calls.dict_batch``). ``loss``: a name (``"cross_entropy"``, ``"mse"``), a callable
+    returning one loss per example, or None for the data set's task default.
+    ``engine``: ``"auto"``, ``"hooks"``, ``"vmap"`` or ``"loop"``
     (see ``per_example_stats``). ``dtype=torch.float64`` measures a float64 copy of the model;
     the user's model is never converted. Computation runs where the model's parameters are,
     on ``batchbound.kernels.threads()`` torch threads (the caller's count is put back).
@@ -167,6 +176,7 @@ def measure(
     trainable_parameters(model)  # raises for a model with nothing to measure
     chunks, n_known, task = data_chunks(data, chunk_size)
     loss_fn = resolve_loss(loss, task)
+    named = not callable(loss)
 
     start = time.perf_counter()
     # one thread (or $BATCHBOUND_THREADS): S and T's last bits do not follow the cores
@@ -174,7 +184,8 @@ def measure(
         if memory_budget is not None:
             chunk_size = _budget_chunk(work, data, loss_fn, memory_budget, chunk_size)
             chunks, n_known, _ = data_chunks(data, chunk_size)
-        totals = _accumulate(work, chunks, n_known, loss_fn, engine, progress)
+        totals = _accumulate(work, _tensor_targets(chunks) if named else chunks, n_known,
+                             loss_fn, engine, progress)
     dtype = _model_dtype(work)
     extra: dict[str, object] = {"loss_name": loss_name(loss_fn), "fallback_parameters": [],
                                 "chunk_size": chunk_size}
@@ -208,6 +219,17 @@ def measure(
     )
 
 
+def _tensor_targets(chunks: Iterator[tuple[Any, Any]]) -> Iterator[tuple[Any, Any]]:
+    """The chunks, refusing a dict batch: a named loss reads a tensor of targets."""
+    for x, y in chunks:
+        if isinstance(y, Inputs):
+            raise BatchboundError(
+                "a batch given as a dict (model(**batch)) needs the loss as a callable "
+                "(outputs, batch) -> one loss per example, e.g. from outputs.logits and "
+                "batch['labels']; a named loss reads a tensor of targets")
+        yield x, y
+
+
 def _budget_chunk(work: nn.Module, data: Data, loss_fn: PerExampleLoss, budget: int,
                   most: int) -> int:
     """The chunk ``memory_budget`` allows, from what the forward saves on the data's first
@@ -217,7 +239,8 @@ def _budget_chunk(work: nn.Module, data: Data, loss_fn: PerExampleLoss, budget: 
     device, dtype = _device_dtype(work)
     x = x.to(device, dtype) if isinstance(x, Inputs) else x.to(
         device=device, dtype=dtype if x.dtype.is_floating_point else None)
-    y = y.to(device=device, dtype=dtype if y.dtype.is_floating_point else None)
+    y = y.to(device, dtype) if isinstance(y, Inputs) else y.to(
+        device=device, dtype=dtype if y.dtype.is_floating_point else None)
     return chunk_for_budget(work, x, y, loss_fn, budget, most)
 
 
@@ -264,7 +287,8 @@ def _accumulate(
         for x, y in chunks:
             x = x.to(device, dtype) if isinstance(x, Inputs) else x.to(
                 device=device, dtype=dtype if x.dtype.is_floating_point else None)
-            y = y.to(device=device, dtype=dtype if y.dtype.is_floating_point else None)
+            y = y.to(device, dtype) if isinstance(y, Inputs) else y.to(
+                device=device, dtype=dtype if y.dtype.is_floating_point else None)
             if chunks_in_block == BLOCK:  # full, and more to come: into float64
                 grad_sum, chunks_in_block = _flush(grad_sum, list(block.values())), 0
             stats = stats_of(x, y, offset=seen, into=block)

@@ -133,8 +133,9 @@ class PreparedStats:
 
     def _stats(self, x: Tensor | Inputs, y: Tensor, offset: int,
                into: dict[str, Tensor] | None) -> PerExampleStats:
-        if isinstance(x, Inputs):
-            check_chunk(torch.empty(x.n, 0), y)
+        if isinstance(x, Inputs):  # y: a tensor, or the same dict batch (dict_batch)
+            check_chunk(torch.empty(x.n, 0), y if isinstance(y, Tensor) else torch.empty(
+                y.shape[0], 0))
         else:
             check_chunk(x, y)
         check_model_mode(self.model, self.batch_norms)

@@ -79,10 +79,13 @@ _DATA_CACHE: dict[str, tuple[Any, str | None]] = {}
 
 
 def execute(fields: dict[str, Any], checkpoint_dir: Path, resume: bool) -> dict[str, Any]:
-    """Run one config with batchbound.train and return ``RunResult.to_dict()``."""
+    """Run one config with batchbound.train.run and return ``RunResult.to_dict()``."""
     from batchbound.data import load_dataset
     from batchbound.data.identity import fingerprint, recording
-    from batchbound.train import TrainConfig, train
+
+    # run, not train: a run whose loss is not finite at its initial weights is recorded as
+    # diverged, as every diverged run (train would refuse it as bad input)
+    from batchbound.train import TrainConfig, run
 
     config = TrainConfig.from_dict(dict(fields))
     cached = _DATA_CACHE.get(config.dataset)
@@ -99,8 +102,8 @@ def execute(fields: dict[str, Any], checkpoint_dir: Path, resume: bool) -> dict[
             "data")
     path = Path(checkpoint_dir) / "checkpoint.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    result = train(config, dataset=dataset, checkpoint_path=path,
-                   resume=resume and path.exists(), progress=False)
+    result = run(config, dataset=dataset, checkpoint_path=path,
+                 resume=resume and path.exists(), progress=False)
     return result.to_dict()
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "Target",
     "TargetResult",
     "TrainConfig",
+    "run",
     "target_list",
     "train",
 ]
@@ -28,7 +29,21 @@ __all__ = [
 def train(config: TrainConfig, **kwargs: Any) -> RunResult:
     """Train per ``config`` (see batchbound.train.launch.train for the keyword options), on
     ``batchbound.kernels.threads()`` torch threads (1 unless $BATCHBOUND_THREADS is set; the
-    caller's count is put back afterwards)."""
+    caller's count is put back afterwards). A run whose loss is not finite at the initial
+    weights is refused (BatchboundError, ``RunResult.start_refusal``): bad input, not a
+    divergence; ``run`` returns it as the diverged result it is."""
+    from batchbound.errors import BatchboundError
+
+    result = run(config, **kwargs)
+    refusal = result.start_refusal()
+    if refusal is not None:
+        raise BatchboundError(refusal)
+    return result
+
+
+def run(config: TrainConfig, **kwargs: Any) -> RunResult:
+    """``train`` that returns every result, a run diverged at its initial weights included
+    (a study records it as diverged, as any other run that diverged)."""
     from batchbound import kernels
     from batchbound.train.launch import train as _train
 

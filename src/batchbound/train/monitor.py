@@ -37,6 +37,10 @@ class OnlineMonitor:
         # two_batch in a diagonal metric (advise's pilot under Adam: its preconditioner),
         # set by the caller before each step; None: the Euclidean norm
         self.weights: list[torch.Tensor] | None = None
+        # the same for every example, added to the mean gradient the optimiser steps on:
+        # coupled weight decay's λθ/(scale·B) per parameter (None: none, or λ = 0), set by
+        # the caller before each step (advise's pilot); it moves G, not Σ
+        self.shift: list[torch.Tensor | None] | None = None
         if mode == "two_batch" and ctx.world_size < 2 and micro_batch is None:
             raise BatchboundError(
                 "online_diversity=two_batch compares small-batch and global gradients: it needs "
@@ -59,6 +63,8 @@ class OnlineMonitor:
         scale·Σg_i over its ``size`` examples. The loop sums these over the rank's small
         batches and the all-reduce over ranks."""
         factor = 1.0 / (scale * size)
+        if self.shift is not None:
+            return squared_norm(shifted(grads, factor, self.shift), self.weights)
         return squared_norm(grads, self.weights) * factor**2
 
     def small_batch_sizes(self, batch: int) -> list[int]:
@@ -76,7 +82,16 @@ class OnlineMonitor:
         """Fold in one step, given the all-reduced gradient (scale·Σg_i over the global batch)
         and the summed extras; returns the metrics to record."""
         assert self.estimator is not None
-        total_sq = squared_norm(grads, self.weights) / scale**2  # T_B
+        if self.shift is None:
+            total_sq = squared_norm(grads, self.weights) / scale**2  # T_B
+        else:  # T_B of g_i + s: ‖Σg_i + B·s‖²; S_B: Σ‖g_i‖² + 2 s·Σg_i + B‖s‖²
+            total_sq = squared_norm(shifted(grads, 1.0 / (scale * batch), self.shift),
+                                    self.weights) * batch**2
+            if self.mode == "norms":
+                extras = [extras[0] + sum(
+                    2.0 * float((g.double() * s.double()).sum()) / scale
+                    + batch * float(s.double().square().sum())
+                    for g, s in zip(grads, self.shift, strict=True) if s is not None)]
         if not all(math.isfinite(v) for v in (total_sq, *extras)):
             return {}  # a diverging step; the loop's divergence check reports it
         if self.mode == "norms":
@@ -108,6 +123,13 @@ class OnlineMonitor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.estimator is not None and state:
             self.estimator.load_state_dict(state)
+
+
+def shifted(grads: list[torch.Tensor], factor: float,
+            shift: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """factor·g + s per tensor, in float64 (s None: factor·g alone)."""
+    return [g.double() * factor + (s.double() if s is not None else 0.0)
+            for g, s in zip(grads, shift, strict=True)]
 
 
 def squared_norm(tensors: list[torch.Tensor],

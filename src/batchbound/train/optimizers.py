@@ -149,6 +149,57 @@ def scales_per_coordinate(make: Callable[[list[torch.Tensor]], torch.optim.Optim
     return not math.isclose(large / small, 100.0, rel_tol=1e-6)
 
 
+def unscaled_start(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+                   horizon: int = 1000) -> int:
+    """How many of the optimiser's first steps are unscaled, as SGD's, before one scales
+    each coordinate by its own: steps on two float64 coordinates whose constant gradients
+    differ 100×, each step's two moves compared (weight decay off). RAdam's first steps,
+    before its rectification (ρ_t > 5), move them 100× apart, its later ones alike. 0 when
+    the first step scales them, ``horizon`` when none of the first ``horizon`` does (its
+    steps are SGD's: RAdam whose β2 never lets ρ_t pass 5, Adam with a huge ε)."""
+    param = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    optimizer = make([param])
+    for group in optimizer.param_groups:
+        group["weight_decay"] = 0.0
+    with torch.no_grad():
+        for step in range(horizon):
+            before = param.detach().clone()
+            param.grad = torch.tensor([1.0, 100.0], dtype=torch.float64)
+            optimizer.step()
+            small, large = (before - param).tolist()
+            if not (math.isfinite(small) and math.isfinite(large) and small > 0):
+                return 0  # it does not move down a constant gradient: nothing to tell
+            if not math.isclose(large / small, 100.0, rel_tol=1e-6):
+                return step
+    return horizon
+
+
+def coupled_decay(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> bool:
+    """Whether the optimiser's weight decay λ enters the gradient it steps on, g + λθ (L2:
+    SGD's, Adam's, RMSprop's, Adagrad's), read off what it does: three steps with decay λ
+    against three without it on the gradient plus λθ, on two float64 coordinates, must
+    land on the same point. Decoupled decay (AdamW's θ ← θ − ηλθ beside the step) does
+    not, nor does an optimiser without a weight_decay setting."""
+    def run(decay: float, added: float) -> list[float]:
+        param = torch.tensor([0.5, -1.5], dtype=torch.float64, requires_grad=True)
+        optimizer = make([param])
+        for group in optimizer.param_groups:
+            group["weight_decay"] = decay
+        with torch.no_grad():
+            for _ in range(3):
+                param.grad = torch.tensor([1.0, 0.01], dtype=torch.float64) + added * param
+                optimizer.step()
+        return param.tolist()
+
+    probe = make([torch.zeros(1, dtype=torch.float64, requires_grad=True)])
+    if not all("weight_decay" in group for group in probe.param_groups):
+        return False
+    decayed, added, plain = run(0.25, 0.0), run(0.0, 0.25), run(0.0, 0.0)
+    same = all(math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15)
+               for a, b in zip(decayed, added, strict=True))
+    return same and decayed != plain  # a decay that moves nothing is no decay
+
+
 def step_lag(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
              tolerance: float = 1e-9, max_steps: int = 100_000) -> float:
     """How many steps the optimiser's summed step trails its steady step from the start,
@@ -156,20 +207,33 @@ def step_lag(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
     stepping the optimiser ``make`` builds on one float64 scalar (weight decay off), so it
     holds for any optimiser: μ/(1 − μ) for SGD's heavy ball (PyTorch starts its buffer at
     the first gradient, so the step grows from η to η/(1 − μ)), 0 for plain SGD and for
-    Adam (its bias-corrected moments give the steady step from the first)."""
+    Adam (its bias-corrected moments give the steady step from the first).
+
+    A step that has only shrunk since the first, to half of it or less, is taken to lead
+    its steady step rather than trail it: lag 0, and the stepping stops there. That is a
+    rule read off the steps, not a proof: a step that shrank so far and later grew back
+    above its start would trail after all (NAdam's dips to 0.7 of its first and climbs
+    back, above the half). Adagrad's step η/√t never settles: it took all ``max_steps``
+    steps (seconds, on every advise call) to end at 0 all the same; RMSprop's falls from
+    η/√(1 − α) to η, lag 0 either way."""
     param = torch.zeros(1, dtype=torch.float64, requires_grad=True)
     optimizer = make([param])
     for group in optimizer.param_groups:
         group["weight_decay"] = 0.0
     steps: list[float] = []
+    shrinking = True  # no step so far larger than the one before
     with torch.no_grad():
         for _ in range(max_steps):
             before = float(param)
             param.grad = torch.ones_like(param)
             optimizer.step()
             steps.append(before - float(param))
-            if len(steps) > 1 and abs(steps[-1] - steps[-2]) <= tolerance * abs(steps[-1]):
-                break
+            if len(steps) > 1:
+                shrinking = shrinking and steps[-1] <= steps[-2]
+                if shrinking and 0 < steps[-1] <= steps[0] / 2:
+                    return 0.0  # each term 1 − step_s/step_∞ < 0 while it keeps shrinking
+                if abs(steps[-1] - steps[-2]) <= tolerance * abs(steps[-1]):
+                    break
     steady = steps[-1]
     if not (math.isfinite(steady) and steady > 0):
         return 0.0  # it does not move down a constant gradient: no lag to speak of
@@ -177,5 +241,6 @@ def step_lag(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
     return lag if lag > 1e-6 else 0.0  # below that: float rounding of a steady step
 
 
-__all__ = ["ADAPTIVE", "OPTIMIZERS", "adam_preconditioner", "build_optimizer", "is_adaptive",
-           "register_optimizer", "scales_per_coordinate", "step_lag", "user_optimizer"]
+__all__ = ["ADAPTIVE", "OPTIMIZERS", "adam_preconditioner", "build_optimizer", "coupled_decay",
+           "is_adaptive", "register_optimizer", "scales_per_coordinate", "step_lag",
+           "unscaled_start", "user_optimizer"]

@@ -68,6 +68,25 @@ class RunResult:
         """Rows ``(iteration, epoch, seconds, value)`` of one metric, in order."""
         return [(i, e, s, v) for i, e, s, m, v in self.curves if m == metric]
 
+    def start_refusal(self) -> str | None:
+        """Why a diverged run says nothing about its rate: its loss is not finite at the
+        initial weights, before any step (the first evaluation's train loss, or the first
+        step's batch loss, which is taken there too); None for any other run. The model or
+        the loss is at fault there, which no rate changes; a run that diverges after a step
+        is a result."""
+        if self.status != "diverged":
+            return None
+        start = next((v for i, _, _, v in self.curve("train_loss") if i == 0), None)
+        if start is not None and not math.isfinite(start):
+            where = "the training loss"
+        elif self.final.get("iterations", 0) <= 1 and not math.isfinite(
+                self.final.get("batch_loss", math.nan)):  # diverged on its first batch
+            where, start = "the first batch's loss", self.final.get("batch_loss", math.nan)
+        else:
+            return None
+        return (f"{where} is {start} at the initial weights, before any step: the model or "
+                "the loss gives a non-finite value there, which no learning rate changes")
+
     def frame(self):  # type: ignore[no-untyped-def]
         """The curves as a pandas DataFrame with columns CURVE_COLUMNS."""
         import pandas as pd

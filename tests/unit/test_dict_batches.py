@@ -1,0 +1,232 @@
+"""Hugging Face-style dict batches, ``{"input_ids", "attention_mask", "labels"}``, in
+``measure()``: the model called with ``model(**batch)``, the per-example loss from the
+user's callable given the outputs and the batch (split by example: the first dimension of
+every tensor in it), equal to the float64 per-example loop on a real GPT-2 from a small
+config (no download)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from batchbound.diversity import measure
+from batchbound.errors import BatchboundError
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+VOCAB, STEPS, N = 48, 10, 7
+
+
+def gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB,
+                                     n_positions=32, use_cache=False, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)  # the trainer trains
+    return transformers.GPT2LMHeadModel(config).double().eval()
+
+
+def examples() -> list[dict[str, Tensor]]:
+    """Padded sequences as a tokenizer and collator leave them: the mask 0 and the label
+    -100 on the padding."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(N):
+        ids = torch.randint(1, VOCAB, (STEPS,), generator=g)
+        mask = torch.ones(STEPS, dtype=torch.int64)
+        mask[STEPS - i % 3 * 2:] = 0  # 0, 2 or 4 padded positions
+        ids = ids * mask
+        out.append({"input_ids": ids, "attention_mask": mask,
+                    "labels": ids.masked_fill(mask == 0, -100)})
+    return out
+
+
+def lm_loss(outputs, batch: dict[str, Tensor]) -> Tensor:
+    """Each sequence's summed next-token cross entropy over its labelled tokens."""
+    logits, labels = outputs.logits[:, :-1], batch["labels"][:, 1:]
+    return F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100,
+                           reduction="none").sum(dim=1)
+
+
+def loop_reference(model: torch.nn.Module, rows: list[dict[str, Tensor]]) -> tuple[float, float]:
+    """S = Σ‖g_i‖² and T = ‖Σ g_i‖², one example at a time, in float64."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p) for p in params]
+    S = 0.0
+    for row in rows:
+        batch = {k: v.unsqueeze(0) for k, v in row.items()}
+        loss = lm_loss(model(**batch), batch).sum()
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        for t, g in zip(total, grads, strict=True):
+            if g is not None:
+                t += g
+                S += float(g.square().sum())
+    return S, float(sum(t.square().sum() for t in total))
+
+
+@pytest.mark.parametrize("engine", ["auto", "loop", "vmap"])
+def test_gpt2_on_dict_batches_equals_the_float64_loop(engine: str) -> None:
+    model, rows = gpt2(), examples()
+    if engine == "vmap":  # GPT-2's attention-mask code branches on the data, which
+        # torch.func.vmap cannot run (refused in one line, with or without dicts)
+        rows = [{k: v for k, v in row.items() if k != "attention_mask"} for row in rows]
+    loop_s, loop_t = loop_reference(model, rows)
+    loader = DataLoader(rows, batch_size=3)  # dict batches of 3, 3 and 1: default collate
+    report = measure(model, loader, lm_loss, engine=engine, chunk_size=2)
+    assert report.n == N
+    got_s, got_t = report.S, report.T
+    assert got_s == pytest.approx(loop_s, rel=1e-9)
+    assert got_t == pytest.approx(loop_t, rel=1e-9)
+    assert report.extra["fallback_parameters"] == []
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, rows: list[dict[str, Tensor]]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        return self.rows[i]
+
+
+def test_a_torch_dataset_of_dicts_is_the_same() -> None:
+    model, rows = gpt2(), examples()
+    loop_s, _ = loop_reference(model, rows)
+    got_s = measure(model, Rows(rows), lm_loss).S
+    assert got_s == pytest.approx(loop_s, rel=1e-9)
+
+
+def test_a_batch_encoding_is_a_dict_batch() -> None:
+    """Hugging Face's collators (DataCollatorWithPadding) yield BatchEncoding, a mapping that
+    is not a dict."""
+    model, rows = gpt2(), examples()
+    loop_s, _ = loop_reference(model, rows)
+    loader = DataLoader(rows, batch_size=3, collate_fn=lambda items: transformers.BatchEncoding(
+        {k: torch.stack([item[k] for item in items]) for k in items[0]}))
+    got_s = measure(model, loader, lm_loss).S
+    assert got_s == pytest.approx(loop_s, rel=1e-9)
+
+
+def test_a_named_loss_is_refused_on_dict_batches() -> None:
+    with pytest.raises(BatchboundError) as info:
+        measure(gpt2(), DataLoader(examples(), batch_size=4), "sequence_cross_entropy")
+    said = str(info.value)
+    assert "needs the loss as a callable (outputs, batch)" in said and "\n" not in said
+
+
+def test_a_dict_whose_tensors_disagree_on_the_examples_is_refused() -> None:
+    rows = [{"input_ids": torch.ones(4, STEPS, dtype=torch.int64),
+             "labels": torch.ones(3, STEPS, dtype=torch.int64)}]
+    with pytest.raises(BatchboundError, match="one row per example"):
+        measure(gpt2(), DataLoader(rows, batch_size=None), lm_loss)
+
+
+# ---------------------------------------------------------------- advise on dict batches
+
+
+def test_the_packed_rows_give_the_numbers_of_model_on_the_dict() -> None:
+    """What advise's trainer sees (DictModel on packed rows, the loss on unpacked rows) has
+    the per-example gradients of model(**batch): the float64 loop's S and T."""
+    from batchbound.advise.batches import DictModel, dict_loss, pack_batches
+    from batchbound.diversity.measure import data_chunks
+
+    model, rows = gpt2(), examples()
+    loop_s, loop_t = loop_reference(model, rows)
+    chunks, _, _ = data_chunks(DataLoader(rows, batch_size=3), 4096)
+    packing, packed = pack_batches(chunks)
+    assert packed.shape == (N, 3 * STEPS) and packed.dtype == torch.int64
+    report = measure(DictModel(model, packing), (packed, packed), dict_loss(lm_loss, packing))
+    got_s, got_t = report.S, report.T
+    assert got_s == pytest.approx(loop_s, rel=1e-9)
+    assert got_t == pytest.approx(loop_t, rel=1e-9)
+
+
+def test_the_trainers_first_step_is_sgd_on_model_of_the_dict() -> None:
+    """One SGD step of advise's trainer equals θ − η·mean ∇ loss(model(**batch), batch) over
+    the examples its sampler drew, in float64."""
+    from batchbound.advise.inputs import from_objects
+    from batchbound.data import BatchSampler
+    from batchbound.train.distributed import DistContext
+    from batchbound.train.loop import Trainer
+
+    model, rows = gpt2(), examples()
+    lr, batch = 0.05, 4
+    config, dataset, parts = from_objects(
+        model, DataLoader(rows, batch_size=3), lm_loss, lambda p: torch.optim.SGD(p, lr=lr),
+        batch_size=batch, lr=None, seed=0, device="cpu")
+    config = config.replace(dtype="float64", max_epochs=None, max_iterations=1,
+                            eval_every_iterations=1)
+    trainer = Trainer(config, DistContext(device=torch.device("cpu")), dataset=dataset,
+                      parts=parts)
+    assert trainer.run().status == "complete"
+    picked = BatchSampler(N, config.seed).next_indices(batch).tolist()
+    params = [p for p in model.parameters() if p.requires_grad]
+    mean = [torch.zeros_like(p) for p in params]
+    for i in picked:
+        one = {k: v.unsqueeze(0) for k, v in rows[i].items()}
+        grads = torch.autograd.grad(lm_loss(model(**one), one).sum(), params,
+                                    allow_unused=True)
+        for m, g in zip(mean, grads, strict=True):
+            if g is not None:
+                m += g / batch
+    stepped = [p for p in trainer.model.parameters() if p.requires_grad]
+    for p, m, q in zip(params, mean, stepped, strict=True):
+        torch.testing.assert_close(q, p - lr * m, rtol=1e-9, atol=1e-12)
+
+
+def test_advise_answers_for_gpt2_on_dict_batches() -> None:
+    from batchbound.advise import advise
+
+    g = torch.Generator().manual_seed(2)
+    rows = [{"input_ids": ids, "attention_mask": torch.ones(STEPS, dtype=torch.int64),
+             "labels": ids} for ids in torch.randint(1, VOCAB, (256, STEPS), generator=g)]
+    advice = advise(gpt2().float().train(), DataLoader(rows, batch_size=32), lm_loss,
+                    optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3), batch_size=8,
+                    planned_epochs=4, pilot_fraction=0.25, critical_batch="noise",
+                    max_workers=1)
+    assert advice.pilot["metric"] == "adam"
+    assert advice.rows and advice.batch_bound > 1
+
+
+@pytest.mark.parametrize(("data", "loss", "words"), [
+    (lambda rows: DataLoader(rows, batch_size=3), "sequence_cross_entropy",
+     "dict batches need the loss as a callable"),
+    (lambda rows: [({k: v for k, v in r.items() if k != "labels"}, r["labels"])
+                   for r in rows], lm_loss, "give the targets inside the dict"),
+    (lambda rows: DataLoader([{**r, "input_ids": r["input_ids"][:STEPS - i % 2]}
+                              for i, r in enumerate(rows)], batch_size=1), lm_loss,
+     "pad every batch to one length"),
+    (lambda rows: DataLoader([{**r, "labels": r["labels"].double()} for r in rows],
+                             batch_size=3), lm_loss, "give them one dtype"),
+])
+def test_advise_refuses_what_it_cannot_pack_in_one_line(data, loss, words: str) -> None:
+    from batchbound.advise import advise
+
+    given = data(examples())
+    if isinstance(given, list):  # (inputs dict, targets) pairs, as a DataLoader yields them
+        given = DataLoader(given, batch_size=3)
+    with pytest.raises(BatchboundError) as info:
+        advise(gpt2(), given, loss, planned_epochs=2, critical_batch="noise", max_workers=1)
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_watch_takes_model_of_the_dict_as_the_user_calls_it() -> None:
+    """watch sees the user's own call, ``model(**batch)``: the same S and T as the loop."""
+    from batchbound.diversity import OnlineDiversity, watch
+
+    model, rows = gpt2(), examples()
+    loop_s, loop_t = loop_reference(model, rows)
+    batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+    monitor = OnlineDiversity(1000, decay=0.0)
+    with watch(model, monitor, reduction="sum"):
+        lm_loss(model(**batch), batch).sum().backward()
+    expected = OnlineDiversity(1000, decay=0.0)
+    expected.update_from_norms(loop_s, loop_t, N)
+    got_m2, got_cross = monitor.m2, monitor.cross
+    assert got_m2 == pytest.approx(expected.m2, rel=1e-9)
+    assert got_cross == pytest.approx(expected.cross, rel=1e-9, abs=1e-9 * expected.m2)
