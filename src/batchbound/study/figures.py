@@ -38,6 +38,7 @@ def figures(a: StudyAnalysis) -> list[Figure]:
     parts = [(("",), a.epochs)] if not extra else list(a.epochs.groupby(extra))
     finite = a.epochs["median"].replace([np.inf, -np.inf], np.nan).dropna()
     scale = (float(finite.min()), float(finite.max())) if len(finite) else None
+    colours = P.model_colours(a.epochs)  # one colour per model in every figure
     for name, part in parts:
         suffix = " · ".join(str(n) for n in (name if isinstance(name, tuple) else (name,)) if n)
         stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"epochs_heatmap-{suffix}" if suffix
@@ -52,20 +53,21 @@ def figures(a: StudyAnalysis) -> list[Figure]:
     out.append(("epochs_vs_batch", f"Epochs to {target} against B per model [width, "
                 "Figure 3]. Bars span the runs; a line never crosses a batch size that missed "
                 "the target; open ▲: not reached, red ✕: diverged.",
-                lambda fig: P.epochs_vs_batch(fig.add_subplot(), a.epochs, max_epochs)))
+                lambda fig: P.epochs_vs_batch(fig.add_subplot(), a.epochs, max_epochs,
+                                                colours)))
     if len(a.speedups):
         out.append(("speedup", f"Speedup s(m; m0) in iterations to {target}, with the linear "
                     "ideal [inefficiency, Figure 2]; red ✕ at the bottom: the median run missed "
                     "the target and some runs at that batch diverged (the heatmap counts "
                     "them).",
                     lambda fig: P.speedup_curves(fig.add_subplot(), a.speedups,
-                                                 "speedup to the target")))
+                                                 "speedup to the target", colours)))
     if len(a.loss_speedups):
         out.append(("speedup_loss_threshold", "Speedup to the loss threshold (the lower "
                     "quartile of the losses recorded at the largest batch whose runs did not "
                     "diverge) [inefficiency]. Diverged runs never count as reaching it.",
                     lambda fig: P.speedup_curves(fig.add_subplot(), a.loss_speedups,
-                                                 "speedup to the loss threshold")))
+                                                 "speedup to the loss threshold", colours)))
     surface = A.loss_surface(a.frames["runs"], a.frames["curves"])
     if len(surface):
         keys = A.model_keys(surface)
@@ -97,7 +99,8 @@ def figures(a: StudyAnalysis) -> list[Figure]:
                         "smallest batch size, one line per run: a shape stuck near a "
                         "stationary point shows Δ far above the others until it starts to "
                         "train.",
-                        lambda fig: P.delta_along_training(fig.add_subplot(), a.along)))
+                        lambda fig: P.delta_along_training(fig.add_subplot(), a.along,
+                                                           colours=colours)))
         out.append(("largest_batch_vs_delta", "Largest batch within E epochs and threshold "
                     "B* against Δ (at matched training loss when every shape reaches it, else "
                     f"{how}) [width, Figure 2c].",
