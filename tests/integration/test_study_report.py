@@ -110,6 +110,15 @@ def test_summary_md_carries_every_section_of_the_html(report):
     assert sorted(parser.found) == sorted(markdown)
 
 
+def test_every_table_of_the_page_scrolls_inside_it(report):
+    """A data table wider than the page (the epochs table's 17 columns) scrolls in its own
+    box; the name/text tables (glossary, environment) wrap instead."""
+    page = report.html.read_text()
+    tables = page.count("<table")
+    boxed = page.count("<div class='wide'><table>")
+    assert boxed >= 8 and tables == boxed + page.count("<table class='glossary'>")
+
+
 def test_every_verdict_line_states_its_independent_units(report):
     lines = [line for line in report.markdown.read_text().splitlines()
              if line.startswith("- **") and line.split("**")[1] in (

@@ -219,7 +219,7 @@ def _interval(crit: pd.Series | None) -> str:
     elif math.isnan(crit["low"]):
         text = "n/a"
     else:
-        text = f"{crit['low']:.3g}–{crit['high']:.3g}"
+        text = f"{fmt(float(crit['low']))}–{fmt(float(crit['high']))}"
     if crit["outside"]:
         text += f"; {crit['outside']} the batches that reached the target"
     return text

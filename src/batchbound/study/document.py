@@ -103,9 +103,10 @@ class Text:
 
 
 def _td(text: str) -> str:
-    """A cell; a sentence (a note, an interval with its reason) is left-aligned and kept
-    at least 10em wide: squeezed to its longest word it would stand one word a line."""
-    sentence = len(text) > 24 and " " in text
+    """A cell; a sentence (a note, an interval with its reason, "averaged over training") is
+    left-aligned and kept at least 10em wide: squeezed to its longest word it would stand one
+    word a line. A number with a short mark ("32 (at the grid edge)") stays a number."""
+    sentence = " " in text and (len(text) > 24 or (len(text) > 12 and text[0].isalpha()))
     return f"<td class='text'>{html.escape(text)}</td>" if sentence else \
         f"<td>{html.escape(text)}</td>"
 

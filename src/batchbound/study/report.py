@@ -183,7 +183,7 @@ def critical_text(a: StudyAnalysis) -> str:
              *([f"{int(row['collapsed'])} collapsed, left out"]
                if row.get("collapsed", 0) else [])]
     if row.get("degenerate"):
-        return (f"degenerate fit ({row['degenerate']}; the fit's value {row['b_crit']:.3g} "
+        return (f"degenerate fit ({row['degenerate']}; the fit's value {fmt(row['b_crit'])} "
                 f"identifies no critical batch size; {', '.join(notes)})")
     flag = (" (at the search bound: not identified)" if row["at_bound"] else
             f" ({row['outside']} the batches that reached the target: an extrapolation)"
