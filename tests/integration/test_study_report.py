@@ -211,3 +211,16 @@ def test_failed_runs_are_reported_and_exit_non_zero(tmp_path, monkeypatch):
     paths = write_report(tmp_path / "f.sqlite", "fails", tmp_path / "report", max_workers=1)
     assert paths.failed == 3
     assert "**3 runs failed**" in paths.markdown.read_text()
+
+
+def test_every_column_of_the_tables_section_is_explained(report):
+    """The Tables section shows the analyses' CSV names (e_min, one_run, at_bound …): the
+    report says what each holds."""
+    from batchbound.study.columns import COLUMNS
+
+    a = report.analysis
+    for frame in (a.epochs, a.speedups, a.regimes, a.critical, a.loss_thresholds, a.diversity):
+        assert set(frame.columns) <= set(COLUMNS), set(frame.columns) - set(COLUMNS)
+    html = unescape(report.html.read_text())
+    assert "<th>e_min</th><td>E_min = S_min·B_crit" in html
+    assert "- **one_run**: every batch has one run" in report.markdown.read_text()

@@ -38,6 +38,7 @@ from batchbound.study.claims import (
     Finding,
 )
 from batchbound.study.claims.registry import fmt
+from batchbound.study.columns import columns_shown
 from batchbound.study.figures import render_figures
 from batchbound.study.measured import advice_inputs
 from batchbound.study.store import FINISHED, Store
@@ -258,9 +259,13 @@ def document(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, Pa
         epochs = epochs.merge(edges_frame.drop(columns="lr").rename(
             columns={"edge": "η at grid edge"}), on=keys, how="left").fillna(
             {"η at grid edge": ""})
+    tables = [epochs, a.speedups, a.regimes, a.critical, a.loss_thresholds, a.diversity]
     body += [D.Heading(2, "Figures"),
              *[D.Figure(*f) for f in figure_paths if f[0] not in in_sections],
              D.Heading(2, "Tables"),
+             D.Text("The analyses' own tables, under the column names batchbound study "
+                    "export writes to CSV; what each column holds:", "small"),
+             D.Pairs(columns_shown(tables)),
              D.Heading(3, "Epochs to target per model and B (η: the tuned step size; censored: "
                        "stopped short of the target; diverged and collapsed: left out of fits; "
                        "first_eval: reached by the first evaluation, so the true epochs lie "
