@@ -263,9 +263,6 @@ def document(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, Pa
     body += [D.Heading(2, "Figures"),
              *[D.Figure(*f) for f in figure_paths if f[0] not in in_sections],
              D.Heading(2, "Tables"),
-             D.Text("The analyses' own tables, under the column names batchbound study "
-                    "export writes to CSV; what each column holds:", "small"),
-             D.Pairs(columns_shown(tables)),
              D.Heading(3, "Epochs to target per model and B (η: the tuned step size; censored: "
                        "stopped short of the target; diverged and collapsed: left out of fits; "
                        "first_eval: reached by the first evaluation, so the true epochs lie "
@@ -278,6 +275,10 @@ def document(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, Pa
              D.Heading(3, "Loss thresholds (diverged and collapsed runs left out)"),
              D.Table(a.loss_thresholds),
              D.Heading(3, "Gradient diversity"), D.Table(a.diversity, "no measurements"),
+             D.Heading(3, "What each column holds"),
+             D.Text("The tables above are the analyses' own, under the column names "
+                    "batchbound study export writes to CSV.", "small"),
+             D.Pairs(columns_shown(tables)),
              D.Heading(2, "Study spec"), D.Pre(json.dumps(a.spec, indent=2)),
              D.Heading(2, "Environment"), D.Pairs(tuple((k, v, "") for k, v in env.items())),
              D.Heading(2, "References"), D.References()]
