@@ -4,6 +4,7 @@ answer's table. (Found by opening the reports in headless Chromium at 1280 and 8
 
 from __future__ import annotations
 
+import html
 import math
 
 import matplotlib.pyplot as plt
@@ -37,12 +38,20 @@ def epochs(medians: dict[str, list[float]], batches=(32, 64, 128)) -> pd.DataFra
 
 # ---- tables -------------------------------------------------------------------------------
 def test_a_sentence_in_a_cell_is_not_squeezed_to_one_word_a_line():
-    html = Table(pd.DataFrame({"model": ["L=1 K=41"], "B_crit": [131.0],
+    page = Table(pd.DataFrame({"model": ["L=1 K=41"], "B_crit": [131.0],
                                "note": ["119–146; above the batches that reached the target"]}
                               )).html()
-    assert "<td class='text'>119–146; above the batches" in html
-    assert "<td>131</td>" in html and "<td>L=1 K=41</td>" in html  # numbers, labels: as before
+    assert "<td class='text'>119–146; above the batches" in page
+    assert "<td>131</td>" in page and "<td>L=1 K=41</td>" in page  # numbers, labels: as before
     assert "td.text{text-align:left;min-width:10em}" in CSS
+    note = ("timing machine busy (other processes kept 0.87 of the 2 cores busy while timing): "
+            "every row's seconds uncertain")
+    wide = Table(pd.DataFrame({"note": [note], "mark": ["32 (at the grid edge)"],
+                               "how": ["averaged over training"]})).html()
+    assert f"<td class='text long'>{html.escape(note)}</td>" in wide
+    assert "td.long{min-width:16em}" in CSS
+    assert "<td>32 (at the grid edge)</td>" in wide  # a number with its mark stays a number
+    assert "<td class='text'>averaged over training</td>" in wide
 
 
 def test_a_scrolled_table_keeps_its_first_column_and_shows_more_lies_beyond():

@@ -34,6 +34,7 @@ border:1px solid #e6a29c;padding:0.6em 1em}table.glossary td{text-align:left}
 table.glossary th{text-align:left;white-space:nowrap}.differs{color:#7a4b00}
 pre{background:#f7f7f7;padding:1em;font-size:12px;white-space:pre-wrap;overflow-wrap:break-word}
 table.glossary td{overflow-wrap:anywhere}td.text{text-align:left;min-width:10em}
+td.long{min-width:16em}
 .wide{overflow-x:auto;max-width:100%;background:linear-gradient(to left,#fff 40%,#fff0) right/
 28px 100% no-repeat local,radial-gradient(farthest-side at 100% 50%,#0003,#0000) right/12px
 100% no-repeat scroll #fff}.wide th:first-child,.wide td:first-child{position:sticky;left:0;
@@ -104,11 +105,14 @@ class Text:
 
 def _td(text: str) -> str:
     """A cell; a sentence (a note, an interval with its reason, "averaged over training") is
-    left-aligned and kept at least 10em wide: squeezed to its longest word it would stand one
-    word a line. A number with a short mark ("32 (at the grid edge)") stays a number."""
+    left-aligned and kept at least 10em wide (a long one 16em): squeezed to its longest word
+    it would stand one word a line. A number with a short mark ("32 (at the grid edge)")
+    stays a number."""
     sentence = " " in text and (len(text) > 24 or (len(text) > 12 and text[0].isalpha()))
-    return f"<td class='text'>{html.escape(text)}</td>" if sentence else \
-        f"<td>{html.escape(text)}</td>"
+    if not sentence:
+        return f"<td>{html.escape(text)}</td>"
+    long = " long" if len(text) > 60 else ""  # a note of 100 letters: 16em, 5 lines not 9
+    return f"<td class='text{long}'>{html.escape(text)}</td>"
 
 
 @dataclass(frozen=True)
