@@ -158,3 +158,21 @@ def test_thousands_are_written_whole_not_in_e_notation():
                                                                        "1000")
     assert (fmt(131.4), fmt(0.000132), fmt(2.5e6), fmt(1024.0)) == ("131", "0.000132",
                                                                      "2.5e+06", "1024")
+
+
+def test_a_heatmap_does_not_stretch_a_two_percent_difference_over_its_colours():
+    """1.00 and 1.02 epochs (both written "1.0" in their cells) were purple and yellow."""
+    def norm(medians: list[float]):
+        fig = plt.figure()
+        try:
+            ax = fig.add_subplot()
+            P.epochs_heatmap(ax, epochs({"L=1 K=16": medians}, (16, 64, 256)), "depth", 12.0)
+            return ax.images[0].norm
+        finally:
+            plt.close(fig)
+
+    narrow = norm([1.002, 1.023, math.nan])
+    assert narrow.vmax / narrow.vmin == pytest.approx(P.SPAN)
+    assert narrow.vmin < 1.002 and narrow.vmax > 1.023
+    wide = norm([1.0, 4.0, 9.0])  # a wide range keeps its own ends
+    assert (wide.vmin, wide.vmax) == (1.0, 9.0)

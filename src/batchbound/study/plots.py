@@ -110,6 +110,7 @@ def shape_axis(frame: pd.DataFrame, preferred: str) -> str:
 
 
 DIVERGED = "#d62728"
+SPAN = 1.5  # the narrowest colour scale of a heatmap: its top 1.5 times its bottom
 
 
 def epochs_heatmap(ax: Axes, summary: pd.DataFrame, rows: str = "depth",
@@ -137,7 +138,11 @@ def epochs_heatmap(ax: Axes, summary: pd.DataFrame, rows: str = "depth",
     diverged, collapsed, runs = pivot("diverged"), pivot("collapsed"), pivot("runs")
     finite = values[np.isfinite(values)]
     low, high = scale or ((finite.min(), finite.max()) if len(finite) else (1.0, 1.0))
-    norm = LogNorm(vmin=max(low, 1e-2), vmax=max(high, low * 1.01, 1e-2 * 1.01))
+    low = max(low, 1e-2)
+    if high < low * SPAN:  # 1.00 and 1.02 epochs must not be the scale's two ends
+        middle = math.sqrt(low * max(high, low))
+        low, high = middle / math.sqrt(SPAN), middle * math.sqrt(SPAN)
+    norm = LogNorm(vmin=low, vmax=high)
     colours = plt.get_cmap("viridis").with_extremes(bad="#cccccc")
     image = ax.imshow(np.ma.masked_invalid(values), aspect="auto", cmap=colours, norm=norm,
                       origin="lower")
