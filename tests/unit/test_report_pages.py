@@ -176,3 +176,17 @@ def test_a_heatmap_does_not_stretch_a_two_percent_difference_over_its_colours():
     assert narrow.vmin < 1.002 and narrow.vmax > 1.023
     wide = norm([1.0, 4.0, 9.0])  # a wide range keeps its own ends
     assert (wide.vmin, wide.vmax) == (1.0, 9.0)
+
+
+def test_the_spec_lists_plain_values_on_one_line_and_stays_the_same_json():
+    import json
+
+    from batchbound.study.report import spec_text
+
+    spec = {"batch_sizes": [16, 32, 64], "data": [{"dataset": "digits", "transform": None}],
+            "lr": {"grid": [0.1, 0.3], "strategies": ["blr"]}, "models": {"options": {}},
+            "train": {"targets": [["train_acc", 0.6]], "name": "Δ-study"}}
+    text = spec_text(spec)
+    assert json.loads(text) == spec
+    assert '  "batch_sizes": [16, 32, 64],\n' in text and '"grid": [0.1, 0.3]' in text
+    assert '"name": "Δ-study"' in text and '"options": {}' in text

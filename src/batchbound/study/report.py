@@ -192,6 +192,20 @@ def critical_text(a: StudyAnalysis) -> str:
     return f"B_crit = {row['b_crit']:.0f} ({spread}; {', '.join(notes)}){flag}"
 
 
+def spec_text(value: Any, indent: int = 0) -> str:
+    """The spec as JSON, a list of plain values on one line ("batch_sizes": [16, 32, 64]):
+    one value a line made the spec three screens long."""
+    pad = "  " * (indent + 1)
+    if isinstance(value, dict) and value:
+        items = [f"{pad}{json.dumps(k, ensure_ascii=False)}: {spec_text(v, indent + 1)}"
+                 for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + "\n" + "  " * indent + "}"
+    if isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
+        items = [f"{pad}{spec_text(v, indent + 1)}" for v in value]
+        return "[\n" + ",\n".join(items) + "\n" + "  " * indent + "]"
+    return json.dumps(value, ensure_ascii=False)
+
+
 def unfinished(a: StudyAnalysis) -> str | None:
     """The report's warning when no run has finished (all failed, pending or stopped):
     every table is then empty, which must not read as "no batch size reaches the target"."""
@@ -279,7 +293,7 @@ def document(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, Pa
              D.Text("The tables above are the analyses' own, under the column names "
                     "batchbound study export writes to CSV.", "small"),
              D.Pairs(columns_shown(tables)),
-             D.Heading(2, "Study spec"), D.Pre(json.dumps(a.spec, indent=2)),
+             D.Heading(2, "Study spec"), D.Pre(spec_text(a.spec)),
              D.Heading(2, "Environment"), D.Pairs(tuple((k, v, "") for k, v in env.items())),
              D.Heading(2, "References"), D.References()]
     return head, [D.Section("answer", answer)], body
