@@ -190,3 +190,21 @@ def test_the_spec_lists_plain_values_on_one_line_and_stays_the_same_json():
     assert json.loads(text) == spec
     assert '  "batch_sizes": [16, 32, 64],\n' in text and '"grid": [0.1, 0.3]' in text
     assert '"name": "Δ-study"' in text and '"options": {}' in text
+
+
+def test_a_heatmap_of_two_families_names_its_rows_by_model_not_hidden_layers():
+    from batchbound.study.figures import heatmap_rows
+
+    table = epochs({"L=1 K=16": [1.0, 1.2, 1.5], "L=3 K=4": [0.8, 1.3, 1.8]})
+    one = pd.DataFrame({"model": ["fc(depth=1,width=16)", "fc(depth=3,width=4)"]})
+    two = pd.DataFrame({"model": ["fc(depth=1,width=16)", "cnn1d(width=4,depth=2)"]})
+    assert heatmap_rows(table, one) == "depth"
+    assert heatmap_rows(table, two) == "model_label"
+    fig = plt.figure()
+    try:
+        ax = fig.add_subplot()
+        P.epochs_heatmap(ax, table, "model_label", 12.0)
+        assert ax.get_ylabel() == "model"
+        assert [t.get_text() for t in ax.get_yticklabels()] == ["L=1 K=16", "L=3 K=4"]
+    finally:
+        plt.close(fig)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pandas as pd
 
 from batchbound.study import analysis as A
 
@@ -25,12 +26,24 @@ NOT_REACHED = ("Grey: not reached within max_epochs; red: every run diverged; "
                "train; left out of every fit).")
 
 
+def heatmap_rows(epochs: pd.DataFrame, runs: pd.DataFrame) -> str:
+    """The heatmap's rows: depth, unless two model families share the study (a cnn1d's
+    depth is no fc's hidden layers: "depth L (hidden layers)" would misname it), or depth
+    does not tell the models apart; then the models by name."""
+    from batchbound.study import plots as P
+
+    # a spec's family is its name before "(" (a user's "mymodels:factory" has none)
+    families = {str(m).split("(")[0] for m in runs["model"].dropna()} \
+        if "model" in runs else set()
+    return "model_label" if len(families) > 1 else P.shape_axis(epochs, "depth")
+
+
 def figures(a: StudyAnalysis) -> list[Figure]:
     """(file stem, caption, draw(fig)) for every figure the data supports."""
     from batchbound.study import plots as P
 
     out: list[Figure] = []
-    rows = P.shape_axis(a.epochs, "depth")
+    rows = heatmap_rows(a.epochs, a.frames["runs"])
     max_epochs = float(a.spec.get("train", {}).get("max_epochs", 0)) or None
     target = a.targets[0] if a.targets else "the target"
     groups = A.model_keys(a.epochs)
@@ -43,7 +56,8 @@ def figures(a: StudyAnalysis) -> list[Figure]:
         suffix = " · ".join(str(n) for n in (name if isinstance(name, tuple) else (name,)) if n)
         stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"epochs_heatmap-{suffix}" if suffix
                       else "epochs_heatmap").strip("_")
-        out.append((stem, f"Epochs to {target}, {rows} against B"
+        out.append((stem, f"Epochs to {target}, {rows.replace('model_label', 'model')} "
+                    "against B"
                     f"{' for ' + suffix if suffix else ''}, with the tuned step size η of "
                     "each cell [width, Figure 4]. " + NOT_REACHED
                     + (" Every panel shares one colour scale." if len(parts) > 1 else ""),

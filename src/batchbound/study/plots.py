@@ -121,7 +121,8 @@ def epochs_heatmap(ax: Axes, summary: pd.DataFrame, rows: str = "depth",
     whose every run diverged 'diverged' in red; 'div k/n' counts diverged runs, 'coll k/n'
     collapsed ones. ``scale``
     (min, max) shares one colour scale across panels."""
-    label = {"depth": "depth L (hidden layers)", "width": "width K"}.get(rows, rows)
+    label = {"depth": "depth L (hidden layers)", "width": "width K",
+             "model_label": "model"}.get(rows, rows)
     key = shape_axis(summary, rows)
 
     table = summary.pivot_table(index=key, columns="batch_size", values="median",
