@@ -129,9 +129,10 @@ def test_a_series_with_nothing_drawn_says_so_in_the_legend(ax):
     assert "largest B within 6 epochs: no model" in legend and "threshold B*" in legend
 
 
-def test_a_colour_bar_level_a_hair_below_zero_reads_zero():
-    assert P._two_decimals(-1e-9, None) == "0.00"
-    assert P._two_decimals(-0.0612, None) == "-0.06" and P._two_decimals(0.33, None) == "0.33"
+def test_the_loss_contour_colour_bar_reads_losses_not_their_logarithms():
+    # its levels are log10 losses: "0.20" and "-0.00" named no loss a reader knows
+    assert P._loss_of_level(-1e-9, None) == "1" and P._loss_of_level(0.2, None) == "1.58"
+    assert P._loss_of_level(-1.0, None) == "0.1"
 
 
 # ---- the answer's glossary ----------------------------------------------------------------

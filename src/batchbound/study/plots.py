@@ -21,13 +21,13 @@ from matplotlib.ticker import Formatter, FuncFormatter, MaxNLocator
 PLAIN = FuncFormatter(lambda value, _: f"{value:g}")
 
 
-def _two_decimals(value: float, _: object) -> str:
-    """0.00, never "-0.00" (a level a hair below zero, log10 of a loss of 1)."""
-    text = f"{value:.2f}"
-    return "0.00" if float(text) == 0 else text
+def _loss_of_level(level: float, _: object) -> str:
+    """A log10-loss level as the loss itself, 3 significant digits: 1.58, not 0.20 (nor
+    "-0.00", as the level of a loss of 1 a hair below zero read)."""
+    return f"{10 ** level:.3g}"
 
 
-TWO_DECIMALS = FuncFormatter(_two_decimals)
+LOSS = FuncFormatter(_loss_of_level)
 
 from batchbound.study.analysis import display_names, model_keys  # noqa: E402
 
@@ -298,7 +298,7 @@ def loss_contour(ax: Axes, surface: pd.DataFrame, title: str = "",
         levels = np.linspace(np.nanmin(z), np.nanmax(z), 12)
     filled = ax.contourf(batches, grid, np.ma.masked_invalid(z), levels=levels,
                          cmap="viridis_r")
-    ax.figure.colorbar(filled, ax=ax, label="log10 training loss", format=TWO_DECIMALS)
+    ax.figure.colorbar(filled, ax=ax, label="training loss (log scale)", format=LOSS)
     log2_batch_axis(ax, batches)
     ax.set_yscale("log")
     ax.set_ylabel("iterations (log)")
