@@ -250,8 +250,8 @@ def document(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, Pa
     edges = tuned_edges_text(a)
     body: list[Any] = [
         D.Text(f"Runs: {counts}."), D.Heading(2, "Per shape"), D.Table(shape_summary(a)),
-        D.Text(f"E = {a.budget:g} epochs. Critical batch size of the study (one B_crit for all "
-               f"shapes): {critical_text(a)}."),
+        D.Text(f"E = {a.budget:g} epoch{'' if a.budget == 1 else 's'}. Critical batch size of "
+               f"the study (one B_crit for all shapes): {critical_text(a)}."),
         *([D.Text(edges)] if edges else [])]
     if len(a.targets) > 1:
         body += [D.Heading(2, "Every target", anchor="targets"), D.Table(target_summary(a))]
