@@ -110,6 +110,15 @@ def test_summary_md_carries_every_section_of_the_html(report):
     assert sorted(parser.found) == sorted(markdown)
 
 
+def test_every_table_of_the_page_scrolls_inside_it(report):
+    """A data table wider than the page (the epochs table's 17 columns) scrolls in its own
+    box; the name/text tables (glossary, environment) wrap instead."""
+    page = report.html.read_text()
+    tables = page.count("<table")
+    boxed = page.count("<div class='wide'><table>")
+    assert boxed >= 8 and tables == boxed + page.count("<table class='glossary'>")
+
+
 def test_every_verdict_line_states_its_independent_units(report):
     lines = [line for line in report.markdown.read_text().splitlines()
              if line.startswith("- **") and line.split("**")[1] in (
@@ -202,3 +211,16 @@ def test_failed_runs_are_reported_and_exit_non_zero(tmp_path, monkeypatch):
     paths = write_report(tmp_path / "f.sqlite", "fails", tmp_path / "report", max_workers=1)
     assert paths.failed == 3
     assert "**3 runs failed**" in paths.markdown.read_text()
+
+
+def test_every_column_of_the_tables_section_is_explained(report):
+    """The Tables section shows the analyses' CSV names (e_min, one_run, at_bound …): the
+    report says what each holds."""
+    from batchbound.study.columns import COLUMNS
+
+    a = report.analysis
+    for frame in (a.epochs, a.speedups, a.regimes, a.critical, a.loss_thresholds, a.diversity):
+        assert set(frame.columns) <= set(COLUMNS), set(frame.columns) - set(COLUMNS)
+    html = unescape(report.html.read_text())
+    assert "<th>e_min</th><td>E_min = S_min·B_crit" in html
+    assert "- **one_run**: every batch has one run" in report.markdown.read_text()

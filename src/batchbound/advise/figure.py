@@ -12,6 +12,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.ticker import FuncFormatter, NullFormatter
+
+# workers and batches are counts: 1, 2, 4 … 1024, not 2^0 … 2^10
+COUNT = FuncFormatter(lambda value, _: f"{value:g}")
 
 
 def plot_advice(advice: Any, path: str | Path) -> Path:
@@ -24,9 +28,11 @@ def plot_advice(advice: Any, path: str | Path) -> Path:
     ideal = [seconds[0] / p for p in workers]
     ax.plot(workers, ideal, "--", color="0.55", label="ideal: T(1)/P")
     ax.plot(workers, seconds, "o-", color="C0", label="predicted (best batch per P)")
-    for r in rows:
+    for r in rows:  # the last label left of its point: right of it, it ran off the figure
+        last = r is rows[-1] and len(rows) > 1
         ax.annotate(f"B={r.batch_size}", (r.workers, r.seconds_to_target),
-                    textcoords="offset points", xytext=(5, 6), fontsize=8)
+                    textcoords="offset points", xytext=(-5, 6) if last else (5, 6),
+                    ha="right" if last else "left", fontsize=8)
     rec = advice.recommended
     ax.plot([rec.workers], [rec.seconds_to_target], "*", color="C3", markersize=14,
             label=f"recommended: P={rec.workers}, B={rec.batch_size}")
@@ -42,6 +48,7 @@ def plot_advice(advice: Any, path: str | Path) -> Path:
                    label=f"workers stop paying past P={advice.workers_stop_paying}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.xaxis.set_major_formatter(COUNT)
     ax.set_xlabel("workers P")
     ax.set_ylabel("predicted seconds to target")
     ax.set_title("Predicted time to the goal against workers", fontsize=10)
@@ -64,6 +71,7 @@ def _plot_iterations(advice: Any, path: str | Path) -> Path:
             label=f"recommended: B={rec.batch_size} (seconds not trusted here)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.xaxis.set_major_formatter(COUNT)
     ax.set_xlabel("batch size B")
     ax.set_ylabel("predicted iterations to the goal")
     ax.set_title("Predicted iterations against the batch size", fontsize=10)
@@ -71,6 +79,8 @@ def _plot_iterations(advice: Any, path: str | Path) -> Path:
 
 
 def _save(fig: Any, ax: Any, path: str | Path) -> Path:
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.margins(x=0.06, y=0.12)  # a label above the top point stays inside the axes
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()

@@ -21,6 +21,14 @@ if TYPE_CHECKING:  # for the annotation only
     from batchbound.study.summary import StudyAnalysis
 
 GLOSSARY = (
+    ("L, K", "in a model's name (L=2 K=29): its depth and width; for fc and linear nets the "
+     "hidden layers and the units in each, for other families their own convention (lenet, "
+     "resnet: the head's)", "width"),
+    ("first reached", "the smallest batch whose median run reaches the target: the m0 every "
+     "speedup is measured from", "inefficiency"),
+    ("s to target", "seconds to the target at the recommended workers and batch on the machine "
+     "that wrote the report: the iterations the study measured times the step timed there",
+     ""),
     ("n·Δ", "the bound on the batch size from gradient diversity Δ over n training examples: "
      "up to B ≈ n·Δ a step of B examples does about B times the work of one", "diversity"),
     ("near-linear up to", "the largest batch up to which every doubling still cuts the "
@@ -211,7 +219,7 @@ def _interval(crit: pd.Series | None) -> str:
     elif math.isnan(crit["low"]):
         text = "n/a"
     else:
-        text = f"{crit['low']:.3g}–{crit['high']:.3g}"
+        text = f"{fmt(float(crit['low']))}–{fmt(float(crit['high']))}"
     if crit["outside"]:
         text += f"; {crit['outside']} the batches that reached the target"
     return text

@@ -33,7 +33,13 @@ border:1px solid #c9dbee;padding:0.5em 1.2em 1em;border-radius:6px}.failed{backg
 border:1px solid #e6a29c;padding:0.6em 1em}table.glossary td{text-align:left}
 table.glossary th{text-align:left;white-space:nowrap}.differs{color:#7a4b00}
 pre{background:#f7f7f7;padding:1em;font-size:12px;white-space:pre-wrap;overflow-wrap:break-word}
-.wide{overflow-x:auto;max-width:100%}"""
+table.glossary td{overflow-wrap:anywhere}td.text{text-align:left;min-width:10em}
+td.long{min-width:16em}
+.wide{overflow-x:auto;max-width:100%;background:linear-gradient(to left,#fff 40%,#fff0) right/
+28px 100% no-repeat local,radial-gradient(farthest-side at 100% 50%,#0003,#0000) right/12px
+100% no-repeat scroll #fff}.wide th:first-child,.wide td:first-child{position:sticky;left:0;
+background:#fff;z-index:1}.wide th:first-child{background:#f2f2f2}.wide{margin:1em 0}
+.wide table{margin:0}"""
 
 
 def cell(value: Any) -> str:
@@ -97,6 +103,18 @@ class Text:
         return self.text
 
 
+def _td(text: str) -> str:
+    """A cell; a sentence (a note, an interval with its reason, "averaged over training") is
+    left-aligned and kept at least 10em wide (a long one 16em): squeezed to its longest word
+    it would stand one word a line. A number with a short mark ("32 (at the grid edge)")
+    stays a number."""
+    sentence = " " in text and (len(text) > 24 or (len(text) > 12 and text[0].isalpha()))
+    if not sentence:
+        return f"<td>{html.escape(text)}</td>"
+    long = " long" if len(text) > 60 else ""  # a note of 100 letters: 16em, 5 lines not 9
+    return f"<td class='text{long}'>{html.escape(text)}</td>"
+
+
 @dataclass(frozen=True)
 class Table:
     frame: pd.DataFrame
@@ -105,11 +123,12 @@ class Table:
     def html(self) -> str:
         if self.frame.empty:
             return f"<p>{html.escape(self.empty)}</p>"
-        e = html.escape
-        head = "".join(f"<th>{e(str(c))}</th>" for c in self.frame.columns)
-        body = "".join("<tr>" + "".join(f"<td>{e(cell(v))}</td>" for v in row) + "</tr>"
+        head = "".join(f"<th>{html.escape(str(c))}</th>" for c in self.frame.columns)
+        body = "".join("<tr>" + "".join(_td(cell(v)) for v in row) + "</tr>"
                        for row in self.frame.itertuples(index=False))
-        # a wide table (17 columns) scrolls inside the page instead of running off it
+        # a wide table (17 columns) scrolls inside the page instead of running off it; a
+        # shadow at its right edge says more columns lie beyond, and the first column (the
+        # model) stays in view while it scrolls
         return f"<div class='wide'><table><tr>{head}</tr>{body}</table></div>"
 
     def markdown(self) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pandas as pd
 
 from batchbound.study import analysis as A
 
@@ -25,12 +26,24 @@ NOT_REACHED = ("Grey: not reached within max_epochs; red: every run diverged; "
                "train; left out of every fit).")
 
 
+def heatmap_rows(epochs: pd.DataFrame, runs: pd.DataFrame) -> str:
+    """The heatmap's rows: depth, unless two model families share the study (a cnn1d's
+    depth is no fc's hidden layers: "depth L (hidden layers)" would misname it), or depth
+    does not tell the models apart; then the models by name."""
+    from batchbound.study import plots as P
+
+    # a spec's family is its name before "(" (a user's "mymodels:factory" has none)
+    families = {str(m).split("(")[0] for m in runs["model"].dropna()} \
+        if "model" in runs else set()
+    return "model_label" if len(families) > 1 else P.shape_axis(epochs, "depth")
+
+
 def figures(a: StudyAnalysis) -> list[Figure]:
     """(file stem, caption, draw(fig)) for every figure the data supports."""
     from batchbound.study import plots as P
 
     out: list[Figure] = []
-    rows = P.shape_axis(a.epochs, "depth")
+    rows = heatmap_rows(a.epochs, a.frames["runs"])
     max_epochs = float(a.spec.get("train", {}).get("max_epochs", 0)) or None
     target = a.targets[0] if a.targets else "the target"
     groups = A.model_keys(a.epochs)
@@ -38,11 +51,13 @@ def figures(a: StudyAnalysis) -> list[Figure]:
     parts = [(("",), a.epochs)] if not extra else list(a.epochs.groupby(extra))
     finite = a.epochs["median"].replace([np.inf, -np.inf], np.nan).dropna()
     scale = (float(finite.min()), float(finite.max())) if len(finite) else None
+    colours = P.model_colours(a.epochs)  # one colour per model in every figure
     for name, part in parts:
         suffix = " · ".join(str(n) for n in (name if isinstance(name, tuple) else (name,)) if n)
         stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"epochs_heatmap-{suffix}" if suffix
                       else "epochs_heatmap").strip("_")
-        out.append((stem, f"Epochs to {target}, {rows} against B"
+        out.append((stem, f"Epochs to {target}, {rows.replace('model_label', 'model')} "
+                    "against B"
                     f"{' for ' + suffix if suffix else ''}, with the tuned step size η of "
                     "each cell [width, Figure 4]. " + NOT_REACHED
                     + (" Every panel shares one colour scale." if len(parts) > 1 else ""),
@@ -52,20 +67,21 @@ def figures(a: StudyAnalysis) -> list[Figure]:
     out.append(("epochs_vs_batch", f"Epochs to {target} against B per model [width, "
                 "Figure 3]. Bars span the runs; a line never crosses a batch size that missed "
                 "the target; open ▲: not reached, red ✕: diverged.",
-                lambda fig: P.epochs_vs_batch(fig.add_subplot(), a.epochs, max_epochs)))
+                lambda fig: P.epochs_vs_batch(fig.add_subplot(), a.epochs, max_epochs,
+                                                colours)))
     if len(a.speedups):
         out.append(("speedup", f"Speedup s(m; m0) in iterations to {target}, with the linear "
                     "ideal [inefficiency, Figure 2]; red ✕ at the bottom: the median run missed "
                     "the target and some runs at that batch diverged (the heatmap counts "
                     "them).",
                     lambda fig: P.speedup_curves(fig.add_subplot(), a.speedups,
-                                                 "speedup to the target")))
+                                                 "speedup to the target", colours)))
     if len(a.loss_speedups):
         out.append(("speedup_loss_threshold", "Speedup to the loss threshold (the lower "
                     "quartile of the losses recorded at the largest batch whose runs did not "
                     "diverge) [inefficiency]. Diverged runs never count as reaching it.",
                     lambda fig: P.speedup_curves(fig.add_subplot(), a.loss_speedups,
-                                                 "speedup to the loss threshold")))
+                                                 "speedup to the loss threshold", colours)))
     surface = A.loss_surface(a.frames["runs"], a.frames["curves"])
     if len(surface):
         keys = A.model_keys(surface)
@@ -97,7 +113,8 @@ def figures(a: StudyAnalysis) -> list[Figure]:
                         "smallest batch size, one line per run: a shape stuck near a "
                         "stationary point shows Δ far above the others until it starts to "
                         "train.",
-                        lambda fig: P.delta_along_training(fig.add_subplot(), a.along)))
+                        lambda fig: P.delta_along_training(fig.add_subplot(), a.along,
+                                                           colours=colours)))
         out.append(("largest_batch_vs_delta", "Largest batch within E epochs and threshold "
                     "B* against Δ (at matched training loss when every shape reaches it, else "
                     f"{how}) [width, Figure 2c].",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import textwrap
+from collections.abc import Callable
 
 import matplotlib
 
@@ -14,22 +15,37 @@ import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.colors import LogNorm
-from matplotlib.ticker import FuncFormatter, MaxNLocator
+from matplotlib.lines import Line2D
+from matplotlib.ticker import Formatter, FuncFormatter, MaxNLocator
 
 PLAIN = FuncFormatter(lambda value, _: f"{value:g}")
+
+
+def _loss_of_level(level: float, _: object) -> str:
+    """A log10-loss level as the loss itself, 3 significant digits: 1.58, not 0.20 (nor
+    "-0.00", as the level of a loss of 1 a hair below zero read)."""
+    return f"{10 ** level:.3g}"
+
+
+LOSS = FuncFormatter(_loss_of_level)
 
 from batchbound.study.analysis import display_names, model_keys  # noqa: E402
 
 
-def _one_two_five(value: float, _: object) -> str:
-    """A minor log tick's label only at 2 and 5 times a power of ten: every minor tick
-    labelled overprints its neighbours."""
-    if value <= 0:
-        return ""
-    return f"{value:g}" if round(value / 10 ** math.floor(math.log10(value))) in (2, 5) else ""
+class MinorLabels(Formatter):
+    """A minor log tick's label: every one where the axis spans less than a decade (6 … 15
+    epochs has one power of ten: "10" alone names no other height), else only at 2 and 5
+    times a power of ten (every minor tick labelled overprints its neighbours). One instance
+    per axis: it reads its own axis' span."""
 
-
-MINOR = FuncFormatter(_one_two_five)
+    def __call__(self, value: float, pos: int | None = None) -> str:
+        if value <= 0:
+            return ""
+        low, high = sorted(self.axis.get_view_interval()) if self.axis else (1.0, 1e9)
+        if low > 0 and high / low < 10:
+            return f"{value:g}"
+        return f"{value:g}" if round(value / 10 ** math.floor(math.log10(value))) in (2, 5) \
+            else ""
 
 
 def wrapped_title(ax: Axes, text: str) -> None:
@@ -40,6 +56,28 @@ def wrapped_title(ax: Axes, text: str) -> None:
     chars = max(20, int(points / (0.55 * matplotlib.font_manager.FontProperties(
         size=size).get_size_in_points())))
     ax.set_title(textwrap.fill(text, chars))
+
+
+Colour = Callable[[pd.DataFrame, int], str]
+
+
+def model_colours(frame: pd.DataFrame) -> Colour:
+    """colour(rows of one model, i): one colour per model of ``frame`` (the study's every
+    model), the same in every figure that draws it. A figure whose table lacks a model (none
+    of its runs reached the target) must not hand that model's colour to the next one."""
+    keys = model_keys(frame)
+    names = {name: f"C{i % 10}" for i, (name, _) in enumerate(_groups(frame))}
+
+    def colour(part: pd.DataFrame, i: int) -> str:
+        if all(k in part for k in keys):
+            return names.get(display_names(part.iloc[:1], keys).iloc[0], f"C{i % 10}")
+        return f"C{i % 10}"
+
+    return colour
+
+
+def _by_index(part: pd.DataFrame, i: int) -> str:
+    return f"C{i % 10}"
 
 
 def _groups(frame: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
@@ -72,6 +110,7 @@ def shape_axis(frame: pd.DataFrame, preferred: str) -> str:
 
 
 DIVERGED = "#d62728"
+SPAN = 1.5  # the narrowest colour scale of a heatmap: its top 1.5 times its bottom
 
 
 def epochs_heatmap(ax: Axes, summary: pd.DataFrame, rows: str = "depth",
@@ -82,7 +121,8 @@ def epochs_heatmap(ax: Axes, summary: pd.DataFrame, rows: str = "depth",
     whose every run diverged 'diverged' in red; 'div k/n' counts diverged runs, 'coll k/n'
     collapsed ones. ``scale``
     (min, max) shares one colour scale across panels."""
-    label = {"depth": "depth L (hidden layers)", "width": "width K"}.get(rows, rows)
+    label = {"depth": "depth L (hidden layers)", "width": "width K",
+             "model_label": "model"}.get(rows, rows)
     key = shape_axis(summary, rows)
 
     table = summary.pivot_table(index=key, columns="batch_size", values="median",
@@ -99,7 +139,11 @@ def epochs_heatmap(ax: Axes, summary: pd.DataFrame, rows: str = "depth",
     diverged, collapsed, runs = pivot("diverged"), pivot("collapsed"), pivot("runs")
     finite = values[np.isfinite(values)]
     low, high = scale or ((finite.min(), finite.max()) if len(finite) else (1.0, 1.0))
-    norm = LogNorm(vmin=max(low, 1e-2), vmax=max(high, low * 1.01, 1e-2 * 1.01))
+    low = max(low, 1e-2)
+    if high < low * SPAN:  # 1.00 and 1.02 epochs must not be the scale's two ends
+        middle = math.sqrt(low * max(high, low))
+        low, high = middle / math.sqrt(SPAN), middle * math.sqrt(SPAN)
+    norm = LogNorm(vmin=low, vmax=high)
     colours = plt.get_cmap("viridis").with_extremes(bad="#cccccc")
     image = ax.imshow(np.ma.masked_invalid(values), aspect="auto", cmap=colours, norm=norm,
                       origin="lower")
@@ -108,6 +152,7 @@ def epochs_heatmap(ax: Axes, summary: pd.DataFrame, rows: str = "depth",
         ax.imshow(np.ma.masked_where(~all_diverged, np.ones_like(values)), aspect="auto",
                   cmap=plt.matplotlib.colors.ListedColormap([DIVERGED]), origin="lower",
                   alpha=0.55)
+    size = 8.5 if values.size <= 30 else 6.5  # large cells, legible text; many, small
     for i in range(values.shape[0]):
         for j in range(values.shape[1]):
             v = values[i, j]
@@ -124,7 +169,7 @@ def epochs_heatmap(ax: Axes, summary: pd.DataFrame, rows: str = "depth",
             if np.nan_to_num(collapsed[i, j]) > 0:
                 text += f"\ncoll {int(collapsed[i, j])}/{int(runs[i, j])}"
             bright = math.isfinite(v) and norm(v) > 0.6
-            ax.text(j, i, text, ha="center", va="center", fontsize=6.5,
+            ax.text(j, i, text, ha="center", va="center", fontsize=size,
                     color="black" if bright or not math.isfinite(v) else "white")
     ax.set_xticks(range(len(table.columns)), [str(c) for c in table.columns],
                   rotation=45 if len(table.columns) > 6 else 0)
@@ -134,7 +179,7 @@ def epochs_heatmap(ax: Axes, summary: pd.DataFrame, rows: str = "depth",
     bar = ax.figure.colorbar(image, ax=ax, label="epochs (log scale)")
     wrapped_title(ax, f"{title} (median over runs)")  # after the colour bar took its width
     bar.ax.yaxis.set_major_formatter(PLAIN)
-    bar.ax.yaxis.set_minor_formatter(MINOR)
+    bar.ax.yaxis.set_minor_formatter(MinorLabels())
 
 
 def _segments(frame: pd.DataFrame, column: str) -> list[pd.DataFrame]:
@@ -151,13 +196,17 @@ def _segments(frame: pd.DataFrame, column: str) -> list[pd.DataFrame]:
     return out
 
 
-def epochs_vs_batch(ax: Axes, summary: pd.DataFrame, budget: float | None = None) -> None:
+def epochs_vs_batch(ax: Axes, summary: pd.DataFrame, budget: float | None = None,
+                    colours: Colour = _by_index) -> None:
     """Median epochs to target against B, one line per model; the error bars span the
-    seeds; censored points are drawn as open triangles at the epoch budget."""
+    seeds; censored points are drawn as open triangles at the epoch budget, and said so in
+    the legend (a note written inside the axes ran into those markers)."""
     groups = _groups(summary)
+    marks = {"censored": False, "diverged": False}
     for i, (label, part) in enumerate(groups):
-        colour = f"C{i % 10}"
-        for j, segment in enumerate(_segments(part, "median")):
+        colour = colours(part, i)
+        segments = _segments(part, "median")
+        for j, segment in enumerate(segments):
             ax.plot(segment["batch_size"], segment["median"], "o-", color=colour,
                     label=label if j == 0 else None)
         finite = part[np.isfinite(part["median"])]
@@ -172,31 +221,41 @@ def epochs_vs_batch(ax: Axes, summary: pd.DataFrame, budget: float | None = None
             shift = 2 ** (0.12 * (i - (len(groups) - 1) / 2))
             dead = missed["diverged"] >= missed["runs"] if "diverged" in missed else \
                 np.zeros(len(missed), bool)
+            # a model with no line is named by its markers: else nothing says whose they are
             ax.plot(missed["batch_size"][~dead] * shift, [budget] * int((~dead).sum()), "^",
-                    mfc="none", color=colour)
+                    mfc="none", color=colour,
+                    label=f"{label}: never reached" if not segments else None)
             ax.plot(missed["batch_size"][dead] * shift, [budget] * int(dead.sum()), "x",
                     color=DIVERGED, ms=7, mew=2)
+            marks["censored"] |= bool((~dead).any())
+            marks["diverged"] |= bool(dead.any())
+    handles = []
     if budget:
-        ax.axhline(budget, color="grey", ls=":", lw=1)
-        ax.text(0.01, 0.99, "at max epochs: open ▲ not reached, red ✕ diverged",
-                transform=ax.transAxes, va="top", fontsize=7, color="grey")
+        ax.axhline(budget, color="grey", ls=":", lw=1, label=f"max epochs ({budget:g})")
+        if marks["censored"]:
+            handles.append(Line2D([], [], ls="none", marker="^", mfc="none", color="grey",
+                                  label="not reached (drawn at max epochs)"))
+        if marks["diverged"]:
+            handles.append(Line2D([], [], ls="none", marker="x", color=DIVERGED, ms=7, mew=2,
+                                  label="every run diverged (at max epochs)"))
     log2_batch_axis(ax, summary["batch_size"].unique())
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(PLAIN)
-    ax.yaxis.set_minor_formatter(MINOR)
+    ax.yaxis.set_minor_formatter(MinorLabels())
     ax.set_ylabel("epochs to target (log)")
     ax.set_title("epochs to target against batch size")
-    ax.legend(fontsize=7)
+    ax.legend(handles=[*ax.get_legend_handles_labels()[0], *handles], fontsize=7)
     ax.grid(alpha=0.3, which="both")
 
 
-def speedup_curves(ax: Axes, speedups: pd.DataFrame, title: str = "speedup") -> None:
+def speedup_curves(ax: Axes, speedups: pd.DataFrame, title: str = "speedup",
+                   colours: Colour = _by_index) -> None:
     """s(m; m0) per model with the linear ideal m/m0 (dashed); no line across a batch size
     that missed; a red ✕ on the bottom edge where the median missed and some runs diverged."""
     bottom = ax.get_xaxis_transform()
     for i, (label, part) in enumerate(_groups(speedups)):
         for j, segment in enumerate(_segments(part, "speedup")):
-            ax.plot(segment["batch_size"], segment["speedup"], "o-", color=f"C{i % 10}",
+            ax.plot(segment["batch_size"], segment["speedup"], "o-", color=colours(part, i),
                     label=label if j == 0 else None)
         if "diverged" in part:
             dead = part[(part["diverged"] > 0) & (part["speedup"] == 0)]
@@ -239,7 +298,7 @@ def loss_contour(ax: Axes, surface: pd.DataFrame, title: str = "",
         levels = np.linspace(np.nanmin(z), np.nanmax(z), 12)
     filled = ax.contourf(batches, grid, np.ma.masked_invalid(z), levels=levels,
                          cmap="viridis_r")
-    ax.figure.colorbar(filled, ax=ax, label="log10 training loss", format="%.2f")
+    ax.figure.colorbar(filled, ax=ax, label="training loss (log scale)", format=LOSS)
     log2_batch_axis(ax, batches)
     ax.set_yscale("log")
     ax.set_ylabel("iterations (log)")
@@ -272,7 +331,8 @@ def delta_vs_shape(ax: Axes, along: pd.DataFrame, summary: pd.DataFrame,
     ax.grid(alpha=0.3)
 
 
-def delta_along_training(ax: Axes, along: pd.DataFrame, batch_size: int | None = None) -> None:
+def delta_along_training(ax: Axes, along: pd.DataFrame, batch_size: int | None = None,
+                         colours: Colour = _by_index) -> None:
     """Δ against epoch for each model at one batch size (the smallest by default): one thin
     line per run, so plateaus (Δ blowing up near a stationary point) stay visible."""
     if along.empty:
@@ -280,9 +340,8 @@ def delta_along_training(ax: Axes, along: pd.DataFrame, batch_size: int | None =
         return
     batch_size = batch_size or int(along["batch_size"].min())
     part = along[along["batch_size"] == batch_size]
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (name, model) in enumerate(_groups(part)):
-        colour = colours[i % len(colours)]
+        colour = colours(model, i)
         for j, (_, run) in enumerate(model.groupby("key")):
             run = run.sort_values("epoch")
             ax.plot(run["epoch"], run["diversity"], "-", color=colour, lw=1, alpha=0.8,
@@ -308,8 +367,14 @@ def largest_batch_vs_delta(ax: Axes, table: pd.DataFrame, budget: float | None =
                      else ("delta_mean", "bound_mean", how))
     table = table.sort_values(x)
     within = f"within {budget:g} epochs" if budget else "within E epochs"
-    ax.plot(table[x], table["largest_batch"], "o-", label=f"largest B {within}")
-    ax.plot(table[x], table["threshold_batch"], "s--", label="threshold B*")
+
+    def none(column: str) -> str:  # a legend entry with nothing drawn says why
+        return "" if np.isfinite(table[column].to_numpy(float)).any() else ": no model"
+
+    ax.plot(table[x], table["largest_batch"], "o-",
+            label=f"largest B {within}{none('largest_batch')}")
+    ax.plot(table[x], table["threshold_batch"], "s--",
+            label=f"threshold B*{none('threshold_batch')}")
     ax.plot(table[x], table[bound], ":", color="grey", label="n·Δ")
     for i, (name, (_, row)) in enumerate(zip(display_names(table), table.iterrows(),
                                              strict=True)):

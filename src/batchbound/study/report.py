@@ -38,6 +38,7 @@ from batchbound.study.claims import (
     Finding,
 )
 from batchbound.study.claims.registry import fmt
+from batchbound.study.columns import columns_shown
 from batchbound.study.figures import render_figures
 from batchbound.study.measured import advice_inputs
 from batchbound.study.store import FINISHED, Store
@@ -183,12 +184,26 @@ def critical_text(a: StudyAnalysis) -> str:
              *([f"{int(row['collapsed'])} collapsed, left out"]
                if row.get("collapsed", 0) else [])]
     if row.get("degenerate"):
-        return (f"degenerate fit ({row['degenerate']}; the fit's value {row['b_crit']:.3g} "
+        return (f"degenerate fit ({row['degenerate']}; the fit's value {fmt(row['b_crit'])} "
                 f"identifies no critical batch size; {', '.join(notes)})")
     flag = (" (at the search bound: not identified)" if row["at_bound"] else
             f" ({row['outside']} the batches that reached the target: an extrapolation)"
             if row["outside"] else "")
     return f"B_crit = {row['b_crit']:.0f} ({spread}; {', '.join(notes)}){flag}"
+
+
+def spec_text(value: Any, indent: int = 0) -> str:
+    """The spec as JSON, a list of plain values on one line ("batch_sizes": [16, 32, 64]):
+    one value a line made the spec three screens long."""
+    pad = "  " * (indent + 1)
+    if isinstance(value, dict) and value:
+        items = [f"{pad}{json.dumps(k, ensure_ascii=False)}: {spec_text(v, indent + 1)}"
+                 for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + "\n" + "  " * indent + "}"
+    if isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
+        items = [f"{pad}{spec_text(v, indent + 1)}" for v in value]
+        return "[\n" + ",\n".join(items) + "\n" + "  " * indent + "]"
+    return json.dumps(value, ensure_ascii=False)
 
 
 def unfinished(a: StudyAnalysis) -> str | None:
@@ -235,8 +250,8 @@ def document(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, Pa
     edges = tuned_edges_text(a)
     body: list[Any] = [
         D.Text(f"Runs: {counts}."), D.Heading(2, "Per shape"), D.Table(shape_summary(a)),
-        D.Text(f"E = {a.budget:g} epochs. Critical batch size of the study (one B_crit for all "
-               f"shapes): {critical_text(a)}."),
+        D.Text(f"E = {a.budget:g} epoch{'' if a.budget == 1 else 's'}. Critical batch size of "
+               f"the study (one B_crit for all shapes): {critical_text(a)}."),
         *([D.Text(edges)] if edges else [])]
     if len(a.targets) > 1:
         body += [D.Heading(2, "Every target", anchor="targets"), D.Table(target_summary(a))]
@@ -258,6 +273,7 @@ def document(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, Pa
         epochs = epochs.merge(edges_frame.drop(columns="lr").rename(
             columns={"edge": "η at grid edge"}), on=keys, how="left").fillna(
             {"η at grid edge": ""})
+    tables = [epochs, a.speedups, a.regimes, a.critical, a.loss_thresholds, a.diversity]
     body += [D.Heading(2, "Figures"),
              *[D.Figure(*f) for f in figure_paths if f[0] not in in_sections],
              D.Heading(2, "Tables"),
@@ -273,7 +289,11 @@ def document(a: StudyAnalysis, study: str, figure_paths: list[tuple[str, str, Pa
              D.Heading(3, "Loss thresholds (diverged and collapsed runs left out)"),
              D.Table(a.loss_thresholds),
              D.Heading(3, "Gradient diversity"), D.Table(a.diversity, "no measurements"),
-             D.Heading(2, "Study spec"), D.Pre(json.dumps(a.spec, indent=2)),
+             D.Heading(3, "What each column holds"),
+             D.Text("The tables above are the analyses' own, under the column names "
+                    "batchbound study export writes to CSV.", "small"),
+             D.Pairs(columns_shown(tables)),
+             D.Heading(2, "Study spec"), D.Pre(spec_text(a.spec)),
              D.Heading(2, "Environment"), D.Pairs(tuple((k, v, "") for k, v in env.items())),
              D.Heading(2, "References"), D.References()]
     return head, [D.Section("answer", answer)], body

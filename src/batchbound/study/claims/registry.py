@@ -131,7 +131,10 @@ def fmt(value: float) -> str:
         return "miss" if value > 0 else "−∞"
     if float(value).is_integer() and abs(value) < 1e6:
         return str(int(value))  # batch sizes print whole: 1024, not 1.02e+03
-    return f"{value:.3g}"
+    text = f"{value:.3g}"
+    if 1e3 <= abs(float(text)) < 1e6:  # 3 significant digits, written whole: 1950, not 1.95e+03
+        return str(int(float(text)))
+    return text
 
 
 def span(low: float, high: float) -> str:

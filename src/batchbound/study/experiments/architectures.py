@@ -59,6 +59,7 @@ def architectures(a: StudyAnalysis) -> Section | None:
         figures=[("architectures_speedup", f"Speedup to {target} per architecture, with the "
                   "linear ideal [inefficiency, Figure 3 left].",
                   lambda fig: P.speedup_curves(fig.add_subplot(), a.speedups,
-                                               "speedup per architecture"))],
+                                               "speedup per architecture",
+                                               P.model_colours(a.epochs)))],
         data={"families": families},
     )

@@ -85,11 +85,15 @@ def replication(a: StudyAnalysis) -> Section | None:
     target = a.targets[0] if a.targets else "the target"
 
     def draw(fig: Any) -> None:
+        from batchbound.study import plots as P
+
         ax = fig.add_subplot()
         for r, part in ratios.groupby("r"):
             ax.plot(part["passes"], part["ratio"], marker=".", label=f"r = {r}")
         ax.axhline(1.0, color="grey", lw=0.8, ls=":")
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(P.PLAIN)  # 1 and 10 alone name no ratio between them
+        ax.yaxis.set_minor_formatter(P.MinorLabels())
         ax.set_xlabel("passes over the data")
         ax.set_ylabel(f"training loss, B={large} / B={small}")
         ax.set_title("large/small batch loss ratio per replication factor")
