@@ -407,3 +407,38 @@ def test_advise_answers_for_a_vit_on_float_pixels_and_int64_labels() -> None:
                     critical_batch="noise", max_workers=1)
     assert advice.pilot["metric"] == "euclidean"
     assert advice.rows and advice.batch_bound > 1
+
+
+def test_no_accuracy_is_read_off_the_packed_rows() -> None:
+    """A model of dict batches that returns a tensor of logits (n, T, V), its dict one key
+    of (n, T) token ids: the packed rows are those ids, and the (n, T, V)-against-(n, T)
+    rule would count argmax == the current token as an accuracy. The rows are not labels:
+    no accuracy is recorded."""
+    from batchbound.advise.inputs import from_objects
+    from batchbound.train.distributed import DistContext
+    from batchbound.train.loop import Trainer
+
+    class TinyLM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.out = torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB)
+
+        def forward(self, input_ids: Tensor) -> Tensor:
+            return self.out(self.embed(input_ids))
+
+    def shifted(logits: Tensor, batch: dict[str, Tensor]) -> Tensor:
+        return F.cross_entropy(logits[:, :-1].transpose(1, 2), batch["input_ids"][:, 1:],
+                               reduction="none").sum(dim=1)
+
+    rows = [{"input_ids": r["input_ids"]} for r in examples()]
+    torch.manual_seed(0)
+    config, dataset, parts = from_objects(
+        TinyLM(), DataLoader(rows, batch_size=3), shifted,
+        lambda p: torch.optim.SGD(p, lr=0.1), batch_size=4, lr=None, seed=0, device="cpu")
+    assert dataset.x_train.shape == (N, STEPS)  # the rows are the ids themselves
+    config = config.replace(max_epochs=None, max_iterations=2, eval_every_iterations=1)
+    result = Trainer(config, DistContext(device=torch.device("cpu")), dataset=dataset,
+                     parts=parts).run()
+    metrics = {row[3] for row in result.curves}
+    assert "train_loss" in metrics and "train_acc" not in metrics
+    assert "train_acc" not in result.final

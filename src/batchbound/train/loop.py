@@ -177,6 +177,9 @@ class Trainer:
         self.data = data.to(ctx.device, dtype)
         self.n = data.n_train
         self.classification = data.task in ("classification", "text")  # has an accuracy
+        # dict batches' targets are their packed rows, not labels: no accuracy against them,
+        # whatever shape the model's logits have
+        self.labelled = data.task != "batch"
         self.loss_fn = parts.loss or resolve_loss(config.loss, data.task)
         self.strategy = config.parsed_strategy()
         self.mechanism = config.parsed_mechanism()
@@ -452,6 +455,7 @@ class Trainer:
             self.ctx,
             self.config.eval_batch_size,
             self.classification,
+            self.labelled,
         )
         for name, value in test.items():
             metrics[f"test_{name}"] = value
@@ -468,6 +472,7 @@ class Trainer:
             self.ctx,
             cfg.eval_batch_size,
             self.classification,
+            self.labelled,
         )
         metrics = {f"train_{k}": v for k, v in train.items()}
         for name, value in metrics.items():
