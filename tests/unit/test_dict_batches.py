@@ -6,6 +6,7 @@ config (no download)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -442,3 +443,20 @@ def test_no_accuracy_is_read_off_the_packed_rows() -> None:
     metrics = {row[3] for row in result.curves}
     assert "train_loss" in metrics and "train_acc" not in metrics
     assert "train_acc" not in result.final
+
+
+@pytest.mark.parametrize(("collate", "words"), [
+    (lambda items: {"input_ids": torch.stack([r["input_ids"] for r in items]),
+                    "labels": np.stack([r["labels"].numpy() for r in items])}, "labels (ndarray)"),
+    (lambda items: {"input_ids": torch.stack([r["input_ids"] for r in items]),
+                    "labels": torch.stack([r["labels"] for r in items]),
+                    "text": [f"row {i}" for i in range(len(items))]}, "text (list)"),
+])
+def test_a_value_that_is_not_a_tensor_is_refused_not_passed_to_every_example(
+        collate, words: str) -> None:
+    """A numpy array of labels (return_tensors='np') or a column of strings would reach
+    each example's call whole: refused, naming the key."""
+    with pytest.raises(BatchboundError) as info:
+        measure(gpt2(), DataLoader(examples(), batch_size=3, collate_fn=collate), lm_loss)
+    said = str(info.value)
+    assert words in said and "are not torch tensors" in said and "\n" not in said
