@@ -460,3 +460,39 @@ def test_a_value_that_is_not_a_tensor_is_refused_not_passed_to_every_example(
         measure(gpt2(), DataLoader(examples(), batch_size=3, collate_fn=collate), lm_loss)
     said = str(info.value)
     assert words in said and "are not torch tensors" in said and "\n" not in said
+
+
+def test_a_collators_dynamic_padding_is_measured_and_refused_by_advise_in_one_line() -> None:
+    """DataCollatorForLanguageModeling(mlm=False) pads each batch to its own longest, the
+    padding -100 in the labels: measure() takes the batches as they come (the float64
+    loop's S and T on the unpadded sequences); advise, which keeps one width, refuses in
+    one line naming the lengths and the padding to give."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from batchbound.advise import advise
+
+    words = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "far", "away", "big", "small"]
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend,
+                                                     pad_token="[PAD]", unk_token="[UNK]")
+    texts = ["the cat sat", "a dog ran far away", "the big cat sat on the mat", "a small dog",
+             "the dog ran", "a cat sat on a mat far away", "big dog"]
+    encoded = [dict(tokenizer(t)) for t in texts]
+    collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    loader = DataLoader(encoded, batch_size=3, collate_fn=collator)
+    assert len({next(iter(b.values())).shape[1] for b in loader}) > 1  # lengths differ
+    model = gpt2()
+    rows = [{"input_ids": torch.tensor(e["input_ids"]), "labels": torch.tensor(e["input_ids"]),
+             "attention_mask": torch.tensor(e["attention_mask"])} for e in encoded]
+    loop_s, loop_t = loop_reference(model, rows)
+    report = measure(model, loader, lm_loss)
+    got_s, got_t = report.S, report.T
+    assert got_s == pytest.approx(loop_s, rel=1e-9)
+    assert got_t == pytest.approx(loop_t, rel=1e-9)
+    with pytest.raises(BatchboundError) as info:
+        advise(gpt2(), loader, lm_loss, planned_epochs=2, critical_batch="noise", max_workers=1)
+    said = str(info.value)
+    assert "padded to different lengths (input_ids (7,) per example in one" in said
+    assert "padding='max_length'" in said and "\n" not in said
