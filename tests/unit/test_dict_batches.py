@@ -496,3 +496,22 @@ def test_a_collators_dynamic_padding_is_measured_and_refused_by_advise_in_one_li
     said = str(info.value)
     assert "padded to different lengths (input_ids (7,) per example in one" in said
     assert "padding='max_length'" in said and "\n" not in said
+
+
+@pytest.mark.filterwarnings("ignore:batchbound. computing exact per-example")
+def test_the_pilots_exact_estimate_on_a_vit_equals_the_float64_loop() -> None:
+    """advise's pilot (estimator 'exact') on float pixel_values beside int64 labels: its
+    n·Δ at the initial weights is the float64 per-example loop's n·S/T."""
+    from batchbound.advise.inputs import from_objects
+    from batchbound.advise.pilot import run_pilot
+
+    model, rows = vit()
+    loop_s, loop_t = cls_loop(model, rows)
+    config, dataset, parts = from_objects(
+        model, DataLoader(rows, batch_size=3), cls_loss, lambda p: torch.optim.SGD(p, lr=0.05),
+        batch_size=4, lr=None, seed=0, device="cpu")
+    run = run_pilot(config.replace(dtype="float64"), dataset, torch.device("cpu"),
+                    iterations=2, estimator="exact", exact_every_epochs=0.5, parts=parts)
+    first = run.result.curve("batch_bound")[0]
+    assert first[0] == 0
+    assert first[3] == pytest.approx(N * loop_s / loop_t, rel=1e-9)
