@@ -515,3 +515,25 @@ def test_the_pilots_exact_estimate_on_a_vit_equals_the_float64_loop() -> None:
     first = run.result.curve("batch_bound")[0]
     assert first[0] == 0
     assert first[3] == pytest.approx(N * loop_s / loop_t, rel=1e-9)
+
+
+def test_a_key_order_that_changes_between_batches_packs_the_same_rows() -> None:
+    """Each key goes to the columns the first batch gave it, whatever order a later batch
+    lists its keys in."""
+    rows = examples()
+    calls = iter(range(100))
+
+    def collate(items):
+        keys = list(items[0]) if next(calls) % 2 == 0 else list(reversed(items[0]))
+        return {k: torch.stack([item[k] for item in items]) for k in keys}
+
+    from batchbound.advise.batches import pack_batches
+    from batchbound.diversity.measure import data_chunks
+
+    packing, packed = _packed(rows)
+    chunks, _, _ = data_chunks(DataLoader(rows, batch_size=2, collate_fn=collate), 4096)
+    _, shuffled = pack_batches(chunks)
+    assert torch.equal(packed, shuffled)
+    unpacked = packing.unpack(shuffled)
+    for key in rows[0]:
+        assert torch.equal(unpacked[key], torch.stack([r[key] for r in rows]))
