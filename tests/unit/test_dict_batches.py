@@ -537,3 +537,23 @@ def test_a_key_order_that_changes_between_batches_packs_the_same_rows() -> None:
     unpacked = packing.unpack(shuffled)
     for key in rows[0]:
         assert torch.equal(unpacked[key], torch.stack([r[key] for r in rows]))
+
+
+def test_a_loss_that_returns_the_batchs_mean_is_refused_by_advise() -> None:
+    """``lambda outputs, batch: outputs.loss`` (Hugging Face's mean over the batch) was summed
+    by the trainer as if one example's: its steps n times too small, silently. Refused in
+    one line, on dict batches and on (x, y) tensors alike."""
+    from batchbound.advise import advise
+
+    model, rows = vit(torch.float32)
+    with pytest.raises(BatchboundError) as info:
+        advise(model.train(), DataLoader(rows, batch_size=3), lambda out, batch: out.loss,
+               batch_size=4, planned_epochs=2, critical_batch="noise", max_workers=1)
+    said = str(info.value)
+    assert "the loss must return one value per example, shape (" in said
+    assert "got ()" in said
+    assert "outputs.loss is the batch's mean" in said and "\n" not in said
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    with pytest.raises(BatchboundError, match=r"one value per example, shape \(\d+,\), got \(\)"):
+        advise(torch.nn.Linear(4, 3), (x, y), lambda out, y: F.cross_entropy(out, y),
+               batch_size=4, planned_epochs=2, critical_batch="noise", max_workers=1)

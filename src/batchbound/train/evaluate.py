@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from batchbound.diversity.losses import PerExampleLoss
+from batchbound.diversity.losses import PerExampleLoss, check_shape
 from batchbound.train.distributed import DistContext, all_reduce_sum
 
 
@@ -47,7 +47,9 @@ def evaluate(
     for start in range(0, len(mine), chunk_size):
         idx = mine[start : start + chunk_size]
         outputs = model(x[idx])
-        sums[0] += loss_fn(outputs, y[idx]).double().sum()
+        losses = loss_fn(outputs, y[idx])
+        check_shape(losses, len(idx))  # a scalar would be summed as if one example
+        sums[0] += losses.double().sum()
         if not isinstance(outputs, torch.Tensor):  # an output object (a ModelOutput): the
             readable = False  # user's loss reads it; no predictions to count here
         elif _is_sequence(outputs, y):

@@ -36,7 +36,7 @@ from batchbound import kernels
 from batchbound.data import BatchSampler, Dataset, apply_transform, load_dataset
 from batchbound.data.identity import data_digest
 from batchbound.diversity import PreparedStats, measure
-from batchbound.diversity.losses import resolve_loss
+from batchbound.diversity.losses import check_shape, resolve_loss
 from batchbound.errors import BatchboundError, NonFiniteLossError
 from batchbound.models import build_model
 from batchbound.train.cadence import EPS, next_due
@@ -416,7 +416,9 @@ class Trainer:
                 p.grad = g
             return grads, float(stats.losses.sum()), [float(stats.total_sq_norms.sum())]
         self.optimizer.zero_grad(set_to_none=True)
-        total = self.loss_fn(self.model(x), y).sum()
+        losses = self.loss_fn(self.model(x), y)
+        check_shape(losses, len(y))  # a user's scalar loss would be summed as if one example
+        total = losses.sum()
         # seeding backward with `scale` equals (total·scale).backward() bit for bit, without
         # the extra multiply and its autograd node (~40 µs a step on a small model)
         if self._backward_seed is None or self._backward_seed[0] != scale:
