@@ -499,13 +499,15 @@ def test_a_collators_dynamic_padding_is_measured_and_refused_by_advise_in_one_li
 
 
 @pytest.mark.filterwarnings("ignore:batchbound. computing exact per-example")
-def test_the_pilots_exact_estimate_on_a_vit_equals_the_float64_loop() -> None:
-    """advise's pilot (estimator 'exact') on float pixel_values beside int64 labels: its
-    n·Δ at the initial weights is the float64 per-example loop's n·S/T."""
+@pytest.mark.parametrize("make", [bert, vit])
+def test_the_pilots_exact_estimate_equals_the_float64_loop(make) -> None:
+    """advise's pilot (estimator 'exact') on BERT's four int64 keys, and on a ViT's float
+    pixel_values beside int64 labels: its n·Δ at the initial weights is the float64
+    per-example loop's n·S/T."""
     from batchbound.advise.inputs import from_objects
     from batchbound.advise.pilot import run_pilot
 
-    model, rows = vit()
+    model, rows = make()
     loop_s, loop_t = cls_loop(model, rows)
     config, dataset, parts = from_objects(
         model, DataLoader(rows, batch_size=3), cls_loss, lambda p: torch.optim.SGD(p, lr=0.05),
