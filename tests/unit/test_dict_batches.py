@@ -559,3 +559,16 @@ def test_a_loss_that_returns_the_batchs_mean_is_refused_by_advise() -> None:
     with pytest.raises(BatchboundError, match=r"one value per example, shape \(\d+,\), got \(\)"):
         advise(torch.nn.Linear(4, 3), (x, y), lambda out, y: F.cross_entropy(out, y),
                batch_size=4, planned_epochs=2, critical_batch="noise", max_workers=1)
+
+
+@pytest.mark.filterwarnings("ignore:batchbound. computing exact per-example")
+@pytest.mark.parametrize("make", [bert, vit])
+def test_a_memory_budget_takes_dict_batches(make) -> None:
+    """memory_budget sizes the chunk from a forward on the first examples: on a dict batch
+    that is model(**batch) (it called model(Inputs) and raised AttributeError)."""
+    model, rows = make()
+    loop_s, loop_t = cls_loop(model, rows)
+    report = measure(model, DataLoader(rows, batch_size=4), cls_loss, memory_budget=2**20)
+    got_s, got_t = report.S, report.T
+    assert got_s == pytest.approx(loop_s, rel=1e-9)
+    assert got_t == pytest.approx(loop_t, rel=1e-9)
