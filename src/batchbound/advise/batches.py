@@ -56,9 +56,9 @@ class Packing:
                 if self.limits[key] > exact:
                     raise BatchboundError(
                         f"the batch dict's {key} ({dtype}) holds {self.limits[key]}, beyond "
-                        f"the {exact} that {rows.dtype} keeps exactly, and its rows are cast "
-                        f"to {rows.dtype} beside the float keys: run in float64, or give "
-                        "every key one dtype")
+                        f"the {exact} that {rows.dtype} keeps exactly, and it is packed beside "
+                        f"float keys, which run in {rows.dtype}: keep its values within "
+                        f"±{exact} (remap the ids), or give every key an integer dtype")
             batch[key] = batch[key].to(dtype)
         return batch
 
