@@ -572,3 +572,26 @@ def test_a_memory_budget_takes_dict_batches(make) -> None:
     got_s, got_t = report.S, report.T
     assert got_s == pytest.approx(loop_s, rel=1e-9)
     assert got_t == pytest.approx(loop_t, rel=1e-9)
+
+
+@pytest.mark.filterwarnings("ignore:batchbound. computing exact per-example")
+def test_one_dict_of_batched_tensors_is_the_whole_data() -> None:
+    """A dict of batched tensors is all the data, as an (x, y) pair of tensors is: measure()
+    gives the loop's S and T on it, advise packs it; a list of dicts is refused in one
+    line naming the DataLoader to give."""
+    from batchbound.advise.inputs import as_dataset
+
+    model, rows = bert()
+    loop_s, loop_t = cls_loop(model, rows)
+    whole = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+    report = measure(model, whole, cls_loss, chunk_size=3)
+    assert report.n == N
+    got_s, got_t = report.S, report.T
+    assert got_s == pytest.approx(loop_s, rel=1e-9)
+    assert got_t == pytest.approx(loop_t, rel=1e-9)
+    dataset, packing = as_dataset(whole)
+    assert packing is not None and dataset.n_train == N
+    with pytest.raises(BatchboundError) as info:
+        measure(model, rows, cls_loss)
+    said = str(info.value)
+    assert "give DataLoader(data, batch_size=...)" in said and "\n" not in said

@@ -89,6 +89,11 @@ def data_chunks(
         if x.shape[0] == 0:
             raise BatchboundError("the data are empty: 0 examples")
         return _split(x, y, chunk_size), int(x.shape[0]), None
+    if isinstance(data, Mapping):  # one dict batch, all the data (as an (x, y) pair is)
+        both = dict_batch(data)
+        if both.n == 0:
+            raise BatchboundError("the data are empty: 0 examples")
+        return _split(both, both, chunk_size), both.n, None  # type: ignore[arg-type]
     if isinstance(data, DataLoader):
         if hasattr(data.dataset, "__len__") and len(data.dataset) == 0:  # type: ignore[arg-type]
             raise BatchboundError("the DataLoader's data set is empty: 0 examples")
@@ -100,9 +105,13 @@ def data_chunks(
             raise BatchboundError("the data set is empty: 0 examples")
         loader = DataLoader(data, batch_size=chunk_size, shuffle=False)
         return _from_loader(loader, chunk_size), len(data), None  # type: ignore[arg-type]
+    if isinstance(data, (list, tuple)) and data and isinstance(data[0], Mapping):
+        raise BatchboundError(
+            f"data as a {type(data).__name__} of dicts: give DataLoader(data, batch_size=...) "
+            "(a list of examples) or one dict of batched tensors")
     raise BatchboundError(
-        "data must be a batchbound Dataset, a torch Dataset, a DataLoader or an (x, y) pair of "
-        f"tensors; got {type(data).__name__}"
+        "data must be a batchbound Dataset, a torch Dataset, a DataLoader, an (x, y) pair of "
+        f"tensors or a dict batch {{'input_ids': ..., 'labels': ...}}; got {type(data).__name__}"
     )
 
 
