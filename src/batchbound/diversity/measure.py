@@ -37,7 +37,7 @@ from batchbound.diversity.stats import (
 )
 from batchbound.errors import BatchboundError
 
-Data = Dataset | TorchDataset | DataLoader | tuple[Tensor, Tensor]
+Data = Dataset | TorchDataset | DataLoader | tuple[Tensor, Tensor] | Mapping[str, Any]
 
 
 def _split(x: Tensor, y: Tensor, chunk_size: int) -> Iterator[tuple[Tensor, Tensor]]:
@@ -161,11 +161,12 @@ def measure(
 
     ``data``: a batchbound Dataset (its train split), a torch Dataset of (x, y) pairs, a
     DataLoader yielding (x, y) batches, or an (x, y) pair of tensors; or, Hugging Face's
-    way, a DataLoader (or torch Dataset) of dicts ``{"input_ids": ..., "labels": ...}``:
-    the model is called as ``model(**batch)`` and ``loss(outputs, batch)`` must be a
-    callable (the batch split by example along the first dimension of each of its tensors,
-    ``calls.dict_batch``). ``loss``: a name (``"cross_entropy"``, ``"mse"``), a callable
-    returning one loss per example, or None for the data set's task default.
+    way, a DataLoader (or torch Dataset) of dicts ``{"input_ids": ..., "labels": ...}``, or
+    one such dict of batched tensors as all the data: the model is called as
+    ``model(**batch)`` and ``loss(outputs, batch)`` must be a callable (the batch split by
+    example along the first dimension of each of its tensors, ``calls.dict_batch``).
+    ``loss``: a name (``"cross_entropy"``, ``"mse"``), a callable returning one loss per
+    example, or None for the data set's task default.
     ``engine``: ``"auto"``, ``"hooks"``, ``"vmap"`` or ``"loop"``
     (see ``per_example_stats``). ``dtype=torch.float64`` measures a float64 copy of the model;
     the user's model is never converted. Computation runs where the model's parameters are,
