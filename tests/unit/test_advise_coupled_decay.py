@@ -197,3 +197,35 @@ def test_decay_groups_take_each_parameters_own_decay() -> None:
     assert len(decayed) == len(penalised) > 0
     for a, b in zip(decayed, penalised, strict=True):
         assert a.noise == pytest.approx(b.noise, rel=1e-8)
+
+
+class SummedL2(WithL2):
+    """λ/(2B)·‖θ‖² per example: under the ``sum`` convention the batch's loss sums B of
+    them, λ/2‖θ‖², whose gradient λθ is what SGD's coupled decay adds to Σ∇ℓ_i."""
+
+    def __init__(self, inner: nn.Module, decay: float, batch: int) -> None:
+        super().__init__(inner, decay / batch)
+
+
+@pytest.mark.filterwarnings("ignore:batchbound. computing exact per-example")
+@pytest.mark.parametrize("estimator", ["two_batch", "norms"])
+def test_under_the_sum_convention_the_decay_is_spread_over_the_batch(estimator: str) -> None:
+    """convention='sum' steps on Σg_i + λθ: per example g_i + λθ/B, the noise scale of the
+    summed loss plus λ/2‖θ‖² (the shift λθ/B, not λθ)."""
+    decay, lr, batch = 0.05, 0.005, 16
+    data = load_dataset("digits")
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)).double()
+    config = TrainConfig(dataset="digits", model="fc", batch_size=batch, lr=lr,
+                         dtype="float64", convention="sum")
+
+    def pilot(model: nn.Module, weight_decay: float, loss=None):
+        return run_pilot(config, data, torch.device("cpu"), iterations=30, estimator=estimator,
+                         parts=Parts(model=model, loss=loss, optimizer=lambda p: torch.optim.SGD(
+                             p, lr=lr, weight_decay=weight_decay))).segments
+
+    decayed = pilot(copy.deepcopy(inner), decay)
+    penalised = pilot(SummedL2(copy.deepcopy(inner), decay, batch), 0.0, _with_penalty)
+    assert len(decayed) == len(penalised) > 0
+    for a, b in zip(decayed, penalised, strict=True):
+        assert a.noise == pytest.approx(b.noise, rel=1e-8)

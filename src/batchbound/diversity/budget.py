@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from batchbound.diversity.calls import Inputs, call_model
 from batchbound.diversity.losses import PerExampleLoss
 from batchbound.errors import BatchboundError
 
@@ -33,7 +34,8 @@ FIXED_FACTOR = 5.0  # weights + autograd's gradient sum + float64 totals (2×) +
 MEASURED_EXAMPLES = 2  # the per-example bytes: the forward on this many examples, then twice
 
 
-def saved_bytes(model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss) -> int:
+def saved_bytes(model: nn.Module, x: Tensor | Inputs, y: Tensor | Inputs,
+                loss_fn: PerExampleLoss) -> int:
     """Bytes of the distinct storages the forward and the loss save for backward, the
     model's parameters and buffers excluded (no backward runs)."""
     own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
@@ -46,12 +48,12 @@ def saved_bytes(model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss)
         return t
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss_fn(model(x), y).sum()
+        loss_fn(call_model(model, x), y).sum()  # Inputs: model(*args, **kwargs), a dict's
     return sum(seen.values())
 
 
-def chunk_for_budget(model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss,
-                     budget: int, most: int) -> int:
+def chunk_for_budget(model: nn.Module, x: Tensor | Inputs, y: Tensor | Inputs,
+                     loss_fn: PerExampleLoss, budget: int, most: int) -> int:
     """The largest chunk (at most ``most``) whose estimated peak fits ``budget`` bytes, from
     the first examples of (x, y) (module docstring). Refuses a budget the model's fixed part
     alone exceeds, or that cannot hold one example."""

@@ -272,9 +272,10 @@ class Inputs:
 def dict_batch(batch: Mapping[str, Any]) -> Inputs:
     """A batch as a Hugging Face DataLoader yields it, ``{"input_ids": ..., "attention_mask":
     ..., "labels": ...}``, for ``model(**batch)``: every tensor with a dimension holds one
-    row per example along its first (the examples are those rows); a 0-dim tensor or any
-    other value is passed whole. The same ``Inputs`` are the loss's targets: a per-example
-    loss callable gets the batch as the dict it came as (``batch_of``)."""
+    row per example along its first (the examples are those rows); a 0-dim tensor, a
+    Python number, str or None is passed whole, any other value refused. The same
+    ``Inputs`` are the loss's targets: a per-example loss callable gets the batch as the
+    dict it came as (``batch_of``)."""
     leading = {k: int(v.shape[0]) for k, v in batch.items()
                if isinstance(v, Tensor) and v.dim() > 0}
     if not leading:
@@ -284,10 +285,16 @@ def dict_batch(batch: Mapping[str, Any]) -> Inputs:
         sizes = ", ".join(f"{k} {n}" for k, n in leading.items())
         raise BatchboundError(f"the batch dict's tensors must all hold one row per example "
                               f"along their first dimension, got {sizes}")
-    nested = [k for k, v in batch.items() if isinstance(v, (tuple, list, dict))]
-    if nested:
-        raise BatchboundError(f"the batch dict's {', '.join(nested)} hold nested values: "
-                              "give one tensor of examples per key")
+    # whole: a flag or number for the call; anything else (a list of strings, a numpy
+    # array of labels) would reach every example's call whole, so it is refused
+    other = {k: type(v).__name__ for k, v in batch.items()
+             if not isinstance(v, (Tensor, bool, int, float, str, type(None)))}
+    if other:
+        raise BatchboundError(
+            f"the batch dict's values {', '.join(f'{k} ({t})' for k, t in other.items())} "
+            "are not torch tensors: give one tensor of examples per key (a collator's "
+            "return_tensors='pt', a datasets Dataset's set_format('torch')) and drop the "
+            "columns the model does not take")
     return Inputs((), dict(batch), next(iter(leading.values())))
 
 

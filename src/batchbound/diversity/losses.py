@@ -9,6 +9,7 @@ do not change Δ or B; they only change S, T and M2.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -170,12 +171,20 @@ def loss_name(loss: PerExampleLoss) -> str:
 
 def check_losses(losses: Tensor, n: int, offset: int = 0) -> None:
     """One finite loss per example of a chunk of ``n``."""
-    if tuple(losses.shape) != (n,):
-        raise BatchboundError(
-            f"the loss must return one value per example, shape ({n},), got "
-            f"{tuple(losses.shape)}; use reduction='none'"
-        )
+    check_shape(losses, n)
     check_finite(losses, offset)
+
+
+def check_shape(losses: Any, n: int) -> None:
+    """One loss per example of a batch of ``n``: a scalar (the batch's mean, as a Hugging
+    Face model's ``outputs.loss``) summed by a trainer would be a gradient n times too
+    small, silently."""
+    if not isinstance(losses, Tensor) or tuple(losses.shape) != (n,):
+        got = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+        raise BatchboundError(
+            f"the loss must return one value per example, shape ({n},), got {got}; use "
+            "reduction='none' (a Hugging Face model's outputs.loss is the batch's mean: "
+            "compute the loss from outputs.logits)")
 
 
 def check_finite(losses: Tensor, offset: int = 0) -> None:

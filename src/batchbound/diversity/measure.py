@@ -37,7 +37,7 @@ from batchbound.diversity.stats import (
 )
 from batchbound.errors import BatchboundError
 
-Data = Dataset | TorchDataset | DataLoader | tuple[Tensor, Tensor]
+Data = Dataset | TorchDataset | DataLoader | tuple[Tensor, Tensor] | Mapping[str, Any]
 
 
 def _split(x: Tensor, y: Tensor, chunk_size: int) -> Iterator[tuple[Tensor, Tensor]]:
@@ -89,6 +89,11 @@ def data_chunks(
         if x.shape[0] == 0:
             raise BatchboundError("the data are empty: 0 examples")
         return _split(x, y, chunk_size), int(x.shape[0]), None
+    if isinstance(data, Mapping):  # one dict batch, all the data (as an (x, y) pair is)
+        both = dict_batch(data)
+        if both.n == 0:
+            raise BatchboundError("the data are empty: 0 examples")
+        return _split(both, both, chunk_size), both.n, None  # type: ignore[arg-type]
     if isinstance(data, DataLoader):
         if hasattr(data.dataset, "__len__") and len(data.dataset) == 0:  # type: ignore[arg-type]
             raise BatchboundError("the DataLoader's data set is empty: 0 examples")
@@ -100,9 +105,13 @@ def data_chunks(
             raise BatchboundError("the data set is empty: 0 examples")
         loader = DataLoader(data, batch_size=chunk_size, shuffle=False)
         return _from_loader(loader, chunk_size), len(data), None  # type: ignore[arg-type]
+    if isinstance(data, (list, tuple)) and data and isinstance(data[0], Mapping):
+        raise BatchboundError(
+            f"data as a {type(data).__name__} of dicts: give DataLoader(data, batch_size=...) "
+            "(a list of examples) or one dict of batched tensors")
     raise BatchboundError(
-        "data must be a batchbound Dataset, a torch Dataset, a DataLoader or an (x, y) pair of "
-        f"tensors; got {type(data).__name__}"
+        "data must be a batchbound Dataset, a torch Dataset, a DataLoader, an (x, y) pair of "
+        f"tensors or a dict batch {{'input_ids': ..., 'labels': ...}}; got {type(data).__name__}"
     )
 
 
@@ -152,11 +161,12 @@ def measure(
 
     ``data``: a batchbound Dataset (its train split), a torch Dataset of (x, y) pairs, a
     DataLoader yielding (x, y) batches, or an (x, y) pair of tensors; or, Hugging Face's
-    way, a DataLoader (or torch Dataset) of dicts ``{"input_ids": ..., "labels": ...}``:
-    the model is called as ``model(**batch)`` and ``loss(outputs, batch)`` must be a
-    callable (the batch split by example along the first dimension of each of its tensors,
-    ``calls.dict_batch``). ``loss``: a name (``"cross_entropy"``, ``"mse"``), a callable
-    returning one loss per example, or None for the data set's task default.
+    way, a DataLoader (or torch Dataset) of dicts ``{"input_ids": ..., "labels": ...}``, or
+    one such dict of batched tensors as all the data: the model is called as
+    ``model(**batch)`` and ``loss(outputs, batch)`` must be a callable (the batch split by
+    example along the first dimension of each of its tensors, ``calls.dict_batch``).
+    ``loss``: a name (``"cross_entropy"``, ``"mse"``), a callable returning one loss per
+    example, or None for the data set's task default.
     ``engine``: ``"auto"``, ``"hooks"``, ``"vmap"`` or ``"loop"``
     (see ``per_example_stats``). ``dtype=torch.float64`` measures a float64 copy of the model;
     the user's model is never converted. Computation runs where the model's parameters are,

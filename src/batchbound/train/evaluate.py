@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from batchbound.diversity.losses import PerExampleLoss
+from batchbound.diversity.losses import PerExampleLoss, check_shape
 from batchbound.train.distributed import DistContext, all_reduce_sum
 
 
@@ -25,6 +25,7 @@ def evaluate(
     ctx: DistContext,
     chunk_size: int,
     classification: bool,
+    accuracy: bool = True,
 ) -> dict[str, float]:
     """Mean loss per example, and accuracy where predictions are labels, over (x, y).
 
@@ -34,18 +35,21 @@ def evaluate(
     (for ``sequence_cross_entropy`` the summed token loss; divide by T for per-token).
     Rank r evaluates examples r, r+P, r+2P, ...; the sums are all-reduced, so every rank
     returns the same numbers. Returns ``{"loss": ..., "acc": ...}`` (acc only when it has one:
-    not for a model returning an object, e.g. a ModelOutput, that only the loss reads).
+    not for a model returning an object, e.g. a ModelOutput, that only the loss reads, nor
+    where ``accuracy`` is False: targets that are not labels, advise's packed dict rows).
     """
     was_training = model.training
     model.eval()
     mine = torch.arange(ctx.rank, x.shape[0], ctx.world_size, device=x.device)
     # loss, correct predictions, examples, predictions, whether this rank saw sequences
     sums = torch.zeros(5, dtype=torch.float64, device=x.device)
-    readable = True  # whether the outputs are logits an accuracy can be read off
+    readable = accuracy  # whether the outputs are logits an accuracy can be read off
     for start in range(0, len(mine), chunk_size):
         idx = mine[start : start + chunk_size]
         outputs = model(x[idx])
-        sums[0] += loss_fn(outputs, y[idx]).double().sum()
+        losses = loss_fn(outputs, y[idx])
+        check_shape(losses, len(idx))  # a scalar would be summed as if one example
+        sums[0] += losses.double().sum()
         if not isinstance(outputs, torch.Tensor):  # an output object (a ModelOutput): the
             readable = False  # user's loss reads it; no predictions to count here
         elif _is_sequence(outputs, y):

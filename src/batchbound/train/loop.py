@@ -36,7 +36,7 @@ from batchbound import kernels
 from batchbound.data import BatchSampler, Dataset, apply_transform, load_dataset
 from batchbound.data.identity import data_digest
 from batchbound.diversity import PreparedStats, measure
-from batchbound.diversity.losses import resolve_loss
+from batchbound.diversity.losses import check_shape, resolve_loss
 from batchbound.errors import BatchboundError, NonFiniteLossError
 from batchbound.models import build_model
 from batchbound.train.cadence import EPS, next_due
@@ -177,6 +177,9 @@ class Trainer:
         self.data = data.to(ctx.device, dtype)
         self.n = data.n_train
         self.classification = data.task in ("classification", "text")  # has an accuracy
+        # dict batches' targets are their packed rows, not labels: no accuracy against them,
+        # whatever shape the model's logits have
+        self.labelled = data.task != "batch"
         self.loss_fn = parts.loss or resolve_loss(config.loss, data.task)
         self.strategy = config.parsed_strategy()
         self.mechanism = config.parsed_mechanism()
@@ -413,7 +416,9 @@ class Trainer:
                 p.grad = g
             return grads, float(stats.losses.sum()), [float(stats.total_sq_norms.sum())]
         self.optimizer.zero_grad(set_to_none=True)
-        total = self.loss_fn(self.model(x), y).sum()
+        losses = self.loss_fn(self.model(x), y)
+        check_shape(losses, len(y))  # a user's scalar loss would be summed as if one example
+        total = losses.sum()
         # seeding backward with `scale` equals (total·scale).backward() bit for bit, without
         # the extra multiply and its autograd node (~40 µs a step on a small model)
         if self._backward_seed is None or self._backward_seed[0] != scale:
@@ -452,6 +457,7 @@ class Trainer:
             self.ctx,
             self.config.eval_batch_size,
             self.classification,
+            self.labelled,
         )
         for name, value in test.items():
             metrics[f"test_{name}"] = value
@@ -468,6 +474,7 @@ class Trainer:
             self.ctx,
             cfg.eval_batch_size,
             self.classification,
+            self.labelled,
         )
         metrics = {f"train_{k}": v for k, v in train.items()}
         for name, value in metrics.items():
