@@ -96,8 +96,30 @@ CASES: dict[str, dict[str, Any]] = {
 CASES["mnist5k-fc-adamw-b95"] = {**CASES["mnist5k-fc-adamw"], "betas": (0.9, 0.95)}
 # the held-out GPT planned twice as long: a pilot of five segments, so κ's trend is read
 CASES["licenses-gpt-adamw-4ep"] = {**CASES["licenses-gpt-adamw"], "epochs": 4}
+# held out after every change above: the same GPT on Python's own source (``python_text()``)
+CASES["pysrc-gpt-adamw-4ep"] = {**CASES["licenses-gpt-adamw-4ep"],
+                                "dataset": "text(path={pysrc})"}
 OPTIMISER_KEYS = ("optimizer", "betas", "momentum", "weight_decay")
 HALF_WINDOW = 4  # a crossing is read on the centred mean of 9 evaluations
+
+
+def _cached(name: str, text: bytes) -> str:
+    out = Path.home() / ".cache" / "batchbound" / "data" / name
+    if not out.is_file() or out.read_bytes() != text:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(text)
+    return str(out)
+
+
+def python_text(limit: int = 300_000) -> str:
+    """A second held-out text, code instead of prose: the standard library's top-level
+    modules of /usr/lib/python3.11 in name order, each taken whole while the total stays
+    within ``limit`` bytes (the licences' size), into ~/.cache/batchbound/data/python-stdlib.txt."""
+    text = b""
+    for f in sorted(Path("/usr/lib/python3.11").glob("*.py")):
+        if len(text) + f.stat().st_size <= limit:
+            text += f.read_bytes()
+    return _cached("python-stdlib.txt", text)
 
 
 def licenses_text() -> str:
@@ -105,12 +127,13 @@ def licenses_text() -> str:
     order, concatenated into ~/.cache/batchbound/data/common-licenses.txt (as
     ``cat /usr/share/common-licenses/* > common-licenses.txt``)."""
     source = Path("/usr/share/common-licenses")
-    out = Path.home() / ".cache" / "batchbound" / "data" / "common-licenses.txt"
-    text = b"".join(f.read_bytes() for f in sorted(source.iterdir()) if f.is_file())
-    if not out.is_file() or out.read_bytes() != text:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_bytes(text)
-    return str(out)
+    return _cached("common-licenses.txt",
+                   b"".join(f.read_bytes() for f in sorted(source.iterdir()) if f.is_file()))
+
+
+# the held-out texts, by the key their case's dataset names: (recorded name, path maker)
+TEXTS = {"licenses": ("common-licenses.txt", licenses_text),
+         "pysrc": ("python-stdlib.txt", python_text)}
 
 
 def log(text: str) -> None:
@@ -120,8 +143,8 @@ def log(text: str) -> None:
 def run_case(name: str, device: str = "auto", budget: float | None = None,
              workers: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
     case = CASES[name]
-    dataset = case["dataset"].format(licenses=licenses_text()) if "{licenses}" in \
-        case["dataset"] else case["dataset"]
+    dataset = case["dataset"].format(**{key: make() for key, (_, make) in TEXTS.items()
+                                        if f"{{{key}}}" in case["dataset"]})
     config = TrainConfig(dataset=dataset, model=case["model"], batch_size=case["b0"],
                          lr=case["lr"], eval_subset=case["eval_subset"], device=device,
                          **{k: case[k] for k in OPTIMISER_KEYS if k in case})
@@ -237,7 +260,7 @@ def recorded_rows(results: list[dict[str, Any]]) -> dict[str, Any]:
     for c in results:
         case = CASES[c["case"]]
         job = dict(case=c["case"], dataset=case["dataset"].format(
-            licenses="common-licenses.txt"), model=case["model"],
+            **{key: name for key, (name, _) in TEXTS.items()}), model=case["model"],
             optimizer=case.get("optimizer", "sgd"), momentum=case.get("momentum", 0.0),
             b0=case["b0"], lr=case["lr"])
         rows += [{**job, "batch": r["batch"], "predicted": round(r["k_pred"]),
