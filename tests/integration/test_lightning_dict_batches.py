@@ -109,3 +109,50 @@ def test_dict_batches_equal_the_hand_two_batch(precision: str) -> None:
         want = reference(start, module.seen, dtype)
         assert got.m2 == pytest.approx(want.m2, rel=tolerance)
         assert got.cross == pytest.approx(want.cross, abs=tolerance * want.m2)
+
+
+def fit(module: LM, loader: DataLoader) -> integration.DiversityCallback:
+    callback = integration.DiversityCallback(every=1, decay=None)
+    L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, max_epochs=1,
+              accumulate_grad_batches=2, callbacks=[callback]).fit(module, loader)
+    return callback
+
+
+def test_a_value_for_the_whole_batch_is_not_taken_for_its_size() -> None:
+    """A dict batch whose first entry is one number for the whole batch (a 0-dim tensor):
+    Lightning's extract_batch_size answers 1 for it (with only a warning), and the callback
+    weighed every micro-batch as one example (B_simple off, silently). The examples are
+    counted on the tensors that have a first dimension."""
+    from torch.utils.data import default_collate
+
+    module = LM()
+    start = copy.deepcopy(module.model)
+    collate = lambda items: {"scale": torch.tensor(1.0), **default_collate(items)}  # noqa: E731
+    original = LM.training_step
+
+    def step(self, batch, batch_idx):
+        return original(self, {k: v for k, v in batch.items() if k != "scale"}, batch_idx)
+
+    module.training_step = step.__get__(module)
+    callback = fit(module, DataLoader(rows(), batch_size=MICRO, collate_fn=collate))
+    want = reference(start, [{k: v for k, v in b.items() if k != "scale"}
+                             for b in module.seen], None)
+    assert callback.monitor.m2 == pytest.approx(want.m2, rel=1e-4)
+    assert callback.monitor.cross == pytest.approx(want.cross, rel=1e-4, abs=1e-4 * want.m2)
+
+
+def test_tensors_that_disagree_on_the_examples_are_refused_in_one_line() -> None:
+    from torch.utils.data import default_collate
+
+    from batchbound.errors import BatchboundError
+
+    collate = lambda items: {"weights": torch.ones(5), **default_collate(items)}  # noqa: E731
+    module = LM()
+    original = LM.training_step
+    module.training_step = (lambda self, batch, i: original(
+        self, {k: v for k, v in batch.items() if k != "weights"}, i)).__get__(module)
+    with pytest.raises(BatchboundError) as info:
+        fit(module, DataLoader(rows(), batch_size=MICRO, collate_fn=collate))
+    said = str(info.value)
+    assert "disagree on the number of examples" in said and "\n" not in said
