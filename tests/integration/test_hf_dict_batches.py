@@ -107,7 +107,13 @@ def reference(model: torch.nn.Module, seen: list[dict[str, torch.Tensor]], shift
     return monitor
 
 
-def run(tmp_path: Path, model: torch.nn.Module, data: Dataset, **options
+def trim(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Dynamic padding, as DataCollatorWithPadding: each batch padded to its own longest."""
+    width = max(int(item["attention_mask"].sum()) for item in items)
+    return {k: torch.stack([item[k][:width] for item in items]) for k in items[0]}
+
+
+def run(tmp_path: Path, model: torch.nn.Module, data: Dataset, collator=None, **options
         ) -> tuple[integration.DiversityCallback, list[dict[str, torch.Tensor]], list[dict]]:
     seen: list[dict[str, torch.Tensor]] = []
     handle = model.register_forward_pre_hook(
@@ -121,7 +127,7 @@ def run(tmp_path: Path, model: torch.nn.Module, data: Dataset, **options
         num_train_epochs=1, logging_steps=1000, save_strategy="no", report_to=[],
         use_cpu=True, disable_tqdm=True, seed=0), **options})
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
-                                   callbacks=[callback])
+                                   data_collator=collator, callbacks=[callback])
     trainer.train()
     handle.remove()
     rows = [r for r in trainer.state.log_history if PREFIX + "batch_bound" in r]
@@ -136,15 +142,19 @@ def bert_classifier() -> torch.nn.Module:
         attention_probs_dropout_prob=0.0, num_labels=3))
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16-autocast"])
-def test_gpt2_on_padded_dict_batches_equals_the_hand_two_batch(tmp_path: Path, bf16) -> None:
+@pytest.mark.parametrize(("bf16", "collator"), [(False, None), (True, None), (False, trim)],
+                         ids=["float32", "bf16-autocast", "dynamic-padding"])
+def test_gpt2_on_padded_dict_batches_equals_the_hand_two_batch(tmp_path: Path, bf16,
+                                                                collator) -> None:
     """ForCausalLMLoss (Σ over shifted label tokens / the step's count): the callback's
     estimate in tokens equals the float64 two-batch quantities; under bf16 autocast (the
     Trainer's bf16=True on CPU) the same quantities of the hand's autocast gradients, and
     the float64 ones within bf16's precision."""
     model, data = gpt2(), Padded(24)
     start = copy.deepcopy(model)
-    callback, seen, rows = run(tmp_path, model, data, bf16=bf16)
+    callback, seen, rows = run(tmp_path, model, data, collator, bf16=bf16)
+    if collator is not None:  # the micro-batches really had different widths
+        assert len({b["input_ids"].shape[1] for b in seen}) > 1
     assert callback.unit == "tokens" and len(seen) == 8 and len(rows) == 4
     want = reference(start, seen, True, 4, torch.bfloat16 if bf16 else None)
     got = callback.monitor
