@@ -116,3 +116,24 @@ def test_bf16_autocast_on_padded_dicts_is_within_its_stated_precision() -> None:
     assert monitor.precision is not None and "bfloat16" in str(monitor.precision)
     assert monitor.m2 == pytest.approx(want.m2, rel=2e-2)
     assert monitor.cross == pytest.approx(want.cross, abs=2e-2 * want.m2)
+
+
+def test_a_tensor_the_batch_shares_with_n_rows_is_refused_in_one_line() -> None:
+    """position_ids of shape (L,) with L equal to the batch's size: watch splits it by example
+    (as every tensor whose first dimension is n) and the model failed on the split with a
+    bare RuntimeError traceback; now one line naming the split tensors. Given (1, L), the
+    same call equals the loop."""
+    from batchbound.errors import BatchboundError
+
+    model, batch = gpt2().double(), padded(0)
+    batch = {"input_ids": batch["input_ids"][:, :B], "labels": batch["labels"][:, :B]}
+    with pytest.raises(BatchboundError) as info, watch(model, OnlineDiversity(1000, decay=0.0)):
+        lm_loss(model(**batch, position_ids=torch.arange(B)), batch).mean().backward()
+    said = str(info.value)
+    assert "position_ids" in said and "leading dimension of 1" in said and "\n" not in said
+    model.zero_grad()
+    monitor = OnlineDiversity(1000, decay=0.0)
+    with watch(model, monitor):
+        lm_loss(model(**batch, position_ids=torch.arange(B)[None]), batch).mean().backward()
+    want = expected(*loop(model, batch, lm_loss), B)
+    assert monitor.m2 == pytest.approx(want.m2, rel=1e-9)
