@@ -329,10 +329,11 @@ def test_mixed_dtypes_come_back_bit_for_bit_in_the_runs_dtype() -> None:
         assert got["mask"].dtype == torch.bool and torch.equal(got["mask"], mask)
         assert got["pixel_values"].dtype == dtype
         assert torch.equal(got["pixel_values"], pixels.to(dtype))
-    # one dtype: packed as it is, unpacked as views
+    # one dtype: packed as it is, unpacked as copies of their own (a loss may write into them)
     packing, packed = _packed([{"a": pixels[i], "b": pixels[i, 0]} for i in range(N)])
     assert packed.dtype == torch.float32
-    assert packing.unpack(packed)["b"].data_ptr() == packed[:, 12:].data_ptr()
+    got = packing.unpack(packed)
+    assert torch.equal(got["b"], pixels[:, 0]) and got["b"].data_ptr() != packed[:, 12:].data_ptr()
 
 
 def test_integers_the_rows_cannot_hold_are_refused() -> None:
@@ -595,3 +596,63 @@ def test_one_dict_of_batched_tensors_is_the_whole_data() -> None:
         measure(model, rows, cls_loss)
     said = str(info.value)
     assert "give DataLoader(data, batch_size=...)" in said and "\n" not in said
+
+
+# ------------------------------------------- a loss that writes into its batch in place
+
+
+def masking_loss(outputs, batch: dict[str, Tensor]) -> Tensor:
+    """lm_loss after masking each sequence's first label in place, as a user's loss may."""
+    batch["labels"][:, :2] = -100
+    return lm_loss(outputs, batch)
+
+
+class DropScale(torch.nn.Module):
+    """model(**batch) without the float key the mixed rows carry beside the text."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, scale: Tensor | None = None, **batch: Tensor):
+        return self.inner(**batch)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_unpacked_tensors_are_copies_not_views_of_the_rows(mixed: bool) -> None:
+    """Writing into every tensor of an unpacked dict batch leaves the packed rows as they
+    were (one dtype: the rows are int64 as the keys; mixed: float64 beside a float key)."""
+    rows = examples()
+    if mixed:
+        rows = [{**r, "scale": torch.ones(1, dtype=torch.float64)} for r in rows]
+    packing, packed = _packed(rows)
+    before = packed.clone()
+    for value in packing.unpack(packed).values():
+        value.fill_(7)
+    assert torch.equal(packed, before)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_loss_writing_into_its_batch_leaves_the_numbers_as_they_were(mixed: bool) -> None:
+    """advise's stored examples are packed rows; a loss that edits batch["labels"] in place
+    gets tensors of its own, so the rows, and the next measurement's numbers, stay those of
+    the data given: S twice over equals the float64 loop of the same loss on fresh copies."""
+    from batchbound.advise.batches import DictModel, dict_loss
+
+    model, rows = gpt2(), examples()
+    params = [p for p in model.parameters() if p.requires_grad]
+    loop_s = 0.0
+    for row in rows:
+        one = {k: v.unsqueeze(0).clone() for k, v in row.items()}
+        loss = masking_loss(model(**one), one).sum()
+        loop_s += sum(float(g.square().sum()) for g in torch.autograd.grad(
+            loss, params, allow_unused=True) if g is not None)
+    if mixed:
+        rows = [{**r, "scale": torch.ones(1, dtype=torch.float64)} for r in rows]
+    packing, packed = _packed(rows)
+    before = packed.clone()
+    wrapped = DictModel(DropScale(model), packing)
+    for _ in range(2):
+        got = measure(wrapped, (packed, packed), dict_loss(masking_loss, packing)).S
+        assert got == pytest.approx(loop_s, rel=1e-9)
+    assert torch.equal(packed, before)

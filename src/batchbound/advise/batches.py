@@ -6,7 +6,8 @@ indexes, shards, splits into micro-batches and moves to the device. A dict's ten
 row per example each, are packed side by side into one tensor (n, F) that the trainer
 handles as any inputs; the model it trains is ``DictModel``, which unpacks its rows into
 the dict and calls ``model(**batch)``, and the loss gets the unpacked dict. Tensors of one
-dtype are packed as they are and unpacked as views. Tensors of several (an image model's
+dtype are packed as they are and unpacked as copies (never views of the stored rows,
+which a loss writing into its batch would change). Tensors of several (an image model's
 float ``pixel_values`` beside int64 ``labels``) are packed in float64, which every value
 must survive bit for bit (refused at packing where one does not: an integer beyond 2^53);
 the trainer casts float rows to its dtype, as it does any float inputs, so the integer
@@ -42,15 +43,20 @@ class Packing:
                        if self.storage.is_floating_point and not dtype.is_floating_point}
 
     def unpack(self, rows: Tensor) -> dict[str, Tensor]:
-        """The dict batch of packed ``rows`` (n, F): views, one per key (a key packed in
-        another dtype: cast back)."""
+        """The dict batch of packed ``rows`` (n, F): one tensor per key, each a copy of its
+        own (a key packed in another dtype: cast back). Never a view of ``rows``: a loss or
+        model that writes into ``batch["labels"]`` in place must not change the stored
+        examples (the rows a micro-batch is cut from may be the training set's own); the
+        copy costs one pass over the batch's inputs."""
         parts = rows.split(self.sizes, dim=1)
         batch = {key: part.reshape(len(rows), *shape)
                  for (key, shape), part in zip(self.shapes.items(), parts, strict=True)}
         for key, dtype in self.dtypes.items():
             if batch[key].dtype == dtype or (dtype.is_floating_point
                                               and rows.is_floating_point()):
-                continue  # float inputs in the run's dtype, as the trainer casts any
+                # float inputs in the run's dtype, as the trainer casts any
+                batch[key] = batch[key].clone(memory_format=torch.contiguous_format)
+                continue
             if key in self.limits and rows.is_floating_point():
                 exact = round(2 / torch.finfo(rows.dtype).eps)  # 2^(mantissa bits + 1)
                 if self.limits[key] > exact:

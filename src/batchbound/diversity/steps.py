@@ -189,6 +189,20 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     monitor.defer_from_norms(S_B, T_B, b, scale=scale**2)  # no host sync in the step
 
 
+def _split_failure(x: Inputs, exc: Exception) -> str:
+    """Why the model failed on a few examples split from a call of several arguments: every
+    tensor whose first dimension is the batch's n is split, so a tensor the whole batch
+    shares (position ids of length n) is split too."""
+    split = [name for name, value in [*((f"argument {i}", a) for i, a in enumerate(x.args)),
+                                      *x.kwargs.items()]
+             if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == x.n]
+    said = " ".join(str(exc).split())
+    return (f"the model raised on a few examples split from this call ({type(exc).__name__}: "
+            f"{said}); watch splits by example every tensor whose first dimension is the "
+            f"batch's {x.n}, here {', '.join(split)}: a tensor the whole batch shares must "
+            f"not have {x.n} rows (give it a leading dimension of 1)")
+
+
 def batch_sums(sq_norms: dict[str, Tensor], sums: list[Tensor]) -> tuple[Tensor, Tensor]:
     """S_B = Σ over parameters and examples of ‖g_i‖² and T_B = ‖Σ_i g_i‖², as float64 device
     tensors, in a few fused operations: one concatenation and one sum for S_B, one
@@ -372,7 +386,14 @@ class _Watched:
             self._inside = True
             try:
                 with torch.enable_grad():
-                    layout = probe_layout(model, x, self.plan, self.params)
+                    try:
+                        layout = probe_layout(model, x, self.plan, self.params)
+                    except BatchboundError:
+                        raise
+                    except Exception as exc:  # any: named in the refusal
+                        if not isinstance(x, Inputs):
+                            raise
+                        raise BatchboundError(_split_failure(x, exc)) from exc
                     self._check(x, layout)
                 self.planned.layout = layout
             finally:

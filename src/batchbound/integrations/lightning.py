@@ -20,7 +20,9 @@ Where the two batch sizes of McCandlish et al.'s estimator come from (no per-exa
 Anything else (one process without accumulation, FSDP/DeepSpeed, manual optimisation) is
 refused at train start with a BatchboundError. ``reduction`` says whether
 ``training_step``'s loss is the mean (default) or the sum over its batch; the batch size is
-Lightning's own ``extract_batch_size``. A 16-mixed GradScaler's loss scale is undone (bf16
+the first dimension its tensors share (``examples_in``: a batch whose tensors of one or more
+dimensions disagree on it is refused; Lightning's ``extract_batch_size`` answered 1 for a
+dict whose first entry is a 0-dim tensor). A 16-mixed GradScaler's loss scale is undone (bf16
 has none), and steps the scaler skips for inf/NaN gradients are not folded in. n (for Δ) is
 ``len(train_dataloader.dataset)`` unless given; without it only batch_bound and noise_scale
 are logged. With ``ddp_spawn`` the numbers live in the spawned processes: read them from the
@@ -29,6 +31,7 @@ logger.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -51,7 +54,6 @@ from batchbound.integrations.warmup import AccumulationWarmup, BranchWarmup
 from batchbound.train.adaptive import BRANCH_EVERY, BRANCH_STEPS
 
 L = require("lightning.pytorch", "lightning")
-_data = require("lightning.pytorch.utilities.data", "lightning")
 
 
 class DiversityCallback(L.Callback):
@@ -126,7 +128,7 @@ class DiversityCallback(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._batch_size = _data.extract_batch_size(batch)
+        self._batch_size = examples_in(batch)
 
     def on_before_backward(
         self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
@@ -291,7 +293,7 @@ class BranchWarmupCallback(L.Callback):
                                   "optimisation (the branches step it themselves)")
         optimizer = trainer.optimizers[0]
         if self.warmup is None:
-            self.warmup = BranchWarmup(_data.extract_batch_size(batch), k, trainer.world_size,
+            self.warmup = BranchWarmup(examples_in(batch), k, trainer.world_size,
                                        **self.options)
             if self._warm_restored is not None:
                 self.warmup.load_state_dict(self._warm_restored)
@@ -326,3 +328,34 @@ class BranchWarmupCallback(L.Callback):
 def _training_step_loss(module: L.LightningModule, batch: Any) -> torch.Tensor:
     out = module.training_step(batch, 0)
     return out["loss"] if isinstance(out, dict) else out
+
+
+def examples_in(batch: Any) -> int:
+    """The examples in a batch (a tensor, or dicts, lists and tuples of them): the first
+    dimension that its tensors of one or more dimensions share. A 0-dim tensor (one value
+    for the whole batch) counts none; tensors that disagree are refused, since the loss's
+    1/b could be over either."""
+    sizes: dict[int, str] = {}
+
+    def walk(value: Any, where: str) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.dim() > 0:
+                sizes.setdefault(int(value.shape[0]), where or "the batch")
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                walk(item, f"{where}[{key!r}]" if where else repr(key))
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(item, f"{where}[{i}]" if where else f"[{i}]")
+
+    walk(batch, "")
+    if len(sizes) == 1:
+        return next(iter(sizes))
+    if not sizes:
+        raise BatchboundError("DiversityCallback found no tensor with the examples along its "
+                              "first dimension in the batch")
+    (a, first), (b, second) = list(sizes.items())[:2]
+    raise BatchboundError(
+        f"the batch's tensors disagree on the number of examples (dim 0: {a} in {first}, "
+        f"{b} in {second}): DiversityCallback cannot tell what training_step's loss is over; "
+        "keep values that are not one per example out of the batch")

@@ -22,7 +22,9 @@ own normalisation is undone:
   Each micro-batch's weight is the number of tokens its loss sums over (``labels != -100``,
   shifted for ``ForCausalLMLoss`` unless ``shift_labels`` is given), counted on the device;
   the divisor is the Trainer's, whatever it counted. Other losses that take
-  ``num_items_in_batch`` are refused.
+  ``num_items_in_batch`` are refused, and so is a model given it whose forward computes a
+  loss that does not divide by it (BertForMaskedLM's micro-batch mean): the first
+  micro-batch is run twice more, in eval mode without gradients, with the divisor N and 2N.
 
 An fp16 GradScaler's scale is undone (bf16 has none); steps with inf/NaN gradients, which the
 scaler skips, are not folded in. n is ``len(train_dataset)`` unless given.
@@ -105,6 +107,7 @@ class DiversityCallback(transformers.TrainerCallback):
         self._items: Any = None  # num_items_in_batch of this step (token-normalised losses)
         self._token_rule: str | None = None  # "shifted" (causal LM) or "all" label tokens
         self._token_factor = 1.0
+        self._probe: Tensor | None = None  # does the loss divide by num_items_in_batch?
         self._pending: dict[str, float] = {}
 
     def attach(self, trainer: Any) -> DiversityCallback:
@@ -164,6 +167,7 @@ class DiversityCallback(transformers.TrainerCallback):
             return
         if self.unit != "tokens":  # n counts examples, not tokens: Δ is not defined here
             self._use_tokens(module)
+            self._probe = _divides_by_items(module, args, kwargs, items)
         self._items = items
         labels = kwargs.get("shift_labels")
         if labels is None:
@@ -191,6 +195,19 @@ class DiversityCallback(transformers.TrainerCallback):
         self.monitor = OnlineDiversity(None, decay=self.decay, sampling=self.sampling)
         self._records.monitor = self.monitor
 
+    def _check_probe(self) -> None:
+        """Refuse, before any number is read, a model whose forward is given
+        num_items_in_batch but computes a loss that does not divide by it (one host read,
+        at the first fold)."""
+        probe, self._probe = self._probe, None
+        if probe is not None and not bool(probe):
+            raise BatchboundError(
+                "the model takes num_items_in_batch but its loss does not divide by it (its "
+                "forward computes its own loss, such as a micro-batch's mean, and the Trainer "
+                "then adds the micro-batches' losses undivided): DiversityCallback cannot "
+                "weigh such micro-batches exactly; measure with batchbound.diversity.watch "
+                "or measure() and a per-example loss")
+
     # ------------------------------------------------------------------- a step
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -213,6 +230,7 @@ class DiversityCallback(transformers.TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._records is None or state.global_step % self.every:
             return
+        self._check_probe()
         self.metrics = diversity_metrics(self._records.fold())
         if self.metrics:
             self._pending = dict(self.metrics)
@@ -228,6 +246,7 @@ class DiversityCallback(transformers.TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._records is not None:
+            self._check_probe()
             self._records.fold()
         if self._norms is not None:
             self._norms.remove()
@@ -235,6 +254,27 @@ class DiversityCallback(transformers.TrainerCallback):
         if self._forward is not None:
             self._forward.remove()
             self._forward = None
+
+
+def _divides_by_items(module: nn.Module, args: tuple, kwargs: dict, items: Any) -> Tensor:
+    """Whether the model's loss is its sum over tokens divided by ``num_items_in_batch``, as
+    the token weights assume, by construction: the same micro-batch through the model twice
+    in eval mode (no dropout, no gradient), with the divisor N and 2N, must give losses in
+    the ratio 2 (a forward that computes its own loss, BertForMaskedLM's micro-batch mean,
+    gives the same loss twice). A 0-dim bool tensor, read at the first fold."""
+    losses = []
+    was_training = module.training
+    try:
+        module.eval()
+        with torch.no_grad():
+            for divisor in (items, items * 2):
+                out = module(*args, **{**kwargs, "num_items_in_batch": divisor})
+                loss = out["loss"] if isinstance(out, dict) else out[0]
+                losses.append(loss.detach().to(torch.float64))
+    finally:
+        module.train(was_training)
+    once, twice = losses
+    return torch.isclose(once, 2 * twice, rtol=1e-3, atol=0.0)
 
 
 def _log_into(logs: dict, state: Any, values: dict) -> None:

@@ -1,0 +1,191 @@
+"""The Hugging Face DiversityCallback as an outside user runs it on dict batches: a real
+``transformers.Trainer`` (CPU, gradient_accumulation_steps=2, learning rate 0 so every step
+sees the same weights), tiny GPT-2 and BERT models from configs (no download), in-memory
+datasets of dicts padded with ``attention_mask`` 0 and ``-100`` labels. Every step's
+logged estimate is checked against McCandlish et al.'s two-batch quantities computed by
+hand, in float64, from the micro-batches the model saw: each micro-batch's mean gradient
+over its labelled tokens (the small batches) against the step's mean over all of them (the
+big one), each token's loss written out here, not the model's."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from batchbound.diversity.online import OnlineDiversity
+from batchbound.errors import BatchboundError
+
+if importlib.util.find_spec("transformers") is None:
+    pytest.skip("transformers is not installed (pip install 'batchbound[hf]')",
+                allow_module_level=True)
+from batchbound.integrations import transformers as integration
+
+transformers = integration.transformers
+transformers.logging.set_verbosity_error()
+PREFIX = "gradient_diversity/"
+VOCAB, LENGTH = 23, 10
+
+
+class Padded(Dataset):
+    """Sequences padded at the end: mask 0 and label -100 on 0 to 5 padded positions; for
+    the masked LM only every third real token is labelled."""
+
+    def __init__(self, n: int, *, masked: bool = False) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.rows = []
+        for i in range(n):
+            ids = torch.randint(1, VOCAB, (LENGTH,), generator=g)
+            mask = (torch.arange(LENGTH) < LENGTH - i * 7 % 6).long()
+            labels = ids.masked_fill(mask == 0, -100)
+            if masked:
+                labels = labels.masked_fill(torch.arange(LENGTH) % 3 != i % 3, -100)
+            self.rows.append({"input_ids": ids * mask, "attention_mask": mask,
+                              "labels": labels})
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.rows[i]
+
+
+def gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def bert_mlm() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0))
+
+
+def token_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], shifted: bool
+              ) -> tuple[torch.Tensor, int]:
+    """Σ cross entropy over the labelled tokens (next-token for the causal LM), and their
+    number."""
+    logits = model(input_ids=batch["input_ids"],
+                   attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"]
+    if shifted:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    loss = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="sum")
+    return loss, int(labels.ne(-100).sum())
+
+
+def reference(model: torch.nn.Module, seen: list[dict[str, torch.Tensor]], shifted: bool,
+              steps: int, dtype: torch.dtype | None = None) -> OnlineDiversity:
+    """The two-batch estimate of each step (two micro-batches) by hand; in float64, or
+    under CPU autocast to ``dtype``."""
+    model = copy.deepcopy(model).train()
+    if dtype is None:
+        model = model.double()
+    params = [p for p in model.parameters() if p.requires_grad]
+    monitor = OnlineDiversity(None, decay=None)
+    for step in range(steps):
+        grads, counts = [], []
+        for batch in seen[2 * step: 2 * step + 2]:
+            with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                loss, count = token_sum(model, batch, shifted)
+            grads.append(torch.cat([g.reshape(-1).double() for g in torch.autograd.grad(
+                loss, params, allow_unused=True, materialize_grads=True)]))
+            counts.append(count)
+        small = sum(float((g / c).square().sum()) for g, c in zip(grads, counts, strict=True)) / 2
+        big = float((sum(grads) / sum(counts)).square().sum())
+        harmonic = 2 / sum(1 / c for c in counts)
+        monitor.update_two_batch(small, harmonic, big, sum(counts))
+    return monitor
+
+
+def trim(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Dynamic padding, as DataCollatorWithPadding: each batch padded to its own longest."""
+    width = max(int(item["attention_mask"].sum()) for item in items)
+    return {k: torch.stack([item[k][:width] for item in items]) for k in items[0]}
+
+
+def run(tmp_path: Path, model: torch.nn.Module, data: Dataset, collator=None, **options
+        ) -> tuple[integration.DiversityCallback, list[dict[str, torch.Tensor]], list[dict]]:
+    seen: list[dict[str, torch.Tensor]] = []
+    handle = model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append({k: kw[k].clone() for k in
+                                      ("input_ids", "attention_mask", "labels")})
+        if m.training and torch.is_grad_enabled() else None, with_kwargs=True)
+    callback = integration.DiversityCallback(every=1, decay=None)
+    args = transformers.TrainingArguments(**{**dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=3,
+        gradient_accumulation_steps=2, learning_rate=0.0, weight_decay=0.0,
+        num_train_epochs=1, logging_steps=1000, save_strategy="no", report_to=[],
+        use_cpu=True, disable_tqdm=True, seed=0), **options})
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                   data_collator=collator, callbacks=[callback])
+    trainer.train()
+    handle.remove()
+    rows = [r for r in trainer.state.log_history if PREFIX + "batch_bound" in r]
+    return callback, seen, rows
+
+
+def bert_classifier() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, num_labels=3))
+
+
+@pytest.mark.parametrize(("bf16", "collator"), [(False, None), (True, None), (False, trim)],
+                         ids=["float32", "bf16-autocast", "dynamic-padding"])
+def test_gpt2_on_padded_dict_batches_equals_the_hand_two_batch(tmp_path: Path, bf16,
+                                                                collator) -> None:
+    """ForCausalLMLoss (Σ over shifted label tokens / the step's count): the callback's
+    estimate in tokens equals the float64 two-batch quantities; under bf16 autocast (the
+    Trainer's bf16=True on CPU) the same quantities of the hand's autocast gradients, and
+    the float64 ones within bf16's precision."""
+    model, data = gpt2(), Padded(24)
+    start = copy.deepcopy(model)
+    callback, seen, rows = run(tmp_path, model, data, collator, bf16=bf16)
+    if collator is not None:  # the micro-batches really had different widths
+        assert len({b["input_ids"].shape[1] for b in seen}) > 1
+    assert callback.unit == "tokens" and len(seen) == 8 and len(rows) == 4
+    want = reference(start, seen, True, 4, torch.bfloat16 if bf16 else None)
+    got = callback.monitor
+    assert got.steps == want.steps == 4
+    if not bf16:
+        assert got.m2 == pytest.approx(want.m2, rel=1e-4)
+        assert got.cross == pytest.approx(want.cross, rel=1e-4)
+        assert rows[-1][PREFIX + "batch_bound"] == pytest.approx(want.batch_bound, rel=1e-4)
+        return
+    # bf16: the Trainer's loss is scaled by 1/N before its backward in bf16, the hand one is
+    # not, so the gradients round differently; ‖G‖²'s estimate C is a difference of
+    # norms, so its error is measured against M2, the scale of the terms it cancels
+    for tolerance, expected in ((2e-3, want), (2e-2, reference(start, seen, True, 4))):
+        assert got.m2 == pytest.approx(expected.m2, rel=tolerance)
+        assert got.cross == pytest.approx(expected.cross, abs=tolerance * expected.m2)
+
+
+@pytest.mark.parametrize(("make", "words"), [
+    (bert_mlm, "its loss does not divide by it"),
+    (bert_classifier, "ForSequenceClassificationLoss"),
+], ids=["bert-mlm", "bert-classifier"])
+def test_a_loss_the_callback_cannot_weigh_is_refused_in_one_line(tmp_path: Path, make,
+                                                                  words) -> None:
+    """BertForMaskedLM is given num_items_in_batch but computes its micro-batch's mean
+    itself (its loss_function names ForMaskedLMLoss, which its forward does not call): the
+    callback took it for Σ/N and logged an n·Δ 4.8× the hand two-batch value. Now refused,
+    found by running the micro-batch with the divisor N and 2N."""
+    data = Padded(24, masked=True)
+    if make is bert_classifier:
+        for i, row in enumerate(data.rows):
+            row["labels"] = torch.tensor(i % 3)
+    with pytest.raises(BatchboundError) as info:
+        run(tmp_path, make(), data)
+    assert words in str(info.value) and "\n" not in str(info.value)
