@@ -332,9 +332,14 @@ def delta_vs_shape(ax: Axes, along: pd.DataFrame, summary: pd.DataFrame,
     def position(frame: pd.DataFrame) -> pd.Series:
         return frame["model_label"].astype(str).map(order.index) if named else frame[x]
 
-    dots = ax.scatter(position(part), part["diversity"], c=part["epoch"], cmap="plasma", s=14,
-                      alpha=0.8)
-    ax.figure.colorbar(dots, ax=ax, label="epoch of measurement")
+    epochs = part["epoch"].unique()
+    if len(epochs) > 1:
+        dots = ax.scatter(position(part), part["diversity"], c=part["epoch"], cmap="plasma",
+                          s=14, alpha=0.8)
+        ax.figure.colorbar(dots, ax=ax, label="epoch of measurement")
+    else:  # one epoch (Δ at initialisation only): a colour bar would span -0.1 … 0.1
+        ax.scatter(position(part), part["diversity"], color="tab:purple", s=14, alpha=0.8,
+                   label=f"each run, epoch {epochs[0]:g}")
     mean = summary if named else summary.sort_values(x)
     style = "o" if named else "-o"
     ax.plot(position(mean), mean["delta_mean"], "k" + style, label=f"mean, {how}")
