@@ -117,6 +117,9 @@ def test_architectures_section_needs_two_families(tmp_path):
 
     drawn = {stem: (caption, draw) for stem, caption, draw in figures(a)}
     assert "per model" in drawn["delta_vs_shape"][0]  # a cnn1d's depth is no fc's
+    # Δ along training at the smallest batch: only where some run there was measured twice
+    smallest = a.along[a.along["batch_size"] == a.along["batch_size"].min()]
+    assert ("delta_along_training" in drawn) == bool((smallest.groupby("key").size() > 1).any())
     for stem in ("delta_vs_shape", "loss_contour"):
         fig = plt.figure(figsize=(6.4, 4.6), dpi=110)  # as render_figures makes it
         try:

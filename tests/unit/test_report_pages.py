@@ -257,3 +257,13 @@ def test_no_legend_and_no_warning_when_nothing_is_labelled(ax):
         ax.plot([1, 2], [2, 3], label="drawn")
         P.legend(ax)
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["drawn"]
+
+
+def test_a_run_measured_once_is_drawn_as_a_dot_not_an_empty_line(ax):
+    along = pd.DataFrame({"key": ["a", "b", "b"], "model_label": ["L=1 K=16"] * 3,
+                          "batch_size": 16, "epoch": [0.0, 0.0, 1.0],
+                          "diversity": [0.02, 0.03, 0.05]})
+    P.delta_along_training(ax, along)
+    shapes = sorted((len(line.get_xdata()), line.get_linestyle(), line.get_marker())
+                    for line in ax.get_lines())
+    assert shapes == [(1, "None", "."), (2, "-", "None")]

@@ -132,7 +132,10 @@ def figures(a: StudyAnalysis) -> list[Figure]:
                     "Figure 2a].",
                     lambda fig: P.delta_vs_shape(fig.add_subplot(), a.along, a.diversity, x,
                                                  how)))
-        if (a.along.groupby("key").size() > 1).any():  # Δ only at initialisation: no lines
+        # the figure draws the smallest batch: a line needs two measurements of one run there
+        # (runs that reach the target before their second measurement drew an empty plot)
+        smallest = a.along[a.along["batch_size"] == a.along["batch_size"].min()]
+        if (smallest.groupby("key").size() > 1).any():
             out.append(("delta_along_training", "Gradient diversity Δ against epoch at the "
                         "smallest batch size, one line per run: a shape stuck near a "
                         "stationary point shows Δ far above the others until it starts to "

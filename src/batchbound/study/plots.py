@@ -375,8 +375,9 @@ def delta_along_training(ax: Axes, along: pd.DataFrame, batch_size: int | None =
         colour = colours(model, i)
         for j, (_, run) in enumerate(model.groupby("key")):
             run = run.sort_values("epoch")
-            ax.plot(run["epoch"], run["diversity"], "-", color=colour, lw=1, alpha=0.8,
-                    label=name if j == 0 else None)
+            # a run measured once (it reached the target first) is a dot, not an empty line
+            ax.plot(run["epoch"], run["diversity"], "-" if len(run) > 1 else ".",
+                    color=colour, lw=1, alpha=0.8, label=name if j == 0 else None)
     ax.set_yscale("log")
     if (part["epoch"] > 0).all():  # log epochs keep short runs legible beside long ones
         ax.set_xscale("log")
