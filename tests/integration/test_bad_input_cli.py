@@ -569,7 +569,6 @@ def test_report_of_a_study_with_no_runs(tmp_path: Path, empty_store: Path, capsy
             r"study run` first", capsys)
 
 
-@pytest.mark.filterwarnings("ignore:No artists with labels")  # empty figures
 def test_report_of_a_study_with_no_finished_runs(tmp_path: Path, monkeypatch,
                                                   capsys) -> None:
     """Rendered, saying so first (as a study whose runs all failed is), and exit code 1."""
@@ -610,7 +609,6 @@ def finished_store(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.filterwarnings("ignore:No artists with labels")  # two runs: sparse figures
 def test_report_folder_deleted_while_the_report_is_written(tmp_path: Path, finished_store,
                                                            monkeypatch, capsys) -> None:
     import batchbound.study.report as report

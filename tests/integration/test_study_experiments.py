@@ -108,6 +108,32 @@ def test_architectures_section_needs_two_families(tmp_path):
     assert any(f.section == "architectures" for f in found.values())
     # widths of different families are not compared
     assert not any("Wider" in c for c in found)
+    # every figure drawn without a library warning reaching the user's terminal
+    import warnings
+
+    import matplotlib.pyplot as plt
+
+    from batchbound.study.figures import figures
+
+    drawn = {stem: (caption, draw) for stem, caption, draw in figures(a)}
+    assert "per model" in drawn["delta_vs_shape"][0]  # a cnn1d's depth is no fc's
+    # Δ along training at the smallest batch: only where some run there was measured twice
+    smallest = a.along[a.along["batch_size"] == a.along["batch_size"].min()]
+    assert ("delta_along_training" in drawn) == bool((smallest.groupby("key").size() > 1).any())
+    for stem in ("delta_vs_shape", "loss_contour"):
+        fig = plt.figure(figsize=(6.4, 4.6), dpi=110)  # as render_figures makes it
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                drawn[stem][1](fig)
+            if stem == "delta_vs_shape":
+                assert fig.axes[0].get_xlabel() == "model"
+            else:  # two panels one above the other, as wide as every other figure
+                panels = [ax for ax in fig.axes if ax.get_ylabel() == "iterations (log)"]
+                assert len(panels) == 2 and fig.get_figwidth() == 6.4
+                assert panels[0].get_position().y0 > panels[1].get_position().y1
+        finally:
+            plt.close(fig)
 
 
 def test_generalization_section_reads_the_probes(tmp_path):
@@ -139,6 +165,19 @@ def test_timing_picks_the_fastest_batch_per_setting(tmp_path):
     table = a.sections[keys(a).index("timing")].tables[0][1]
     assert list(table["setting"]) == ["none", "dropconnect(p=0.5)"]
     assert f"gain % {a.targets[0]}" in table
+    # the step size is η in the whole report, the timing section's too
+    section = a.sections[keys(a).index("timing")]
+    ((_, caption, draw),) = section.figures
+    assert "η" in table and "γ" not in "".join(map(str, table.columns))
+    assert "(η, B)" in caption and "γ" not in caption + section.text
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure()
+    try:
+        draw(fig)
+        assert fig.axes[0].get_title() == "time to target at each setting's best (η, B)"
+    finally:
+        plt.close(fig)
 
 
 def test_stability_distances_from_the_snapshots(tmp_path):

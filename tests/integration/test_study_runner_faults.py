@@ -344,7 +344,6 @@ def test_a_full_disk_under_the_store_loses_no_run(tmp_path, spec):
 
 
 @FAULT
-@pytest.mark.filterwarnings("ignore:No artists with labels")  # four runs: sparse figures
 def test_a_full_disk_under_the_report(tmp_path, spec, monkeypatch, capsys):
     """The report's folder fills up while its figures are written: one line naming the
     folder and the error (exit 1: a fault, not bad input); the store is untouched."""

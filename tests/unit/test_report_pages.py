@@ -209,3 +209,61 @@ def test_a_heatmap_of_two_families_names_its_rows_by_model_not_hidden_layers():
         assert [t.get_text() for t in ax.get_yticklabels()] == ["L=1 K=16", "L=3 K=4"]
     finally:
         plt.close(fig)
+
+
+def _diversity(labels: list[str], depths: list[int], widths: list[int]) -> pd.DataFrame:
+    return pd.DataFrame({"model_label": labels, "depth": depths, "width": widths,
+                         "batch_size": 16, "delta_mean": [0.02, 0.08][:len(labels)],
+                         "delta_matched": math.nan, "matched_loss": math.nan})
+
+
+def test_the_delta_figure_of_two_families_names_its_models_not_hidden_layers():
+    from batchbound.study.figures import delta_axis
+
+    two = pd.DataFrame({"model": ["fc(depth=1,width=16)", "cnn1d(width=4,depth=3)"]})
+    one = pd.DataFrame({"model": ["fc(depth=1,width=16)", "fc(depth=3,width=4)"]})
+    mixed = _diversity(["L=1 K=16", "cnn1d L=3 K=4"], [1, 3], [16, 4])
+    assert delta_axis(mixed, two) == "model_label"
+    assert delta_axis(_diversity(["L=1 K=16", "L=3 K=4"], [1, 3], [16, 4]), one) == "depth"
+    assert delta_axis(_diversity(["L=2 K=8", "L=2 K=32"], [2, 2], [8, 32]), one) == "width"
+    along = pd.DataFrame({"model_label": ["L=1 K=16", "L=1 K=16", "cnn1d L=3 K=4"],
+                          "batch_size": 16, "epoch": 0.0, "diversity": [0.02, 0.021, 0.08]})
+    fig = plt.figure(figsize=(6.4, 4.6), dpi=110)
+    try:
+        ax = fig.add_subplot()
+        P.delta_vs_shape(ax, along, mixed, "model_label", "at initialisation")
+        assert ax.get_xlabel() == "model" and "depth" not in ax.get_title()
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["L=1 K=16", "cnn1d L=3 K=4"]
+        # a cnn1d is not one step deeper than an fc: no line joins the two models
+        assert all(line.get_linestyle() == "None" for line in ax.get_lines())
+        # one epoch measured: no colour bar spanning -0.1 … 0.1, the epoch in the legend
+        assert len(fig.axes) == 1
+        assert "each run, epoch 0" in [t.get_text() for t in ax.get_legend().get_texts()]
+    finally:
+        plt.close(fig)
+
+
+def test_no_legend_and_no_warning_when_nothing_is_labelled(ax):
+    import warnings
+
+    table = epochs({"L=1 K=10": [math.nan, math.nan, math.nan]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "No artists with labels" on the terminal
+        P.epochs_vs_batch(ax, table, budget=None)  # nothing reached, no budget line
+        assert ax.get_legend() is None
+        ax.plot([1, 2], [1, 2])
+        P.legend(ax)
+        assert ax.get_legend() is None
+        ax.plot([1, 2], [2, 3], label="drawn")
+        P.legend(ax)
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["drawn"]
+
+
+def test_a_run_measured_once_is_drawn_as_a_dot_not_an_empty_line(ax):
+    along = pd.DataFrame({"key": ["a", "b", "b"], "model_label": ["L=1 K=16"] * 3,
+                          "batch_size": 16, "epoch": [0.0, 0.0, 1.0],
+                          "diversity": [0.02, 0.03, 0.05]})
+    P.delta_along_training(ax, along)
+    shapes = sorted((len(line.get_xdata()), line.get_linestyle(), line.get_marker())
+                    for line in ax.get_lines())
+    assert shapes == [(1, "None", "."), (2, "-", "None")]

@@ -32,10 +32,28 @@ def heatmap_rows(epochs: pd.DataFrame, runs: pd.DataFrame) -> str:
     does not tell the models apart; then the models by name."""
     from batchbound.study import plots as P
 
-    # a spec's family is its name before "(" (a user's "mymodels:factory" has none)
-    families = {str(m).split("(")[0] for m in runs["model"].dropna()} \
-        if "model" in runs else set()
-    return "model_label" if len(families) > 1 else P.shape_axis(epochs, "depth")
+    return "model_label" if len(families(runs)) > 1 else P.shape_axis(epochs, "depth")
+
+
+def families(runs: pd.DataFrame) -> set[str]:
+    """The model families of a study's runs: a spec's name before "(" (a user's
+    "mymodels:factory" has none)."""
+    return {str(m).split("(")[0] for m in runs["model"].dropna()} if "model" in runs else set()
+
+
+def delta_axis(diversity: pd.DataFrame, runs: pd.DataFrame) -> str:
+    """The Δ figure's x axis: the models by name when two families share the study (as the
+    heatmap's rows), else depth or width, whichever varies and tells the models apart;
+    by name when neither does (one model; two activations at one shape)."""
+    if len(families(runs)) > 1:
+        return "model_label"
+    from batchbound.study import plots as P
+
+    for column in ("depth", "width"):
+        if column in diversity and diversity[column].notna().all() \
+                and diversity[column].nunique() > 1 and P.shape_axis(diversity, column) == column:
+            return column
+    return "model_label"
 
 
 def figures(a: StudyAnalysis) -> list[Figure]:
@@ -92,23 +110,32 @@ def figures(a: StudyAnalysis) -> list[Figure]:
         levels = np.linspace(values.min(), values.max(), 12) if len(values) > 1 else None
 
         def draw(fig: Any, chosen: list = chosen) -> None:
+            # one above the other, as wide as every other figure: side by side made an
+            # 11-inch image that an 800 px page shrank to 63 %, its text with it
+            fig.set_size_inches(6.4, 4.2 * len(chosen))
             for i, (name, part) in enumerate(chosen):
                 title = " · ".join(map(str, name)) if isinstance(name, tuple) else str(name)
-                P.loss_contour(fig.add_subplot(1, len(chosen), i + 1), part,
+                P.loss_contour(fig.add_subplot(len(chosen), 1, i + 1), part,
                                f"training loss: {title}", levels=levels)
 
         out.append(("loss_contour", "Training loss over batch size and iterations for the "
-                    "first and last model, on one colour scale [inefficiency, Figure 1]. "
-                    "Lighter is lower.", draw))
+                    f"{'first (top) and last (bottom) model' if len(chosen) > 1 else 'model'}"
+                    ", on one colour scale [inefficiency, Figure 1]. Lighter is lower.", draw))
     if len(a.diversity) and len(a.along):
         how = A.delta_label(a.diversity)
-        x = "depth" if a.diversity["depth"].notna().all() else "width"
+        x = delta_axis(a.diversity, a.frames["runs"])
+        against = {"depth": "against depth L", "width": "against width K",
+                   "model_label": "per model (named: the study's models share no depth or "
+                   "width axis)"}[x]
         out.append(("delta_vs_shape", "Gradient diversity Δ at every measurement (dots), its "
-                    f"mean ({how}) and its value at matched training loss [width, Figure "
-                    "2a].",
+                    f"mean ({how}) and its value at matched training loss, {against} [width, "
+                    "Figure 2a].",
                     lambda fig: P.delta_vs_shape(fig.add_subplot(), a.along, a.diversity, x,
                                                  how)))
-        if (a.along.groupby("key").size() > 1).any():  # Δ only at initialisation: no lines
+        # the figure draws the smallest batch: a line needs two measurements of one run there
+        # (runs that reach the target before their second measurement drew an empty plot)
+        smallest = a.along[a.along["batch_size"] == a.along["batch_size"].min()]
+        if (smallest.groupby("key").size() > 1).any():
             out.append(("delta_along_training", "Gradient diversity Δ against epoch at the "
                         "smallest batch size, one line per run: a shape stuck near a "
                         "stationary point shows Δ far above the others until it starts to "
@@ -132,8 +159,7 @@ def render_figures(a: StudyAnalysis, directory: Path) -> list[tuple[str, str, Pa
         stale.unlink()
     out = []
     for stem, caption, draw in [*figures(a), *[f for s in a.sections for f in s.figures]]:
-        wide = stem == "loss_contour"
-        fig = plt.figure(figsize=(11 if wide else 6.4, 4.6), dpi=110)
+        fig = plt.figure(figsize=(6.4, 4.6), dpi=110)  # a draw may resize it
         try:
             draw(fig)
             fig.tight_layout()

@@ -58,6 +58,15 @@ def wrapped_title(ax: Axes, text: str) -> None:
     ax.set_title(textwrap.fill(text, chars))
 
 
+def legend(ax: Axes, handles: list | None = None, **kwargs: object) -> None:
+    """The legend of what ``ax`` labels (and ``handles``), or none when nothing is labelled:
+    ``ax.legend()`` then prints matplotlib's "No artists with labels" warning on the
+    user's terminal, or draws an empty box."""
+    drawn = [*ax.get_legend_handles_labels()[0], *(handles or [])]
+    if drawn:
+        ax.legend(handles=drawn, **kwargs)
+
+
 Colour = Callable[[pd.DataFrame, int], str]
 
 
@@ -244,7 +253,7 @@ def epochs_vs_batch(ax: Axes, summary: pd.DataFrame, budget: float | None = None
     ax.yaxis.set_minor_formatter(MinorLabels())
     ax.set_ylabel("epochs to target (log)")
     ax.set_title("epochs to target against batch size")
-    ax.legend(handles=[*ax.get_legend_handles_labels()[0], *handles], fontsize=7)
+    legend(ax, handles, fontsize=7)
     ax.grid(alpha=0.3, which="both")
 
 
@@ -269,7 +278,7 @@ def speedup_curves(ax: Axes, speedups: pd.DataFrame, title: str = "speedup",
     ax.yaxis.set_major_formatter(PLAIN)
     ax.set_ylabel("speedup s(m; m0) = k(m0)/k(m) (log2)")
     ax.set_title(title)
-    ax.legend(fontsize=7)
+    legend(ax, fontsize=7)
     ax.grid(alpha=0.3)
 
 
@@ -308,26 +317,48 @@ def loss_contour(ax: Axes, surface: pd.DataFrame, title: str = "",
 def delta_vs_shape(ax: Axes, along: pd.DataFrame, summary: pd.DataFrame,
                    x: str = "depth", how: str = "averaged over training") -> None:
     """Δ at every measurement along training (dots coloured by epoch) against depth or
-    width, with the per-model average over training (line)."""
+    width, with the per-model average over training (line). ``x = "model_label"`` (two
+    model families: a cnn1d's depth is no fc's hidden layers) puts each model at its own
+    named position, unjoined: models of two families are no sequence."""
     if along.empty:
         ax.text(0.5, 0.5, "no Δ measurements", ha="center", transform=ax.transAxes)
         return
     reference = summary["batch_size"].iloc[0] if len(summary) else along["batch_size"].min()
     part = along[along["batch_size"] == reference]
-    dots = ax.scatter(part[x], part["diversity"], c=part["epoch"], cmap="plasma", s=14,
-                      alpha=0.8)
-    ax.figure.colorbar(dots, ax=ax, label="epoch of measurement")
-    mean = summary.sort_values(x)
-    ax.plot(mean[x], mean["delta_mean"], "k-o", label=f"mean, {how}")
+    named = x == "model_label"
+    order = [str(m) for m in dict.fromkeys(summary.sort_values(
+        [c for c in ("depth", "width", "model_label") if c in summary])["model_label"])]
+
+    def position(frame: pd.DataFrame) -> pd.Series:
+        return frame["model_label"].astype(str).map(order.index) if named else frame[x]
+
+    epochs = part["epoch"].unique()
+    if len(epochs) > 1:
+        dots = ax.scatter(position(part), part["diversity"], c=part["epoch"], cmap="plasma",
+                          s=14, alpha=0.8)
+        ax.figure.colorbar(dots, ax=ax, label="epoch of measurement")
+    else:  # one epoch (Δ at initialisation only): a colour bar would span -0.1 … 0.1
+        ax.scatter(position(part), part["diversity"], color="tab:purple", s=14, alpha=0.8,
+                   label=f"each run, epoch {epochs[0]:g}")
+    mean = summary if named else summary.sort_values(x)
+    style = "o" if named else "-o"
+    ax.plot(position(mean), mean["delta_mean"], "k" + style, label=f"mean, {how}")
     if mean["delta_matched"].notna().any():
-        ax.plot(mean[x], mean["delta_matched"], "s--", color="tab:green",
-                label=f"at matched loss {mean['matched_loss'].iloc[0]:.3g}")
+        ax.plot(position(mean), mean["delta_matched"], "s" + ("" if named else "--"),
+                color="tab:green", label=f"at matched loss {mean['matched_loss'].iloc[0]:.3g}")
     ax.set_yscale("log")
-    ax.set_xlabel({"depth": "depth L (hidden layers)", "width": "width K"}.get(x, x))
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # depths and widths are integers
+    if named:
+        ax.set_xticks(range(len(order)), order, rotation=15 if len(order) > 1 else 0,
+                      ha="right" if len(order) > 1 else "center", fontsize=8)
+        ax.set_xlim(-0.5, len(order) - 0.5)
+        ax.set_xlabel("model")
+        ax.set_title(f"Δ per model (B = {reference})")
+    else:
+        ax.set_xlabel({"depth": "depth L (hidden layers)", "width": "width K"}.get(x, x))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # depths, widths: integers
+        ax.set_title(f"Δ along training (B = {reference})")
     ax.set_ylabel("gradient diversity Δ (log)")
-    ax.set_title(f"Δ along training (B = {reference})")
-    ax.legend(fontsize=7)
+    legend(ax, fontsize=7)
     ax.grid(alpha=0.3)
 
 
@@ -344,8 +375,9 @@ def delta_along_training(ax: Axes, along: pd.DataFrame, batch_size: int | None =
         colour = colours(model, i)
         for j, (_, run) in enumerate(model.groupby("key")):
             run = run.sort_values("epoch")
-            ax.plot(run["epoch"], run["diversity"], "-", color=colour, lw=1, alpha=0.8,
-                    label=name if j == 0 else None)
+            # a run measured once (it reached the target first) is a dot, not an empty line
+            ax.plot(run["epoch"], run["diversity"], "-" if len(run) > 1 else ".",
+                    color=colour, lw=1, alpha=0.8, label=name if j == 0 else None)
     ax.set_yscale("log")
     if (part["epoch"] > 0).all():  # log epochs keep short runs legible beside long ones
         ax.set_xscale("log")
@@ -353,7 +385,7 @@ def delta_along_training(ax: Axes, along: pd.DataFrame, batch_size: int | None =
     ax.set_xlabel("epoch (log)" if ax.get_xscale() == "log" else "epoch")
     ax.set_ylabel("gradient diversity Δ (log)")
     ax.set_title(f"Δ along training, B = {batch_size} (one line per seed)")
-    ax.legend(fontsize=7)
+    legend(ax, fontsize=7)
     ax.grid(alpha=0.3)
 
 
@@ -388,5 +420,5 @@ def largest_batch_vs_delta(ax: Axes, table: pd.DataFrame, budget: float | None =
     ax.set_xlabel(f"Δ {how} (log)")
     ax.set_ylabel("batch size (log2)")
     ax.set_title("largest workable batch against gradient diversity")
-    ax.legend(fontsize=7)
+    legend(ax, fontsize=7)
     ax.grid(alpha=0.3)

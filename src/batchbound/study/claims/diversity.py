@@ -106,7 +106,7 @@ def mechanism_saves_time(context: Context) -> Finding:
     data = context.sections["timing"].data
     claim = ("A diversity-inducing mechanism (here each non-plain setting) reaches every "
              "training-accuracy target in fewer seconds than plain mini-batch SGD, each at "
-             "its best (γ, B) [Table 1].")
+             "its best (η, B) [Table 1].")
     mechanisms = sorted({m for m, _ in data["draws"] if m != "none"})
     verdicts, parts = [], []
     for mechanism in mechanisms:

@@ -18,14 +18,14 @@ def _model_specs(spec: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def stability(spec: dict[str, Any]) -> str:
-    """[diversity]'s stability runs sum the gradients (w ← w − γΣg) with γ tuned per B."""
+    """[diversity]'s stability runs sum the gradients (w ← w − ηΣg) with η tuned per B."""
     train, lr = spec.get("train", {}), spec.get("lr", {})
     notes = []
     if train.get("convention", "mean") != "sum":
-        notes.append("[diversity] sums the gradients (w ← w − γΣg, convention = \"sum\"); this "
+        notes.append("[diversity] sums the gradients (w ← w − ηΣg, convention = \"sum\"); this "
                      "study averaged them")
     if lr.get("tuning") == "none" or lr.get("tune_at") == "base_batch":
-        notes.append("[diversity] tunes γ per batch size; this study used one step size for "
+        notes.append("[diversity] tunes η per batch size; this study used one step size for "
                      "every B")
     return "; ".join(notes)
 

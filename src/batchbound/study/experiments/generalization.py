@@ -33,7 +33,7 @@ def generalization(a: StudyAnalysis) -> Section | None:
     probes = [c for c in ("final_linear_error", "final_osg_mean") if c in runs]
     if not probes or runs[probes].notna().sum().sum() == 0:
         return None
-    from batchbound.study.plots import log2_batch_axis
+    from batchbound.study.plots import legend, log2_batch_axis
 
     columns = [c for c in PROBES if c in runs]
     cells = runs.groupby(["strategy", "batch_size"])
@@ -64,7 +64,7 @@ def generalization(a: StudyAnalysis) -> Section | None:
                          zorder=5, label=f"{strategy}: runs diverged" if len(dead) else None)
         for ax in (left, right):
             log2_batch_axis(ax, sorted(table["batch_size"].unique()))
-            ax.legend(fontsize=8)
+            legend(ax, fontsize=8)
         left.set_ylabel("test accuracy at the end")
         left.set_title(f"test accuracy after {epochs:g} epochs" if epochs else "test accuracy")
         right.set_yscale("log")

@@ -97,7 +97,7 @@ def replication(a: StudyAnalysis) -> Section | None:
         ax.set_xlabel("passes over the data")
         ax.set_ylabel(f"training loss, B={large} / B={small}")
         ax.set_title("large/small batch loss ratio per replication factor")
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)  # off the lines
+        P.legend(ax, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)  # off the lines
 
     return Section(
         key="replication", title="Data replication", source="diversity",

@@ -86,6 +86,8 @@ def stability(a: StudyAnalysis) -> Section | None:
         for b, part in cells}
 
     def draw(fig: Any) -> None:
+        from batchbound.study.plots import legend
+
         fig.set_size_inches(11, 4.6)  # two panels
         left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
         for batch, part in curve.groupby("batch_size"):
@@ -93,7 +95,7 @@ def stability(a: StudyAnalysis) -> Section | None:
         left.set_xlabel("passes over the data")
         left.set_ylabel("normalised distance (median over seeds)")
         left.set_title("neighbouring data sets drift apart")
-        left.legend(fontsize=8)
+        legend(left, fontsize=8)
         for i, (_, part) in enumerate(cells):
             values = part["final_test_acc"].dropna()
             right.scatter([i] * len(values), values, alpha=0.7)

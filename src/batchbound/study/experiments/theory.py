@@ -65,6 +65,8 @@ def theory(a: StudyAnalysis) -> Section | None:
     table = table.sort_values(["depth", "width"]).reset_index(drop=True)
 
     def draw(fig: Any) -> None:
+        from batchbound.study.plots import legend
+
         ax = fig.add_subplot()
         for _, row in table.iterrows():
             ax.scatter(row["Theorem 3 bound"], row["n·Δ at init"], color="C0")
@@ -77,7 +79,7 @@ def theory(a: StudyAnalysis) -> Section | None:
         ax.set_xlabel("Theorem 3 lower bound on E[n·Δ]")
         ax.set_ylabel("measured n·Δ at initialisation (mean over runs)")
         ax.set_title("deep linear networks: measured bound against the theorem")
-        ax.legend(fontsize=8)
+        legend(ax, fontsize=8)
 
     return Section(
         key="theory", title="Deep linear networks against Theorem 3", source="width",

@@ -1,13 +1,13 @@
 """Wall-clock time to target with a diversity-inducing mechanism ([diversity], "Gradient
 Diversity", Sec. 6 and Table 1).
 
-The paper runs plain mini-batch SGD and DropConnect on 2 workers, tunes (γ, B) per setting
-for the fastest convergence, and compares the seconds to 90, 95 and 99 % training accuracy:
-DropConnect raises gradient diversity, which allows a larger batch, which saves
+The paper runs plain mini-batch SGD and DropConnect on 2 workers, tunes the step size and
+B per setting for the fastest convergence, and compares the seconds to 90, 95 and 99 %
+training accuracy: DropConnect raises gradient diversity, which allows a larger batch, which saves
 communication. Here, for any study whose mechanisms include ``none`` and at least one
 other: per setting, the batch size whose runs reach the hardest target every setting reaches
 soonest (median seconds over seeds; the step size is the study's tuned one for that batch),
-then the mean seconds to every target at that (γ, B) and the gain over plain SGD. Seconds
+then the mean seconds to every target at that (η, B) and the gain over plain SGD. Seconds
 are training time as the trainer records it (evaluation and Δ excluded); runs executed side
 by side share the machine, so compare settings of one study, not across studies.
 """
@@ -64,7 +64,7 @@ def timing(a: StudyAnalysis) -> Section | None:
     for mechanism in mechanisms:
         mine = chosen[chosen["mechanism"] == mechanism]
         row: dict[str, Any] = {"setting": mechanism, "B": best[mechanism],
-                               "γ": float(mine["lr"].iloc[0]), "seeds": mine["seed"].nunique()}
+                               "η": float(mine["lr"].iloc[0]), "seeds": mine["seed"].nunique()}
         for target in a.targets:
             secs = mine[mine["target"] == target]["seconds"].to_numpy(float)
             draws[(mechanism, target)] = means(secs)
@@ -76,6 +76,8 @@ def timing(a: StudyAnalysis) -> Section | None:
     table = pd.DataFrame(rows)
 
     def draw(fig: Any) -> None:
+        from batchbound.study.plots import legend
+
         ax = fig.add_subplot()
         width = 0.8 / len(mechanisms)
         x = np.arange(len(a.targets))
@@ -89,8 +91,8 @@ def timing(a: StudyAnalysis) -> Section | None:
                    label=f"{mechanism} (B={best[mechanism]})")
         ax.set_xticks(x + width * (len(mechanisms) - 1) / 2, a.targets)
         ax.set_ylabel("seconds (mean over seeds)")
-        ax.set_title("time to target at each setting's best (γ, B)")
-        ax.legend(fontsize=8)
+        ax.set_title("time to target at each setting's best (η, B)")
+        legend(ax, fontsize=8)
 
     workers = a.spec.get("train", {}).get("workers", 1)
     return Section(
@@ -99,12 +101,12 @@ def timing(a: StudyAnalysis) -> Section | None:
         text=(f"{workers} worker(s); settings {', '.join(mechanisms)} "
               f"(granularity: {a.spec.get('train', {}).get('mechanism_granularity', 'worker')})."
               f" Each setting keeps the batch size whose runs reach {chosen_target} soonest "
-              "(median over seeds) at its tuned step size γ; the table gives the mean seconds "
-              "to every target at that (γ, B) and the gain over plain SGD. A run that misses "
+              "(median over seeds) at its tuned step size η; the table gives the mean seconds "
+              "to every target at that (η, B) and the gain over plain SGD. A run that misses "
               "a target counts as never reaching it (∞)."),
         tables=[("Seconds to target (mean over seeds) and gain over plain SGD", table)],
         figures=[("timing", "Seconds of training to each target at each setting's best "
-                  "(γ, B), with 95 % bootstrap intervals over seeds [diversity, Table 1].",
+                  "(η, B), with 95 % bootstrap intervals over seeds [diversity, Table 1].",
                   draw)],
         data={"draws": draws, "targets": list(a.targets), "best": best,
               "seeds": {str(r["setting"]): int(r["seeds"]) for r in rows}},
