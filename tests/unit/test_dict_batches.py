@@ -52,15 +52,18 @@ def lm_loss(outputs, batch: dict[str, Tensor]) -> Tensor:
                            reduction="none").sum(dim=1)
 
 
-def loop_reference(model: torch.nn.Module, rows: list[dict[str, Tensor]]) -> tuple[float, float]:
-    """S = Σ‖g_i‖² and T = ‖Σ g_i‖², one example at a time, in float64."""
+def loop_reference(model: torch.nn.Module, rows: list[dict[str, Tensor]],
+                   loss=None) -> tuple[float, float]:
+    """S = Σ‖g_i‖² and T = ‖Σ g_i‖² of ``loss`` (default lm_loss), one example at a time,
+    in float64."""
+    loss = loss or lm_loss
     params = [p for p in model.parameters() if p.requires_grad]
     total = [torch.zeros_like(p) for p in params]
     S = 0.0
     for row in rows:
         batch = {k: v.unsqueeze(0) for k, v in row.items()}
-        loss = lm_loss(model(**batch), batch).sum()
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        grads = torch.autograd.grad(loss(model(**batch), batch).sum(), params,
+                                    allow_unused=True)
         for t, g in zip(total, grads, strict=True):
             if g is not None:
                 t += g
@@ -147,37 +150,39 @@ def test_the_packed_rows_give_the_numbers_of_model_on_the_dict() -> None:
     assert got_t == pytest.approx(loop_t, rel=1e-9)
 
 
-def test_the_trainers_first_step_is_sgd_on_model_of_the_dict() -> None:
-    """One SGD step of advise's trainer equals θ − η·mean ∇ loss(model(**batch), batch) over
-    the examples its sampler drew, in float64."""
+def assert_first_step_is_sgd(model, rows: list[dict[str, Tensor]], loss) -> None:
+    """One SGD step of advise's trainer on ``rows`` (as dict batches) equals
+    θ − η·mean ∇ loss(model(**one), one) over the examples its sampler drew, in float64."""
     from batchbound.advise.inputs import from_objects
     from batchbound.data import BatchSampler
     from batchbound.train.distributed import DistContext
     from batchbound.train.loop import Trainer
 
-    model, rows = gpt2(), examples()
     lr, batch = 0.05, 4
     config, dataset, parts = from_objects(
-        model, DataLoader(rows, batch_size=3), lm_loss, lambda p: torch.optim.SGD(p, lr=lr),
+        model, DataLoader(rows, batch_size=3), loss, lambda p: torch.optim.SGD(p, lr=lr),
         batch_size=batch, lr=None, seed=0, device="cpu")
     config = config.replace(dtype="float64", max_epochs=None, max_iterations=1,
                             eval_every_iterations=1)
     trainer = Trainer(config, DistContext(device=torch.device("cpu")), dataset=dataset,
                       parts=parts)
     assert trainer.run().status == "complete"
-    picked = BatchSampler(N, config.seed).next_indices(batch).tolist()
+    picked = BatchSampler(len(rows), config.seed).next_indices(batch).tolist()
     params = [p for p in model.parameters() if p.requires_grad]
     mean = [torch.zeros_like(p) for p in params]
     for i in picked:
         one = {k: v.unsqueeze(0) for k, v in rows[i].items()}
-        grads = torch.autograd.grad(lm_loss(model(**one), one).sum(), params,
-                                    allow_unused=True)
+        grads = torch.autograd.grad(loss(model(**one), one).sum(), params, allow_unused=True)
         for m, g in zip(mean, grads, strict=True):
             if g is not None:
                 m += g / batch
     stepped = [p for p in trainer.model.parameters() if p.requires_grad]
     for p, m, q in zip(params, mean, stepped, strict=True):
         torch.testing.assert_close(q, p - lr * m, rtol=1e-9, atol=1e-12)
+
+
+def test_the_trainers_first_step_is_sgd_on_model_of_the_dict() -> None:
+    assert_first_step_is_sgd(gpt2(), examples(), lm_loss)
 
 
 def test_advise_answers_for_gpt2_on_dict_batches() -> None:
@@ -278,25 +283,11 @@ def vit(dtype: torch.dtype = torch.float64) -> tuple[torch.nn.Module, list[dict[
     return transformers.ViTForImageClassification(config).to(dtype).eval(), rows
 
 
-def cls_loop(model: torch.nn.Module, rows: list[dict[str, Tensor]]) -> tuple[float, float]:
-    """S and T of cls_loss, one example at a time, in float64."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    total = [torch.zeros_like(p) for p in params]
-    S = 0.0
-    for row in rows:
-        batch = {k: v.unsqueeze(0) for k, v in row.items()}
-        grads = torch.autograd.grad(cls_loss(model(**batch), batch).sum(), params)
-        for t, g in zip(total, grads, strict=True):
-            t += g
-            S += float(g.square().sum())
-    return S, float(sum(t.square().sum() for t in total))
-
-
 @pytest.mark.filterwarnings("ignore:batchbound. computing exact per-example")
 @pytest.mark.parametrize("make", [bert, vit])
 def test_hf_classifiers_on_dict_batches_equal_the_float64_loop(make) -> None:
     model, rows = make()
-    loop_s, loop_t = cls_loop(model, rows)
+    loop_s, loop_t = loop_reference(model, rows, cls_loss)
     report = measure(model, DataLoader(rows, batch_size=4), cls_loss, chunk_size=3)
     got_s, got_t = report.S, report.T
     assert got_s == pytest.approx(loop_s, rel=1e-9)
@@ -357,39 +348,16 @@ def test_a_vit_on_packed_mixed_rows_gives_the_loops_numbers() -> None:
     """What advise's trainer sees for float pixel_values beside int64 labels: the float64
     loop's S and T, and its first SGD step θ − η·mean ∇ over the examples drawn."""
     from batchbound.advise.batches import DictModel, dict_loss
-    from batchbound.advise.inputs import from_objects
-    from batchbound.data import BatchSampler
-    from batchbound.train.distributed import DistContext
-    from batchbound.train.loop import Trainer
 
     model, rows = vit()
-    loop_s, loop_t = cls_loop(model, rows)
+    loop_s, loop_t = loop_reference(model, rows, cls_loss)
     packing, packed = _packed(rows)
     report = measure(DictModel(model, packing), (packed, packed), dict_loss(cls_loss, packing))
     got_s, got_t = report.S, report.T
     assert got_s == pytest.approx(loop_s, rel=1e-9)
     assert got_t == pytest.approx(loop_t, rel=1e-9)
 
-    lr, batch = 0.05, 4
-    config, dataset, parts = from_objects(
-        model, DataLoader(rows, batch_size=3), cls_loss, lambda p: torch.optim.SGD(p, lr=lr),
-        batch_size=batch, lr=None, seed=0, device="cpu")
-    config = config.replace(dtype="float64", max_epochs=None, max_iterations=1,
-                            eval_every_iterations=1)
-    trainer = Trainer(config, DistContext(device=torch.device("cpu")), dataset=dataset,
-                      parts=parts)
-    assert trainer.run().status == "complete"
-    picked = BatchSampler(N, config.seed).next_indices(batch).tolist()
-    params = [p for p in model.parameters() if p.requires_grad]
-    mean = [torch.zeros_like(p) for p in params]
-    for i in picked:
-        one = {k: v.unsqueeze(0) for k, v in rows[i].items()}
-        grads = torch.autograd.grad(cls_loss(model(**one), one).sum(), params)
-        for m, g in zip(mean, grads, strict=True):
-            m += g / batch
-    stepped = [p for p in trainer.model.parameters() if p.requires_grad]
-    for p, m, q in zip(params, mean, stepped, strict=True):
-        torch.testing.assert_close(q, p - lr * m, rtol=1e-9, atol=1e-12)
+    assert_first_step_is_sgd(model, rows, cls_loss)
 
 
 @pytest.mark.filterwarnings("ignore:batchbound. computing exact per-example")
@@ -509,7 +477,7 @@ def test_the_pilots_exact_estimate_equals_the_float64_loop(make) -> None:
     from batchbound.advise.pilot import run_pilot
 
     model, rows = make()
-    loop_s, loop_t = cls_loop(model, rows)
+    loop_s, loop_t = loop_reference(model, rows, cls_loss)
     config, dataset, parts = from_objects(
         model, DataLoader(rows, batch_size=3), cls_loss, lambda p: torch.optim.SGD(p, lr=0.05),
         batch_size=4, lr=None, seed=0, device="cpu")
@@ -568,7 +536,7 @@ def test_a_memory_budget_takes_dict_batches(make) -> None:
     """memory_budget sizes the chunk from a forward on the first examples: on a dict batch
     that is model(**batch) (it called model(Inputs) and raised AttributeError)."""
     model, rows = make()
-    loop_s, loop_t = cls_loop(model, rows)
+    loop_s, loop_t = loop_reference(model, rows, cls_loss)
     report = measure(model, DataLoader(rows, batch_size=4), cls_loss, memory_budget=2**20)
     got_s, got_t = report.S, report.T
     assert got_s == pytest.approx(loop_s, rel=1e-9)
@@ -583,7 +551,7 @@ def test_one_dict_of_batched_tensors_is_the_whole_data() -> None:
     from batchbound.advise.inputs import as_dataset
 
     model, rows = bert()
-    loop_s, loop_t = cls_loop(model, rows)
+    loop_s, loop_t = loop_reference(model, rows, cls_loss)
     whole = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
     report = measure(model, whole, cls_loss, chunk_size=3)
     assert report.n == N
