@@ -136,6 +136,23 @@ def test_architectures_section_needs_two_families(tmp_path):
             plt.close(fig)
 
 
+def assert_panels_stacked(section) -> None:
+    """A two-panel figure: one panel above the other, as wide as every other figure (side by
+    side, an 800 px page shrank its 11-inch image and its text to 63 %)."""
+    import matplotlib.pyplot as plt
+
+    ((_, caption, draw),) = section.figures
+    fig = plt.figure(figsize=(6.4, 4.6), dpi=110)  # as render_figures makes it
+    try:
+        draw(fig)
+        top, bottom = fig.axes[:2]
+        assert fig.get_figwidth() == 6.4
+        assert top.get_position().y0 > bottom.get_position().y1
+        assert "(top)" in caption and "(bottom)" in caption and "(left)" not in caption
+    finally:
+        plt.close(fig)
+
+
 def test_generalization_section_reads_the_probes(tmp_path):
     a, _ = run(tmp_path, "gen", ["digits"], ["fc(depth=1,width=16)"], [16, 64, 256],
                stop_at_targets=False, final_probes=["osg", "linear_error"],
@@ -149,6 +166,7 @@ def test_generalization_section_reads_the_probes(tmp_path):
     assert row["runs"] == 2
     sections = {f.section for f in R.claims(a)}
     assert "generalization" in sections
+    assert_panels_stacked(a.sections[0])
 
 
 def test_timing_picks_the_fastest_batch_per_setting(tmp_path):
@@ -201,6 +219,7 @@ def test_stability_distances_from_the_snapshots(tmp_path):
     table = b.sections[0].tables[0][1]
     assert int(table.loc[table["batch_size"] == 16, "runs"].iloc[0]) == 4
     assert "<section id='stability'>" in paths.html.read_text()
+    assert_panels_stacked(b.sections[0])
 
 
 def _last_distance(b, batch, seed):

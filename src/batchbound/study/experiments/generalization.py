@@ -45,8 +45,10 @@ def generalization(a: StudyAnalysis) -> Section | None:
     epochs = a.spec.get("train", {}).get("max_epochs")
 
     def draw(fig: Any) -> None:
-        fig.set_size_inches(11, 4.6)  # two panels
-        left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+        # two panels one above the other, as wide as every other figure (side by side, an
+        # 800 px page shrank the 11-inch image and its text to 63 %, as the loss contours)
+        fig.set_size_inches(6.4, 8.4)
+        left, right = fig.add_subplot(2, 1, 1), fig.add_subplot(2, 1, 2)
         for i, (strategy, part) in enumerate(table.groupby("strategy")):
             part, color = part.sort_values("batch_size"), f"C{i}"  # one colour per strategy
             b = part["batch_size"]
@@ -81,8 +83,8 @@ def generalization(a: StudyAnalysis) -> Section | None:
               "Cells: mean and standard deviation over seeds; diverged runs are counted and "
               "kept (their accuracy is what they reached)."),
         tables=[("Per strategy and batch size, at the end of training", table)],
-        figures=[("generalization", "Test accuracy (left) and, at w*, the linear-"
-                  "approximation error and E[OSG] (right) against B per strategy "
+        figures=[("generalization", "Test accuracy (top) and, at w*, the linear-"
+                  "approximation error and E[OSG] (bottom) against B per strategy "
                   "[inefficiency, Table 2 and Figure 2 right; slides, E[OSG]].", draw)],
         data={"runs": runs[["strategy", "batch_size", "seed", "status", *columns]]},
     )

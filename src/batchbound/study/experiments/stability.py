@@ -88,8 +88,10 @@ def stability(a: StudyAnalysis) -> Section | None:
     def draw(fig: Any) -> None:
         from batchbound.study.plots import legend
 
-        fig.set_size_inches(11, 4.6)  # two panels
-        left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+        # two panels one above the other, as wide as every other figure (side by side, an
+        # 800 px page shrank the 11-inch image and its text to 63 %, as the loss contours)
+        fig.set_size_inches(6.4, 8.4)
+        left, right = fig.add_subplot(2, 1, 1), fig.add_subplot(2, 1, 2)
         for batch, part in curve.groupby("batch_size"):
             left.plot(part["epoch"], part["distance"], marker=".", label=f"B = {batch}")
         left.set_xlabel("passes over the data")
@@ -113,8 +115,8 @@ def stability(a: StudyAnalysis) -> Section | None:
               "(both sides, every seed); its interval resamples pairs, the independent unit."),
         tables=[("Per batch size: distance at the end and spread of test accuracy", table)],
         figures=[("stability", "Normalised distance between the models trained on "
-                  "neighbouring data sets against passes, per B (left) and the final test "
-                  "accuracy of every run per B (right) [diversity, Figure 3].", draw)],
+                  "neighbouring data sets against passes, per B (top) and the final test "
+                  "accuracy of every run per B (bottom) [diversity, Figure 3].", draw)],
         data={"distance": draws, "spread": spread,
               "pairs": {int(b): len(part) for b, part in last.reset_index().groupby("batch_size")},
               "spread_pairs": {int(b): part["seed"].nunique() for b, part in cells}},
