@@ -141,12 +141,12 @@ def log(text: str) -> None:
 
 
 def run_case(name: str, device: str = "auto", budget: float | None = None,
-             workers: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
+             workers: tuple[int, ...] = (1, 2), seed: int = 0) -> dict[str, Any]:
     case = CASES[name]
     dataset = case["dataset"].format(**{key: make() for key, (_, make) in TEXTS.items()
                                         if f"{{{key}}}" in case["dataset"]})
     config = TrainConfig(dataset=dataset, model=case["model"], batch_size=case["b0"],
-                         lr=case["lr"], eval_subset=case["eval_subset"], device=device,
+                         lr=case["lr"], eval_subset=case["eval_subset"], device=device, seed=seed,
                          **{k: case[k] for k in OPTIMISER_KEYS if k in case})
     # one GPU: P = 1 only (a second worker would share the device)
     worker_counts = (1,) if device.startswith("cuda") else workers
@@ -379,6 +379,9 @@ def main() -> None:
                         "(default: advise's, 0.1, which skips branches too short to measure)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
                         help="the worker counts trained (default 1 2)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the seed of the pilot, the planned run and every row's run "
+                        "(initial weights and batch order; default 0, as recorded)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--record", metavar="FILE", type=Path,
                         help="also write the run's P = 1 rows as advise's recorded model "
@@ -393,7 +396,7 @@ def main() -> None:
         return
     kernels.use()
     start = time.perf_counter()
-    results = [run_case(name, args.device, args.budget, tuple(args.workers))
+    results = [run_case(name, args.device, args.budget, tuple(args.workers), args.seed)
                for name in args.cases]
     total = summary(results)
     if args.record:
