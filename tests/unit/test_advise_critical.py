@@ -295,3 +295,18 @@ def test_a_rise_out_of_the_first_segment_is_not_a_trend() -> None:
     assert extrapolate(two, 40, 400, 16, 0.1).kappa_growth == 0.0
     three = _segments(0.3, 0.1)[:3]  # two after the first: their trend counts
     assert extrapolate(three, 60, 600, 16, 0.1).kappa_growth == pytest.approx(0.3)
+
+
+def test_a_pilot_whose_gradient_is_all_noise_is_refused_naming_the_remedies():
+    """Every step's estimate of ‖G‖² (the cross term C) negative: no segment can say what
+    B_noise is, so the pilot is refused, not answered with a noise scale of 0 or ∞."""
+    from batchbound.advise.trajectory import Step, segments
+    from batchbound.errors import BatchboundError
+
+    steps = [Step(i, 2.0, m2=5.0, cross=-0.5) for i in range(1, 61)]
+    with pytest.raises(BatchboundError, match=r"over the pilot's 60 steps the gradient's "
+                       r"signal was below its noise .*--pilot-fraction or the pilot's batch"):
+        segments(steps, 1000)
+    # the same steps with a positive ‖G‖² estimate are measured
+    good = [Step(i, 2.0, m2=5.0, cross=0.5) for i in range(1, 61)]
+    assert all(s.noise > 0 for s in segments(good, 1000))

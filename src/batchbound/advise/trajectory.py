@@ -99,7 +99,8 @@ def segments(steps: Sequence[Step], n: int, sampling: str = "without_replacement
         raise BatchboundError(
             f"over the pilot's {len(steps)} steps the gradient's signal was below its noise "
             "(the estimated ‖G‖² is not positive): B_noise cannot be estimated; raise "
-            "--pilot-fraction, or use --estimator norms")
+            "--pilot-fraction or the pilot's batch (--batch-size), or use --estimator norms "
+            "(per-example norms: the Euclidean noise scale, also under Adam)")
     return out
 
 
