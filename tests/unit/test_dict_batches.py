@@ -624,3 +624,17 @@ def test_a_loss_writing_into_its_batch_leaves_the_numbers_as_they_were(mixed: bo
         got = measure(wrapped, (packed, packed), dict_loss(masking_loss, packing)).S
         assert got == pytest.approx(loop_s, rel=1e-9)
     assert torch.equal(packed, before)
+
+
+def test_the_packed_rows_move_once_as_inputs_and_targets() -> None:
+    """advise's dict-batch data set holds the rows as inputs and targets both: moved to the
+    run's dtype (and device) they stay one tensor, not two copies of the training set."""
+    from batchbound.advise.inputs import as_dataset
+
+    _, rows = vit()
+    dataset, packing = as_dataset(DataLoader(rows, batch_size=3))
+    assert packing is not None and dataset.y_train is dataset.x_train
+    moved = dataset.to("cpu", torch.float32)
+    assert moved.x_train.dtype == torch.float32
+    assert moved.y_train is moved.x_train
+    assert torch.equal(moved.x_train, dataset.x_train.to(torch.float32))

@@ -63,11 +63,11 @@ class _PilotTrainer(Trainer):
             if weights is None and self.iteration >= 1:  # stepped, yet no second moment
                 self.precondition = False  # not Adam's kind: the Euclidean estimate
             self.monitor.weights = weights
-        if self.decays is not None:  # the gradient the optimiser steps on: G + λθ
-            scale = 1.0 / self.batch_size if self.config.convention == "mean" else 1.0
-            self.monitor.shift = [None if decay == 0 else p.detach() * (decay / (
-                scale * self.batch_size)) for p, decay in zip(self.params, self.decays,
-                                                               strict=True)]
+        if self.decays is not None:  # the gradient the optimiser steps on: G + λθ, per
+            # example λθ under the mean convention, λθ/B under the sum (the step is B·mean)
+            per = 1.0 if self.config.convention == "mean" else 1.0 / self.batch_size
+            self.monitor.shift = [None if decay == 0 else p.detach() * (decay * per)
+                                  for p, decay in zip(self.params, self.decays, strict=True)]
         flags = super().train_step(stop_requested, time_exceeded)
         skipped = self.precondition and self.monitor.weights is None
         if estimator is not None and estimator.steps > before and estimator.last is not None \

@@ -71,13 +71,13 @@ class Dataset:
                 t = t.to(dtype)
             return t.to(device)
 
-        return replace(
-            self,
-            x_train=move(self.x_train, False),
-            y_train=move(self.y_train, True),
-            x_test=move(self.x_test, False),
-            y_test=move(self.y_test, True),
-        )
+        def pair(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            moved = move(x, False)  # targets that are the inputs (dict batches) move once
+            return moved, moved if y is x and self.task == BATCH else move(y, True)
+
+        x_train, y_train = pair(self.x_train, self.y_train)
+        x_test, y_test = pair(self.x_test, self.y_test)
+        return replace(self, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
 
     def describe(self) -> dict[str, Any]:
         return {

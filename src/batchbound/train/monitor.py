@@ -38,8 +38,8 @@ class OnlineMonitor:
         # set by the caller before each step; None: the Euclidean norm
         self.weights: list[torch.Tensor] | None = None
         # the same for every example, added to the mean gradient the optimiser steps on:
-        # coupled weight decay's λθ/(scale·B) per parameter (None: none, or λ = 0), set by
-        # the caller before each step (advise's pilot); it moves G, not Σ
+        # coupled weight decay's λθ per example (λθ/B under the sum convention; None: none,
+        # or λ = 0), set by the caller before each step (advise's pilot); it moves G, not Σ
         self.shift: list[torch.Tensor | None] | None = None
         if mode == "two_batch" and ctx.world_size < 2 and micro_batch is None:
             raise BatchboundError(
