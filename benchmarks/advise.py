@@ -99,6 +99,8 @@ CASES["licenses-gpt-adamw-4ep"] = {**CASES["licenses-gpt-adamw"], "epochs": 4}
 # held out after every change above: the same GPT on Python's own source (``python_text()``)
 CASES["pysrc-gpt-adamw-4ep"] = {**CASES["licenses-gpt-adamw-4ep"],
                                 "dataset": "text(path={pysrc})"}
+# and as issue 36's done-when 4 states it: 2 epochs at B0 = 16 (run after the 4-epoch case)
+CASES["pysrc-gpt-adamw"] = {**CASES["licenses-gpt-adamw"], "dataset": "text(path={pysrc})"}
 OPTIMISER_KEYS = ("optimizer", "betas", "momentum", "weight_decay")
 HALF_WINDOW = 4  # a crossing is read on the centred mean of 9 evaluations
 
