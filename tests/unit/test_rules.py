@@ -335,3 +335,33 @@ def test_conv_patches_are_each_example_s_own_gradient(
     assert fast.shape == alone.shape
     torch.testing.assert_close(fast, alone, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(fast, grouped, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN only")
+@pytest.mark.parametrize("groups,c_in", [(1, 6), (2, 10), (1, 3)])
+def test_conv_grouped_kernel_with_channels_last_input(groups: int, c_in: int) -> None:
+    """float32 layers whose input channels per group are not a multiple of 8 hand oneDNN the
+    input channels-last (the tests run with oneDNN off, batchbound's portable kernels: on for
+    this one): the per-example gradients (contiguous) are each example's own, as the float64
+    grouped kernel gives them, to float32 rounding."""
+    with torch.backends.mkldnn.flags(enabled=True):
+        _check_channels_last_input(groups, c_in)
+
+
+def _check_channels_last_input(groups: int, c_in: int) -> None:
+    torch.manual_seed(groups + c_in)
+    layer = nn.Conv2d(c_in, 4 * groups, 3, padding=1, groups=groups)
+    x = torch.randn(5, c_in, 7, 7)
+    b = torch.randn(5, 4 * groups, 7, 7)
+    folded = x.reshape(1, -1, 7, 7)
+    assert conv._blocked_channels_last(layer, folded) == ((c_in // groups) % 8 != 0)
+    assert not conv._blocked_channels_last(layer, folded.double())
+    with torch.no_grad():
+        fast = conv.conv_weight_grads(layer, x, b)
+        exact = conv.conv_weight_grads(layer.double(), x.double(), b.double())
+    assert fast.is_contiguous() and fast.dtype == torch.float32
+    torch.testing.assert_close(fast.double(), exact, rtol=1e-5, atol=1e-5)
+    layer.float()
+    alone = torch.stack([torch.autograd.grad(layer(x[i : i + 1]), layer.weight, b[i : i + 1])[0]
+                         for i in range(5)])
+    torch.testing.assert_close(fast, alone, rtol=1e-5, atol=1e-5)
