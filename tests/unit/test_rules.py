@@ -365,3 +365,20 @@ def _check_channels_last_input(groups: int, c_in: int) -> None:
     alone = torch.stack([torch.autograd.grad(layer(x[i : i + 1]), layer.weight, b[i : i + 1])[0]
                          for i in range(5)])
     torch.testing.assert_close(fast, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_conv_patches_read_any_input_layout() -> None:
+    """The strided view follows the input's own strides: a channels-last input and a
+    permuted view give each example's own gradients too (float64)."""
+    torch.manual_seed(5)
+    layer = nn.Conv2d(2, 3, 3, stride=2, padding=1).double()
+    base = torch.randn(4, 2, 9, 9, dtype=torch.float64)
+    b = torch.randn_like(layer(base))
+    alone = torch.stack([torch.autograd.grad(layer(base[i : i + 1]), layer.weight,
+                                             b[i : i + 1])[0] for i in range(4)])
+    for x in (base.contiguous(memory_format=torch.channels_last),
+              base.transpose(2, 3).contiguous().transpose(2, 3)):
+        assert not x.is_contiguous()
+        with torch.no_grad():
+            torch.testing.assert_close(conv.patches_weight_grads(layer, x, b), alone,
+                                       rtol=1e-12, atol=1e-12)
