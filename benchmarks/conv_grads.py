@@ -8,7 +8,11 @@ random output gradient of the output's shape go through:
 - ``batch``: torch's weight-gradient kernel on the whole chunk, Σ_i g_i only: what autograd
   computes in a plain backward, the cost the per-example ways are measured against;
 - ``grouped``: the conv rule's ``"conv"`` method (the examples folded into groups of torch's
-  weight-gradient kernel, ``rules/conv.py``), and the same with its operands channels-last;
+  weight-gradient kernel, ``rules/conv.py``; its input channels-last where the rule hands it
+  so), the same with the input as laid out (``grouped, NCHW``), and with both operands
+  channels-last;
+- ``patches``: the rule's ``"patches"`` method (patches copied from strided views of the input
+  a block of examples at a time, one batched product per block);
 - ``opacus``: a forward convolution with the roles exchanged (input channels as the batch,
   the output gradient as a grouped kernel: Opacus's and torch's expanded weights);
 - ``unfold+bmm``: unfolded patches and one batched matrix product;
@@ -70,6 +74,18 @@ def grouped(layer: nn.Conv2d, x: Tensor, b: Tensor) -> Tensor:
     return conv.conv_weight_grads(layer, x, b)
 
 
+def grouped_nchw(layer: nn.Conv2d, x: Tensor, b: Tensor) -> Tensor:
+    """The grouped kernel with the folded input as laid out (NCHW), never channels-last."""
+    n = x.shape[0]
+    x, padding = _kernel_padding(layer, x)
+    grads = torch.nn.grad.conv2d_weight(
+        x.reshape(1, -1, *x.shape[2:]),
+        (n * layer.out_channels, layer.in_channels // layer.groups, *layer.kernel_size),
+        b.reshape(1, -1, *b.shape[2:]), stride=layer.stride, padding=padding,
+        dilation=layer.dilation, groups=n * layer.groups)
+    return grads.reshape(n, layer.out_channels, -1, *layer.kernel_size)
+
+
 def grouped_channels_last(layer: nn.Conv2d, x: Tensor, b: Tensor) -> Tensor:
     n = x.shape[0]
     x, padding = _kernel_padding(layer, x)
@@ -126,7 +142,9 @@ def rows_bmm(layer: nn.Conv2d, x: Tensor, b: Tensor) -> Tensor:
 WAYS: dict[str, tuple[Way, bool]] = {  # name -> (function, gives gradients, not norms)
     "batch": (batch, True),
     "grouped": (grouped, True),
+    "grouped, NCHW": (grouped_nchw, True),
     "grouped, channels-last": (grouped_channels_last, True),
+    "patches": (conv.patches_weight_grads, True),
     "opacus": (opacus, True),
     "unfold+bmm": (unfold_bmm, True),
     "rows+bmm": (rows_bmm, True),

@@ -5,6 +5,7 @@ against the float64 per-example loop."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -36,13 +37,14 @@ def _against_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
                                    atol=1e-12)
 
 
-def test_conv_sums_are_the_loop_s_and_autograd_skips_the_first_layer() -> None:
+@pytest.mark.parametrize("method", ["conv", "patches"])
+def test_conv_sums_are_the_loop_s_and_autograd_skips_the_first_layer(method: str) -> None:
     torch.manual_seed(0)
     model = _lenet_like()
     x, y = torch.randn(6, 1, 8, 8, dtype=torch.float64), torch.randint(0, 5, (6,))
     ran: list[str] = []
     first = model[0]
-    with conv.force_strategy("conv"):
+    with conv.force_strategy(method):
         _against_loop(model, x, y)
         # The first convolution's backward node needs nothing below it once its weight and
         # bias come from the rule: autograd must not run it (its output gradient is captured).
@@ -290,7 +292,7 @@ def test_conv_and_bias_sums_go_into_the_running_sums() -> None:
     model = _lenet_like()
     x, y = torch.randn(6, 1, 8, 8, dtype=torch.float64), torch.randint(0, 5, (6,))
     slow = _loop_grad_sum(model, x, y)
-    for method in ("conv", "gram", "shifts"):
+    for method in ("conv", "patches", "gram", "shifts"):
         with conv.force_strategy(method):
             prepared = PreparedStats(model, _loss, engine="hooks")
             prepared(x, y)  # the first chunk: checked

@@ -83,7 +83,7 @@ conv_cases = st.fixed_dictionaries(
         "padding_mode": st.sampled_from(["zeros", "reflect", "circular", "replicate"]),
         "bias": st.booleans(),
         "size": st.integers(5, 8),
-        "strategy": st.sampled_from(["gram", "conv", "shifts"]),
+        "strategy": st.sampled_from(["gram", "conv", "patches", "shifts"]),
     }
 )
 
@@ -116,7 +116,10 @@ def test_conv(case: dict) -> None:
 def test_conv_strategy_follows_flop_estimate() -> None:
     # Few positions, many channels: Gram form; many positions: materialising.
     assert conv.choose_strategy(8, 64, 64, 1, 9, 4) == "gram"
-    assert conv.choose_strategy(8, 1, 6, 1, 25, 784) == "conv"
+    assert conv.choose_strategy(8, 1, 6, 1, 25, 784) == "patches"  # ≤ 4 channels per group
+    assert conv.choose_strategy(8, 6, 16, 1, 25, 100) == "conv"
+    assert conv.choose_strategy(8, 12, 24, 3, 9, 100) == "patches"  # 4 per group
+    assert conv.choose_strategy(8, 4, 4, 4, 9, 100) == "conv"  # depthwise: oneDNN's kernel
     assert conv.choose_strategy(8, 16, 16, 1, 9, 1024) == "conv"
     # Small maps with many channels and 1×1 kernels: the grouped kernel too (it gives the
     # batch sum, so autograd skips the weight gradient), up to MATERIALISE_BUDGET numbers.
@@ -144,7 +147,7 @@ def test_auto_conv_strategy_gives_the_loop_s_norms_and_sums() -> None:
                                    math.prod(m.kernel_size), out)
               for m, out in zip([model[0], model[2], model[4], model[6]], (64, 64, 64, 16),
                                 strict=True)]
-    assert chosen == ["conv", "conv", "conv", "conv"]
+    assert chosen == ["patches", "conv", "conv", "conv"]
     from batchbound.diversity.rules import forms
 
     for budget in (forms.MATERIALISE_BUDGET, 1):  # 1: every layer per tap ("shifts")
@@ -296,3 +299,86 @@ def test_a_new_rule_as_the_readme_writes_it() -> None:
                          out.transpose(1, 2), y, reduction="none").sum(1), engine="hooks")
     finally:
         del RULES[MyLayer]
+
+
+PATCH_LAYERS = [
+    dict(in_channels=2, out_channels=3, kernel_size=3),
+    dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, dilation=2, padding=1,
+         groups=2, padding_mode="reflect", bias=False),
+    dict(in_channels=3, out_channels=6, kernel_size=2, padding="same", dilation=2, groups=3,
+         padding_mode="circular"),
+    dict(in_channels=1, out_channels=2, kernel_size=3, stride=3, padding=2),
+]
+
+
+@pytest.mark.parametrize("block", [1, 20, 2**18])
+@pytest.mark.parametrize("dims", [1, 2])
+@pytest.mark.parametrize("config", range(len(PATCH_LAYERS)))
+def test_conv_patches_are_each_example_s_own_gradient(
+    block: int, dims: int, config: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copied patches (``"patches"``), one example per block, blocks that split the batch
+    unevenly, or one block: each example's gradient computed alone (a batch of one, float64),
+    and the grouped kernel's, for strides, dilations, groups, padding modes, 1-D and 2-D."""
+    monkeypatch.setattr(conv, "PATCH_BLOCK", block)
+    torch.manual_seed(config)
+    layer_type = nn.Conv1d if dims == 1 else nn.Conv2d
+    layer = layer_type(**PATCH_LAYERS[config]).double()
+    x = torch.randn(5, layer.in_channels, *(9,) * dims, dtype=torch.float64)
+    out = layer(x)
+    b = torch.randn_like(out)
+    with torch.no_grad():
+        fast = conv.patches_weight_grads(layer, x, b)
+        grouped = conv.conv_weight_grads(layer, x, b)
+    alone = torch.stack([torch.autograd.grad(layer(x[i : i + 1]), layer.weight, b[i : i + 1])[0]
+                         for i in range(x.shape[0])])
+    assert fast.shape == alone.shape
+    torch.testing.assert_close(fast, alone, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fast, grouped, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN only")
+@pytest.mark.parametrize("groups,c_in", [(1, 6), (2, 10), (1, 3)])
+def test_conv_grouped_kernel_with_channels_last_input(groups: int, c_in: int) -> None:
+    """float32 layers whose input channels per group are not a multiple of 8 hand oneDNN the
+    input channels-last (the tests run with oneDNN off, batchbound's portable kernels: on for
+    this one): the per-example gradients (contiguous) are each example's own, as the float64
+    grouped kernel gives them, to float32 rounding."""
+    with torch.backends.mkldnn.flags(enabled=True):
+        _check_channels_last_input(groups, c_in)
+
+
+def _check_channels_last_input(groups: int, c_in: int) -> None:
+    torch.manual_seed(groups + c_in)
+    layer = nn.Conv2d(c_in, 4 * groups, 3, padding=1, groups=groups)
+    x = torch.randn(5, c_in, 7, 7)
+    b = torch.randn(5, 4 * groups, 7, 7)
+    folded = x.reshape(1, -1, 7, 7)
+    assert conv._blocked_channels_last(layer, folded) == ((c_in // groups) % 8 != 0)
+    assert not conv._blocked_channels_last(layer, folded.double())
+    with torch.no_grad():
+        fast = conv.conv_weight_grads(layer, x, b)
+        exact = conv.conv_weight_grads(layer.double(), x.double(), b.double())
+    assert fast.is_contiguous() and fast.dtype == torch.float32
+    torch.testing.assert_close(fast.double(), exact, rtol=1e-5, atol=1e-5)
+    layer.float()
+    alone = torch.stack([torch.autograd.grad(layer(x[i : i + 1]), layer.weight, b[i : i + 1])[0]
+                         for i in range(5)])
+    torch.testing.assert_close(fast, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_conv_patches_read_any_input_layout() -> None:
+    """The strided view follows the input's own strides: a channels-last input and a
+    permuted view give each example's own gradients too (float64)."""
+    torch.manual_seed(5)
+    layer = nn.Conv2d(2, 3, 3, stride=2, padding=1).double()
+    base = torch.randn(4, 2, 9, 9, dtype=torch.float64)
+    b = torch.randn_like(layer(base))
+    alone = torch.stack([torch.autograd.grad(layer(base[i : i + 1]), layer.weight,
+                                             b[i : i + 1])[0] for i in range(4)])
+    for x in (base.contiguous(memory_format=torch.channels_last),
+              base.transpose(2, 3).contiguous().transpose(2, 3)):
+        assert not x.is_contiguous()
+        with torch.no_grad():
+            torch.testing.assert_close(conv.patches_weight_grads(layer, x, b), alone,
+                                       rtol=1e-12, atol=1e-12)

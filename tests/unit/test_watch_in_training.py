@@ -366,7 +366,7 @@ def test_float16_autocast_with_a_grad_scaler() -> None:
             assert any("overflowed" in str(w.message) for w in caught)
 
 
-@pytest.mark.parametrize("strategy", ["gram", "conv", "shifts"])
+@pytest.mark.parametrize("strategy", ["gram", "conv", "patches", "shifts"])
 @pytest.mark.parametrize("kernel,groups", [(3, 1), (1, 2)])
 def test_conv_transpose_rule_every_strategy(strategy: str, kernel: int, groups: int) -> None:
     """The transposed layer's rule through each of the conv rule's ways of computing norms."""

@@ -7,11 +7,14 @@ computed in one of two forms, whichever the flop estimate says is cheaper for th
 
 - Gram form Σ_ts (a_t·a_s)(b_t·b_s): n·L²·(C_in·k + C_out + g) flops, n·g·L² memory; wins
   when there are few output positions L;
-- materialising B_i A_iᵀ: n·C_out·(C_in/g)·k·L flops, without ever unfolding the n·C_in·k·L
-  patches, by torch's weight-gradient kernel with the examples folded into groups (its
-  gradients also give the batch sum: autograd then skips the layer's weight gradient), or,
-  where all of them would hold more than ``MATERIALISE_BUDGET`` numbers, as k batched matrix
-  products over views of the input, one per kernel tap.
+- materialising B_i A_iᵀ: n·C_out·(C_in/g)·k·L flops, by torch's weight-gradient kernel with
+  the examples folded into groups, or, for layers with at most ``PATCH_CHANNELS`` input
+  channels per group (first layers), by batched matrix products over patches copied from
+  strided views of the input a block of examples at a time (``"patches"``; oneDNN's grouped
+  kernel is 1.3–2× slower there); their gradients also give the batch sum, so autograd then
+  skips the layer's weight gradient. Where all of them would hold more than
+  ``MATERIALISE_BUDGET`` numbers: k batched matrix products over views of the input, one per
+  kernel tap, norms only.
 
 ``force_strategy`` pins the choice (the tests check every branch against the loop).
 """
@@ -42,7 +45,15 @@ from batchbound.diversity.rules.registry import (
     trainable,
 )
 
-STRATEGIES = ("auto", "gram", "conv", "shifts")
+STRATEGIES = ("auto", "gram", "conv", "patches", "shifts")
+MATERIALISING = ("conv", "patches")  # the methods that make the gradients (and so their sum)
+# At most this many input channels per group, the materialised gradients come from copied
+# patches (``patches_weight_grads``): measured faster than the grouped kernel for 1–4 channels
+# per group in every shape timed, slower from 8 on (benchmarks/conv_grads.py).
+PATCH_CHANNELS = 4
+# Numbers in one block of copied patches (1 MiB of float32): the block's product reads it while
+# it is still in cache; one example at a time where one example's patches hold more.
+PATCH_BLOCK = 2**18
 _strategy = "auto"
 
 
@@ -107,8 +118,11 @@ def conv_weight_grads(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
         x = _padded(layer, x)
     n, spatial = x.shape[0], x.dim() - 2
     weight_grad = torch.nn.grad.conv1d_weight if spatial == 1 else torch.nn.grad.conv2d_weight
+    folded = x.reshape(1, -1, *x.shape[2:])
+    if _blocked_channels_last(layer, folded):
+        folded = folded.contiguous(memory_format=torch.channels_last)
     grads = weight_grad(
-        x.reshape(1, -1, *x.shape[2:]),
+        folded,
         (n * layer.out_channels, layer.in_channels // layer.groups, *layer.kernel_size),
         b.reshape(1, -1, *b.shape[2:]),
         stride=layer.stride,
@@ -116,11 +130,59 @@ def conv_weight_grads(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
         dilation=layer.dilation,
         groups=n * layer.groups,
     )
-    return grads.reshape(n, layer.out_channels, -1, *layer.kernel_size)
+    # A channels-last input gives channels-last gradients: one copy here, not one per reader
+    # (the norms' and the sum's reshapes)
+    return grads.contiguous().reshape(n, layer.out_channels, -1, *layer.kernel_size)
+
+
+def _blocked_channels_last(layer: nn.Module, folded: Tensor) -> bool:
+    """Whether to hand oneDNN the folded input channels-last: with a number of input channels
+    per group that is not a multiple of 8, oneDNN's blocked grouped kernel falls back to its
+    generic GEMM path, while for a channels-last input it runs its direct kernel, 1.2–2.3×
+    faster in 10 of 12 shapes measured (LeNet-5's second layer 2.5–2.7 → 1.6–2.0 ms per chunk
+    of 256; benchmarks/conv_grads.py). float32 on the CPU with oneDNN only (the layout copy
+    buys nothing elsewhere); the choice follows the shapes and settings alone."""
+    return (folded.dim() == 4 and folded.dtype == torch.float32 and folded.device.type == "cpu"
+            and (layer.in_channels // layer.groups) % 8 != 0
+            and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
 
 
 def conv_weight_sq_norms(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
     return row_sq_norms(conv_weight_grads(layer, x, b).reshape(x.shape[0], -1))
+
+
+def patches_weight_grads(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
+    """Materialised per-example weight gradients, (n, C_out, C_in/g, *kernel), as batched
+    matrix products B_i A_iᵀ per (example, group).
+
+    The patches A_i (C_in/g·k × L) are a strided view of the padded input: entry (c, tap,
+    position) sits at channel c, offset tap·dilation + position·stride along each spatial
+    dimension, so one copy of the view (no unfold) makes them, a block of examples at a time
+    (at most ``PATCH_BLOCK`` numbers, one example if that holds more), each block's product
+    taken while its patches are in cache.
+    """
+    n, g = x.shape[0], layer.groups
+    c_in, c_out = layer.in_channels // g, layer.out_channels // g
+    kernel, out_size = tuple(layer.kernel_size), tuple(b.shape[2:])
+    rows, positions = c_in * math.prod(kernel), math.prod(out_size)
+    grads = b.reshape(n * g, c_out, positions)
+    out = b.new_empty(n * g, c_out, rows)
+    block = max(1, PATCH_BLOCK // (g * rows * positions))
+    padded = _padded(layer, x)  # once: one copy per block cost 1–2 % of LeNet-5's measure()
+    s = padded.stride()
+    for start in range(0, n, block):
+        xs = padded[start : start + block]
+        m = xs.shape[0]
+        view = xs.as_strided(
+            (m, g, c_in, *kernel, *out_size),
+            (s[0], s[1] * c_in, s[1],
+             *(t * d for t, d in zip(s[2:], layer.dilation, strict=True)),
+             *(t * st for t, st in zip(s[2:], layer.stride, strict=True))),
+        )
+        patches = view.reshape(m * g, rows, positions)  # the copy
+        torch.bmm(grads[start * g : (start + m) * g], patches.transpose(1, 2),
+                  out=out[start * g : (start + m) * g])
+    return out.reshape(n, layer.out_channels, c_in, *kernel)
 
 
 def shifts_weight_sq_norms(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
@@ -168,20 +230,29 @@ def shifts_weight_sq_norms(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
     return total
 
 
+def patches_weight_sq_norms(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
+    return row_sq_norms(patches_weight_grads(layer, x, b).reshape(x.shape[0], -1))
+
+
 _METHODS = {
     "gram": gram_weight_sq_norms,
     "conv": conv_weight_sq_norms,
+    "patches": patches_weight_sq_norms,
     "shifts": shifts_weight_sq_norms,
 }
+_MATERIALISE = {"conv": conv_weight_grads, "patches": patches_weight_grads}
 
 
 def choose_strategy(n: int, c_in: int, c_out: int, groups: int, kernel: int, positions: int) -> str:
     """Gram form when its flop count is lower than materialising's. Otherwise materialise,
-    with the grouped weight-gradient kernel, whose gradients also give the batch sum, so
-    that autograd skips the layer's weight gradient (``_own_sums``); per kernel tap
+    whose gradients also give the batch sum, so that autograd skips the layer's weight
+    gradient (``_own_sums``): from copied patches with at most ``PATCH_CHANNELS`` input
+    channels per group and more than one output channel per group (a depthwise layer keeps
+    oneDNN's depthwise kernel), else with the grouped weight-gradient kernel; per kernel tap
     (``"shifts"``: norms only, autograd's weight gradient on top) where all taps at once
     would hold more than ``MATERIALISE_BUDGET`` numbers (one tap holds 1/kernel of them).
-    Timings of both on LeNet-5's and ResNet-8's layers: benchmarks/conv_grads.py."""
+    Timings on LeNet-5's and ResNet-8's layers: benchmarks/conv_grads.py. The choice
+    depends on the shapes alone: the same command gives the same numbers."""
     if _strategy != "auto":
         return _strategy
     materialise = n * c_out * (c_in // groups) * kernel * positions
@@ -190,6 +261,8 @@ def choose_strategy(n: int, c_in: int, c_out: int, groups: int, kernel: int, pos
         return "gram"
     if n * c_out * (c_in // groups) * kernel > MATERIALISE_BUDGET:
         return "shifts"
+    if c_in // groups <= PATCH_CHANNELS and c_out // groups > 1:
+        return "patches"
     return "conv"
 
 
@@ -206,16 +279,18 @@ def _method_for(layer: nn.Module, x: Tensor, out_shape: torch.Size) -> str:
 
 
 def _weight(layer: nn.Module, x: Tensor, b: Tensor) -> Lazy:
-    held: list[Tensor] = []  # the "conv" method's gradients, until their sum is taken
+    held: list[Tensor] = []  # materialised gradients, until their sum is taken
 
     def materialised() -> Tensor:
         if not held:
-            held.append(conv_weight_grads(layer, x, b))
+            method = _method_for(layer, x, b.shape)
+            make = _MATERIALISE.get(method, conv_weight_grads)
+            held.append(make(layer, x, b))
         return held[0]
 
     def sq_norms() -> Tensor:
         method = _method_for(layer, x, b.shape)
-        if method == "conv":
+        if method in MATERIALISING:
             return row_sq_norms(materialised().reshape(x.shape[0], -1))
         return _METHODS[method](layer, x, b)
 
@@ -237,7 +312,8 @@ def _weight(layer: nn.Module, x: Tensor, b: Tensor) -> Lazy:
 def _own_sums(layer: nn.Module, x: Tensor, out_shape: torch.Size) -> tuple[str, ...]:
     """Weight and bias, when the weight's norms materialise its per-example gradients: their
     sum then costs one reduction, and autograd's weight gradient would be a second kernel."""
-    if x.dim() != len(layer.kernel_size) + 2 or _method_for(layer, x, out_shape) != "conv":
+    if (x.dim() != len(layer.kernel_size) + 2
+            or _method_for(layer, x, out_shape) not in MATERIALISING):
         return ()
     return tuple(k for k in ("weight", "bias") if trainable(layer, k))
 
