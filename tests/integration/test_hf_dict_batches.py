@@ -189,3 +189,39 @@ def test_a_loss_the_callback_cannot_weigh_is_refused_in_one_line(tmp_path: Path,
     with pytest.raises(BatchboundError) as info:
         run(tmp_path, make(), data)
     assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def neox() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=16, hidden_dropout=0.0,
+        attention_dropout=0.0))
+
+
+def test_batch_warmup_decides_on_a_token_estimate_in_sequences(tmp_path: Path) -> None:
+    """A causal LM given labels makes the estimate one in tokens; the warmup's batch is in
+    sequences. It compared the two as they were (B_noise of ~300 tokens against 2B = 8
+    sequences), so it doubled about τ (the labelled tokens per sequence) times too early and
+    set the noise rule's rate in the wrong units. It now reads B_noise per sequence:
+    B_noise_tokens / τ, τ counted from the labels the model was given."""
+    callback = integration.BatchWarmupCallback(every=3, decay=None)  # decides at the end
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, learning_rate=0.0, num_train_epochs=1,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+    data = Padded(12)
+    transformers.Trainer(model=neox(), args=args, train_dataset=data,
+                         callbacks=[callback]).train()
+    assert callback.unit == "tokens" and callback.monitor is not None
+    per_sequence = sum(int(r["labels"][1:].ne(-100).sum()) for r in data.rows) / len(data)
+    estimate = callback.estimate()
+    tokens = callback.monitor
+    assert estimate.noise_scale == pytest.approx(tokens.noise_scale / per_sequence, rel=1e-9)
+    assert estimate.batch_bound == pytest.approx(1 + tokens.noise_scale / per_sequence,
+                                                 rel=1e-9)
+    assert estimate.batch_bound_se == pytest.approx(tokens.batch_bound_se / per_sequence,
+                                                    rel=1e-9)
+    # each decision's recorded n·Δ is the per-sequence one, as the rule read it
+    assert callback.warmup is not None and callback.warmup.history
+    assert callback.warmup.history[-1][3] == pytest.approx(estimate.batch_bound, rel=1e-9)
