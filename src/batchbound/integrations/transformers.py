@@ -71,7 +71,10 @@ _IGNORE = -100  # the label the Trainer (and its models' losses) ignore
 _TOKEN_LOSSES = {
     rule: [getattr(_losses, name) for name in names if hasattr(_losses, name)]
     for rule, names in (("shifted", ("ForCausalLMLoss",)),
-                        ("all", ("ForMaskedLMLoss", "ForTokenClassification")))
+                        ("all", ("ForMaskedLMLoss", "ForTokenClassification")),
+                        # sequence, image, audio and video classifiers: Σ over the labelled
+                        # examples / N (a loss that ignores N, BCE or MSE, fails the probe)
+                        ("examples", ("ForSequenceClassificationLoss",)))
 }
 
 
@@ -168,7 +171,7 @@ class DiversityCallback(transformers.TrainerCallback):
             b = float(_batch_size(args, kwargs))
             self._norms.start(b, 1.0 if self.reduction == "mean" else b)
             return
-        if self.unit != "tokens":  # n counts examples, not tokens: Δ is not defined here
+        if self._token_rule is None:  # the first micro-batch given num_items_in_batch
             self._use_tokens(module)
             self._probe = _divides_by_items(module, args, kwargs, items)
         self._items = items
@@ -194,8 +197,11 @@ class DiversityCallback(transformers.TrainerCallback):
                 f"the model takes num_items_in_batch, but its loss "
                 f"({getattr(loss, '__name__', type(module).__name__)}) is not one whose tokens "
                 "DiversityCallback can count (ForCausalLMLoss, ForMaskedLMLoss, "
-                "ForTokenClassification); give the model a loss that is its batch's mean")
-        self.unit = "tokens"
+                "ForTokenClassification, ForSequenceClassificationLoss); give the model a loss "
+                "that is its batch's mean")
+        if self._token_rule == "examples":  # the items are examples: n and Δ still hold
+            return
+        self.unit = "tokens"  # n counts examples, not tokens: Δ is not defined here
         assert self._records is not None
         self.monitor = OnlineDiversity(None, decay=self.decay, sampling=self.sampling)
         self._records.monitor = self.monitor
@@ -220,7 +226,7 @@ class DiversityCallback(transformers.TrainerCallback):
             return
         self._norms.stop()
         forwards, self._forwards = self._forwards, 0
-        if self.unit == "tokens":
+        if self._token_rule is not None:
             # each micro-batch: Σ over its tokens / N, times P when the Trainer averages
             # tokens across ranks (it multiplies the loss by the number of processes)
             items = self._items
