@@ -220,6 +220,7 @@ def replayed_from_outputs(
             for i, grads in _rows_gradients(losses, tensors, rows):
                 for k, g in zip(names, grads, strict=True):
                     if g is not None:
+                        g = g.to_dense() if g.is_sparse else g
                         sq[k][i] = torch.linalg.vector_norm(g, dtype=torch.float64).square()
                         sums[k] += g
     method = "the batch's forward replayed with its own random numbers (dropout masks)"
