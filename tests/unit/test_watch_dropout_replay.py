@@ -148,3 +148,24 @@ def test_a_t5_with_dropout_equals_its_own_forwards_per_example_gradients() -> No
     # T5's layer norm computes its variance in float32 inside the float64 model
     assert monitor.m2 == pytest.approx(want.m2, rel=1e-6)
     assert monitor.cross == pytest.approx(want.cross, rel=1e-5)
+
+
+class UpdatesItsBuffer(Adapter):
+    """A running mean it updates on every call, in every mode, before using it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        with torch.no_grad():
+            self.mean.mul_(0.9).add_(0.1 * h.mean(0))
+        return self.out(h - self.mean)
+
+
+def test_a_buffer_updated_in_every_mode_is_refused_naming_that_cause() -> None:
+    model, (x, y) = UpdatesItsBuffer().double(), data()
+    with pytest.raises(BatchboundError, match="a buffer it updates in every mode") as info:
+        watched(model.eval(), x, y, 0)
+    assert "\n" not in str(info.value)
