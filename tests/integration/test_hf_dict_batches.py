@@ -174,7 +174,7 @@ def test_gpt2_on_padded_dict_batches_equals_the_hand_two_batch(tmp_path: Path, b
 
 @pytest.mark.parametrize(("make", "words"), [
     (bert_mlm, "its loss does not divide by it"),
-    (bert_classifier, "ForSequenceClassificationLoss"),
+    (bert_classifier, "its loss does not divide by it"),  # its own CrossEntropyLoss mean
 ], ids=["bert-mlm", "bert-classifier"])
 def test_a_loss_the_callback_cannot_weigh_is_refused_in_one_line(tmp_path: Path, make,
                                                                   words) -> None:
@@ -189,3 +189,140 @@ def test_a_loss_the_callback_cannot_weigh_is_refused_in_one_line(tmp_path: Path,
     with pytest.raises(BatchboundError) as info:
         run(tmp_path, make(), data)
     assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def neox() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=16, hidden_dropout=0.0,
+        attention_dropout=0.0))
+
+
+def test_batch_warmup_decides_on_a_token_estimate_in_sequences(tmp_path: Path) -> None:
+    """A causal LM given labels makes the estimate one in tokens; the warmup's batch is in
+    sequences. It compared the two as they were (B_noise of ~300 tokens against 2B = 8
+    sequences), so it doubled about τ (the labelled tokens per sequence) times too early and
+    set the noise rule's rate in the wrong units. It now reads B_noise per sequence:
+    B_noise_tokens / τ, τ counted from the labels the model was given."""
+    callback = integration.BatchWarmupCallback(every=3, decay=None)  # decides at the end
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, learning_rate=0.0, num_train_epochs=1,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+    data = Padded(12)
+    transformers.Trainer(model=neox(), args=args, train_dataset=data,
+                         callbacks=[callback]).train()
+    assert callback.unit == "tokens" and callback.monitor is not None
+    per_sequence = sum(int(r["labels"][1:].ne(-100).sum()) for r in data.rows) / len(data)
+    estimate = callback.estimate()
+    tokens = callback.monitor
+    assert estimate.noise_scale == pytest.approx(tokens.noise_scale / per_sequence, rel=1e-9)
+    assert estimate.batch_bound == pytest.approx(1 + tokens.noise_scale / per_sequence,
+                                                 rel=1e-9)
+    assert estimate.batch_bound_se == pytest.approx(tokens.batch_bound_se / per_sequence,
+                                                    rel=1e-9)
+    # each decision's recorded n·Δ is the per-sequence one, as the rule read it
+    assert callback.warmup is not None and callback.warmup.history
+    assert callback.warmup.history[-1][3] == pytest.approx(estimate.batch_bound, rel=1e-9)
+
+
+class Images(Dataset):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        return {"pixel_values": torch.randn(3, 8, 8, generator=g), "labels": torch.tensor(i % 3)}
+
+
+class MultiLabelImages(Images):
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {**super().__getitem__(i), "labels": torch.tensor([1.0, 0.0, float(i % 2)])}
+
+
+class Sentences(Dataset):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        return {"input_ids": torch.randint(1, VOCAB, (6,), generator=g),
+                "labels": torch.tensor(i % 3)}
+
+
+def vit(problem_type: str | None = None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1,
+        num_attention_heads=2, intermediate_size=32, num_labels=3, problem_type=problem_type))
+
+
+def llama_classifier() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.LlamaForSequenceClassification(transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=16, num_labels=3,
+        pad_token_id=0))
+
+
+def test_a_vit_classifier_in_a_trainer_equals_the_two_batch_estimate_by_hand(
+        tmp_path: Path) -> None:
+    """ViT's classifier takes num_items_in_batch (its loss, ForSequenceClassificationLoss,
+    is Σ cross entropy / N with N the labelled examples): it was refused as 'not a token
+    loss'. Each example's weight is its label's."""
+    model, data = vit(), Images
+    start = copy.deepcopy(model).double().train()
+    seen: list[dict[str, torch.Tensor]] = []
+    handle = model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append({k: v.clone() for k, v in kw.items()
+                                      if torch.is_tensor(v) and k != "num_items_in_batch"})
+        if m.training and torch.is_grad_enabled() else None, with_kwargs=True)
+    callback = integration.DiversityCallback(every=1, decay=None)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=3,
+        gradient_accumulation_steps=2, learning_rate=0.0, num_train_epochs=1,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data(),
+                                   callbacks=[callback])
+    trainer.train()
+    handle.remove()
+    params = [p for p in start.parameters() if p.requires_grad]
+    want = OnlineDiversity(12, decay=None)
+    for step in range(len(seen) // 2):
+        grads, sizes = [], []
+        for batch in seen[2 * step: 2 * step + 2]:
+            inputs = {k: v.double() if v.is_floating_point() else v
+                      for k, v in batch.items() if k != "labels"}
+            loss = F.cross_entropy(start(**inputs).logits, batch["labels"])
+            grads.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+                loss, params, materialize_grads=True)]))
+            sizes.append(len(batch["labels"]))
+        small = sum(float(g.square().sum()) for g in grads) / 2
+        big = (grads[0] * sizes[0] + grads[1] * sizes[1]) / sum(sizes)
+        want.update_two_batch(small, 2 / sum(1 / s for s in sizes), float(big.square().sum()),
+                              sum(sizes))
+    assert callback.monitor is not None and callback.monitor.steps == want.steps == 2
+    assert callback.monitor.m2 == pytest.approx(want.m2, rel=1e-5)
+    assert callback.monitor.cross == pytest.approx(want.cross, rel=1e-4, abs=1e-5 * want.m2)
+    rows = [r for r in trainer.state.log_history if PREFIX + "diversity" in r]
+    assert rows  # the items are examples: Δ = n·Δ / n is logged
+
+
+@pytest.mark.parametrize("make, data", [(lambda: vit("multi_label_classification"),
+                                         MultiLabelImages), (llama_classifier, Sentences)],
+                         ids=["vit-multi-label", "llama-classifier"])
+def test_a_classifier_whose_loss_ignores_the_divisor_is_refused(tmp_path: Path, make,
+                                                                 data) -> None:
+    """A multi-label ViT's BCEWithLogitsLoss is the micro-batch's mean whatever
+    num_items_in_batch says, and Llama's classifier does not pass it to its loss."""
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=3,
+        gradient_accumulation_steps=2, learning_rate=0.0, num_train_epochs=1,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+    trainer = transformers.Trainer(
+        model=make(), args=args, train_dataset=data(),
+        callbacks=[integration.DiversityCallback(every=1)])
+    with pytest.raises(BatchboundError, match="does not divide by it") as info:
+        trainer.train()
+    assert "\n" not in str(info.value)

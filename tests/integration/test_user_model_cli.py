@@ -56,6 +56,11 @@ class NaNHead(nn.Linear):
 
 def nan_at_start(num_outputs):
     return NaNHead(64, num_outputs)
+
+
+def batch_norm_mlp(input_shape, num_outputs):
+    return nn.Sequential(nn.Linear(input_shape[0], 16), nn.BatchNorm1d(16), nn.ReLU(),
+                         nn.Linear(16, num_outputs))
 '''
 
 
@@ -111,3 +116,19 @@ def test_train_refuses_a_loss_not_finite_at_the_initial_weights(home):
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert "at the initial weights, before any step" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and done.stdout == ""
+
+
+def test_advise_takes_a_batch_norm_mlp_that_cannot_step_on_one_example(home):
+    """BatchNorm1d in train mode cannot take a batch of one: the model check refused the
+    model as one that 'does not take this data's examples' (it ran one example in train
+    mode), and the step timers (here and on 2 processes) failed at micro-batch 1 (issue 45).
+    The check runs in eval mode; the timers start at the first size the step runs at, and
+    no row asks for a micro-batch below it."""
+    done = run(["advise", "--dataset", "digits", "--model", "mymodels:batch_norm_mlp",
+                "--lr", "0.1", "--planned-epochs", "3", "--critical-batch", "noise",
+                "--max-workers", "2", "--json"], home)
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    ones = [r for r in answer["rows"] if r["batch_size"] // r["workers"] < 2]
+    assert ones and all(r["seconds_to_target"] is None for r in ones)  # never timed: no time
+    assert answer["recommended"]["batch_size"] // answer["recommended"]["workers"] >= 2

@@ -441,13 +441,15 @@ class GainDropout(nn.Module):
 
 
 def test_fallback_with_dropout_in_train_mode_then_eval() -> None:
-    """Dropout masks cannot be replayed by the fallback's second forward: in train mode its
-    gradients are under masks of its own, and the warning says so; in eval mode, exact."""
+    """In train mode the fallback replays the batch's forward with the step's own dropout
+    masks (exact: tests/unit/test_watch_dropout_replay.py), and the warning says so; in eval
+    mode, exact."""
     torch.manual_seed(21)
     model = GainDropout().double()
     x, y = torch.randn(6, 6, dtype=torch.float64), torch.randint(0, 3, (6,))
     monitor = OnlineDiversity(1000, decay=0.0)
-    with pytest.warns(UserWarning, match="masks of its own"), watch(model, monitor):
+    with pytest.warns(UserWarning, match="replayed with its own random numbers"), \
+            watch(model, monitor):
         ce(model(x), y).backward()
     assert monitor.steps == 1
     model.eval()

@@ -60,6 +60,7 @@ def main(argv: list[str]) -> None:
             trainer.loss_fn(trainer.model(x), y).sum()
             forwards[m].append(time.perf_counter() - start)
 
+        micro = sizes_that_run(step, micro)
         # interleaved rounds, every rank in the same order (the steps are collective): a
         # slow second slows one round of every size, not every repeat of one size
         for _ in range(WARMUP):
@@ -77,6 +78,28 @@ def main(argv: list[str]) -> None:
         finished = True
     finally:
         teardown(synchronise=finished)
+
+
+def sizes_that_run(step, micro: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
+    """``micro`` from the first size whose step runs on every rank (a user's model may not
+    train on too few examples: BatchNorm1d in train mode needs two); the ranks agree by a
+    MAX all-reduce of their failures. None runs: the model's own error is raised."""
+    import torch.distributed as dist
+
+    for i, m in enumerate(micro):
+        error: Exception | None = None
+        try:
+            step(m)
+        except Exception as exc:  # the user's model: raised again below if no size runs
+            error = exc
+        failed = torch.tensor([0.0 if error is None else 1.0])
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if not failed.item():
+            return micro[i:]
+        if i == len(micro) - 1:
+            raise error if error is not None else RuntimeError(
+                "the step failed on another rank at every micro-batch timed")
+    return micro
 
 
 def summarise(micro: list[int], compute: dict[int, list[float]],

@@ -53,6 +53,8 @@ class ComputeCurve:
 
     def _at(self, values: Sequence[float], m: float) -> float:
         sizes = self.sizes
+        if m < sizes[0]:  # timed from the first size the model's step runs at (time_steps)
+            return math.inf
         if len(sizes) == 1:
             return values[0] * m / sizes[0]
         k = next((i for i in range(1, len(sizes)) if m <= sizes[i]), len(sizes) - 1)
@@ -161,7 +163,7 @@ def time_compute(config: TrainConfig, data: Dataset, sizes: Sequence[int], threa
     torch.set_num_threads(threads)
     try:
         timed = time_steps(config, data, sizes, budget_s, parts)
-        return ComputeCurve(tuple(sizes), tuple(timed.steps), tuple(timed.forwards),
+        return ComputeCurve(timed.sizes, tuple(timed.steps), tuple(timed.forwards),
                             timed.unsettled)
     finally:
         torch.set_num_threads(previous)

@@ -17,6 +17,7 @@ fallback impossible, and the parameters are refused.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import fields, is_dataclass, replace
@@ -26,9 +27,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from batchbound.diversity.calls import Inputs, flatten
+from batchbound.diversity.calls import Inputs, call_model, flatten
 from batchbound.diversity.engines import VmapUnsupported, fallback_sq_norms
 from batchbound.diversity.rule_check import buffers_kept
+from batchbound.diversity.stats import norm_dtype
 from batchbound.errors import BatchboundError
 
 DEVICE_TYPES = ("cpu", "cuda")
@@ -58,6 +60,7 @@ class OutputGrads:
         self.n = n
         self.grads: dict[int, Tensor] = {}  # flatten position -> ∂L/∂out_k
         self._shapes: dict[int, tuple[int, ...]] = {}
+        self.values: dict[int, Tensor] = {}
         self._handles: list[RemovableHandle] = []
         self._count = 0
         self.output = self._wrap(output)
@@ -70,6 +73,7 @@ class OutputGrads:
                 return value
             view = value.view_as(value)
             self._shapes[k] = tuple(value.shape)
+            self.values[k] = value.detach()  # what a replayed forward must give again
             self._handles.append(view.register_hook(self._store(k)))
             return view
         if isinstance(value, tuple) and hasattr(value, "_fields"):
@@ -149,3 +153,96 @@ def fallback_from_outputs(
             sq, sums, _ = fallback_sq_norms(model, inputs, targets, loss, names, "loop")
             method = f"the per-example loop, one forward and backward per example ({exc})"
     return sq, sums, method, time.perf_counter() - start
+
+
+class RandomState:
+    """torch's random state (CPU, and the CUDA devices given) as it was when the user's forward
+    began: a forward replayed from it draws the same dropout masks."""
+
+    def __init__(self, devices: list[int]) -> None:
+        self.devices = devices
+        self.cpu = torch.get_rng_state()
+        self.cuda = [torch.cuda.get_rng_state(d) for d in devices]
+
+    @contextmanager
+    def replaying(self) -> Iterator[None]:
+        """Inside: the state as it was; after: the caller's, untouched."""
+        with torch.random.fork_rng(devices=self.devices):
+            torch.set_rng_state(self.cpu)
+            for device, state in zip(self.devices, self.cuda, strict=True):
+                torch.cuda.set_rng_state(state, device)
+            yield
+
+
+REPLAY_ROWS = 8  # examples per batched backward of the replay (memory: rows × the graph's)
+
+
+def replayed_from_outputs(
+    model: nn.Module,
+    inputs: Tensor | Inputs,
+    captured: OutputGrads,
+    names: list[str],
+    state: list[tuple[str, torch.dtype]],
+    random: RandomState,
+    rtol: float,
+) -> tuple[dict[str, Tensor], dict[str, Tensor], str, float]:
+    """The fallback for a model that draws random numbers (dropout in train mode): a second
+    forward of one example at a time, or under vmap, draws masks of its own, so its norms
+    would be of another step's gradients. Instead the whole batch's forward is replayed from
+    the random state the user's call began with (the same masks), its outputs must equal the
+    user's (else refused), and f̃_i = ⟨out_i, G_i⟩ is differentiated per example on that one
+    graph (examples do not interact: the self-check saw to it), a few rows per batched
+    backward."""
+    targets = captured.targets()
+    params = dict(model.named_parameters())
+    tensors = [params[k] for k in names]
+    start = time.perf_counter()
+    with random.replaying(), torch.enable_grad(), autocast_as(state), buffers_kept(model):
+        output = call_model(model, inputs)
+        leaves = [t for t in flatten(output) if isinstance(t, Tensor)]
+        for k, value in captured.values.items():
+            if k in captured.grads and not (
+                    k < len(leaves) and leaves[k].shape == value.shape
+                    and torch.allclose(leaves[k].detach(), value, rtol=rtol, atol=0.0)):
+                raise BatchboundError(
+                    "the model draws random numbers (dropout) and its forward, replayed from "
+                    "the random state its call began with, gave other outputs (random numbers "
+                    "from outside torch's generator?), so the per-example gradients of this "
+                    "step cannot be read")
+        losses = stand_in_loss()(output, targets)
+        n = losses.shape[0]
+        sq = {k: torch.zeros(n, dtype=torch.float64, device=p.device)
+              for k, p in zip(names, tensors, strict=True)}
+        sums = {k: torch.zeros_like(p, dtype=norm_dtype(p.dtype))
+                for k, p in zip(names, tensors, strict=True)}
+        for first in range(0, n, REPLAY_ROWS):
+            rows = torch.arange(first, min(n, first + REPLAY_ROWS), device=losses.device)
+            for i, grads in _rows_gradients(losses, tensors, rows):
+                for k, g in zip(names, grads, strict=True):
+                    if g is not None:
+                        g = g.to_dense() if g.is_sparse else g
+                        sq[k][i] = torch.linalg.vector_norm(g, dtype=torch.float64).square()
+                        sums[k] += g
+    method = "the batch's forward replayed with its own random numbers (dropout masks)"
+    return sq, sums, method, time.perf_counter() - start
+
+
+def _rows_gradients(losses: Tensor, tensors: list[nn.Parameter], rows: Tensor
+                    ) -> Iterator[tuple[int, list[Tensor | None]]]:
+    """(row, its gradients) for ``rows`` of ``losses``: one batched backward, or one backward
+    per row where the graph holds an operation vmap cannot batch."""
+    picks = torch.zeros(len(rows), losses.shape[0], dtype=losses.dtype, device=losses.device)
+    picks[torch.arange(len(rows)), rows] = 1.0
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's note on a slow batching fallback
+            batched = torch.autograd.grad(losses, tensors, grad_outputs=picks,
+                                          is_grads_batched=True, retain_graph=True,
+                                          allow_unused=True)
+    except RuntimeError:
+        for j, i in enumerate(rows.tolist()):
+            yield i, list(torch.autograd.grad(losses, tensors, grad_outputs=picks[j],
+                                              retain_graph=True, allow_unused=True))
+        return
+    for j, i in enumerate(rows.tolist()):
+        yield i, [None if g is None else g[j] for g in batched]

@@ -34,9 +34,11 @@ from batchbound.diversity.losses import resolve_loss
 from batchbound.diversity.online import OnlineDiversity
 from batchbound.diversity.outputs import (
     OutputGrads,
+    RandomState,
     autocast_as,
     autocast_state,
     fallback_from_outputs,
+    replayed_from_outputs,
 )
 from batchbound.diversity.precision import LOW_PRECISION, lowest, statement
 from batchbound.diversity.precision import name as dtype_name
@@ -340,6 +342,7 @@ class _Watched:
         self.inputs: Tensor | Inputs | None = None  # the examples of the watched call
         self.outputs: OutputGrads | None = None  # for the fallback, when it is needed
         self.autocast: list[tuple[str, torch.dtype]] = []  # active at the model's call
+        self.random: RandomState | None = None  # torch's random state as the forward began
         self._inside = False  # the probe's own calls of the model
         self._rows: RowTracker | None = None  # active during the model's forward
         self._loss: _LossWatch | None = None  # active from the forward's end to the backward
@@ -403,6 +406,9 @@ class _Watched:
                              fingerprint_vectors=self.planned.fingerprint_vectors)
         self.run.recorder.__enter__()
         self.run.recorder.start()
+        # the probe above kept the random state: this is the one the user's forward draws from
+        self.random = RandomState(sorted({p.device.index or 0 for p in self.params.values()
+                                          if p.device.type == "cuda"}))
         self._rows = self.run.rows = RowTracker((args, kwargs), model.buffers())
         self._rows.__enter__()
 
@@ -479,34 +485,38 @@ class _Watched:
                  precision: torch.dtype) -> dict[str, Tensor]:
         """Squared norms of the parameters no rule took, by the exact fallback on the
         outputs' gradients (``outputs.py``); a warning once per set of reasons with the cost.
-        Its gradient sum must match the step's own (the change in ``.grad``) unless the model
-        draws random numbers (dropout), whose masks a second forward cannot replay: a
-        mismatch is a use the outputs do not show (a regulariser through
-        ``torch.autograd.backward``), or a loss that is not a sum over examples."""
+        A model that draws random numbers (dropout) has its batch's forward replayed from
+        the random state its call began with, so the masks are the step's own. The gradient
+        sum must match the step's own (the change in ``.grad``): a mismatch is a use the
+        outputs do not show (a regulariser through ``torch.autograd.backward``), a loss that
+        is not a sum over examples, or masks the replay did not draw again."""
         assert self.outputs is not None and self.inputs is not None
         names = [k for k in self.params if k in reasons]
-        try:
-            sq, sums, method, seconds = fallback_from_outputs(
-                self.model, self.inputs, self.outputs, names, self.autocast)
-        except BatchboundError as exc:
-            _refuse({k: str(exc) for k in names})
         modes = tuple(m.training for m in self.model.modules())
         if modes not in self.planned.deterministic:  # once per mode: two forward passes
             with autocast_as(self.autocast), buffers_kept(self.model), rng_kept(self.params):
                 self.planned.deterministic[modes] = deterministic(self.model, self.inputs)
-        if self.planned.deterministic[modes]:
-            rtol = tolerance(self.fallback_precision(precision))
-            wrong = {k: "its gradient in this step is not the sum of the per-example gradients "
-                        "read off the model's outputs (a regulariser in the loss, or a loss that "
-                        "is not a sum over the examples?)"
-                     for k in names
-                     if float(torch.linalg.vector_norm(sums[k].to(delta[k].dtype) - delta[k]))
-                     > rtol * (float(torch.linalg.vector_norm(delta[k]))
-                               + float(sq[k].sum()) ** 0.5) + 1e-30}
-            if wrong:
-                _refuse(wrong)
-        else:
-            method += " (the model draws random numbers, dropout: under masks of its own)"
+        rtol = tolerance(self.fallback_precision(precision))
+        try:
+            if self.planned.deterministic[modes]:
+                sq, sums, method, seconds = fallback_from_outputs(
+                    self.model, self.inputs, self.outputs, names, self.autocast)
+            else:
+                assert self.random is not None  # set as the watched call began
+                sq, sums, method, seconds = replayed_from_outputs(
+                    self.model, self.inputs, self.outputs, names, self.autocast, self.random,
+                    rtol)
+        except BatchboundError as exc:
+            _refuse({k: str(exc) for k in names})
+        wrong = {k: "its gradient in this step is not the sum of the per-example gradients "
+                    "read off the model's outputs (a regulariser in the loss, or a loss that "
+                    "is not a sum over the examples?)"
+                 for k in names
+                 if float(torch.linalg.vector_norm(sums[k].to(delta[k].dtype) - delta[k]))
+                 > rtol * (float(torch.linalg.vector_norm(delta[k]))
+                           + float(sq[k].sum()) ** 0.5) + 1e-30}
+        if wrong:
+            _refuse(wrong)
         key = describe({k: reasons[k] for k in names})
         if key not in self.planned.warned:
             self.planned.warned.add(key)

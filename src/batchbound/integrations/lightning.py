@@ -264,7 +264,7 @@ class BranchWarmupCallback(L.Callback):
     by multiplying ``trainer.accumulate_grad_batches`` where a group of the new size can
     start, when the critical batch's interval lies at or above 2B (or 4B); the rates follow
     ``lr`` (auto: srsr, η0·√(B/B0)). The branches draw from
-    ``train_dataloader.dataset`` (collated by torch's default_collate) and take their loss
+    ``train_dataloader.dataset`` (collated by the loader's own ``collate_fn``) and take their loss
     from ``loss(module, batch)``, by default the module's ``training_step(batch, 0)`` (its
     loss, or its dict's "loss"): pass ``loss`` when training_step logs or has side effects.
     Under DDP the branches run on the unwrapped module on every rank with the same seed and
@@ -297,11 +297,11 @@ class BranchWarmupCallback(L.Callback):
                                        **self.options)
             if self._warm_restored is not None:
                 self.warmup.load_state_dict(self._warm_restored)
-        dataset = trainer.train_dataloader.dataset
+        dataset, collate = _dataset_and_collate(trainer.train_dataloader)
         loss = self.loss or _training_step_loss
 
         def loss_of(indices: torch.Tensor) -> torch.Tensor:
-            items = torch.utils.data.default_collate([dataset[int(i)] for i in indices])
+            items = collate([dataset[int(i)] for i in indices])
             return loss(pl_module, pl_module.transfer_batch_to_device(items, pl_module.device,
                                                                       0))
 
@@ -323,6 +323,19 @@ class BranchWarmupCallback(L.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._warm_restored = state_dict.get("warmup")
+
+
+def _dataset_and_collate(loader: Any) -> tuple[Any, Any]:
+    """The train loader's data set and its own collate_fn: the branches' batches must be
+    the loop's (a padding collator's rows cannot be stacked by default_collate)."""
+    dataset, collate = getattr(loader, "dataset", None), getattr(loader, "collate_fn", None)
+    if (dataset is None or collate is None or not hasattr(dataset, "__len__")
+            or isinstance(dataset, torch.utils.data.IterableDataset)):
+        raise BatchboundError(
+            "BranchWarmupCallback draws its branches' examples from one train DataLoader "
+            f"over a map-style dataset (its .dataset and .collate_fn); got "
+            f"{type(loader).__name__}")
+    return dataset, collate
 
 
 def _training_step_loss(module: L.LightningModule, batch: Any) -> torch.Tensor:

@@ -71,7 +71,10 @@ _IGNORE = -100  # the label the Trainer (and its models' losses) ignore
 _TOKEN_LOSSES = {
     rule: [getattr(_losses, name) for name in names if hasattr(_losses, name)]
     for rule, names in (("shifted", ("ForCausalLMLoss",)),
-                        ("all", ("ForMaskedLMLoss", "ForTokenClassification")))
+                        ("all", ("ForMaskedLMLoss", "ForTokenClassification")),
+                        # sequence, image, audio and video classifiers: Σ over the labelled
+                        # examples / N (a loss that ignores N, BCE or MSE, fails the probe)
+                        ("examples", ("ForSequenceClassificationLoss",)))
 }
 
 
@@ -107,6 +110,9 @@ class DiversityCallback(transformers.TrainerCallback):
         self._items: Any = None  # num_items_in_batch of this step (token-normalised losses)
         self._token_rule: str | None = None  # "shifted" (causal LM) or "all" label tokens
         self._token_factor = 1.0
+        # labelled tokens (on the device) and sequences the token estimate has seen
+        self._label_tokens: Tensor | None = None
+        self._label_sequences = 0
         self._probe: Tensor | None = None  # does the loss divide by num_items_in_batch?
         self._pending: dict[str, float] = {}
 
@@ -165,7 +171,7 @@ class DiversityCallback(transformers.TrainerCallback):
             b = float(_batch_size(args, kwargs))
             self._norms.start(b, 1.0 if self.reduction == "mean" else b)
             return
-        if self.unit != "tokens":  # n counts examples, not tokens: Δ is not defined here
+        if self._token_rule is None:  # the first micro-batch given num_items_in_batch
             self._use_tokens(module)
             self._probe = _divides_by_items(module, args, kwargs, items)
         self._items = items
@@ -178,6 +184,8 @@ class DiversityCallback(transformers.TrainerCallback):
                 labels = labels[..., 1:]
         count = labels.ne(_IGNORE).sum().to(torch.float64)  # the items its loss sums over
         self._norms.start(count, count)
+        self._label_tokens = count if self._label_tokens is None else self._label_tokens + count
+        self._label_sequences += int(labels.shape[0]) if labels.dim() > 1 else 1
 
     def _use_tokens(self, module: nn.Module) -> None:
         """The loss is Σ over label tokens / num_items_in_batch: know which tokens."""
@@ -189,8 +197,11 @@ class DiversityCallback(transformers.TrainerCallback):
                 f"the model takes num_items_in_batch, but its loss "
                 f"({getattr(loss, '__name__', type(module).__name__)}) is not one whose tokens "
                 "DiversityCallback can count (ForCausalLMLoss, ForMaskedLMLoss, "
-                "ForTokenClassification); give the model a loss that is its batch's mean")
-        self.unit = "tokens"
+                "ForTokenClassification, ForSequenceClassificationLoss); give the model a loss "
+                "that is its batch's mean")
+        if self._token_rule == "examples":  # the items are examples: n and Δ still hold
+            return
+        self.unit = "tokens"  # n counts examples, not tokens: Δ is not defined here
         assert self._records is not None
         self.monitor = OnlineDiversity(None, decay=self.decay, sampling=self.sampling)
         self._records.monitor = self.monitor
@@ -215,7 +226,7 @@ class DiversityCallback(transformers.TrainerCallback):
             return
         self._norms.stop()
         forwards, self._forwards = self._forwards, 0
-        if self.unit == "tokens":
+        if self._token_rule is not None:
             # each micro-batch: Σ over its tokens / N, times P when the Trainer averages
             # tokens across ranks (it multiplies the loss by the number of processes)
             items = self._items
@@ -344,17 +355,51 @@ class BatchWarmupCallback(DiversityCallback):
             control.should_log = True
         if self.warmup is None or self._records is None:
             return
-        if self.warmup.deciding():
-            self._records.fold()
+        if not self.warmup.deciding():
+            self.warmup.step(self.monitor, ready=False)  # counts the step; reads nothing
+            return
+        self._records.fold()
+        self.warmup.step(self.estimate(), ready=False)
+
+    def estimate(self) -> Any:
+        """The estimate in the warmup's unit, sequences (the batch is per-device batch ×
+        accumulation × ranks sequences): the monitor itself, or, when the model's loss made it
+        one in tokens, B_noise_tokens / τ with τ the labelled tokens per sequence seen (a
+        batch of B sequences is B·τ tokens; one host read)."""
         assert self.monitor is not None
-        self.warmup.step(self.monitor, ready=False)
+        if self.unit != "tokens" or self._label_tokens is None:
+            return self.monitor
+        return PerSequence(self.monitor, float(self._label_tokens) / self._label_sequences)
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None,
                        lr_scheduler: Any = None, **kwargs: Any) -> None:
         if self.warmup is None or self.monitor is None:
             return
-        self._warm_log = _grow(self.warmup, self.warmup.apply(self.monitor), args, optimizer,
+        factor = self.warmup.apply(self.estimate()) if self.warmup.pending else 1.0
+        self._warm_log = _grow(self.warmup, factor, args, optimizer,
                                lr_scheduler) or self._warm_log
+
+
+class PerSequence:
+    """A token-unit estimate read per sequence of τ labelled tokens on average: B_noise / τ
+    (and its standard error), n·Δ = 1 + B_noise / τ; what the warmup's rule reads."""
+
+    def __init__(self, tokens: OnlineDiversity, per_sequence: float) -> None:
+        if not per_sequence > 0:
+            raise BatchboundError("the token estimate has seen no labelled tokens")
+        self.tokens, self.per_sequence = tokens, per_sequence
+
+    @property
+    def noise_scale(self) -> float:
+        return self.tokens.noise_scale / self.per_sequence
+
+    @property
+    def batch_bound(self) -> float:
+        return 1.0 + self.noise_scale
+
+    @property
+    def batch_bound_se(self) -> float:
+        return self.tokens.batch_bound_se / self.per_sequence
 
 
 class BranchWarmupCallback(transformers.TrainerCallback):

@@ -103,16 +103,23 @@ def probe_user_model(spec: str, model: nn.Module, example: torch.Tensor, num_out
                      task: str) -> None:
     """Run the model on one example of the data before any work, so that a model whose
     input size does not fit the data, or whose output does not fit the task, is one line
-    naming both shapes (it was a long traceback from the first training step)."""
+    naming both shapes (it was a long traceback from the first training step). In eval mode,
+    each module's mode restored after: one example in train mode is no batch for BatchNorm
+    ("Expected more than 1 value per channel"), and it would move running statistics and
+    draw dropout masks from a seeded run's random state."""
     shape = tuple(example.shape[1:])
+    modes = [(m, m.training) for m in model.modules()]
     try:
         with torch.no_grad():
-            out = model(example)
+            out = model.eval()(example)
     except Exception as exc:  # the user's forward on the data's example: name the shapes
         raise BatchboundError(
             f"model {spec} does not take this data's examples: one example of shape {shape} "
             f"({str(example.dtype).removeprefix('torch.')}) raised {type(exc).__name__}: "
             f"{' '.join(str(exc).split())}") from None
+    finally:
+        for module, training in modes:
+            module.training = training
     expected = (1, shape[0], num_outputs) if task == "text" else (1, num_outputs)
     found = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
     if found != expected:

@@ -100,6 +100,7 @@ class StepTimes(NamedTuple):
     steps: list[float]  # seconds of the trainer's step per size, non-decreasing in the size
     forwards: list[float]  # of the forward alone
     unsettled: str | None  # why these cannot be trusted (the rounds did not settle), or None
+    sizes: tuple[int, ...] = ()  # the sizes timed: those asked for, from the first that runs
 
 
 def time_steps(
@@ -128,12 +129,33 @@ def time_steps(
         x, y = trainer.data.x_train[:m], trainer.data.y_train[:m]
         trainer.loss_fn(trainer.model(x), y).sum()
 
+    sizes = _sizes_that_run(step, sizes)
     actions = [functools.partial(f, m) for f in (step, forward) for m in sizes]
     medians, settled = interleaved_medians(actions, 2 * budget_s * len(sizes))
     steps, forwards = medians[:len(sizes)], medians[len(sizes):]
     reason = None if settled else "the step's timings did not settle over interleaved rounds"
     reason = inverted(sizes, steps) or reason
-    return StepTimes(monotone(steps), monotone(forwards), reason)
+    return StepTimes(monotone(steps), monotone(forwards), reason, tuple(sizes))
+
+
+def _sizes_that_run(step: Callable[[int], None], sizes: list[int]) -> list[int]:
+    """``sizes`` from the first at which the model's step runs: a user's model may not train
+    on too few examples (BatchNorm1d in train mode needs two). None runs: one line naming the
+    model's error."""
+    for i, m in enumerate(sizes):
+        try:
+            step(m)
+        except BatchboundError:
+            raise
+        except Exception as exc:  # the user's model: any error, named in the refusal
+            if i == len(sizes) - 1:
+                first = (str(exc).strip().splitlines() or [""])[0]
+                raise BatchboundError(
+                    f"the model's training step fails at every micro-batch timed "
+                    f"({sizes[0]} to {m} examples): {type(exc).__name__}: {first}") from exc
+            continue
+        return sizes[i:]
+    return sizes
 
 
 def _scaled(grad: torch.Tensor, scale: float, param: torch.Tensor) -> torch.Tensor:
@@ -619,10 +641,11 @@ class Trainer:
             sizes = sorted(set(micro))
             with torch.random.fork_rng(devices=[]):  # the throwaway model reseeds torch
                 steps = time_steps(self.config.replace(transform=None), self.data, sizes,
-                                   budget_s=0.02).steps
-            step = dict(zip(sizes, steps, strict=True))
+                                   budget_s=0.02)
+            step = dict(zip(steps.sizes, steps.steps, strict=True))
             communication = self.timer.totals["communication"] / max(self.timer.iterations, 1)
-            seconds = torch.tensor([step[m] + communication for m in micro],
+            # a size the model cannot step at (below the first that runs) costs inf: not picked
+            seconds = torch.tensor([step.get(m, math.inf) + communication for m in micro],
                                    dtype=torch.float64, device=self.ctx.device)
             all_reduce_sum(seconds)
             table = dict(zip(candidates, (seconds / workers).tolist(), strict=True))
