@@ -148,7 +148,7 @@ class TrainConfig:
     weight_decay: float = option(0.0, "optimisation", "weight decay: L2 in the gradient for "
                                  "sgd and adam, decoupled for adamw")
     convention: str = option("mean", "optimisation",
-                             "mean: w -= γ·(1/B)Σg_i; sum: w -= γ·Σg_i (the papers')",
+                             "mean: w -= η·(1/B)Σg_i; sum: w -= η·Σg_i (the papers')",
                              choices=CONVENTIONS)
     sampling: str = option("epoch", "optimisation",
                            "epoch: permutations without replacement; replacement: i.i.d.",
