@@ -23,8 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "16-1024, η tuned per (shape, B), three seeds, each run to 95 % training accuracy "
         "within 30 epochs: 245 runs, a few minutes on 2 cores), writes its report, and prints "
         "per shape: depth, width, Δ, B = nΔ, the threshold B*, the largest B within E "
-        "epochs (15 here), and the study's critical batch size. Resumable: rerunning reuses finished "
-        "runs.")
+        "epochs (15 here), and the study's critical batch size. Resumable: rerunning reuses "
+        "finished runs.")
     parser.add_argument("--preset", default=PRESET, help=f"study preset or file; default {PRESET}")
     parser.add_argument("--store", type=Path, default=None,
                         help="SQLite store; default runs/<study>/study.sqlite")

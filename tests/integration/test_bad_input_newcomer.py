@@ -1,0 +1,139 @@
+"""What a newcomer types on the first day, following the README: a model factory written as a
+file's path, a data file that is a folder or not there, a spec file for ``report`` that is not
+there, the plan given twice, a typo in a spec or a data set's name. Each is one line naming
+the problem, exit code 2. And the help and presets say η for the learning rate, as the docs
+do, and ``batchbound demo --help`` describes the study the demo runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import resources
+from pathlib import Path
+
+import pytest
+from bad_input import BAD_INPUT, refused
+
+pytestmark = BAD_INPUT
+
+FACTORY = '''
+from torch import nn
+
+
+def small(input_shape, num_outputs):
+    return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], num_outputs))
+'''
+
+
+@pytest.fixture()
+def in_a_folder_with_a_factory(tmp_path: Path, monkeypatch):
+    (tmp_path / "newmodels.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    sys.modules.pop("newmodels", None)
+
+
+@pytest.mark.parametrize("model, hint", [
+    ("newmodels.py:small", "write newmodels:small$"),
+    ("./newmodels:small", "write newmodels:small$"),
+    ("src/newmodels.py:small", "run from src or put it on PYTHONPATH, and write newmodels:small$"),
+])
+@pytest.mark.parametrize("command", [["measure"], ["train", "--max-epochs", "0.1"],
+                                     ["advise", "--planned-epochs", "1"],
+                                     ["models", "describe"]])
+def test_a_factory_given_as_a_files_path_names_the_form_to_write(
+        model: str, hint: str, command: list[str], in_a_folder_with_a_factory, capsys) -> None:
+    argv = [*command, model] if command == ["models", "describe"] else [*command, "--model",
+                                                                          model]
+    refused(argv, rf"model {model}: MODULE:CALLABLE takes the module's import name, not a "
+            rf"file: {hint}", capsys)
+
+
+def test_the_form_the_hint_names_works(in_a_folder_with_a_factory, capsys) -> None:
+    from batchbound.cli import main
+
+    assert main(["measure", "--model", "newmodels:small"]) == 0  # the control
+    assert "newmodels:small" in capsys.readouterr().out
+
+
+def test_a_dotted_module_is_still_a_module(in_a_folder_with_a_factory, capsys) -> None:
+    # "pkg.python_models" holds ".py" but is an import name, not a file
+    refused(["measure", "--model", "newmodels.python_models:small"],
+            r"no module 'newmodels.python_models'", capsys)
+
+
+@pytest.mark.parametrize("family", ["npz", "text", "libsvm"])
+def test_a_data_file_that_is_a_folder_says_so(family: str, tmp_path: Path, capsys) -> None:
+    refused(["data", "show", f"{family}(path={tmp_path})", "--load"],
+            rf"{family}: path='{tmp_path}' is a directory \({tmp_path}\); give a file", capsys)
+
+
+def test_an_absolute_path_that_is_not_there_is_named_once(tmp_path: Path, capsys) -> None:
+    file = tmp_path / "nope.npz"
+    line = refused(["data", "show", f"npz(path={file})", "--load"],
+                   rf"npz: file '{file}' not found \(looked at {file}\)$", capsys)
+    assert line.count(str(file)) == 2
+
+
+def test_a_relative_path_names_both_places_it_looked(tmp_path: Path, monkeypatch,
+                                                     capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    refused(["data", "show", "npz(path=nope.npz)", "--load", "--data-dir", str(tmp_path / "d")],
+            rf"looked at nope.npz and {tmp_path / 'd' / 'nope.npz'}\)$", capsys)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["measure", "--model", "fc(depht=2,params=4000)"], r"model 'fc' has no option 'depht'"),
+    (["measure", "--model", "fcc(depth=2)"], r"unknown model family 'fcc'"),
+    (["train", "--dataset", "digitz"], r"unknown data set 'digitz'"),
+    (["train", "--workers", "0"], r"workers must be a positive integer, got 0"),
+    (["train", "--lr", "-0.1"], r"lr must be a positive number, got -0.1"),
+    (["advise", "--lr", "-0.1", "--planned-epochs", "1"], r"lr must be a positive number"),
+    (["advise", "--planned-epochs", "4", "--planned-iterations", "100"],
+     r"give the plan as epochs or as iterations, not both"),
+    (["advise", "--max-workers", "0", "--planned-epochs", "1"],
+     r"max workers must be a positive integer, got 0"),
+])
+def test_the_first_days_typos(argv: list[str], match: str, tmp_path: Path, monkeypatch,
+                              capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    refused(argv, match, capsys)
+
+
+def _all_help(parser: argparse.ArgumentParser) -> str:
+    text = [parser.format_help()]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            text += [_all_help(sub) for sub in action.choices.values()]
+    return "\n".join(text)
+
+
+def test_help_and_presets_write_eta_for_the_learning_rate() -> None:
+    from batchbound.cli import build_parser
+
+    help_text = _all_help(build_parser())
+    assert "--convention" in help_text and "η" in help_text  # the control: all of it is there
+    assert "γ" not in help_text
+    presets = resources.files("batchbound") / "presets"
+    texts = {p.name: p.read_text(encoding="utf-8") for p in presets.iterdir()
+             if p.name.endswith(".toml")}
+    assert len(texts) > 10 and any("η" in t for t in texts.values())
+    assert [name for name, text in texts.items() if "γ" in text] == []
+
+
+def test_demo_help_describes_the_study_the_demo_runs() -> None:
+    from batchbound.cli import build_parser
+    from batchbound.cli.demo import PRESET
+
+    parser = build_parser()
+    demo = parser._subparsers._group_actions[0].choices["demo"]
+    text = " ".join(demo.format_help().split())
+    from batchbound.config import load_toml
+
+    spec = load_toml(Path(str(resources.files("batchbound") / "presets" / f"{PRESET}.toml")))
+    depths = [str(d) for d in spec["models"]["depths"]]
+    assert f"depths {', '.join(depths[:-1])} and {depths[-1]}" in text
+    words = {2: "two", 3: "three", 4: "four", 5: "five"}
+    assert f"{words[spec['train']['repeats']]} seeds" in text
+    assert f"batch sizes {spec['batches']['min']}-{spec['batches']['max']}" in text
+    assert f"within {spec['train']['max_epochs']} epochs" in text
