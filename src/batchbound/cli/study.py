@@ -72,7 +72,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     export = sub.add_parser("export", help="write a store's tables as CSV or Parquet")
     export.add_argument("store", type=Path, help="SQLite store (runs/<study>/study.sqlite)")
-    export.add_argument("--format", choices=("csv", "parquet"), default="csv")
+    export.add_argument("--format", choices=("csv", "parquet"), default="csv",
+                        help="csv (default) or parquet (pip install 'batchbound[parquet]')")
     export.add_argument("--study", default=None, help="only this study's rows")
     export.add_argument("--out", type=Path, default=None,
                         help="output directory; default <store dir>/export")

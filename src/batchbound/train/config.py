@@ -166,7 +166,8 @@ class TrainConfig:
                                    flags=())
     max_epochs: float | None = option(100.0, "stopping", "epoch limit")
     max_iterations: int | None = option(None, "stopping", "iteration limit")
-    max_seconds: float | None = option(None, "stopping", "training wall-time limit")
+    max_seconds: float | None = option(None, "stopping",
+                                         "limit on the training seconds (evaluations not counted)")
     divergence_factor: float | None = option(
         10.0, "stopping", "diverged when the batch loss exceeds this × the initial loss")
     # evaluation
@@ -178,7 +179,8 @@ class TrainConfig:
     eval_every_iterations: int | None = option(
         None, "evaluation", "evaluate every k iterations (replaces --eval-every-epochs)")
     eval_subset: int | None = option(None, "evaluation",
-                                     "train metrics on this many fixed examples")
+                                     "train metrics on this many fixed examples (default: "
+                                     "all of them)")
     eval_batch_size: int = option(4096, "evaluation", "examples per evaluation chunk")
     eval_test: str = option(
         "every", "evaluation", "when to evaluate the test split: every (at each evaluation) | "
