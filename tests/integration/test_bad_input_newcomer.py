@@ -137,3 +137,14 @@ def test_demo_help_describes_the_study_the_demo_runs() -> None:
     assert f"{words[spec['train']['repeats']]} seeds" in text
     assert f"batch sizes {spec['batches']['min']}-{spec['batches']['max']}" in text
     assert f"within {spec['train']['max_epochs']} epochs" in text
+
+
+def test_every_benchmark_script_parses_its_arguments() -> None:
+    """``python benchmarks/X.py --help`` must explain, not start minutes of work (adaptive.py
+    had no parser: --help ran the benchmark). Read from the source: importing them is slow."""
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
+    scripts = [p for p in sorted(root.glob("*.py"))
+               if '__name__ == "__main__"' in p.read_text(encoding="utf-8")]
+    assert len(scripts) > 5  # the control: the scripts are there
+    assert [p.name for p in scripts if "ArgumentParser(" not in p.read_text(encoding="utf-8")
+            ] == []
