@@ -148,3 +148,22 @@ def test_every_benchmark_script_parses_its_arguments() -> None:
     assert len(scripts) > 5  # the control: the scripts are there
     assert [p.name for p in scripts if "ArgumentParser(" not in p.read_text(encoding="utf-8")
             ] == []
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--planned-epochs", "1"],  # digits: 90 iterations at B0 = 16, the pilot 9 of them
+     r"the pilot's 0.1 of the planned 90 iterations is 9 steps; the noise scale needs at least "
+     r"20: give --pilot-fraction 0.23 or more, or a longer plan"),
+    (["--planned-epochs", "1", "--critical-batch", "noise"], r"is 9 steps; .*0.23 or more"),
+    (["--planned-iterations", "10"], r"is 1 step; the noise scale needs at least 20: give a "
+     r"longer plan \(--planned-epochs or --planned-iterations\)$"),
+])
+def test_a_plan_too_short_for_the_pilot_is_refused_before_any_timing(
+        argv: list[str], match: str, monkeypatch, capsys) -> None:
+    from batchbound.advise import advice
+
+    def no_timing(*args: object, **kwargs: object) -> None:
+        raise AssertionError("timed the steps of a plan it refuses")
+
+    monkeypatch.setattr(advice, "_timings", no_timing)
+    refused(["advise", "--max-workers", "1", *argv], match, capsys)
