@@ -79,7 +79,7 @@ class Strategy:
 
 def strategy_help() -> str:
     """The strategies' help, from the registry as it is now (a later rule is listed)."""
-    forms = [f"{name}(base_batch=m0,warmup_epochs=W)" if rule.needs_base_batch else name
+    forms = [f"{name}(base_batch=B0,warmup_epochs=W)" if rule.needs_base_batch else name
              for name, rule in LR_RULES.items()]
     return f"{' | '.join(forms)}, optional decay=step|cosine ({rules_help()})"
 
@@ -94,7 +94,8 @@ def parse_strategy(text: str) -> Strategy:
     rule = LR_RULES.get(spec.name)
     if rule is not None and rule.needs_base_batch and "base_batch" not in kwargs:
         raise BatchboundError(
-            f"strategy {spec.name} needs base_batch=m0, e.g. {spec.name}(base_batch=32)"
+            f"strategy {spec.name} needs base_batch=B0 (the batch η0 is for), e.g. "
+            f"{spec.name}(base_batch=32)"
         )
     if "milestones" in kwargs:
         milestones = kwargs["milestones"]
