@@ -167,3 +167,30 @@ def test_a_plan_too_short_for_the_pilot_is_refused_before_any_timing(
 
     monkeypatch.setattr(advice, "_timings", no_timing)
     refused(["advise", "--max-workers", "1", *argv], match, capsys)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["measure", "--model", "fc(depht=2,params=4000)"],
+     r"model 'fc' has no option 'depht' \(did you mean 'depth'\?\); options: depth, width"),
+    (["measure", "--model", "fcc(depth=2)"], r"unknown model family 'fcc' \(did you mean 'fc'\?\)"),
+    (["train", "--dataset", "mnist-5k"],
+     r"unknown data set 'mnist-5k' \(did you mean 'mnist5k'\?\)"),
+    (["measure", "--model", "fc(xyz=2)"], r"model 'fc' has no option 'xyz'; options: depth"),
+])
+def test_a_typo_is_answered_with_the_name_it_is_close_to(argv: list[str], match: str,
+                                                         capsys) -> None:
+    refused(argv, match, capsys)
+
+
+def test_a_typo_in_a_study_spec_or_a_config_names_the_key_it_is_close_to(
+        tmp_path: Path, capsys) -> None:
+    preset = resources.files("batchbound") / "presets" / "width-depth-digits.toml"
+    spec = tmp_path / "typo.toml"
+    spec.write_text(preset.read_text(encoding="utf-8").replace("max_epochs = 30",
+                                                               "max_epoch = 30"))
+    refused(["study", "plan", str(spec)],
+            r"\[train\]: unknown key\(s\) max_epoch \(did you mean 'max_epochs'\?\)", capsys)
+    config = tmp_path / "run.toml"
+    config.write_text("lrr = 0.1\n")
+    refused(["train", "--config", str(config)],
+            r"unknown train config field\(s\) lrr \(did you mean 'lr'\?\)", capsys)

@@ -18,6 +18,7 @@ from typing import Any
 
 from batchbound.config import check_types, config_hash, to_plain
 from batchbound.errors import BatchboundError
+from batchbound.spec import did_you_mean
 from batchbound.train.adaptive import BatchPolicy, parse_batch_policy
 from batchbound.train.mechanisms import GRANULARITIES, Mechanism, parse_mechanism
 from batchbound.train.optimizers import ADAPTIVE, OPTIMIZERS
@@ -391,7 +392,8 @@ class TrainConfig:
         unknown = sorted(set(data) - names)
         if unknown:
             raise BatchboundError(
-                f"unknown train config field(s) {', '.join(unknown)}; "
+                f"unknown train config field(s) {', '.join(unknown)}"
+                f"{did_you_mean(unknown, sorted(names))}; "
                 f"fields: {', '.join(sorted(names))}"
             )
         return cls(**data)
