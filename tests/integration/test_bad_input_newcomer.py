@@ -194,3 +194,23 @@ def test_a_typo_in_a_study_spec_or_a_config_names_the_key_it_is_close_to(
     config.write_text("lrr = 0.1\n")
     refused(["train", "--config", str(config)],
             r"unknown train config field\(s\) lrr \(did you mean 'lr'\?\)", capsys)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--workers", "2"], r"unrecognized arguments: --workers 2 \(--workers is batchbound "
+     r"train's: the pilot runs on one process; --max-workers sets the rows\) \(see"),
+    (["--online-diversity", "norms"], r"--online-diversity is batchbound train's: use "
+     r"--estimator\)"),
+    (["--max-seconds=3"], r"--max-seconds is batchbound train's: the pilot's length"),
+    (["--bogus", "1"], r"unrecognized arguments: --bogus 1 \(see batchbound advise --help\)"),
+])
+def test_advise_says_why_it_does_not_take_a_flag_of_train(argv: list[str], match: str,
+                                                          capsys) -> None:
+    refused(["advise", "--planned-epochs", "4", *argv], match, capsys)
+
+
+def test_advise_takes_trains_name_for_the_exact_cadence() -> None:
+    from batchbound.cli import build_parser
+
+    parsed = build_parser().parse_args(["advise", "--diversity-every-epochs", "0.2"])
+    assert parsed.diversity_every == 0.2
