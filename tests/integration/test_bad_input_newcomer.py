@@ -214,3 +214,13 @@ def test_advise_takes_trains_name_for_the_exact_cadence() -> None:
 
     parsed = build_parser().parse_args(["advise", "--diversity-every-epochs", "0.2"])
     assert parsed.diversity_every == 0.2
+
+
+def test_advises_assumptions_count_one_segment_as_one() -> None:
+    from batchbound.advise.trajectory import Segment, extrapolate
+
+    one = extrapolate([Segment(1, 36, 44.0, 3.0, 2.2)], 36, 360, 16, 0.1).assumption
+    assert "pilot's 36 steps (one segment, ± two standard errors of its level)" in one
+    segs = [Segment(1, 20, 8.0, 1.0, 2.0), Segment(21, 40, 10.0, 1.0, 1.6)]
+    two = extrapolate(segs, 40, 400, 16, 0.1).assumption
+    assert "(2 segments, ± two standard errors of their level)" in two
