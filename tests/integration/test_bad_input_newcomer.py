@@ -176,6 +176,13 @@ def test_a_plan_too_short_for_the_pilot_is_refused_before_any_timing(
     (["train", "--dataset", "mnist-5k"],
      r"unknown data set 'mnist-5k' \(did you mean 'mnist5k'\?\)"),
     (["measure", "--model", "fc(xyz=2)"], r"model 'fc' has no option 'xyz'; options: depth"),
+    (["train", "--strategy", "lsrr"], r"strategy 'lsrr' \(did you mean 'lsr'\?\)"),
+    (["train", "--mechanism", "dropconect(p=0.5)"],
+     r"unknown mechanism 'dropconect' \(did you mean 'dropconnect'\?\)"),
+    (["train", "--transform", "replicat(r=2)"],
+     r"unknown transform 'replicat' \(did you mean 'replicate'\?\)"),
+    (["train", "--loss", "crossentropy"],
+     r"unknown loss 'crossentropy' \(did you mean 'cross_entropy'\?\)"),
 ])
 def test_a_typo_is_answered_with_the_name_it_is_close_to(argv: list[str], match: str,
                                                          capsys) -> None:

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from batchbound.errors import BatchboundError
-from batchbound.spec import check_options, parse_spec
+from batchbound.spec import check_options, did_you_mean, parse_spec
 from batchbound.train.lr_rules import LR_RULES, rules_help
 
 DECAYS = ("none", "step", "cosine")
@@ -41,7 +41,8 @@ class Strategy:
     def __post_init__(self) -> None:
         if self.name not in LR_RULES:
             raise BatchboundError(
-                f"unknown learning-rate strategy {self.name!r}; choose from {', '.join(LR_RULES)}"
+                f"unknown learning-rate strategy {self.name!r}{did_you_mean([self.name], LR_RULES)}"
+                f"; choose from {', '.join(LR_RULES)}"
                 " (e.g. blr, lsr(base_batch=32,warmup_epochs=5), srsr(base_batch=32))"
             )
         if self.base_batch < 1:
