@@ -50,10 +50,11 @@ class _Parser:
         self.pos = 0
 
     def fail(self, what: str) -> BatchboundError:
-        pointer = " " * self.pos + "^"
+        # one line, as every refusal: the place named by what follows it, not a caret below
+        rest = self.text[self.pos:]
+        where = f"before {rest!r}" if rest.strip() else "at its end"
         return BatchboundError(
-            f"malformed spec {self.text!r}: {what} at position {self.pos}\n"
-            f"  {self.text}\n  {pointer}\n"
+            f"malformed spec {self.text!r}: {what} at position {self.pos} ({where}); "
             "expected name or name(key=value, ...), e.g. fc(depth=4,params=16000,act=relu)"
         )
 

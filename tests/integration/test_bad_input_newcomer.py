@@ -231,3 +231,12 @@ def test_advises_assumptions_count_one_segment_as_one() -> None:
     segs = [Segment(1, 20, 8.0, 1.0, 2.0), Segment(21, 40, 10.0, 1.0, 1.6)]
     two = extrapolate(segs, 40, 400, 16, 0.1).assumption
     assert "(2 segments, ± two standard errors of their level)" in two
+
+
+@pytest.mark.parametrize("model, where", [
+    ("fc(depth=2,params=4000", r"expected ',' or '\)' at position 22 \(at its end\)"),
+    ("fc(depth=2 params=4000)", r"at position 11 \(before 'params=4000\)'\)"),
+])
+def test_a_malformed_spec_is_one_line_naming_where(model: str, where: str, capsys) -> None:
+    refused(["measure", "--model", model], rf"malformed spec '.*': .*{where}; expected name",
+            capsys)
