@@ -13,6 +13,7 @@ B with the least median seconds).
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
 
@@ -42,6 +43,8 @@ def measure(config: TrainConfig) -> dict[str, float]:
 
 
 def main() -> int:
+    # no options: the parser is there so that --help explains instead of starting 2 minutes
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     rows = {f"fixed B = {b}": measure(BASE.replace(batch_size=b)) for b in FIXED}
     best = min((r for r in rows if r.startswith("fixed")), key=lambda r: rows[r]["seconds"])
     for name, policy in ADAPTIVE.items():

@@ -8,6 +8,7 @@ int when integral), booleans ``true``/``false``, bare words, quoted strings and 
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -49,10 +50,11 @@ class _Parser:
         self.pos = 0
 
     def fail(self, what: str) -> BatchboundError:
-        pointer = " " * self.pos + "^"
+        # one line, as every refusal: the place named by what follows it, not a caret below
+        rest = self.text[self.pos:]
+        where = f"before {rest!r}" if rest.strip() else "at its end"
         return BatchboundError(
-            f"malformed spec {self.text!r}: {what} at position {self.pos}\n"
-            f"  {self.text}\n  {pointer}\n"
+            f"malformed spec {self.text!r}: {what} at position {self.pos} ({where}); "
             "expected name or name(key=value, ...), e.g. fc(depth=4,params=16000,act=relu)"
         )
 
@@ -142,11 +144,20 @@ def _scalar(token: str) -> Any:
     return int(number) if number.is_integer() and "e" in lowered and "." not in token else number
 
 
+def did_you_mean(words: Iterable[str], choices: Iterable[str]) -> str:
+    """`` (did you mean 'width'?)`` for the misspelt words close to one choice, else ''."""
+    choices = list(choices)
+    close = [match[0] for word in words
+             if (match := difflib.get_close_matches(word, choices, n=1, cutoff=0.75))]
+    return f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+
+
 def check_options(what: str, given: Iterable[str], options: Iterable[str]) -> None:
     """Refuse options a spec does not take, naming them and the ones it does:
-    ``model 'fc' has no option 'widht'; options: depth, width, params``."""
+    ``model 'fc' has no option 'widht' (did you mean 'width'?); options: depth, width``."""
     options = list(options)
     unknown = sorted(set(given) - set(options))
     if unknown:
-        raise BatchboundError(f"{what} has no option {', '.join(map(repr, unknown))}; "
+        raise BatchboundError(f"{what} has no option {', '.join(map(repr, unknown))}"
+                              f"{did_you_mean(unknown, options)}; "
                               f"options: {', '.join(options) or '(none)'}")

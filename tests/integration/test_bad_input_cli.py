@@ -284,7 +284,16 @@ def test_study_names_that_are_not_one_folder(name: str, tmp_path: Path, no_work,
 def test_report_names_that_are_not_one_folder(name: str, tmp_path: Path, monkeypatch,
                                               capsys) -> None:
     monkeypatch.chdir(tmp_path)  # runs/ relative to here: nothing outside is touched
-    refused(["report", name], r"\[study\] name: need 1-100 letters", capsys)
+    # one with a "/" reads as a spec file's path, and its error says no such file is there
+    match = r"no study file" if "/" in name else r"\[study\] name: need 1-100 letters"
+    refused(["report", name], match, capsys)
+
+
+@pytest.mark.parametrize("name", ["/nope/study.toml", "nope.toml", "specs/nope.toml"])
+def test_report_of_a_spec_file_that_is_not_there_names_the_file(name: str, tmp_path: Path,
+                                                               monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    refused(["report", name], rf"no study file '{name}' and no preset of that name", capsys)
 
 
 def test_presets_are_names_not_paths(tmp_path: Path, capsys) -> None:

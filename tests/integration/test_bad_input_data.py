@@ -148,7 +148,8 @@ NPZ_CASES = [
     ),
     case(npz(",task=bogus", x=X, y=Y), r"task must be auto", "npz-unknown-task"),
     case(npz(",test_fraction=1.5", x=X, y=Y), r"test_fraction must be in", "npz-test-fraction"),
-    case(raw("d.npz", b"garbage, not a zip", NPZ), r"not a readable \.npz", "npz-garbage"),
+    case(raw("d.npz", b"garbage, not a zip", NPZ), r"not a readable \.npz archive: not a zip",
+         "npz-garbage"),
     case(raw("d.npz", b"", NPZ), r"not a readable \.npz", "npz-empty-file"),
     case(
         raw("d.npz", lambda: npz_bytes(x=X, y=Y)[:300], NPZ),
@@ -163,12 +164,13 @@ NPZ_CASES = [
     case(raw("d.npz", lambda: npy_bytes(X), NPZ), r"single array \(\.npy\)", "npz-is-npy"),
     case(
         raw("d.npz", pickle.dumps({"x": X, "y": Y}), NPZ),
-        r"not a readable \.npz.*pickled",
+        r"not a readable \.npz archive: not a zip file; write one with np\.savez",
         "npz-is-pickle",
     ),
     case(raw("d.npz", zip_with_raw_member, NPZ), r"'x' is not a \.npy array", "npz-raw-zip-member"),
     case(lambda tmp: show(tmp, "npz(path=nope.npz)"), r"file 'nope.npz' not found", "npz-no-file"),
-    case(lambda tmp: show(tmp, f"npz(path={tmp})"), r"not found", "npz-path-is-directory"),
+    case(lambda tmp: show(tmp, f"npz(path={tmp})"), r"is a directory .*; give a file",
+         "npz-path-is-directory"),
     case(lambda tmp: show(tmp, "npz"), r"needs path=FILE", "npz-no-path"),
 ]
 

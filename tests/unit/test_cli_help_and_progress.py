@@ -86,3 +86,32 @@ def test_a_studys_progress_in_a_log_is_plain_lines(capsys) -> None:
     progress.close()
     err = capsys.readouterr().err
     assert "\r" not in err and err.splitlines() == ["study: 5/5 runs"]
+
+
+def test_a_runs_last_progress_line_shows_the_evaluation_that_ended_it(capsys) -> None:
+    """The step's update comes before its evaluation: the last line said acc 0.949 where the
+    run had just reached its 0.95 target (the README's tour)."""
+    from batchbound.train.progress import Progress
+
+    progress = Progress(True, 100.0, "epoch", terminal=False)
+    progress.update(0.04, 1, 2.3, 0.099, 1000.0, 64)  # written: the first line
+    progress.update(8.5, 191, 0.11, 0.949, 1000.0, 64)  # pending: within the interval
+    progress.evaluated(0.956)
+    progress.evaluated(None)  # a regression run has no accuracy: nothing changes
+    progress.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["progress: epoch 0.04/100, it 1, loss 2.3, acc 0.099, samples/s 1000, B 64",
+                     "progress: epoch 8.50/100, it 191, loss 0.11, acc 0.956, samples/s 1000, "
+                     "B 64"]
+
+
+def test_an_evaluation_never_adds_a_line_of_its_own(capsys) -> None:
+    from batchbound.train.progress import Progress
+
+    progress = Progress(True, 3.0, "epoch", terminal=False)
+    progress.evaluated(0.5)  # before any step: nothing to show
+    progress.update(0.5, 1, 1.0, 0.4, 10.0, 8)  # the first update is written at once
+    progress.evaluated(0.6)  # that line stands; the next one will carry 0.6
+    progress.close()
+    assert capsys.readouterr().err.splitlines() == [
+        "progress: epoch 0.50/3, it 1, loss 1, acc 0.400, samples/s 10, B 8"]

@@ -105,7 +105,9 @@ def test_digits_image_option(embedded: dict) -> None:
 
 
 def test_unknown_names_and_options_are_errors() -> None:
-    with pytest.raises(BatchboundError, match=r"unknown data set 'mnst'; available: .*mnist5k"):
+    with pytest.raises(BatchboundError,
+                       match=r"unknown data set 'mnst' \(did you mean 'mnist'\?\); available: "
+                       r".*mnist5k"):
         load_dataset("mnst")
     with pytest.raises(BatchboundError, match=r"no option 'colour'; options: n, d"):
         load_dataset("synthetic-linear(colour=3)")

@@ -9,7 +9,8 @@ from batchbound.models import build_model, family_sweep
 
 BAD_SPECS = [
     ("transformer(depth=2)", (64,), "unknown model family 'transformer'; available: alexnet"),
-    ("fc(depth=2,widht=8)", (64,), "no option 'widht'; options: depth, width, params"),
+    ("fc(depth=2,widht=8)", (64,),
+     "no option 'widht' (did you mean 'width'?); options: depth, width, params"),
     ("fc(depth=2,width=8,params=1000)", (64,), "give width or params, not both"),
     ("fc(depth=2)", (64,), "give width=K or params=P"),
     ("fc(depth=-1,width=3)", (64,), "depth (hidden layers) must be an integer >= 0"),

@@ -70,7 +70,7 @@ from batchbound.advise.timing import (
     time_compute,
     time_workers,
 )
-from batchbound.advise.trajectory import Trajectory, extrapolate
+from batchbound.advise.trajectory import MIN_SEGMENT_STEPS, Trajectory, extrapolate
 from batchbound.advise.warmup import WarmupPlan, warmup_schedule
 from batchbound.data import Dataset, apply_transform, load_dataset
 from batchbound.errors import BatchboundError
@@ -347,11 +347,23 @@ def advise(
                        f"{exc.needed} (shorter ones read the transient after a branch starts, "
                        f"not the critical batch); "
                        + ("the pilot took the whole budget instead " if not pilot_given else "")
-                       + f"(--budget {math.ceil(100 * wanted) / 100:g} runs them)")
-            log(f"branches {skipped}")
+                       + (f"(--budget {math.ceil(100 * wanted) / 100:g} runs them)"
+                          if wanted <= 1 else "(a longer plan runs them)"))
             if not pilot_given:
                 pilot_fraction = budget
                 pilot_steps = min(planned, math.ceil(pilot_fraction * planned))
+    if estimator != "exact" and pilot_steps is not None and pilot_steps < MIN_SEGMENT_STEPS:
+        # one estimate per step at most: a pilot this short is refused after the timing and
+        # the pilot anyway; here it costs nothing, and the answer names the fraction needed
+        needed = math.ceil(100 * MIN_SEGMENT_STEPS / planned) / 100
+        raise BatchboundError(
+            f"the pilot's {pilot_fraction:g} of the planned {planned} iterations is "
+            f"{pilot_steps} step{'s' if pilot_steps != 1 else ''}; the noise scale needs at "
+            f"least {MIN_SEGMENT_STEPS}: give "
+            + (f"--pilot-fraction {needed:g} or more, or " if needed <= 1 else "")
+            + "a longer plan (--planned-epochs or --planned-iterations)")
+    if skipped:  # said once the pilot is known to run: a refusal above is its only line
+        log(f"branches {skipped}")
     payload = _payload(config, data_set, parts)
     others = OtherWork()
     with others:

@@ -171,8 +171,10 @@ def extrapolate(segs: Sequence[Segment], pilot_iterations: int, planned_iteratio
     ratio = moved(k)
     final = (loss_end * ratio ** -exponent, loss_end / ratio, loss_end)
     assumption = (
-        f"B_noise measured over the pilot's {tp} steps ({len(segs)} segments, ± two standard "
-        f"errors of their level) and extrapolated to the plan's {k} as B_noise·L ≈ κ = "
+        f"B_noise measured over the pilot's {tp} steps ("
+        + (f"{len(segs)} segments, ± two standard errors of their level" if len(segs) > 1
+           else "one segment, ± two standard errors of its level")
+        + f") and extrapolated to the plan's {k} as B_noise·L ≈ κ = "
         f"{kappa:.3g} ± "
         f"{kappa_se:.2g} (McCandlish et al.) with the training loss continuing its pilot "
         f"trend L ∝ t^−{exponent:.2f}"

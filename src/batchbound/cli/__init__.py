@@ -29,7 +29,10 @@ class BadArguments(SystemExit):
 
 class Parser(argparse.ArgumentParser):
     """Every batchbound parser (subcommands inherit the class): argparse's own errors, a bad
-    number or a missing argument, are one line like every other error, not the usage."""
+    number or a missing argument, are one line like every other error, not the usage.
+    ``unrecognized_hints`` says, for a flag another command takes, why this one does not."""
+
+    unrecognized_hints: dict[str, str] = {}  # noqa: RUF012 (read only; a command sets its own)
 
     def error(self, message: str) -> NoReturn:
         command = " ".join(self.prog.split()[:2])  # "batchbound study", as BatchboundErrors
@@ -42,7 +45,11 @@ class Parser(argparse.ArgumentParser):
         parsed, extras = super().parse_known_args(args, namespace)
         if extras and self.get_default("func") is not None:
             # a subcommand's leftovers are its own: name it, not the top-level parser
-            self.error(f"unrecognized arguments: {' '.join(extras)}")
+            why = [f"{flag} is {self.unrecognized_hints[flag]}" for flag in
+                   dict.fromkeys(e.split("=")[0] for e in extras)
+                   if flag in self.unrecognized_hints]
+            self.error(f"unrecognized arguments: {' '.join(extras)}"
+                       + (f" ({'; '.join(why)})" if why else ""))
         return parsed, extras
 
 

@@ -7,6 +7,7 @@ at every step; a model of iterations against batch size, extrapolated over the p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any
 
@@ -132,13 +133,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--study-model", metavar="LABEL",
                         help="with --from-study: the model as the report names it (e.g. "
                         "'L=2 K=30'), when the study has several")
-    parser.add_argument("--diversity-every", type=float, default=0.1, metavar="EPOCHS",
+    parser.add_argument("--diversity-every", "--diversity-every-epochs", type=float,
+                        default=0.1, metavar="EPOCHS",
                         help="with --estimator exact: exact n·Δ every this many pilot epochs "
                         "(default 0.1); with a target, the pilot evaluates 4 times as often")
     parser.add_argument("--figure", metavar="PNG", type=writable_file,
                         help="write time to target against P here")
     parser.add_argument("--json", action="store_true", help="print the advice as JSON")
     parser.set_defaults(func=run_command)
+    parser.unrecognized_hints = _train_flags_advise_does_not_take(parser)
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -196,3 +199,17 @@ def _print_advice(advice: Any) -> None:
             print(f"  epoch {p.epoch:.2f}: n·Δ = {p.batch_bound:.4g}, keeps up to "
                   f"B = {p.empirical_cbs}")
     print(f"\nassumptions: {advice.assumptions}", flush=True)
+
+
+def _train_flags_advise_does_not_take(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """``batchbound train``'s flags for the fields a pilot does not take, each with why
+    (PILOT_EXCLUDED): `advise --workers 2` says that --max-workers sets the rows."""
+    taken = set(parser._option_string_actions)
+    hints = {}
+    for f in dataclasses.fields(TrainConfig):
+        flags = f.metadata.get("flags", (f"--{f.name.replace('_', '-')}",))
+        for flag in flags:
+            why = PILOT_EXCLUDED.get(f.name, "")
+            if why and flag not in taken:  # a flag named as the reason is advise's own
+                hints[flag] = f"batchbound train's: {'use ' if why[0] == '-' else ''}{why}"
+    return hints

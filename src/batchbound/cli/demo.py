@@ -18,11 +18,13 @@ PRESET = "width-depth-digits"
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "demo", help=SUMMARY["demo"],
-        description="Runs the packaged preset study width-depth-digits (fully connected nets "
-        "of ~4000 weights at depths 1-8 on the embedded digits, batch sizes 16-1024, tuned η, "
-        "two seeds), writes its report, and prints per shape: depth, width, Δ, B = nΔ, the "
-        "threshold B*, the largest B within E epochs, and the study's critical batch size. "
-        "Resumable: rerunning reuses finished runs.")
+        description="Runs the packaged preset study width-depth-digits (fully connected ReLU "
+        "nets of ~4000 weights at depths 1, 2, 3, 4 and 6 on the embedded digits, batch sizes "
+        "16-1024, η tuned per (shape, B), three seeds, each run to 95 % training accuracy "
+        "within 30 epochs: 245 runs, a few minutes on 2 cores), writes its report, and prints "
+        "per shape: depth, width, Δ, B = nΔ, the threshold B*, the largest B within E "
+        "epochs (15 here), and the study's critical batch size. Resumable: rerunning reuses "
+        "finished runs.")
     parser.add_argument("--preset", default=PRESET, help=f"study preset or file; default {PRESET}")
     parser.add_argument("--store", type=Path, default=None,
                         help="SQLite store; default runs/<study>/study.sqlite")

@@ -32,7 +32,9 @@ def study_name(text: str) -> str:
 
     try:
         path = resolve_study_path(text)
-    except BatchboundError:  # not a file or preset: a name
+    except BatchboundError:  # not a file or preset: a name, unless it reads as a file's path
+        if "/" in text or text.endswith(".toml"):  # "not a valid name" would hide the typo
+            raise
         return check_study_name(text)
     return load_study(path).name  # a file that is there: its errors are the answer
 

@@ -63,7 +63,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="where runs keep their checkpoints; default <store>-checkpoints "
                      "beside the store. On a Ray cluster of several machines, a folder every "
                      "node mounts at the same path")
-    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--no-progress", action="store_true",
+                     help="no progress bar (in a log: no progress lines)")
     run.add_argument("--tensorboard", type=Path, metavar="DIR", default=None,
                      help="write each finished run as TensorBoard scalars into DIR/<run>/ "
                      "(runs finished earlier too); view with `tensorboard --logdir DIR`")
@@ -72,7 +73,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     export = sub.add_parser("export", help="write a store's tables as CSV or Parquet")
     export.add_argument("store", type=Path, help="SQLite store (runs/<study>/study.sqlite)")
-    export.add_argument("--format", choices=("csv", "parquet"), default="csv")
+    export.add_argument("--format", choices=("csv", "parquet"), default="csv",
+                        help="csv (default) or parquet (pip install 'batchbound[parquet]')")
     export.add_argument("--study", default=None, help="only this study's rows")
     export.add_argument("--out", type=Path, default=None,
                         help="output directory; default <store dir>/export")

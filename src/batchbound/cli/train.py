@@ -77,7 +77,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="print a JSON summary on stdout: status, targets, final, config_hash",
     )
-    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--no-progress", action="store_true",
+                     help="no progress bar (in a log: no progress lines every 30 s)")
     run.add_argument("--stall-timeout", type=_seconds, default=DEFAULT_STALL_TIMEOUT,
                      metavar="SECONDS",
                      help="with several workers: end the run, naming the silent rank, when a "

@@ -305,13 +305,17 @@ def resolve_user_file(data_dir: Path, path: object, label: str, option: str) -> 
     if not isinstance(path, str) or not path:
         raise BatchboundError(f"{label}: needs {option}=FILE, e.g. {label}({option}=train.txt)")
     given = Path(path).expanduser()
-    for candidate in (given, data_dir / given):
+    candidates = list(dict.fromkeys((given, data_dir / given)))  # one, when path is absolute
+    for candidate in candidates:
         if candidate.is_file():
             note_read(candidate)  # part of the data's identity (batchbound.data.identity)
             return candidate
-    raise BatchboundError(
-        f"{label}: file {path!r} not found (looked at {given} and {data_dir / given})"
-    )
+    folders = [c for c in candidates if c.is_dir()]
+    if folders:  # "not found" would send the user looking for a file that is there
+        raise BatchboundError(f"{label}: {option}={path!r} is a directory ({folders[0]}); "
+                              f"give a file, e.g. {label}({option}=train.txt)")
+    raise BatchboundError(f"{label}: file {path!r} not found (looked at "
+                          f"{' and '.join(str(c) for c in candidates)})")
 
 
 MIN_EXAMPLES = 2  # a batch size to choose needs at least two training examples
@@ -476,6 +480,14 @@ def read_npz(file: Path) -> dict[str, np.ndarray]:
 
 
 def _npz_arrays(handle: BinaryIO, file: Path) -> dict[str, np.ndarray]:
+    head = handle.read(6)
+    handle.seek(0)
+    # np.load takes any other bytes for a pickle and names that: not what the file is
+    if not head.startswith((b"PK", b"\x93NUMPY")):
+        raise BatchboundError(
+            f"npz: {file} is not a readable .npz archive: not a zip file; write one with "
+            "np.savez(FILE, x=..., y=...)"
+        )
     try:
         archive = np.load(handle, allow_pickle=False)
     except _NPZ_ERRORS as exc:

@@ -20,7 +20,7 @@ from typing import Any
 from batchbound.config import INT64_MAX
 from batchbound.data.dataset import Dataset, check_dataset
 from batchbound.errors import BatchboundError
-from batchbound.spec import check_options, parse_spec
+from batchbound.spec import check_options, did_you_mean, parse_spec
 
 Loader = Callable[..., Dataset]
 MissingCheck = Callable[[Path], "str | None"]
@@ -102,7 +102,8 @@ def dataset_names() -> list[str]:
 
 def get_entry(name: str) -> DatasetEntry:
     if name not in _REGISTRY:
-        raise BatchboundError(f"unknown data set {name!r}; available: {', '.join(dataset_names())}")
+        raise BatchboundError(f"unknown data set {name!r}{did_you_mean([name], dataset_names())}"
+                              f"; available: {', '.join(dataset_names())}")
     return _REGISTRY[name]
 
 

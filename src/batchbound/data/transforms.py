@@ -29,7 +29,7 @@ import torch
 
 from batchbound.data.dataset import Dataset
 from batchbound.errors import BatchboundError
-from batchbound.spec import Spec, check_options, parse_spec
+from batchbound.spec import Spec, check_options, did_you_mean, parse_spec
 
 
 def _record(dataset: Dataset, name: str, **options: object) -> tuple[str, ...]:
@@ -131,7 +131,8 @@ def apply_transform(dataset: Dataset, spec: str, seed: int) -> Dataset:
     parsed = parse_spec(spec)
     if parsed.name not in TRANSFORMS:
         known = ", ".join(f"{name}({','.join(_OPTIONS[name])})" for name in transform_names())
-        raise BatchboundError(f"unknown transform {parsed.name!r}; known: {known}")
+        raise BatchboundError(f"unknown transform {parsed.name!r}"
+                              f"{did_you_mean([parsed.name], transform_names())}; known: {known}")
     options = dict(parsed.kwargs)
     seed = options.pop("seed", seed)
     check_options(f"transform {parsed.name!r}", [*options, "seed"],

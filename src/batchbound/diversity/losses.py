@@ -17,6 +17,7 @@ from torch import Tensor
 
 from batchbound.diversity.calls import batch_of
 from batchbound.errors import BatchboundError, NonFiniteLossError
+from batchbound.spec import did_you_mean
 
 PerExampleLoss = Callable[[Tensor, Tensor], Tensor]
 
@@ -139,7 +140,8 @@ def resolve_loss(loss: str | PerExampleLoss | None, task: str | None = None) -> 
         loss = _DEFAULT_FOR_TASK[task]
     if isinstance(loss, str):
         if loss not in _BY_NAME:
-            raise BatchboundError(f"unknown loss {loss!r}; choose from {', '.join(LOSS_NAMES)}")
+            raise BatchboundError(f"unknown loss {loss!r}{did_you_mean([loss], LOSS_NAMES)}; "
+                                  f"choose from {', '.join(LOSS_NAMES)}")
         return _BY_NAME[loss]
     if not callable(loss):
         raise BatchboundError(f"loss must be a name or a callable, got {type(loss).__name__}")

@@ -19,7 +19,7 @@ from torch import nn
 
 from batchbound.errors import BatchboundError
 from batchbound.models.user import build_user_model, is_user_spec
-from batchbound.spec import Spec, check_options, parse_spec
+from batchbound.spec import Spec, check_options, did_you_mean, parse_spec
 
 Builder = Callable[..., nn.Module]
 _FAMILIES: dict[str, Builder] = {}
@@ -72,7 +72,8 @@ def budget_counts_weights_only(name: str) -> bool:
 def get_family(name: str) -> Builder:
     if name not in _FAMILIES:
         raise BatchboundError(
-            f"unknown model family {name!r}; available: {', '.join(family_names())}"
+            f"unknown model family {name!r}{did_you_mean([name], family_names())}; "
+            f"available: {', '.join(family_names())}"
         )
     return _FAMILIES[name]
 

@@ -29,9 +29,28 @@ USER_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 ARGUMENTS = ("input_shape", "num_outputs", "seed")
 
 
+# a file's path where the module's import name belongs: ./mymodels:f, src/mymodels.py:f
+PATH_SPEC = re.compile(
+    r"(?P<path>[^:()=,]*[/\\][^:()=,]*|[^:()=,]*\.py):(?P<callable>[A-Za-z_]\w*)")
+
+
 def is_user_spec(spec: object) -> bool:
-    """Whether ``spec`` names a user's factory (``module:callable``) rather than a family."""
-    return isinstance(spec, str) and USER_SPEC.fullmatch(spec.strip()) is not None
+    """Whether ``spec`` names a user's factory (``module:callable``) rather than a family.
+    A file's path before the colon is refused here, naming the form to write: it would
+    otherwise be read as a family spec and called malformed."""
+    if not isinstance(spec, str):
+        return False
+    path = PATH_SPEC.fullmatch(spec.strip())
+    if path:
+        file = path["path"].replace("\\", "/")
+        folder, _, name = file.rpartition("/")
+        module = name.removesuffix(".py")
+        where = (f"run from {folder} or put it on PYTHONPATH, and "
+                 if folder not in ("", ".") else "")
+        raise BatchboundError(
+            f"model {spec.strip()}: MODULE:CALLABLE takes the module's import name, not a "
+            f"file: {where}write {module}:{path['callable']}")
+    return USER_SPEC.fullmatch(spec.strip()) is not None
 
 
 def load_factory(spec: str) -> Any:

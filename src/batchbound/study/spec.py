@@ -16,7 +16,7 @@ from typing import Any
 
 from batchbound.config import INT64_MAX, check_types, load_toml, to_plain
 from batchbound.errors import BatchboundError
-from batchbound.spec import parse_spec
+from batchbound.spec import did_you_mean, parse_spec
 from batchbound.train.config import TARGET_METRICS, TrainConfig
 from batchbound.train.lr_rules import LR_RULES
 
@@ -64,7 +64,8 @@ def _check_keys(section: str, table: dict[str, Any], allowed: set[str]) -> None:
     unknown = sorted(set(table) - allowed)
     if unknown:
         raise BatchboundError(
-            f"study spec [{section}]: unknown key(s) {', '.join(unknown)}; "
+            f"study spec [{section}]: unknown key(s) {', '.join(unknown)}"
+            f"{did_you_mean(unknown, sorted(allowed))}; "
             f"valid keys: {', '.join(sorted(allowed))}"
         )
 

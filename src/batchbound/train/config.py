@@ -18,6 +18,7 @@ from typing import Any
 
 from batchbound.config import check_types, config_hash, to_plain
 from batchbound.errors import BatchboundError
+from batchbound.spec import did_you_mean
 from batchbound.train.adaptive import BatchPolicy, parse_batch_policy
 from batchbound.train.mechanisms import GRANULARITIES, Mechanism, parse_mechanism
 from batchbound.train.optimizers import ADAPTIVE, OPTIMIZERS
@@ -148,7 +149,7 @@ class TrainConfig:
     weight_decay: float = option(0.0, "optimisation", "weight decay: L2 in the gradient for "
                                  "sgd and adam, decoupled for adamw")
     convention: str = option("mean", "optimisation",
-                             "mean: w -= γ·(1/B)Σg_i; sum: w -= γ·Σg_i (the papers')",
+                             "mean: w -= η·(1/B)Σg_i; sum: w -= η·Σg_i (the papers')",
                              choices=CONVENTIONS)
     sampling: str = option("epoch", "optimisation",
                            "epoch: permutations without replacement; replacement: i.i.d.",
@@ -166,7 +167,8 @@ class TrainConfig:
                                    flags=())
     max_epochs: float | None = option(100.0, "stopping", "epoch limit")
     max_iterations: int | None = option(None, "stopping", "iteration limit")
-    max_seconds: float | None = option(None, "stopping", "training wall-time limit")
+    max_seconds: float | None = option(None, "stopping",
+                                         "limit on the training seconds (evaluations not counted)")
     divergence_factor: float | None = option(
         10.0, "stopping", "diverged when the batch loss exceeds this × the initial loss")
     # evaluation
@@ -178,7 +180,8 @@ class TrainConfig:
     eval_every_iterations: int | None = option(
         None, "evaluation", "evaluate every k iterations (replaces --eval-every-epochs)")
     eval_subset: int | None = option(None, "evaluation",
-                                     "train metrics on this many fixed examples")
+                                     "train metrics on this many fixed examples (default: "
+                                     "all of them)")
     eval_batch_size: int = option(4096, "evaluation", "examples per evaluation chunk")
     eval_test: str = option(
         "every", "evaluation", "when to evaluate the test split: every (at each evaluation) | "
@@ -389,7 +392,8 @@ class TrainConfig:
         unknown = sorted(set(data) - names)
         if unknown:
             raise BatchboundError(
-                f"unknown train config field(s) {', '.join(unknown)}; "
+                f"unknown train config field(s) {', '.join(unknown)}"
+                f"{did_you_mean(unknown, sorted(names))}; "
                 f"fields: {', '.join(sorted(names))}"
             )
         return cls(**data)

@@ -504,6 +504,7 @@ class Trainer:
         if data.n_test > 0 and (cfg.eval_test == "every" or last):
             self.evaluate_test(metrics)
         self.metrics = metrics
+        self.progress.evaluated(metrics.get("train_acc"))
         if self.initial_loss is None:
             self.initial_loss = metrics["train_loss"]
         for target, goal in zip(self.targets, cfg.targets, strict=True):

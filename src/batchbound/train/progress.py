@@ -28,6 +28,7 @@ class Progress:
         self._last = 0.0
         self.bar: Any = None  # made by the first update
         self._line: str | None = None  # a log's progress line not yet written
+        self._state: tuple[float, int, float, float, int] | None = None  # the last update's
 
     def update(
         self,
@@ -41,13 +42,10 @@ class Progress:
     ) -> None:
         if not self.enabled:
             return
-        if not self.terminal:
-            done = epoch if self.unit == "epoch" else iteration
-            total = f"/{self.total:g}" if self.total is not None else ""
-            fields = [f"{self.unit} {done:.2f}{total}", f"it {iteration}", f"loss {loss:.4g}",
-                      *([f"acc {acc:.3f}"] if acc is not None else []),
-                      f"samples/s {samples_per_second:.0f}", f"B {batch_size}"]
-            self._line = "progress: " + ", ".join(fields)  # the last state, for close()
+        self._state = (epoch, iteration, loss, samples_per_second, batch_size)
+        if not self.terminal:  # the last state, for close()
+            self._line = self._log_line(epoch, iteration, loss, acc, samples_per_second,
+                                        batch_size)
         now = time.perf_counter()
         if not force and now - self._last < self.interval and self._last > 0:
             return
@@ -72,6 +70,28 @@ class Progress:
         postfix["B"] = batch_size
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.refresh()
+
+    def evaluated(self, acc: float | None) -> None:
+        """The step's update comes before its evaluation and shows the one before: where that
+        evaluation reached the target, the last line said an accuracy below it. The pending
+        log line (or the bar) takes the new one; a line already written stays as it was."""
+        if not self.enabled or self._state is None or acc is None:
+            return
+        epoch, iteration, loss, samples_per_second, batch_size = self._state
+        if self.terminal:
+            self.update(epoch, iteration, loss, acc, samples_per_second, batch_size, force=True)
+        elif self._line is not None:
+            self._line = self._log_line(epoch, iteration, loss, acc, samples_per_second,
+                                        batch_size)
+
+    def _log_line(self, epoch: float, iteration: int, loss: float, acc: float | None,
+                  samples_per_second: float, batch_size: int) -> str:
+        done = epoch if self.unit == "epoch" else iteration
+        total = f"/{self.total:g}" if self.total is not None else ""
+        fields = [f"{self.unit} {done:.2f}{total}", f"it {iteration}", f"loss {loss:.4g}",
+                  *([f"acc {acc:.3f}"] if acc is not None else []),
+                  f"samples/s {samples_per_second:.0f}", f"B {batch_size}"]
+        return "progress: " + ", ".join(fields)
 
     def close(self) -> None:
         if self.bar is not None:

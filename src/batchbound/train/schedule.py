@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from batchbound.errors import BatchboundError
-from batchbound.spec import check_options, parse_spec
+from batchbound.spec import check_options, did_you_mean, parse_spec
 from batchbound.train.lr_rules import LR_RULES, rules_help
 
 DECAYS = ("none", "step", "cosine")
@@ -41,7 +41,8 @@ class Strategy:
     def __post_init__(self) -> None:
         if self.name not in LR_RULES:
             raise BatchboundError(
-                f"unknown learning-rate strategy {self.name!r}; choose from {', '.join(LR_RULES)}"
+                f"unknown learning-rate strategy {self.name!r}{did_you_mean([self.name], LR_RULES)}"
+                f"; choose from {', '.join(LR_RULES)}"
                 " (e.g. blr, lsr(base_batch=32,warmup_epochs=5), srsr(base_batch=32))"
             )
         if self.base_batch < 1:
@@ -79,7 +80,7 @@ class Strategy:
 
 def strategy_help() -> str:
     """The strategies' help, from the registry as it is now (a later rule is listed)."""
-    forms = [f"{name}(base_batch=m0,warmup_epochs=W)" if rule.needs_base_batch else name
+    forms = [f"{name}(base_batch=B0,warmup_epochs=W)" if rule.needs_base_batch else name
              for name, rule in LR_RULES.items()]
     return f"{' | '.join(forms)}, optional decay=step|cosine ({rules_help()})"
 
@@ -94,7 +95,8 @@ def parse_strategy(text: str) -> Strategy:
     rule = LR_RULES.get(spec.name)
     if rule is not None and rule.needs_base_batch and "base_batch" not in kwargs:
         raise BatchboundError(
-            f"strategy {spec.name} needs base_batch=m0, e.g. {spec.name}(base_batch=32)"
+            f"strategy {spec.name} needs base_batch=B0 (the batch η0 is for), e.g. "
+            f"{spec.name}(base_batch=32)"
         )
     if "milestones" in kwargs:
         milestones = kwargs["milestones"]

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from batchbound.errors import BatchboundError
-from batchbound.spec import Spec, parse_spec
+from batchbound.spec import Spec, did_you_mean, parse_spec
 
 # ----------------------------------------------------------------------------- options
 
@@ -177,7 +177,8 @@ def _find(name: str) -> MechanismEntry | None:
 
 def _unknown(name: str) -> BatchboundError:
     return BatchboundError(
-        f"unknown mechanism {name!r}; choose from {', '.join(mechanism_names())}"
+        f"unknown mechanism {name!r}{did_you_mean([name], mechanism_names())}; choose from "
+        f"{', '.join(mechanism_names())}"
     )
 
 
