@@ -8,12 +8,12 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from batchbound.cli.atomic import write_new, write_whole
 from batchbound.cli.claim import claim_outputs
 from batchbound.cli.commands import SUMMARY
 from batchbound.cli.common import (
@@ -158,22 +158,19 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def save_output(result: RunResult, path: str | Path) -> None:
-    """Write ``--output``; when that fails after the run, keep the result in a file of its
-    own (the working directory, else the temporary folder) and say where, as a fault."""
+    """Write ``--output`` whole or not at all (cli/atomic.py: a failed write keeps the file
+    that was there); when that fails after the run, keep the result in a file of its own
+    (the working directory, else the temporary folder) and say where, as a fault."""
     text = result.to_json(indent=1)
     try:
-        with open(path, "w") as fh:
-            fh.write(text)
+        write_whole(path, text)
         return
     except OSError as exc:
         reason = exc.strerror or str(exc)
     kept = "it was not kept anywhere else"
     for folder in (Path.cwd(), Path(tempfile.gettempdir())):
         try:
-            fd, name = tempfile.mkstemp(prefix=f"batchbound-result-{result.config_hash}-",
-                                        suffix=".json", dir=folder)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(text)
+            name = write_new(folder, f"batchbound-result-{result.config_hash}-", ".json", text)
         except OSError:
             continue
         kept = f"the whole result is kept in {name}"
