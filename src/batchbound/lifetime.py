@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,12 +27,19 @@ from pathlib import Path
 PROC = Path("/proc")
 
 
-def die_with_parent(grace_seconds: float = 5.0, poll_seconds: float = 0.5) -> None:
-    parent = os.getppid()
+def die_with_parent(grace_seconds: float = 5.0, poll_seconds: float = 0.5, *,
+                    parent: int | None = None, remove: str | Path | None = None) -> None:
+    """``parent``: the pid to outlive no longer than ``poll_seconds`` (default: the current
+    parent; give it when the parent may have died before this process started). ``remove``:
+    a folder that only the parent reads (this process's results for it), deleted once the
+    parent is gone, before the SIGTERM: no one else would ever delete it."""
+    parent = os.getppid() if parent is None else parent
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(poll_seconds)
+        if remove is not None:
+            shutil.rmtree(remove, ignore_errors=True)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace_seconds)
         os._exit(1)

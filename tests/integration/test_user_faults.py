@@ -1,0 +1,104 @@
+"""Faults as users meet them, with real processes (issue 45): a write cut short by a file-size
+limit, a launcher or an advice killed mid-run. Each must leave no process, no temporary
+folder and no half-written file behind, and keep what was there before."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from bad_input import FAULT
+from study_processes import alive, descendants
+
+pytestmark = [FAULT, pytest.mark.skipif(not Path("/proc/self/stat").exists(),
+                                        reason="reads /proc")]
+
+TRAIN = [sys.executable, "-m", "batchbound", "train", "--dataset", "digits", "--model",
+         "fc(depth=1,params=800)", "-B", "64", "--no-progress"]
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    """A temporary folder of the test's own, so that what a command leaves there is seen."""
+    tmp.mkdir(exist_ok=True)
+    return {**os.environ, "PYTHONWARNINGS": "ignore", "TMPDIR": str(tmp)}
+
+
+def _limit_files(kib: int):
+    def limit() -> None:  # a shell's `ulimit -f KIB`: a write past it fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (kib * 1024, kib * 1024))
+    return limit
+
+
+def test_an_output_cut_short_keeps_the_previous_one_and_leaves_no_part(tmp_path):
+    """`ulimit -f` smaller than the result: the --output written by an earlier run stays whole,
+    and no truncated copy of the result is left in the working or temporary folder."""
+    tmp = tmp_path / "tmp"
+    out = tmp_path / "out.json"
+    out.write_text(json.dumps({"earlier": "result"}))
+    done = subprocess.run([*TRAIN, "--max-iterations", "10", "--output", str(out)],
+                          capture_output=True, text=True, cwd=tmp_path, env=_env(tmp),
+                          preexec_fn=_limit_files(2), timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "config hash:" in done.stdout  # the result is printed first
+    assert f"cannot write {out} after the run: File too large" in done.stderr
+    assert "it was not kept anywhere else" in done.stderr
+    assert json.loads(out.read_text()) == {"earlier": "result"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.json.lock", "out.json", "tmp"]
+    assert [p.name for p in tmp.iterdir() if "batchbound" in p.name] == []  # (torch's own stay)
+
+
+def _children_named(pid: int, word: str, count: int, proc: subprocess.Popen,
+                    seconds: float = 180) -> list[int]:
+    deadline = time.time() + seconds
+    while True:
+        found = sorted(p for p in descendants(pid) if word in _cmdline(p))
+        if len(found) >= count:
+            return found
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.time() < deadline, f"no {word} process started"
+        time.sleep(0.1)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:  # it ended meanwhile
+        return ""
+
+
+def _gone(pids: list[int], seconds: float = 20) -> None:
+    deadline = time.time() + seconds
+    while alive(set(pids)) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not alive(set(pids)), f"left behind: {alive(set(pids))}"
+
+
+ADVISE = [sys.executable, "-m", "batchbound", "advise", "--planned-epochs", "4",
+          "--critical-batch", "noise", "--max-workers", "2"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_an_advice_killed_while_timing_its_ranks_takes_them_along(tmp_path, sig):
+    """`advise` killed while its ranks time the step on 2 processes: the ranks end within
+    seconds (they timed on for nobody, as orphans) and their folder goes with them."""
+    tmp = tmp_path / "tmp"
+    proc = subprocess.Popen(ADVISE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=tmp_path, env=_env(tmp), start_new_session=True)
+    try:
+        ranks = _children_named(proc.pid, "step_timer", 2, proc)
+        assert [p.name for p in tmp.iterdir() if p.name.startswith("batchbound-steps-")]
+        os.kill(proc.pid, sig)
+        proc.communicate(timeout=60)
+        _gone(ranks, seconds=8)
+        assert [p.name for p in tmp.iterdir() if p.name.startswith("batchbound-")] == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
