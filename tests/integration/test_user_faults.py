@@ -102,3 +102,49 @@ def test_an_advice_killed_while_timing_its_ranks_takes_them_along(tmp_path, sig)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+
+
+DISTRIBUTED = ["--workers", "2", "--max-iterations", "600", "--checkpoint-every", "20",
+               "--eval-every-iterations", "300", "--no-stop-at-targets", "--json"]
+
+
+def _summary(done: subprocess.CompletedProcess) -> dict:
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    return {k: v for k, v in summary["final"].items()
+            if "second" not in k and "per_s" not in k}  # wall clock: differs run to run
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_killed_launcher_leaves_no_rank_and_no_folder_and_resumes_identical(tmp_path):
+    """`train --workers 2` whose launcher is killed with SIGKILL: its ranks stop within
+    seconds and take the launcher's temporary folder along (it held the result for no one),
+    and `--resume` ends as the unbroken run does (gloo on CPU sums in a fixed order)."""
+    tmp = tmp_path / "tmp"
+    checkpoint = tmp_path / "ck.pt"
+    proc = subprocess.Popen([*TRAIN, *DISTRIBUTED, "--checkpoint", str(checkpoint)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
+                            env=_env(tmp), start_new_session=True)
+    try:
+        ranks = _children_named(proc.pid, "spawn_main", 2, proc)
+        deadline = time.time() + 120
+        while not checkpoint.exists():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1]
+            time.sleep(0.05)
+        assert [p.name for p in tmp.iterdir() if p.name.startswith("batchbound-")]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+        _gone(ranks)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("batchbound-")] == []
+    resumed = subprocess.run([*TRAIN, *DISTRIBUTED, "--checkpoint", str(checkpoint),
+                              "--resume"], capture_output=True, text=True, cwd=tmp_path,
+                             env=_env(tmp), timeout=300)
+    unbroken = subprocess.run([*TRAIN, *DISTRIBUTED], capture_output=True, text=True,
+                              cwd=tmp_path, env=_env(tmp), timeout=300)
+    assert _summary(resumed) == _summary(unbroken)
+    assert _summary(resumed)["iterations"] == 600
