@@ -148,3 +148,32 @@ def test_a_killed_launcher_leaves_no_rank_and_no_folder_and_resumes_identical(tm
                               cwd=tmp_path, env=_env(tmp), timeout=300)
     assert _summary(resumed) == _summary(unbroken)
     assert _summary(resumed)["iterations"] == 600
+
+
+def test_a_killed_run_rerun_without_resume_keeps_its_checkpoint(tmp_path):
+    """`train --checkpoint ck.pt` killed with SIGKILL, then the same command again: refused in
+    one line that names the file and --resume (exit 2), the checkpoint untouched, where it
+    used to start at iteration 0 and write over it; with --resume the run ends."""
+    checkpoint = tmp_path / "ck.pt"
+    command = [*TRAIN, "--max-iterations", "400", "--checkpoint-every", "20", "--json",
+               "--eval-every-iterations", "500", "--no-stop-at-targets", "--checkpoint",
+               str(checkpoint)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=tmp_path, env=_env(tmp_path / "tmp"), start_new_session=True)
+    deadline = time.time() + 120
+    while not checkpoint.exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1]
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    saved = checkpoint.read_bytes()
+    again = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert again.returncode == 2, again.stderr
+    lines = again.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{checkpoint} already holds a checkpoint" in lines[0]
+    assert "--resume" in lines[0]
+    assert checkpoint.read_bytes() == saved
+    resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True,
+                             cwd=tmp_path, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout.strip().splitlines()[-1])["final"]["iterations"] == 400
