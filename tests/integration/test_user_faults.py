@@ -177,3 +177,37 @@ def test_a_killed_run_rerun_without_resume_keeps_its_checkpoint(tmp_path):
                              cwd=tmp_path, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads(resumed.stdout.strip().splitlines()[-1])["final"]["iterations"] == 400
+
+
+KILLED_MID_WRITE = """
+import os, sys, time
+import torch
+from batchbound.train import checkpoint as ck
+os.replace = lambda *a: time.sleep(600)  # killed between the write and the replace
+ck.save_checkpoint(sys.argv[1], {"config_hash": "abc", "weights": torch.zeros(1000)})
+"""
+
+
+def test_a_writer_killed_mid_checkpoint_leaves_no_temporary_file_for_long(tmp_path):
+    """A SIGKILL between a checkpoint's write and its replace leaves `.ck.pt.PID.HEX.tmp`, the
+    size of a checkpoint, at every kill; the next checkpoint written there removes those of
+    dead writers (never a live writer's)."""
+    import torch
+
+    from batchbound.train import checkpoint as ck
+
+    path = tmp_path / "ck.pt"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_MID_WRITE, str(path)])
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(".ck.pt.*.tmp")):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    (stale,) = tmp_path.glob(".ck.pt.*.tmp")
+    assert stale.name.startswith(f".ck.pt.{proc.pid}.")
+    live = tmp_path / f".ck.pt.{os.getpid()}.00000000.tmp"  # a writer still at work
+    live.write_bytes(b"partial")
+    ck.save_checkpoint(path, {"config_hash": "abc", "weights": torch.ones(1000)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "ck.pt"]
+    assert ck.load_checkpoint(path)["weights"].sum() == 1000
