@@ -211,3 +211,40 @@ def test_a_writer_killed_mid_checkpoint_leaves_no_temporary_file_for_long(tmp_pa
     ck.save_checkpoint(path, {"config_hash": "abc", "weights": torch.ones(1000)})
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "ck.pt"]
     assert ck.load_checkpoint(path)["weights"].sum() == 1000
+
+
+def test_data_rewritten_in_place_with_its_size_and_mtime_is_seen(tmp_path):
+    """An npz rewritten in place (same inode) to the same size, its mtime put back (`cp -p`,
+    `rsync -t`), after the study was planned, in the same process (`--jobs 0`): the content
+    hashes were cached by inode, size and mtime, so the run trained on the new labels under
+    the planned key; the ctime is in the cache's key now, and the run is refused."""
+    import numpy as np
+
+    from batchbound.errors import BatchboundError
+    from batchbound.study.adapter import execute
+    from batchbound.study.plan import make_plan
+    from batchbound.study.spec import study_from_dict
+
+    data = tmp_path / "d.npz"
+
+    def write(labels_seed: int) -> None:
+        x = np.random.default_rng(0).normal(size=(200, 5)).astype(np.float32)
+        y = np.random.default_rng(labels_seed).integers(0, 3, size=200)
+        with open(data, "r+b" if data.exists() else "wb") as fh:  # in place: the same inode
+            np.savez(fh, x=x, y=y)
+
+    write(1)
+    spec = {"study": {"name": "files"}, "data": {"datasets": [f"npz(path={data})"]},
+            "models": {"specs": ["fc(depth=1,width=8)"]}, "batches": {"sizes": [16]},
+            "lr": {"grid": [0.1], "tuning": "none"},
+            "train": {"targets": {"train_acc": 0.99}, "max_epochs": 2, "repeats": 1}}
+    run = make_plan(study_from_dict(spec)).final_runs({})[0]
+    before = os.stat(data)
+    time.sleep(0.01)
+    write(2)
+    os.utime(data, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(data)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino, before.st_size, before.st_mtime_ns)
+    with pytest.raises(BatchboundError, match=r"changed after the study was planned"):
+        execute(dict(run.fields), tmp_path / "ck", False)
