@@ -248,3 +248,48 @@ def test_data_rewritten_in_place_with_its_size_and_mtime_is_seen(tmp_path):
         before.st_ino, before.st_size, before.st_mtime_ns)
     with pytest.raises(BatchboundError, match=r"changed after the study was planned"):
         execute(dict(run.fields), tmp_path / "ck", False)
+
+
+STUDY = """
+[study]
+name = "faults"
+[data]
+datasets = ["digits"]
+[models]
+family = "fc"
+params = 2000
+depths = [1]
+[batches]
+sizes = [64, 256]
+[lr]
+grid = [0.1]
+tuning = "none"
+[train]
+targets = { train_acc = 0.99 }
+max_epochs = 2
+repeats = 1
+"""
+
+
+def test_a_store_the_disk_cannot_write_at_its_start_is_a_fault(tmp_path):
+    """`ulimit -f` too small for a new store's first pages: SQLite's disk I/O error, as at a
+    later write, is a fault (exit 1) that says what may be wrong, not a refusal of the
+    user's input (exit 2); with the limit lifted the same command runs the study."""
+    from study_processes import TRAINER
+
+    spec = tmp_path / "spec.toml"
+    spec.write_text(STUDY)
+    store = tmp_path / "s.sqlite"
+    command = [sys.executable, "-m", "batchbound", "study", "run", str(spec), "--store",
+               str(store), "--jobs", "0", "--trainer", TRAINER, "--no-progress"]
+    env = {**_env(tmp_path / "tmp"), "BATCHBOUND_SIM_LOG": str(tmp_path / "log"),
+           "BATCHBOUND_SIM_SLEEP": "0"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120,
+                          preexec_fn=_limit_files(60))
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1, done.stderr
+    assert len(lines) == 1 and f"cannot write to the store {store}:" in lines[0], lines
+    assert "file-size limit" in lines[0] and "every run recorded before is kept" in lines[0]
+    again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert "2 runs executed" in again.stderr
