@@ -293,3 +293,20 @@ def test_a_store_the_disk_cannot_write_at_its_start_is_a_fault(tmp_path):
     again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
     assert again.returncode == 0, again.stderr
     assert "2 runs executed" in again.stderr
+
+
+def test_a_figure_cut_short_keeps_the_previous_one(tmp_path):
+    """`advise --figure f.png` under a file-size limit smaller than the figure: the advice is
+    printed, the fault is one line, and the f.png an earlier advice drew is kept whole (it
+    used to be truncated to the limit) with no partial file beside it."""
+    figure = tmp_path / "f.png"
+    figure.write_bytes(b"an earlier figure")
+    done = subprocess.run(
+        [sys.executable, "-m", "batchbound", "advise", "--target-train-acc", "0.5",
+         "--max-workers", "1", "--figure", str(figure)], capture_output=True, text=True,
+        cwd=tmp_path, env=_env(tmp_path / "tmp"), preexec_fn=_limit_files(8), timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert f"cannot write the figure {figure}: File too large" in done.stderr
+    assert "the advice is printed above" in done.stderr
+    assert figure.read_bytes() == b"an earlier figure"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".f.png.")] == []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -60,3 +61,24 @@ def write_new(folder: str | Path, prefix: str, suffix: str, text: str) -> Path:
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink()
+
+
+def write_through(path: str | Path, write: Callable[[Path], object],
+                  default_suffix: str = "") -> Path:
+    """Have ``write(tmp)`` write a file (a figure: ``savefig`` picks the format by the
+    suffix, which the temporary name keeps, ``default_suffix`` for a path without one), then
+    move it onto ``path`` atomically; raises what the write raised, with ``path`` as it was
+    and no temporary file left."""
+    real = Path(path).expanduser().resolve()
+    suffix = real.suffix or default_suffix
+    tmp = real.parent / f".{real.name}.{os.getpid()}.{secrets.token_hex(4)}{suffix}"
+    try:
+        write(tmp)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, real)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return real
