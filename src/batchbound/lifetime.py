@@ -15,7 +15,9 @@ SIGKILL. Linux only (it reads /proc); elsewhere it does nothing.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,17 +28,35 @@ from pathlib import Path
 PROC = Path("/proc")
 
 
-def die_with_parent(grace_seconds: float = 5.0, poll_seconds: float = 0.5) -> None:
-    parent = os.getppid()
+def die_with_parent(grace_seconds: float = 5.0, poll_seconds: float = 0.5, *,
+                    parent: int | None = None, remove: str | Path | None = None) -> None:
+    """``parent``: the pid to outlive no longer than ``poll_seconds`` (default: the current
+    parent; give it when the parent may have died before this process started). ``remove``:
+    a folder that only the parent reads (this process's results for it), deleted once the
+    parent is gone, before the SIGTERM: no one else would ever delete it."""
+    parent = os.getppid() if parent is None else parent
+    _no_parent_death_signal()
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(poll_seconds)
+        if remove is not None:
+            shutil.rmtree(remove, ignore_errors=True)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace_seconds)
         os._exit(1)
 
     threading.Thread(target=watch, name="batchbound-die-with-parent", daemon=True).start()
+
+
+def _no_parent_death_signal() -> None:
+    """Clear the signal a launcher library asked the kernel to send when our parent dies
+    (torch's spawn sets SIGINT): the kernel sends it each time the parent *thread* that
+    started us ends, and a dying multi-threaded parent sends several, the second one a
+    KeyboardInterrupt in whatever this process was doing. The watcher above says it once."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG, none
 
 
 def reap_when_dead() -> subprocess.Popen[bytes] | None:

@@ -17,6 +17,7 @@ over rounds as JSON.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -145,6 +146,13 @@ def allreduce(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from batchbound.lifetime import die_with_parent
+
+    # an advice killed mid-timing (SIGKILL, or SIGTERM, which it does not catch) takes its
+    # ranks and their folder with it, instead of leaving them to time on for no one
+    out = sys.argv[3] if sys.argv[1:2] == ["allreduce"] else sys.argv[2]
+    die_with_parent(parent=int(os.environ.get("BATCHBOUND_TIMER_PARENT", os.getppid())),
+                    remove=Path(out).parent)
     if sys.argv[1:2] == ["allreduce"]:
         allreduce(sys.argv[2:])
     else:

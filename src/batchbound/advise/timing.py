@@ -179,7 +179,8 @@ def _run_ranks(arguments: list[str], workers: int, out: Path, tmp: str) -> None:
     for r, log in enumerate(logs):
         with log.open("w") as err:  # the child keeps its own copy of the descriptor
             ranks.append(subprocess.Popen(command, stderr=err, env={
-                **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                **os.environ, "BATCHBOUND_TIMER_PARENT": str(os.getpid()),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(workers)}))
     errors = []
     try:

@@ -16,6 +16,7 @@ from batchbound.advise.figure import plot_advice
 from batchbound.advise.iterations import strategies
 from batchbound.advise.pilot import ESTIMATORS
 from batchbound.advise.timing import OVERLAPS
+from batchbound.cli.atomic import write_through
 from batchbound.cli.commands import SUMMARY
 from batchbound.cli.common import add_config_flags, add_data_arguments, writable_file
 from batchbound.errors import BatchboundError, FaultError
@@ -179,7 +180,7 @@ def run_command(args: argparse.Namespace) -> int:
         _print_advice(advice)
     if args.figure:  # after the advice: a figure that cannot be written must not lose it
         try:
-            plot_advice(advice, args.figure)
+            write_through(args.figure, lambda tmp: plot_advice(advice, tmp), ".png")
         except OSError as exc:
             raise FaultError(f"cannot write the figure {args.figure}: {exc.strerror or exc}; "
                              "the advice is printed above") from None

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from batchbound.cli.atomic import write_new, write_whole
 from batchbound.cli.claim import claim_outputs
 from batchbound.cli.commands import SUMMARY
 from batchbound.cli.common import (
@@ -128,6 +129,7 @@ def run_command(args: argparse.Namespace) -> int:
     main = env_rank() == 0  # under torchrun, rank 0 writes
     outputs = (args.checkpoint, args.output, args.tensorboard) if main else ()
     with claim_outputs(outputs):  # a second run given the same paths is refused now
+        _keep_checkpoint(args.checkpoint, args.resume)
         result = train(
             config,
             checkpoint_path=args.checkpoint,
@@ -158,23 +160,35 @@ def run_command(args: argparse.Namespace) -> int:
     return 1 if result.status == "failed" else 0
 
 
+def _keep_checkpoint(checkpoint: str | Path | None, resume: bool) -> None:
+    """Refuse to start a run over an existing checkpoint: rerunning a killed run's command
+    without --resume would begin at iteration 0 and write over what it had saved. Not under
+    torchrun: a group it restarts resumes by itself (``train``), and a node that joins a
+    restarted group is in its first attempt while the checkpoint is there."""
+    if checkpoint is None or resume or "TORCHELASTIC_RUN_ID" in os.environ:
+        return
+    if not Path(checkpoint).exists():
+        return
+    raise BatchboundError(
+        f"{checkpoint} already holds a checkpoint, which this run would write over from "
+        "iteration 0: add --resume to continue it (same configuration), or remove it or give "
+        "another --checkpoint to start afresh")
+
+
 def save_output(result: RunResult, path: str | Path) -> None:
-    """Write ``--output``; when that fails after the run, keep the result in a file of its
-    own (the working directory, else the temporary folder) and say where, as a fault."""
+    """Write ``--output`` whole or not at all (cli/atomic.py: a failed write keeps the file
+    that was there); when that fails after the run, keep the result in a file of its own
+    (the working directory, else the temporary folder) and say where, as a fault."""
     text = result.to_json(indent=1)
     try:
-        with open(path, "w") as fh:
-            fh.write(text)
+        write_whole(path, text)
         return
     except OSError as exc:
         reason = exc.strerror or str(exc)
     kept = "it was not kept anywhere else"
     for folder in (Path.cwd(), Path(tempfile.gettempdir())):
         try:
-            fd, name = tempfile.mkstemp(prefix=f"batchbound-result-{result.config_hash}-",
-                                        suffix=".json", dir=folder)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(text)
+            name = write_new(folder, f"batchbound-result-{result.config_hash}-", ".json", text)
         except OSError:
             continue
         kept = f"the whole result is kept in {name}"

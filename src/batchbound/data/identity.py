@@ -5,7 +5,7 @@ Every user file reaches a loader through one of two functions of ``batchbound.da
 ``text``), and both report it here; ``recording()`` collects them while a data set loads. The
 fingerprint is a SHA-256 over each file's name, size and content hash, so a run's identity
 (``TrainConfig.data_files``) changes exactly when its data does. Content hashes are cached per
-process by (device, inode, size, mtime), so a data set is hashed once however often it loads.
+process by (device, inode, size, mtime, ctime), so a data set is hashed once however often it loads.
 Embedded data sets read no file and have no fingerprint: their runs keep their keys.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 _READ: ContextVar[list[Path] | None] = ContextVar("batchbound_files_read", default=None)
-_DIGESTS: dict[tuple[int, int, int, int], str] = {}
+_DIGESTS: dict[tuple[int, int, int, int, int], str] = {}
 _CHUNK = 1 << 20
 
 
@@ -45,9 +45,11 @@ def recording() -> Iterator[list[Path]]:
 
 
 def content_hash(path: Path) -> str:
-    """SHA-256 of the file's bytes, cached by the file's identity, size and mtime."""
+    """SHA-256 of the file's bytes, cached by the file's identity, size, mtime and ctime.
+    The ctime too: a file rewritten in place to the same size with its mtime put back
+    (``cp -p``, ``rsync -t``, ``touch -r``) keeps the other four, and no one can set a ctime."""
     info = os.stat(path)
-    key = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+    key = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
     if key not in _DIGESTS:
         digest = hashlib.sha256()
         with open(path, "rb") as handle:

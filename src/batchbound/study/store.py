@@ -162,6 +162,11 @@ class Store:
                 self.identity = _identity(self.path.resolve())
         except sqlite3.DatabaseError as exc:
             self._release()
+            if _disk_fault(exc):  # the disk's fault, not the user's input: exit 1, not 2
+                raise FaultError(
+                    f"cannot {'read' if readonly else 'write to'} the store {self.path}: {exc} "
+                    "(a full disk, a file-size limit such as `ulimit -f`, or a failing disk); "
+                    "every run recorded before is kept") from None
             raise BatchboundError(_explain(self.path, exc, readonly)) from None
         except BaseException:
             self._release()
@@ -546,6 +551,14 @@ def _has_schema_row(db: sqlite3.Connection) -> bool:
         return db.execute("SELECT 1 FROM meta WHERE key='schema'").fetchone() is not None
     except sqlite3.DatabaseError:  # a `meta` table of other columns: not ours
         return False
+
+
+def _disk_fault(exc: sqlite3.DatabaseError) -> bool:
+    """SQLite's SQLITE_FULL or SQLITE_IOERR_*: the disk failed a read or a write."""
+    name = getattr(exc, "sqlite_errorname", "") or ""
+    text = str(exc)
+    return (name == "SQLITE_FULL" or name.startswith("SQLITE_IOERR")
+            or "disk is full" in text or "disk I/O error" in text)
 
 
 def _explain(path: Path, exc: sqlite3.DatabaseError, readonly: bool) -> str:

@@ -16,6 +16,7 @@ needs back (numpy's RNG key, the weight snapshots) are turned back on load.
 from __future__ import annotations
 
 import contextlib
+import glob
 import io
 import os
 import random
@@ -88,12 +89,35 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+        _remove_stale_temps(path)
     except OSError as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
         kept = "the previous one is kept" if path.exists() else "there is no earlier one"
         raise FaultError(f"cannot write the checkpoint {path}: {exc.strerror or exc} "
                          f"({len(buffer.getbuffer()):,} bytes; {kept})") from None
+
+
+def _remove_stale_temps(path: Path) -> None:
+    """Remove the temporary files of writers of ``path`` that died mid-write (a SIGKILL
+    between the open and the replace leaves one the size of a checkpoint, at every kill);
+    a live writer's, named by its pid, is left alone."""
+    prefix = f".{path.name}."
+    for tmp in path.parent.glob(f"{glob.escape(prefix)}*.tmp"):
+        pid = tmp.name[len(prefix):].split(".")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _why_unreadable(exc: Exception) -> str:

@@ -240,6 +240,20 @@ def available_memory_bytes() -> int | None:
     return min(available, int(limit) - used) if limit.isdigit() else available
 
 
+def _hand_back(path: Path, text: str, launcher: int) -> None:
+    """Write ``path`` in the launcher's folder for it to read; nothing once the launcher is
+    gone (die_with_parent removes the folder: a write would fail, or outlive everyone)."""
+    if os.getppid() != launcher:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        if os.getppid() == launcher:
+            raise
+
+
 def _worker(
     rank: int,
     config_dict: dict[str, Any],
@@ -250,7 +264,10 @@ def _worker(
     stall_timeout: float,
     options: dict[str, Any],
 ) -> None:
-    die_with_parent()  # a rank whose launcher was killed stops at a checkpoint, then exits
+    launcher = os.getppid()
+    # a rank whose launcher was killed stops at a checkpoint, then exits, and removes the
+    # launcher's folder, which no one would read or delete any more
+    die_with_parent(parent=launcher, remove=Path(out).parent)
     kernels.use()  # as the launcher asked ($BATCHBOUND_KERNELS, inherited)
     config = TrainConfig.from_dict(config_dict)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(config.workers), LOCAL_RANK=str(rank))
@@ -264,13 +281,13 @@ def _worker(
     try:
         result = train_in_group(config, dataset=data, **options)
         if rank == 0:
-            tmp = Path(out + ".tmp")
-            tmp.write_text(result.to_json())
-            os.replace(tmp, out)
+            _hand_back(Path(out), result.to_json(), launcher)
         finished = True
     except BatchboundError as exc:  # one line for the launcher, not a traceback
         kind = "fault" if isinstance(exc, FaultError) else "bad input"
-        Path(f"{out}.error-{rank}").write_text(f"{kind}\n{exc}")
+        _hand_back(Path(f"{out}.error-{rank}"), f"{kind}\n{exc}", launcher)
         raise SystemExit(exc.exit_code) from None
     finally:
         teardown(synchronise=finished)
+        if os.getppid() != launcher:  # its folder would outlive everyone
+            shutil.rmtree(Path(out).parent, ignore_errors=True)
