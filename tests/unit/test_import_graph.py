@@ -9,7 +9,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 # each room may import itself and the rooms before it
-ROOMS = ["errors", "lifetime", "environment", "spec", "config", "theory", "data", "models",
+ROOMS = ["errors", "lifetime", "files", "environment", "spec", "config", "theory", "data", "models",
          "diversity", "train", "advise", "study", "integrations", "cli"]
 # advise and study are siblings after train: neither imports the other (the command line
 # hands a study's measured data to advise, and advise's table to the report)

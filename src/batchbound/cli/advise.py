@@ -16,10 +16,10 @@ from batchbound.advise.figure import plot_advice
 from batchbound.advise.iterations import strategies
 from batchbound.advise.pilot import ESTIMATORS
 from batchbound.advise.timing import OVERLAPS
-from batchbound.cli.atomic import write_through
 from batchbound.cli.commands import SUMMARY
 from batchbound.cli.common import add_config_flags, add_data_arguments, writable_file
 from batchbound.errors import BatchboundError, FaultError
+from batchbound.files import write_through
 from batchbound.study.measured import load_advice_input
 from batchbound.train import TARGET_METRICS, TrainConfig, target_list
 from batchbound.train.config import GROUPS

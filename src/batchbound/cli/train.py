@@ -14,7 +14,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from batchbound.cli.atomic import write_new, write_whole
 from batchbound.cli.claim import claim_outputs
 from batchbound.cli.commands import SUMMARY
 from batchbound.cli.common import (
@@ -26,6 +25,7 @@ from batchbound.cli.common import (
 )
 from batchbound.config import load_toml
 from batchbound.errors import BatchboundError, FaultError
+from batchbound.files import write_new, write_whole
 from batchbound.train import TARGET_METRICS, RunResult, TrainConfig, target_list, train
 from batchbound.train.config import GROUPS
 from batchbound.train.stall import DEFAULT_STALL_TIMEOUT, resume_hint
@@ -176,7 +176,7 @@ def _keep_checkpoint(checkpoint: str | Path | None, resume: bool) -> None:
 
 
 def save_output(result: RunResult, path: str | Path) -> None:
-    """Write ``--output`` whole or not at all (cli/atomic.py: a failed write keeps the file
+    """Write ``--output`` whole or not at all (batchbound/files.py: a failed write keeps the file
     that was there); when that fails after the run, keep the result in a file of its own
     (the working directory, else the temporary folder) and say where, as a fault."""
     text = result.to_json(indent=1)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from batchbound.files import write_through
 from batchbound.study import analysis as A
 
 if TYPE_CHECKING:  # for the annotation only
@@ -163,8 +164,8 @@ def render_figures(a: StudyAnalysis, directory: Path) -> list[tuple[str, str, Pa
         try:
             draw(fig)
             fig.tight_layout()
-            fig.savefig(directory / f"{stem}.png")
-            fig.savefig(directory / f"{stem}.svg")
+            for suffix in (".png", ".svg"):  # each whole or not at all
+                write_through(directory / f"{stem}{suffix}", fig.savefig)
         finally:
             plt.close(fig)
         out.append((stem, caption, directory / f"{stem}.png"))

@@ -27,6 +27,7 @@ import pandas as pd
 
 from batchbound import kernels
 from batchbound.errors import BatchboundError, FaultError
+from batchbound.files import write_through, write_whole
 from batchbound.study import analysis as A
 from batchbound.study import document as D
 from batchbound.study.answer import EDGE, GLOSSARY, answer_table, answers, sentence
@@ -355,10 +356,11 @@ def write_report(store_path: str | Path, study: str | None, out_dir: str | Path,
     with _writing(out):  # the folder deleted or made read-only meanwhile: one clear line
         figure_paths = render_figures(a, out / "figures")
         env = environment()
-        (out / "summary.md").write_text(markdown(a, study, figure_paths, found, table, env))
-        (out / "report.html").write_text(html_page(a, study, figure_paths, found, env,
-                                                   table))
-        shape_summary(a, marked=False).to_csv(out / "shapes.csv", index=False)
+        # each file whole or not at all: a full disk or a kill keeps the earlier report's
+        write_whole(out / "summary.md", markdown(a, study, figure_paths, found, table, env))
+        write_whole(out / "report.html", html_page(a, study, figure_paths, found, env, table))
+        shapes = shape_summary(a, marked=False)
+        write_through(out / "shapes.csv", lambda tmp: shapes.to_csv(tmp, index=False))
     return ReportPaths(out / "report.html", out / "summary.md",
                        [p for _, _, p in figure_paths], a, run_counts(a)[1])
 

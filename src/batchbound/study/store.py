@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 
 from batchbound.errors import BatchboundError, FaultError
+from batchbound.files import write_through
 from batchbound.study.spec import DataSpec
 from batchbound.train.config import TrainConfig
 from batchbound.train.result import RunResult, TargetResult
@@ -635,13 +636,17 @@ def export(store: Store, directory: str | Path, fmt: str = "csv",
     paths = []
     for name, frame in frames.items():
         path = directory / f"{name}.{fmt}"
-        if fmt == "csv":
-            frame.to_csv(path, index=False)
-        else:
-            try:
-                frame.to_parquet(path, index=False)
-            except ImportError as exc:
-                raise BatchboundError("parquet export needs pyarrow: pip install "
-                                      "'batchbound[parquet]'") from exc
+
+        def write(tmp: Path, frame: pd.DataFrame = frame) -> None:
+            if fmt == "csv":
+                frame.to_csv(tmp, index=False)
+            else:
+                frame.to_parquet(tmp, index=False)
+
+        try:
+            write_through(path, write)  # each file whole or not at all
+        except ImportError as exc:
+            raise BatchboundError("parquet export needs pyarrow: pip install "
+                                  "'batchbound[parquet]'") from exc
         paths.append(path)
     return paths

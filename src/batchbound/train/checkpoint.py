@@ -15,13 +15,9 @@ needs back (numpy's RNG key, the weight snapshots) are turned back on load.
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import io
-import os
 import random
 import re
-import secrets
 import signal
 import warnings
 from pathlib import Path
@@ -31,6 +27,7 @@ import numpy as np
 import torch
 
 from batchbound.errors import BatchboundError, FaultError
+from batchbound.files import write_whole
 
 
 def rng_state() -> dict[str, Any]:
@@ -81,43 +78,13 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
     path = Path(path)
     buffer = io.BytesIO()
     torch.save(storable({**state, "rng": rng_state()}), buffer)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "xb") as fh:
-            fh.write(buffer.getbuffer())
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        _remove_stale_temps(path)
+        write_whole(path, buffer.getbuffer())
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         kept = "the previous one is kept" if path.exists() else "there is no earlier one"
         raise FaultError(f"cannot write the checkpoint {path}: {exc.strerror or exc} "
                          f"({len(buffer.getbuffer()):,} bytes; {kept})") from None
-
-
-def _remove_stale_temps(path: Path) -> None:
-    """Remove the temporary files of writers of ``path`` that died mid-write (a SIGKILL
-    between the open and the replace leaves one the size of a checkpoint, at every kill);
-    a live writer's, named by its pid, is left alone."""
-    prefix = f".{path.name}."
-    for tmp in path.parent.glob(f"{glob.escape(prefix)}*.tmp"):
-        pid = tmp.name[len(prefix):].split(".")[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _why_unreadable(exc: Exception) -> str:

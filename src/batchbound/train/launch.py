@@ -32,6 +32,7 @@ from batchbound import kernels
 from batchbound.data import Dataset, apply_transform, load_dataset
 from batchbound.environment import restart_count
 from batchbound.errors import BatchboundError, FaultError
+from batchbound.files import write_whole
 from batchbound.lifetime import die_with_parent
 from batchbound.train.config import TrainConfig
 from batchbound.train.distributed import (
@@ -245,10 +246,8 @@ def _hand_back(path: Path, text: str, launcher: int) -> None:
     gone (die_with_parent removes the folder: a write would fail, or outlive everyone)."""
     if os.getppid() != launcher:
         return
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_whole(path, text)
     except OSError:
         if os.getppid() == launcher:
             raise

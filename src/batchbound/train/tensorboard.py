@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import tempfile
 import time
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from batchbound.errors import BatchboundError
+from batchbound.files import write_whole
 from batchbound.train.result import RunResult
 
 INSTALL = "pip install 'batchbound[tensorboard]'"
@@ -145,9 +145,7 @@ def write_run(result: RunResult, logdir: str | Path, *,
         old.unlink(missing_ok=True)
     marker = {"config_hash": result.config_hash, "status": result.status,
               "rows": len(result.curves), "event_file": new[0].name if new else None}
-    tmp = logdir / f".{MARKER}.tmp"
-    tmp.write_text(json.dumps(marker, indent=1) + "\n")
-    os.replace(tmp, logdir / MARKER)
+    write_whole(logdir / MARKER, json.dumps(marker, indent=1) + "\n")
     return new[0] if new else logdir
 
 
