@@ -519,7 +519,7 @@ def test_a_loss_that_returns_the_batchs_mean_is_refused_by_advise() -> None:
     model, rows = vit(torch.float32)
     with pytest.raises(BatchboundError) as info:
         advise(model.train(), DataLoader(rows, batch_size=3), lambda out, batch: out.loss,
-               batch_size=4, planned_epochs=2, critical_batch="noise", max_workers=1)
+               batch_size=4, planned_iterations=400, critical_batch="noise", max_workers=1)
     said = str(info.value)
     assert "the loss must return one value per example, shape (" in said
     assert "got ()" in said
@@ -527,7 +527,7 @@ def test_a_loss_that_returns_the_batchs_mean_is_refused_by_advise() -> None:
     x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
     with pytest.raises(BatchboundError, match=r"one value per example, shape \(\d+,\), got \(\)"):
         advise(torch.nn.Linear(4, 3), (x, y), lambda out, y: F.cross_entropy(out, y),
-               batch_size=4, planned_epochs=2, critical_batch="noise", max_workers=1)
+               batch_size=4, planned_iterations=400, critical_batch="noise", max_workers=1)
 
 
 @pytest.mark.filterwarnings("ignore:batchbound. computing exact per-example")

@@ -137,7 +137,7 @@ def test_a_loss_not_finite_at_the_initial_weights_is_not_blamed_on_the_rate() ->
     x, y = data(1024)
     with pytest.raises(BatchboundError) as info:
         advise(NaNModel(), (x, y), "cross_entropy", optimizer="adamw", lr=1e-3,
-               planned_epochs=2, critical_batch="noise", max_workers=1)
+               planned_epochs=4, critical_batch="noise", max_workers=1)
     said = str(info.value)
     assert "initial weights" in said and "lower --lr" not in said
 
