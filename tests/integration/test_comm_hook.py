@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from batchbound.diversity.mechanisms import quantize_group
 from batchbound.train.comm_hook import mechanism_hook, mechanism_hook_state
-from batchbound.train.distributed import free_port, init_group, teardown
+from batchbound.train.distributed import init_group, teardown
 
 pytestmark = pytest.mark.distributed
 
@@ -64,21 +64,7 @@ def worker(rank: int, port: int, queue) -> None:
 
 
 def test_hook_quantizes_each_worker_then_averages() -> None:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(rank, port, queue)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=120) for _ in range(2))
-    except Exception:  # a crashed rank leaves the other waiting in a collective
-        for p in procs:
-            p.kill()
-        raise
-    for p in procs:
-        p.join(timeout=120)
-        assert p.exitcode == 0
+    results = run_ranks(worker)
     results = {rank: {k: [torch.from_numpy(a) for a in v] if isinstance(v, list)
                       else torch.from_numpy(v) for k, v in out.items()}
                for rank, out in results.items()}

@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from batchbound.diversity.online import OnlineDiversity
 from batchbound.integrations.ddp import gns_hook, gns_hook_state
-from batchbound.train.distributed import free_port, init_group, teardown
+from batchbound.train.distributed import init_group, teardown
 
 pytestmark = pytest.mark.distributed
 
@@ -109,21 +109,7 @@ def worker(rank: int, port: int, queue) -> None:
 
 
 def test_hook_matches_two_batch_estimate_by_hand() -> None:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(rank, port, queue)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=120) for _ in range(2))
-    except Exception:  # a crashed rank leaves the other waiting in a collective
-        for p in procs:
-            p.kill()
-        raise
-    for p in procs:
-        p.join(timeout=120)
-        assert p.exitcode == 0
+    results = run_ranks(worker)
     for rank, cases in results.items():
         for case, r in cases.items():
             where = f"rank {rank}, {case}"
