@@ -209,3 +209,26 @@ def test_hf_model_whose_own_float32_loss_is_not_backpropagated_stays_float64() -
     monitor = _watched(model, lambda: loss(model(**batch), batch).mean().backward())
     assert monitor.precision == "float64"
     assert monitor.m2 == pytest.approx(want.m2, rel=1e-10)
+
+
+@pytest.mark.parametrize(("name", "want"), [("llama-gqa", torch.float32),
+                                            ("t5", torch.float32),
+                                            ("bert-mlm", torch.float64)])
+def test_the_self_checks_tolerance_follows_the_stated_precision(
+        name: str, want: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """watch's first step checks the rules against the per-example loop at the tolerance of
+    the precision it found: float32's for Llama and T5 in float64, float64's for BERT."""
+    from batchbound.diversity import rule_check
+
+    asked: list[torch.dtype] = []
+    original = rule_check.disagreements
+
+    def recording(*args, **kwargs):
+        asked.append(args[4])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(rule_check, "disagreements", recording)
+    _, data, loss, _ = hf.CASES[name]
+    model, batch = hf.build(name).eval(), data()
+    _watched(model, lambda: loss(model(**batch), batch).mean().backward())
+    assert asked == [want]
