@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from batchbound.diversity.graph import Node, is_accumulator
-from batchbound.diversity.precision import LOW_PRECISION, RANK, GradientPrecision
+from batchbound.diversity.precision import LOW_PRECISION, GradientPrecision
 
 _INDEX_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
                            torch.int64})
@@ -75,6 +75,7 @@ def _tensors(values: Any, into: list[Tensor]) -> list[Tensor]:
     return into
 
 
+_BELOW_FLOAT64 = frozenset({torch.float32, *LOW_PRECISION})
 _SHAPES_NEED_DATA: dict[tuple, bool] = {}  # (op, input dtypes) -> its output shape needs data
 
 
@@ -147,10 +148,16 @@ class RowTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if isinstance(out, Tensor):
-            if RANK.get(out.dtype, 3) < 2:  # one lookup per float64 operation
-                self._seen.see(out, (*args, *kwargs.values()))
-                if out.dtype in LOW_PRECISION:
-                    self._low = out.dtype
+            dtype = out.dtype
+            if dtype in _BELOW_FLOAT64:
+                if dtype in LOW_PRECISION:
+                    self._low = dtype
+                # only an input of another dtype that requires grad can be lowered from:
+                # checked here, without a call, for the float32 model's every operation
+                for arg in (*args, *kwargs.values()) if kwargs else args:
+                    if isinstance(arg, Tensor) and arg.dtype is not dtype and arg.requires_grad:
+                        self._seen.see(out, (*args, *kwargs.values()))
+                        break
             kind = _KINDS.get(func) or _kind(func)
             if not (kind[0] or kind[2] or self.positions or self.marked
                     or out.dtype in _INDEX_DTYPES):
