@@ -232,3 +232,18 @@ def test_the_self_checks_tolerance_follows_the_stated_precision(
     model, batch = hf.build(name).eval(), data()
     _watched(model, lambda: loss(model(**batch), batch).mean().backward())
     assert asked == [want]
+
+
+def test_a_lowered_result_written_in_place_later_counts_at_once() -> None:
+    """``a = w.float(); b = a * 2; a.mul_(3)``: the backward of ``b`` passes the cast's node,
+    not ``a``'s later one; the written result counts without waiting for a node."""
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    seen = GradientPrecision()
+    a = w * 1.0
+    low = a.float()
+    seen.see(low, [a])
+    b = low * 2
+    low.mul_(3)
+    seen.arm()
+    b.double().sum().backward()
+    assert seen.dtype == torch.float32

@@ -62,7 +62,8 @@ class GradientPrecision:
     def __init__(self) -> None:
         self.dtype: torch.dtype | None = None  # None: the backward stayed at the inputs' dtype
         self.rank = 3
-        self._pending: list[torch.Tensor] = []  # lowered results, until their nodes are hooked
+        # lowered results and their versions, until their nodes are hooked
+        self._pending: list[tuple[torch.Tensor, int]] = []
 
     def see(self, result: torch.Tensor, inputs: Iterable[object]) -> None:
         """Note ``result`` if it is lower than a floating input that requires grad. Inside a
@@ -72,13 +73,18 @@ class GradientPrecision:
             return
         for t in inputs:
             if isinstance(t, torch.Tensor) and t.requires_grad and 3 > RANK.get(t.dtype, 3) > r:
-                self._pending.append(result)
+                self._pending.append((result, result._version))
                 return
 
     def arm(self) -> None:
-        """Hook the nodes of the results noted so far (the forward has attached them)."""
-        for t in self._pending:
-            if t.grad_fn is not None:
+        """Hook the nodes of the results noted so far (the forward has attached them). A
+        result written in place since (or by its own operation, ``copy_`` into a float32
+        buffer) has a later node than the lowering one, which the backward may pass by:
+        its dtype counts at once (never stated more precise than it is)."""
+        for t, version in self._pending:
+            if t._version != version:
+                self._reached(t.dtype, ())
+            elif t.grad_fn is not None:
                 self.hook(t.grad_fn, t.dtype)
         self._pending = []
 
