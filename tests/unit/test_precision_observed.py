@@ -247,3 +247,19 @@ def test_a_lowered_result_written_in_place_later_counts_at_once() -> None:
     seen.arm()
     b.double().sum().backward()
     assert seen.dtype == torch.float32
+
+
+def test_monitored_step_states_float32_inside_float64_too() -> None:
+    from batchbound.diversity import monitored_step
+
+    torch.manual_seed(0)
+    model, (x, y) = Float32Inside().double(), _data()
+    model.table = model.table.float()
+    monitor = OnlineDiversity(1000, decay=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        monitored_step(model, x, y, "cross_entropy", monitor)
+    assert monitor.precision.startswith("float32")
+    plain = OnlineDiversity(1000, decay=0.0)
+    monitored_step(_float64_mlp(), x, y, "cross_entropy", plain)
+    assert plain.precision == "float64"
