@@ -263,3 +263,18 @@ def test_monitored_step_states_float32_inside_float64_too() -> None:
     plain = OnlineDiversity(1000, decay=0.0)
     monitored_step(_float64_mlp(), x, y, "cross_entropy", plain)
     assert plain.precision == "float64"
+
+
+def test_bfloat16_autocast_over_several_watched_steps_stays_bfloat16() -> None:
+    """autocast reuses its bfloat16 cast of each weight within one context: the second
+    step's forward casts no weight, and is still stated bfloat16."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = _data(8)
+    x = x.float()
+    stated = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(2):
+            monitor = _watched(model, lambda: F.cross_entropy(model(x).float(), y).backward())
+            stated.append(monitor.precision)
+    assert all(s.startswith("bfloat16") for s in stated), stated
