@@ -9,29 +9,92 @@ own batches of one differently, so the self-check's tolerance is set from it
 (``rule_check.tolerance``), and every report states it.
 
 The precision is observed, not assumed: ``rows.RowTracker`` sees every ATen operation of the
-forward (after autocast's casts) and notes the lowest floating dtype any of them produced.
+forward (after autocast's casts), and ``steps._LossWatch`` every function of the loss written
+after it under ``watch``; ``GradientPrecision`` notes where a result drops below an input that
+requires grad and counts its dtype when the backward passes there. So a float64 model whose
+norms compute in float32 inside (Hugging Face's LlamaRMSNorm and T5's layer norm:
+``.to(torch.float32)``) is stated float32: its per-example gradients carry float32 rounding,
+which a mean over b examples places differently from a per-example loop's (issue 46). A
+constant computed in float32 from buffers or positions alone (rotary tables) is a value of
+the model, not a rounding of its gradients, and does not count.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from functools import partial
 
 import torch
+from torch.autograd.graph import Node
 
 from batchbound.diversity.stats import LOW_PRECISION
 
-__all__ = ["LOW_PRECISION", "autocast_dtypes", "digits", "lowest", "name", "statement"]
-_RANK = {torch.float16: 0, torch.bfloat16: 0, torch.float32: 1, torch.float64: 2}
+__all__ = ["LOW_PRECISION", "RANK", "GradientPrecision", "autocast_dtypes", "digits", "lowest",
+           "name", "statement"]
+# floating dtypes by precision, lowest first; any other dtype ranks 3 (not floating)
+RANK = {torch.float16: 0, torch.bfloat16: 0, torch.float32: 1, torch.float64: 2}
 
 
 def lowest(*dtypes: torch.dtype | None) -> torch.dtype:
     """The least precise of the floating ``dtypes`` (None entries ignored; float32 if none)."""
     best, rank = torch.float32, 3  # one pass, no list: called per tensor of every call
     for d in dtypes:
-        r = _RANK.get(d, 3)  # type: ignore[arg-type]
+        r = RANK.get(d, 3)  # type: ignore[arg-type]
         if r < rank:
             best, rank = d, r
     return best  # type: ignore[return-value]
+
+
+class GradientPrecision:
+    """The lowest floating dtype a backward pass actually ran in, seen where it is entered.
+
+    A backward computes each operation's gradient in that operation's dtype, so a gradient
+    leaves the parameters' precision only through an operation whose result is lower than an
+    input that requires grad (``.to(torch.float32)`` in a float64 model, ``softmax(...,
+    dtype=torch.float32)``, autocast's casts; type promotion only widens). ``see`` notes such
+    results as the operations run; ``arm``, at the forward's end, hooks their autograd nodes,
+    and the dtype counts when the backward reaches one. A branch the loss does not use (a
+    model's own loss computed beside the logits) never runs backward and never counts."""
+
+    __slots__ = ("_pending", "dtype", "rank")
+
+    def __init__(self) -> None:
+        self.dtype: torch.dtype | None = None  # None: the backward stayed at the inputs' dtype
+        self.rank = 3
+        # lowered results and their versions, until their nodes are hooked
+        self._pending: list[tuple[torch.Tensor, int]] = []
+
+    def see(self, result: torch.Tensor, inputs: Iterable[object]) -> None:
+        """Note ``result`` if it is lower than a floating input that requires grad. Inside a
+        dispatch mode the result has no autograd node yet: it is hooked by ``arm``."""
+        r = RANK.get(result.dtype, 3)
+        if r >= 2:  # float64 (or not floating) is lower than nothing
+            return
+        for t in inputs:
+            if isinstance(t, torch.Tensor) and t.requires_grad and 3 > RANK.get(t.dtype, 3) > r:
+                self._pending.append((result, result._version))
+                return
+
+    def arm(self) -> None:
+        """Hook the nodes of the results noted so far (the forward has attached them). A
+        result written in place since (or by its own operation, ``copy_`` into a float32
+        buffer) has a later node than the lowering one, which the backward may pass by:
+        its dtype counts at once (never stated more precise than it is)."""
+        for t, version in self._pending:
+            if t._version != version:
+                self._reached(t.dtype, ())
+            elif t.grad_fn is not None:
+                self.hook(t.grad_fn, t.dtype)
+        self._pending = []
+
+    def hook(self, node: Node, dtype: torch.dtype) -> None:
+        node.register_prehook(partial(self._reached, dtype))
+
+    def _reached(self, dtype: torch.dtype, grad_outputs: tuple) -> None:
+        r = RANK[dtype]
+        if r < self.rank:
+            self.dtype, self.rank = dtype, r
 
 
 def autocast_dtypes() -> list[torch.dtype]:

@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from batchbound.diversity.graph import Node, is_accumulator
-from batchbound.diversity.stats import LOW_PRECISION
+from batchbound.diversity.precision import LOW_PRECISION, GradientPrecision
 
 _INDEX_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
                            torch.int64})
@@ -75,6 +75,7 @@ def _tensors(values: Any, into: list[Tensor]) -> list[Tensor]:
     return into
 
 
+_BELOW_FLOAT64 = frozenset({torch.float32, *LOW_PRECISION})
 _SHAPES_NEED_DATA: dict[tuple, bool] = {}  # (op, input dtypes) -> its output shape needs data
 
 
@@ -112,14 +113,29 @@ class RowTracker(TorchDispatchMode):
         self.marked: dict[int, Tensor] = {}  # rows may belong to other examples
         self.sources: list[Node] = []  # autograd nodes of what row-moving operations read
         self.moved_by: str | None = None
-        # The lowest floating precision an operation produced (autocast, a cast inside the
-        # forward, low-precision parameters): what the self-check's tolerance must allow.
-        self.lowest: torch.dtype | None = None
+        # The lowest floating precision the backward runs in below the parameters' (autocast,
+        # a cast inside the forward such as LlamaRMSNorm's float32): what the stated
+        # precision and the self-check's tolerance must allow.
+        self._seen = GradientPrecision()
+        # Any bfloat16 or float16 result, on the gradient's path or not: autocast reuses its
+        # cast of a weight within one context, so the cast may run in an earlier step only.
+        self._low: torch.dtype | None = None
         for t in _tensors(inputs if isinstance(inputs, (tuple, list)) else (inputs,), []):
             if not t.is_floating_point():  # token ids, masks: positions, not values
                 self.clean[id(t)] = t
         for t in fixed:
             self.clean[id(t)] = t
+
+    @property
+    def lowest(self) -> torch.dtype | None:
+        """The lowest floating dtype the backward ran in below an input's, or any bfloat16 or
+        float16 result of the forward (None: neither; read it after the backward,
+        ``precision.GradientPrecision``)."""
+        return self._low or self._seen.dtype
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self._seen.arm()  # the forward's end: its lowered results have their nodes now
 
     def _valued(self, t: Tensor) -> bool:
         """Floating-point values that depend on the examples (or on the weights): everything
@@ -132,8 +148,16 @@ class RowTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if isinstance(out, Tensor):
-            if out.dtype in LOW_PRECISION:
-                self.lowest = out.dtype
+            dtype = out.dtype
+            if dtype in _BELOW_FLOAT64:
+                if dtype in LOW_PRECISION:
+                    self._low = dtype
+                # only an input of another dtype that requires grad can be lowered from:
+                # checked here, without a call, for the float32 model's every operation
+                for arg in (*args, *kwargs.values()) if kwargs else args:
+                    if isinstance(arg, Tensor) and arg.dtype is not dtype and arg.requires_grad:
+                        self._seen.see(out, (*args, *kwargs.values()))
+                        break
             kind = _KINDS.get(func) or _kind(func)
             if not (kind[0] or kind[2] or self.positions or self.marked
                     or out.dtype in _INDEX_DTYPES):
@@ -158,6 +182,9 @@ class RowTracker(TorchDispatchMode):
             self.moved_by = self.moved_by or str(func.overloadpacket.__name__)
             self.sources.extend(t.grad_fn for t in inputs if t.grad_fn is not None)
         outputs = _tensors(out if isinstance(out, (tuple, list)) else (out,), [])
+        if not isinstance(out, Tensor):  # several results (native_layer_norm, split)
+            for t in outputs:
+                self._seen.see(t, inputs)
         if moves or (self.marked and any(self.is_marked(t) for t in inputs)):
             for t in outputs:
                 self._mark(t)

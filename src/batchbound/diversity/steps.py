@@ -40,7 +40,7 @@ from batchbound.diversity.outputs import (
     fallback_from_outputs,
     replayed_from_outputs,
 )
-from batchbound.diversity.precision import LOW_PRECISION, lowest, statement
+from batchbound.diversity.precision import LOW_PRECISION, RANK, GradientPrecision, lowest, statement
 from batchbound.diversity.precision import name as dtype_name
 from batchbound.diversity.prepared import PreparedStats, describe, structure_of
 from batchbound.diversity.rows import RowTracker
@@ -174,13 +174,15 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
                       "NaN); the monitor skips it, as a GradScaler skips the optimizer step",
                       stacklevel=3)
         return
-    unseen = _unseen_uses(run, delta)
+    # the forward's lowest precision on the gradient's path, and the loss's written after it
+    precision = watched.loss_precision(run.precision)
+    unseen = _unseen_uses(run, delta, precision)
     unseen.update({k: UNACCOUNTED for k in run.unused if bool(delta[k].any())})
     if unseen:
         _refuse(unseen)
-    sq_norms, precision = dict(run.sq_norms), run.precision
+    sq_norms = dict(run.sq_norms)
     if run.reasons:  # no layer rule can take these: the exact fallback, in this step
-        sq_norms.update(watched.fallback(run.reasons, delta, run.precision))
+        sq_norms.update(watched.fallback(run.reasons, delta, precision))
         precision = watched.fallback_precision(precision)
     # The rules saw the user's loss, so their norms and sums carry its scale: a mean over b
     # examples divides every per-example gradient by b.
@@ -275,14 +277,15 @@ def _refuse(reasons: dict[str, str]) -> None:
                           "computes them by an exact fallback")
 
 
-def _unseen_uses(run: HooksPass, delta: dict[str, Tensor]) -> dict[str, str]:
+def _unseen_uses(run: HooksPass, delta: dict[str, Tensor],
+                 precision: torch.dtype) -> dict[str, str]:
     """Parameters whose ``.grad`` change disagrees with the rules' gradient sum (projected on
     fixed random vectors): a use the model's graph does not show, a regulariser in the loss.
     One comparison for all parameters; the projections and norms are small tensor products."""
     names = [k for k in run.fingerprints if k not in run.totals]
     if not names:
         return {}
-    rtol = tolerance(run.precision)
+    rtol = tolerance(precision)
     ours = torch.stack([torch.as_tensor(run.fingerprints[k]) for k in names])
     seen = torch.stack([fingerprint_of(delta[k], run.fingerprint_vectors[k]) for k in names])
     scale = torch.stack([torch.linalg.vector_norm(delta[k]) for k in names]) + torch.stack(
@@ -470,6 +473,11 @@ class _Watched:
         if self._loss is not None:
             self._loss.__exit__(None, None, None)
 
+    def loss_precision(self, forward: torch.dtype) -> torch.dtype:
+        """The lower of the forward's precision and the loss's: a float64 model's logits cast
+        to float32 in the loss round the gradients that reach the model in float32."""
+        return lowest(forward, self._loss.seen.dtype if self._loss is not None else None)
+
     def fallback_precision(self, observed: torch.dtype) -> torch.dtype:
         """The fallback reruns the forward under the call's autocast without the dispatch mode
         that observed it, so an operation that lowers its own inside (``nn.Bilinear`` on CPU)
@@ -536,9 +544,18 @@ class _LossWatch(TorchFunctionMode):
     def __init__(self, run: HooksPass, outputs: list[Node]) -> None:
         super().__init__()
         self.run, self.outputs = run, outputs
+        # the loss's precision: ``logits.float()`` in a float64 model rounds in float32
+        self.seen = GradientPrecision()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
+        if func is not Tensor.backward:
+            out = func(*args, **(kwargs or {}))
+            for t in flatten(out):
+                if isinstance(t, Tensor) and RANK.get(t.dtype, 3) < 2:
+                    self.seen.see(t, flatten((args, kwargs)))
+            self.seen.arm()  # above autograd: the results have their nodes already
+            return out
         if func is Tensor.backward and self.run.layout is not None and isinstance(args[0], Tensor):
             root = args[0].grad_fn
             if root is not None:
