@@ -139,10 +139,11 @@ def conv_weight_grads(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
 
 def memory_rows(grads: Tensor) -> tuple[Tensor, tuple[int, ...]]:
     """(n, numel) rows of per-example gradients (n, ...) in the order their entries lie in
-    memory, and the order of the per-example dimensions that gives it (a view, no copy,
-    for any dense layout of each example's entries, channels-last included; a copy
-    otherwise). A row's squared norm does not depend on the order of its entries, and the
-    rows' sum comes back in the standard order by ``add_memory_row_sum``."""
+    memory, and the order of the per-example dimensions that gives it: a view where each
+    example's entries lie together, densely, in some order of its dimensions (the standard
+    layout, channels-last), a copy otherwise. A row's squared norm does not depend on the
+    order of its entries; ``add_memory_row_sum`` puts the rows' sum back in the standard
+    order."""
     dims = tuple(sorted(range(1, grads.dim()), key=lambda d: -grads.stride(d)))
     return grads.permute(0, *dims).reshape(grads.shape[0], -1), dims
 
