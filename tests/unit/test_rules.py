@@ -419,3 +419,27 @@ def test_conv_patches_read_any_input_layout() -> None:
         with torch.no_grad():
             torch.testing.assert_close(conv.patches_weight_grads(layer, x, b), alone,
                                        rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN only")
+@pytest.mark.parametrize("groups", [1, 2])
+def test_channels_last_gradients_end_to_end_with_onednn(groups: int) -> None:
+    """``measure`` with oneDNN on (the tests otherwise run without it), float32 Conv2d and
+    ConvTranspose2d layers whose channels per group are not a multiple of 8, all through the
+    grouped kernel and so its channels-last gradients: S, T and every parameter's S are the
+    float64 per-example loop's."""
+    from batchbound.diversity import measure
+
+    torch.manual_seed(groups)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(),
+                          nn.ConvTranspose2d(6, 10, 3, stride=2, groups=groups), nn.ReLU(),
+                          nn.Conv2d(10, 6, 3, groups=groups), nn.Flatten(), nn.Linear(1350, 5))
+    x, y = torch.randn(24, 3, 8, 8), torch.randint(0, 5, (24,))
+    with torch.backends.mkldnn.flags(enabled=True), conv.force_strategy("conv"):
+        fast = measure(model, (x, y), "cross_entropy", chunk_size=8)
+    exact = measure(model, (x, y), "cross_entropy", chunk_size=8, engine="loop",
+                    dtype=torch.float64)
+    assert pytest.approx(exact.S, rel=1e-5) == fast.S
+    assert pytest.approx(exact.T, rel=1e-5) == fast.T
+    for name, value in exact.per_parameter_S.items():
+        assert fast.per_parameter_S[name] == pytest.approx(value, rel=1e-5), name
