@@ -13,6 +13,7 @@ from torch import nn
 from batchbound.diversity import per_example_stats
 from batchbound.diversity.hooks import plan_hooks
 from batchbound.diversity.rules import RULES, conv
+from batchbound.diversity.rules.registry import Call
 
 RTOL = 1e-9
 
@@ -342,10 +343,12 @@ def test_conv_patches_are_each_example_s_own_gradient(
 def test_conv_grouped_kernel_with_channels_last_input(groups: int, c_in: int) -> None:
     """float32 layers whose input channels per group are not a multiple of 8 hand oneDNN the
     input channels-last (the tests run with oneDNN off, batchbound's portable kernels: on for
-    this one): the per-example gradients (contiguous) are each example's own, as the float64
-    grouped kernel gives them, to float32 rounding."""
+    this one): the per-example gradients (left channels-last, read in memory order) are each
+    example's own, as the float64 grouped kernel gives them, to float32 rounding; and the
+    rule's norms and sums read from them are the loop's."""
     with torch.backends.mkldnn.flags(enabled=True):
         _check_channels_last_input(groups, c_in)
+        _check_channels_last_norms_and_sums(groups, c_in)
 
 
 def _check_channels_last_input(groups: int, c_in: int) -> None:
@@ -359,12 +362,46 @@ def _check_channels_last_input(groups: int, c_in: int) -> None:
     with torch.no_grad():
         fast = conv.conv_weight_grads(layer, x, b)
         exact = conv.conv_weight_grads(layer.double(), x.double(), b.double())
-    assert fast.is_contiguous() and fast.dtype == torch.float32
+    assert fast.dtype == torch.float32
+    assert fast.is_contiguous() == ((c_in // groups) % 8 == 0)  # left as the kernel gave it
     torch.testing.assert_close(fast.double(), exact, rtol=1e-5, atol=1e-5)
     layer.float()
     alone = torch.stack([torch.autograd.grad(layer(x[i : i + 1]), layer.weight, b[i : i + 1])[0]
                          for i in range(5)])
     torch.testing.assert_close(fast, alone, rtol=1e-5, atol=1e-5)
+
+
+def _check_channels_last_norms_and_sums(groups: int, c_in: int) -> None:
+    """The grouped kernel's channels-last gradients (no copy to the standard layout): the
+    squared norms, ``total()`` and ``add_total_to`` (a running sum, float32 and float64)
+    equal the per-example loop's in float64."""
+    torch.manual_seed(10 * groups + c_in)
+    layer = nn.Conv2d(c_in, 4 * groups, 3, padding=1, groups=groups)
+    x = torch.randn(6, c_in, 7, 7)
+    b = torch.randn(6, 4 * groups, 7, 7)
+    wide = nn.Conv2d(c_in, 4 * groups, 3, padding=1, groups=groups).double()
+    wide.load_state_dict(layer.state_dict())
+    alone = torch.stack([torch.autograd.grad(wide(x[i : i + 1].double()), wide.weight,
+                                             b[i : i + 1].double())[0] for i in range(6)])
+    with conv.force_strategy("conv"), torch.no_grad():
+        grads = conv.conv_weight_grads(layer, x, b)
+        rows, dims = conv.memory_rows(grads)
+        assert rows.data_ptr() == grads.data_ptr() and rows.shape == (6, alone[0].numel())
+        assert (dims != (1, 2, 3, 4)) == ((c_in // groups) % 8 != 0)
+        forms = conv.conv_rule(Call(layer, {"input": x}, [b], "input"))
+        torch.testing.assert_close(forms["weight"].sq_norms().double(),
+                                   alone.flatten(1).square().sum(1), rtol=1e-5, atol=1e-5)
+        for dtype in (torch.float32, torch.float64):
+            running = torch.ones(layer.weight.shape, dtype=dtype)
+            forms = conv.conv_rule(Call(layer, {"input": x}, [b], "input"))
+            forms["weight"].sq_norms()  # materialises them, as the engine does
+            forms["weight"].add_total_to(running)
+            torch.testing.assert_close(running.double(), 1 + alone.sum(0), rtol=1e-5,
+                                       atol=1e-5)
+        forms = conv.conv_rule(Call(layer, {"input": x}, [b], "input"))
+        forms["weight"].sq_norms()
+        torch.testing.assert_close(forms["weight"].total().double(), alone.sum(0).flatten(),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_conv_patches_read_any_input_layout() -> None:
@@ -382,3 +419,27 @@ def test_conv_patches_read_any_input_layout() -> None:
         with torch.no_grad():
             torch.testing.assert_close(conv.patches_weight_grads(layer, x, b), alone,
                                        rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN only")
+@pytest.mark.parametrize("groups", [1, 2])
+def test_channels_last_gradients_end_to_end_with_onednn(groups: int) -> None:
+    """``measure`` with oneDNN on (the tests otherwise run without it), float32 Conv2d and
+    ConvTranspose2d layers whose channels per group are not a multiple of 8, all through the
+    grouped kernel and so its channels-last gradients: S, T and every parameter's S are the
+    float64 per-example loop's."""
+    from batchbound.diversity import measure
+
+    torch.manual_seed(groups)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(),
+                          nn.ConvTranspose2d(6, 10, 3, stride=2, groups=groups), nn.ReLU(),
+                          nn.Conv2d(10, 6, 3, groups=groups), nn.Flatten(), nn.Linear(1350, 5))
+    x, y = torch.randn(24, 3, 8, 8), torch.randint(0, 5, (24,))
+    with torch.backends.mkldnn.flags(enabled=True), conv.force_strategy("conv"):
+        fast = measure(model, (x, y), "cross_entropy", chunk_size=8)
+    exact = measure(model, (x, y), "cross_entropy", chunk_size=8, engine="loop",
+                    dtype=torch.float64)
+    assert pytest.approx(exact.S, rel=1e-5) == fast.S
+    assert pytest.approx(exact.T, rel=1e-5) == fast.T
+    for name, value in exact.per_parameter_S.items():
+        assert fast.per_parameter_S[name] == pytest.approx(value, rel=1e-5), name
