@@ -1,0 +1,53 @@
+"""batchbound/files.py on targets that are not files to replace: a device (``--output
+/dev/null``: replacing it, as root, turned the system's /dev/null into a regular file), a
+FIFO, and a descriptor's name (``--output /dev/stdout > run.log``: the log was replaced by
+the result alone, and the lines written after it went to the unlinked old file). Those are
+written in place, as ``open(path)`` would, appended where a regular file is behind."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from batchbound.files import write_through, write_whole
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
+def test_a_character_device_stays_a_device(tmp_path: Path) -> None:
+    null = tmp_path / "null"
+    os.mknod(null, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    write_whole(null, "result")
+    write_through(null, lambda tmp: tmp.write_text("figure"))
+    assert stat.S_ISCHR(os.stat(null).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["null"]  # no temporary file left
+
+
+def test_a_fifo_is_written_not_replaced(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    write_whole(fifo, "result")
+    reader.join(timeout=10)
+    assert got == [b"result"] and stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_stdout_redirected_to_a_log_keeps_the_log(tmp_path: Path) -> None:
+    log = tmp_path / "run.log"
+    script = ("import sys\nfrom batchbound.files import write_whole\n"
+              "print('before', flush=True)\nwrite_whole('/dev/stdout', 'RESULT\\n')\n"
+              "print('after', flush=True)\n")
+    with log.open("w") as out:
+        subprocess.run([sys.executable, "-c", script], stdout=out, check=True,
+                       env={**os.environ, "PYTHONPATH": str(SRC)})
+    assert log.read_text() == "before\nRESULT\nafter\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.log"]
