@@ -67,6 +67,13 @@ def _write_in_place(stream: Path, data: str | bytes | memoryview) -> Path:
     return stream
 
 
+def _keep_mode(real: Path, tmp: Path) -> None:
+    """The replaced file's permission bits on its replacement (a private 0600 file stays
+    private, as a write in place kept it); a new name keeps the umask's."""
+    with contextlib.suppress(FileNotFoundError):
+        os.chmod(tmp, stat.S_IMODE(os.stat(real).st_mode))
+
+
 def _temp_name(target: Path, suffix: str = ".tmp") -> Path:
     return target.parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}{suffix}"
 
@@ -95,6 +102,7 @@ def write_whole(path: str | Path, data: str | bytes | memoryview) -> Path:
     real = Path(path).expanduser().resolve()
     tmp = _synced_temp(real.parent, real.name, data)
     try:
+        _keep_mode(real, tmp)
         os.replace(tmp, real)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -142,6 +150,7 @@ def write_through(path: str | Path, write: Callable[[Path], object],
         write(tmp)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
+        _keep_mode(real, tmp)
         os.replace(tmp, real)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -51,3 +51,16 @@ def test_stdout_redirected_to_a_log_keeps_the_log(tmp_path: Path) -> None:
                        env={**os.environ, "PYTHONPATH": str(SRC)})
     assert log.read_text() == "before\nRESULT\nafter\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.log"]
+
+
+def test_a_replaced_file_keeps_its_permissions(tmp_path: Path) -> None:
+    """`--output` over a file made private (0600): written in place before, its mode was
+    kept; a replacement made it 0644 (the umask's), readable by everyone."""
+    for write in (lambda p: write_whole(p, "new"),
+                  lambda p: write_through(p, lambda tmp: tmp.write_text("new"))):
+        target = tmp_path / "result.json"
+        target.write_text("old")
+        target.chmod(0o600)
+        write(target)
+        assert target.read_text() == "new" and stat.S_IMODE(target.stat().st_mode) == 0o600
+        target.unlink()
