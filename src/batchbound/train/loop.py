@@ -766,6 +766,7 @@ class Trainer:
         "last_batch_loss",
         "next_eval_epoch",
         "last_eval_iteration",
+        "test_iteration",  # else a finished run resumed evaluates its test split twice
         "metrics",
         "curves",
         "status",
