@@ -29,6 +29,7 @@ _TEMP = re.compile(r"(\d+)\.[0-9a-f]{8}(\.\w+)?")
 # names of a process's open descriptors: whatever is behind them is the process's stream
 _DESCRIPTOR = re.compile(r"/dev/(stdout|stderr|fd/\d+)|/proc/(self|thread-self|\d+)/fd/\d+")
 _OWN = {"/dev/stdout": 1, "/dev/stderr": 2}
+_PID_LIMIT = 2**22  # Linux's largest pid_max: a larger number names no writer of ours
 
 
 def _stream(path: str | Path) -> Path | None:
@@ -167,7 +168,7 @@ def remove_stale_temps(path: Path) -> None:
     prefix = f".{path.name}."
     for tmp in path.parent.glob(f"{glob.escape(prefix)}*"):
         ours = _TEMP.fullmatch(tmp.name[len(prefix):])  # PID.HEX and a suffix: nobody else's
-        if ours and not _alive(int(ours[1])):
+        if ours and int(ours[1]) < _PID_LIMIT and not _alive(int(ours[1])):
             with contextlib.suppress(OSError):
                 tmp.unlink()
 
