@@ -101,16 +101,7 @@ def write_whole(path: str | Path, data: str | bytes | memoryview) -> Path:
     if stream is not None:
         return _write_in_place(stream, data)
     real = Path(path).expanduser().resolve()
-    tmp = _synced_temp(real.parent, real.name, data)
-    try:
-        _keep_mode(real, tmp)
-        os.replace(tmp, real)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    remove_stale_temps(real)
-    return real
+    return _move_into_place(_synced_temp(real.parent, real.name, data), real)
 
 
 def write_new(folder: str | Path, prefix: str, suffix: str, text: str | bytes) -> Path:
@@ -151,6 +142,15 @@ def write_through(path: str | Path, write: Callable[[Path], object],
         write(tmp)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return _move_into_place(tmp, real)
+
+
+def _move_into_place(tmp: Path, real: Path) -> Path:
+    try:
         _keep_mode(real, tmp)
         os.replace(tmp, real)
     except BaseException:
