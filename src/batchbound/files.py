@@ -86,6 +86,7 @@ def _synced_temp(folder: Path, name: str, data: str | bytes | memoryview) -> Pat
             fh.write(data.encode("utf-8") if isinstance(data, str) else data)
             fh.flush()
             os.fsync(fh.fileno())
+        _keep_mode(folder / name, tmp)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -140,6 +141,7 @@ def write_through(path: str | Path, write: Callable[[Path], object],
     tmp = _temp_name(real, real.suffix or default_suffix)
     try:
         write(tmp)
+        _keep_mode(real, tmp)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
     except BaseException:
@@ -151,7 +153,6 @@ def write_through(path: str | Path, write: Callable[[Path], object],
 
 def _move_into_place(tmp: Path, real: Path) -> Path:
     try:
-        _keep_mode(real, tmp)
         os.replace(tmp, real)
     except BaseException:
         with contextlib.suppress(OSError):
