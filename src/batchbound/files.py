@@ -45,6 +45,11 @@ def _stream(path: str | Path) -> Path | None:
     return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else given
 
 
+def names_a_stream(path: str | Path) -> bool:
+    """Whether ``path`` is written in place: a device, FIFO, socket or descriptor's name."""
+    return _stream(path) is not None
+
+
 def _write_in_place(stream: Path, data: str | bytes | memoryview) -> Path:
     """Write ``data`` to a device or FIFO, or through this process's own descriptor where
     the name is one of them (``/dev/stdout > run.log``: at the log's own offset, after what

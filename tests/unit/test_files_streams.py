@@ -73,3 +73,18 @@ def test_a_number_no_pid_can_be_neither_crashes_the_write_nor_goes(tmp_path: Pat
     odd.write_bytes(b"x")
     write_whole(tmp_path / "ck.pt", b"checkpoint")
     assert odd.exists() and (tmp_path / "ck.pt").read_bytes() == b"checkpoint"
+
+
+def test_train_output_to_a_pipe_is_written_there(tmp_path: Path) -> None:
+    """`batchbound train ... --output /dev/stdout | jq`: refused as 'cannot write /dev/stdout:
+    No such file or directory' (the claim on the output made a lock file beside the pipe's
+    name under /proc); a stream is no file another run could write at the same time."""
+    done = subprocess.run(
+        [sys.executable, "-m", "batchbound", "train", "--dataset", "digits", "--model",
+         "fc(depth=1,width=8)", "--max-iterations", "2", "--no-progress", "--json",
+         "--output", "/dev/stdout"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(SRC)})
+    assert done.returncode == 0, done.stderr
+    assert '"config_hash"' in done.stdout and done.stdout.rstrip().endswith("}")
+    assert list(tmp_path.iterdir()) == []
