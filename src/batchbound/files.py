@@ -6,6 +6,10 @@ no file may have yet). A write that fails (a full disk, a file-size limit) remov
 temporary file; a kill leaves at most that hidden file, which the next write of the same
 target removes once its writer is dead. Either way the target is the previous file, whole,
 or the new one, whole: never a truncated JSON, checkpoint or page that looks like a result.
+
+A target that is no file to replace, a device (``/dev/null``), a FIFO, or a name of an open
+descriptor (``/dev/stdout``, ``/dev/fd/N``), is written in place, as ``open`` would: replacing
+it would make a device a regular file (as root), or put the result where a log was.
 """
 
 from __future__ import annotations
@@ -15,10 +19,65 @@ import glob
 import os
 import re
 import secrets
+import stat
+import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 _TEMP = re.compile(r"(\d+)\.[0-9a-f]{8}(\.\w+)?")
+# names of a process's open descriptors: whatever is behind them is the process's stream
+_DESCRIPTOR = re.compile(r"/dev/(stdout|stderr|fd/\d+)|/proc/(self|thread-self|\d+)/fd/\d+")
+_OWN = {"/dev/stdout": 1, "/dev/stderr": 2}
+_PID_LIMIT = 2**22  # Linux's largest pid_max: a larger number names no writer of ours
+
+
+def _stream(path: str | Path) -> Path | None:
+    """``path`` (user-expanded) when it names no file to replace whole: an existing device,
+    FIFO or socket, or an open descriptor's name; else None."""
+    given = Path(path).expanduser()
+    if _DESCRIPTOR.fullmatch(os.path.abspath(given)):
+        return given
+    try:
+        mode = os.stat(given).st_mode
+    except OSError:  # not there (yet): a file, made whole
+        return None
+    return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else given
+
+
+def names_a_stream(path: str | Path) -> bool:
+    """Whether ``path`` is written in place: a device, FIFO, socket or descriptor's name."""
+    return _stream(path) is not None
+
+
+def _write_in_place(stream: Path, data: str | bytes | memoryview) -> Path:
+    """Write ``data`` to a device or FIFO, or through this process's own descriptor where
+    the name is one of them (``/dev/stdout > run.log``: at the log's own offset, after what
+    the process wrote there, truncating nothing)."""
+    data = memoryview(data.encode("utf-8") if isinstance(data, str) else data).cast("B")
+    name = os.path.abspath(stream)
+    fd = _OWN.get(name)
+    own = re.fullmatch(rf"/dev/fd/(\d+)|/proc/(?:self|thread-self|{os.getpid()})/fd/(\d+)",
+                       name)
+    if own:
+        fd = int(own[1] or own[2])
+    if fd is None:
+        with open(stream, "wb") as fh:
+            fh.write(data)
+        return stream
+    for pending in (sys.stdout, sys.stderr):  # what this process printed comes first
+        with contextlib.suppress(Exception):
+            pending.flush()
+    while data:
+        data = data[os.write(fd, data):]
+    return stream
+
+
+def _keep_mode(real: Path, tmp: Path) -> None:
+    """The replaced file's permission bits on its replacement (a private 0600 file stays
+    private, as a write in place kept it); a new name keeps the umask's."""
+    with contextlib.suppress(FileNotFoundError):
+        os.chmod(tmp, stat.S_IMODE(os.stat(real).st_mode))
 
 
 def _temp_name(target: Path, suffix: str = ".tmp") -> Path:
@@ -32,6 +91,7 @@ def _synced_temp(folder: Path, name: str, data: str | bytes | memoryview) -> Pat
             fh.write(data.encode("utf-8") if isinstance(data, str) else data)
             fh.flush()
             os.fsync(fh.fileno())
+        _keep_mode(folder / name, tmp)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -41,7 +101,11 @@ def _synced_temp(folder: Path, name: str, data: str | bytes | memoryview) -> Pat
 
 def write_whole(path: str | Path, data: str | bytes | memoryview) -> Path:
     """Replace ``path`` (through a symlink: its target) by ``data`` (text as UTF-8)
-    atomically; raises the OSError of a write that failed, with ``path`` as it was."""
+    atomically; raises the OSError of a write that failed, with ``path`` as it was. A device,
+    FIFO or descriptor's name is written in place (the module's docstring)."""
+    stream = _stream(path)
+    if stream is not None:
+        return _write_in_place(stream, data)
     real = Path(path).expanduser().resolve()
     return _move_into_place(_synced_temp(real.parent, real.name, data), real)
 
@@ -70,11 +134,19 @@ def write_through(path: str | Path, write: Callable[[Path], object],
     """Have ``write(tmp)`` write a file (a figure: ``savefig`` picks the format by the
     suffix, which the temporary name keeps, ``default_suffix`` for a path without one), then
     move it onto ``path`` atomically; raises what the write raised, with ``path`` as it was
-    and no temporary file left."""
+    and no temporary file left. A device, FIFO or descriptor's name gets the written bytes in
+    place (the module's docstring)."""
+    stream = _stream(path)
+    if stream is not None:  # drawn into a file of its own, then its bytes written there
+        with tempfile.TemporaryDirectory(prefix="batchbound-") as folder:
+            drawn = Path(folder) / f"drawn{stream.suffix or default_suffix}"
+            write(drawn)
+            return _write_in_place(stream, drawn.read_bytes())
     real = Path(path).expanduser().resolve()
     tmp = _temp_name(real, real.suffix or default_suffix)
     try:
         write(tmp)
+        _keep_mode(real, tmp)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
     except BaseException:
@@ -102,7 +174,7 @@ def remove_stale_temps(path: Path) -> None:
     prefix = f".{path.name}."
     for tmp in path.parent.glob(f"{glob.escape(prefix)}*"):
         ours = _TEMP.fullmatch(tmp.name[len(prefix):])  # PID.HEX and a suffix: nobody else's
-        if ours and not _alive(int(ours[1])):
+        if ours and int(ours[1]) < _PID_LIMIT and not _alive(int(ours[1])):
             with contextlib.suppress(OSError):
                 tmp.unlink()
 

@@ -141,7 +141,10 @@ def on_iterations(rows: list[Row], fewest: float) -> Row:
     critical batch, past which a doubled batch saves under a third of the iterations (at
     S = 2·S_min the examples are 2·E_min). Else the batch with the fewest iterations. The
     recommendation is that batch on one worker: which worker count pays is a question of
-    seconds. The same pilot gives the same answer however busy the machine is."""
+    seconds. The same pilot gives the same answer however busy the machine is. A batch
+    whose micro-batch the model's step cannot run at (below the first size that ran:
+    infinite compute) is never chosen."""
+    runnable = {id(r) for r in rows if r.compute_seconds != math.inf}
     for row in rows:
         row.seconds_per_iteration = row.compute_seconds = math.nan
         row.communication_seconds = row.seconds_to_target = math.nan
@@ -149,7 +152,8 @@ def on_iterations(rows: list[Row], fewest: float) -> Row:
         row.speedup = row.efficiency = math.nan
         row.best = False
     for workers in dict.fromkeys(r.workers for r in rows):
-        own = [r for r in rows if r.workers == workers and math.isfinite(r.iterations)]
+        own = [r for r in rows if r.workers == workers and math.isfinite(r.iterations)
+               and id(r) in runnable]
         if not own:
             continue
         within = [r for r in own if r.iterations <= CRITICAL * fewest]

@@ -149,10 +149,13 @@ if __name__ == "__main__":
     from batchbound.lifetime import die_with_parent
 
     # an advice killed mid-timing (SIGKILL, or SIGTERM, which it does not catch) takes its
-    # ranks and their folder with it, instead of leaving them to time on for no one
-    out = sys.argv[3] if sys.argv[1:2] == ["allreduce"] else sys.argv[2]
+    # ranks and their folder with it, instead of leaving them to time on for no one. The
+    # folder is the one the advice made and named (timing._run_ranks), never one derived
+    # from the arguments (read from the wrong position, it was the working directory); a
+    # rank started by hand removes nothing
+    folder = os.environ.get("BATCHBOUND_TIMER_FOLDER")
     die_with_parent(parent=int(os.environ.get("BATCHBOUND_TIMER_PARENT", os.getppid())),
-                    remove=Path(out).parent)
+                    remove=Path(folder) if folder else None)
     if sys.argv[1:2] == ["allreduce"]:
         allreduce(sys.argv[2:])
     else:

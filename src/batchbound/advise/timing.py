@@ -180,6 +180,7 @@ def _run_ranks(arguments: list[str], workers: int, out: Path, tmp: str) -> None:
         with log.open("w") as err:  # the child keeps its own copy of the descriptor
             ranks.append(subprocess.Popen(command, stderr=err, env={
                 **os.environ, "BATCHBOUND_TIMER_PARENT": str(os.getpid()),
+                "BATCHBOUND_TIMER_FOLDER": tmp,  # theirs to remove if this process dies
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(workers)}))
     errors = []

@@ -9,7 +9,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 from typing import Any
+
+from matplotlib.backend_bases import FigureCanvasBase
 
 from batchbound.advise import advise, advise_from_study
 from batchbound.advise.figure import plot_advice
@@ -138,11 +141,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         default=0.1, metavar="EPOCHS",
                         help="with --estimator exact: exact n·Δ every this many pilot epochs "
                         "(default 0.1); with a target, the pilot evaluates 4 times as often")
-    parser.add_argument("--figure", metavar="PNG", type=writable_file,
+    parser.add_argument("--figure", metavar="PNG", type=figure_format,
                         help="write time to target against P here")
     parser.add_argument("--json", action="store_true", help="print the advice as JSON")
     parser.set_defaults(func=run_command)
     parser.unrecognized_hints = _train_flags_advise_does_not_take(parser)
+
+
+def figure_format(text: str) -> Path:
+    """``--figure``'s path, checked as it is parsed: a writable file whose suffix names a
+    format matplotlib draws (none: a PNG), not a ValueError after the whole advice."""
+    path = writable_file(text)
+    suffix = path.suffix[1:].lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise argparse.ArgumentTypeError(
+            f"cannot draw {text}: .{suffix} is no figure format; end it in "
+            f"{', '.join('.' + f for f in sorted(formats))} (no suffix: a PNG)")
+    return path
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -5,7 +5,9 @@ path is refused at the start instead of replacing the first one's work.
 The hold is an advisory ``flock`` on a hidden file beside the output in its real folder
 (``.NAME.lock``; symlinks resolved, so two spellings of one path are one path), which the
 kernel drops when the holder dies, however it dies. The file stays: removing it would let a
-second run lock a new file while the first still holds the old one.
+second run lock a new file while the first still holds the old one. A stream (``/dev/stdout``,
+``/dev/null``, a FIFO) is not held: it is written in place (batchbound/files.py), no file a
+second run could replace, and a lock beside it would be a file under /dev or /proc.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from batchbound.errors import BatchboundError
+from batchbound.files import names_a_stream
 
 
 @contextmanager
@@ -26,7 +29,7 @@ def claim_outputs(paths: Iterable[str | Path | None]) -> Iterator[None]:
     BatchboundError when another live process holds one of them."""
     with ExitStack() as stack:
         for path in paths:
-            if path is not None:
+            if path is not None and not names_a_stream(path):
                 stack.enter_context(_claim(Path(path)))
         yield
 

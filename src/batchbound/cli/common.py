@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from batchbound.errors import BatchboundError
+from batchbound.files import names_a_stream
 
 
 def add_data_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
@@ -53,6 +54,8 @@ def output_file(path: str | Path, *, make_folders: bool = False) -> Path:
     missing folder (unless ``make_folders``: the writer creates it) or a read-only one, so
     a result is never lost after the work is done. Returns the path."""
     target = _path(path)
+    if names_a_stream(target):  # /dev/stdout, /dev/null, a FIFO: written in place, no folder
+        return target
     if target.is_dir():
         raise BatchboundError(f"cannot write {path}: it is a directory; give a file path")
     _writable_folder(path, target.parent, make_folders)

@@ -110,9 +110,12 @@ class DiversityCallback(transformers.TrainerCallback):
         self._items: Any = None  # num_items_in_batch of this step (token-normalised losses)
         self._token_rule: str | None = None  # "shifted" (causal LM) or "all" label tokens
         self._token_factor = 1.0
-        # labelled tokens (on the device) and sequences the token estimate has seen
+        # labelled tokens (on the device) and sequences of this step, and their sums over
+        # the steps the token estimate averages, weighted as it weighs them (``decay``)
+        self._step_tokens: Tensor | None = None
+        self._step_sequences = 0
         self._label_tokens: Tensor | None = None
-        self._label_sequences = 0
+        self._label_sequences = 0.0
         self._probe: Tensor | None = None  # does the loss divide by num_items_in_batch?
         self._pending: dict[str, float] = {}
 
@@ -184,8 +187,8 @@ class DiversityCallback(transformers.TrainerCallback):
                 labels = labels[..., 1:]
         count = labels.ne(_IGNORE).sum().to(torch.float64)  # the items its loss sums over
         self._norms.start(count, count)
-        self._label_tokens = count if self._label_tokens is None else self._label_tokens + count
-        self._label_sequences += int(labels.shape[0]) if labels.dim() > 1 else 1
+        self._step_tokens = count if self._step_tokens is None else self._step_tokens + count
+        self._step_sequences += int(labels.shape[0]) if labels.dim() > 1 else 1
 
     def _use_tokens(self, module: nn.Module) -> None:
         """The loss is Σ over label tokens / num_items_in_batch: know which tokens."""
@@ -237,6 +240,20 @@ class DiversityCallback(transformers.TrainerCallback):
         row = self._norms.record(constant, loss_scale_of(self._scaler, self._device))
         if row is not None:
             self._records.add(row)
+        self._count_labels(row is not None)
+
+    def _count_labels(self, recorded: bool) -> None:
+        """Fold this step's labelled tokens and sequences into τ's sums as the monitor folds
+        the step's row: the same exponential weights (``decay``; None: every step alike),
+        so that B_noise_tokens / τ divides the window's estimate by the window's τ."""
+        tokens, sequences = self._step_tokens, self._step_sequences
+        self._step_tokens, self._step_sequences = None, 0
+        if not recorded or tokens is None:
+            return
+        keep = 1.0 if self.decay is None else self.decay
+        self._label_tokens = (tokens if self._label_tokens is None
+                              else keep * self._label_tokens + tokens)
+        self._label_sequences = keep * self._label_sequences + sequences
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._records is None or state.global_step % self.every:
@@ -364,8 +381,9 @@ class BatchWarmupCallback(DiversityCallback):
     def estimate(self) -> Any:
         """The estimate in the warmup's unit, sequences (the batch is per-device batch ×
         accumulation × ranks sequences): the monitor itself, or, when the model's loss made it
-        one in tokens, B_noise_tokens / τ with τ the labelled tokens per sequence seen (a
-        batch of B sequences is B·τ tokens; one host read)."""
+        one in tokens, B_noise_tokens / τ with τ the labelled tokens per sequence over the
+        steps the estimate averages, weighted as it weighs them (a batch of B sequences is
+        B·τ tokens; one host read)."""
         assert self.monitor is not None
         if self.unit != "tokens" or self._label_tokens is None:
             return self.monitor

@@ -88,12 +88,29 @@ def train_in_group(
         trainer = Trainer(
             config, ctx, dataset=dataset, checkpoint_path=checkpoint_path, progress=progress
         )
+        resume = _agreed(ctx, resume)
+        if resume and checkpoint_path is None:
+            raise BatchboundError("another rank resumes from its checkpoint: give every rank "
+                                  "the same --checkpoint")
         result = trainer.run(resume=resume)
         finished = True
         return result
     finally:
         if owns_group:  # leave a group we created; a caller's own group is theirs to close
             teardown(synchronise=finished)
+
+
+def _agreed(ctx: DistContext, resume: bool) -> bool:
+    """Every rank resumes when one does (a MAX all-reduce): under torchrun each rank decides
+    from its agent's restart count, and an agent that replaced a lost node counts none while
+    the others count one; its ranks would start afresh beside resumed ones (other weights,
+    iteration 0, on the same all-reduced gradients). A rank that cannot read the checkpoint
+    is refused by its load, in one line."""
+    if not ctx.distributed:
+        return resume
+    flag = torch.tensor([1.0 if resume else 0.0], device=ctx.device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 class StepTimes(NamedTuple):
@@ -766,6 +783,7 @@ class Trainer:
         "last_batch_loss",
         "next_eval_epoch",
         "last_eval_iteration",
+        "test_iteration",  # else a finished run resumed evaluates its test split twice
         "metrics",
         "curves",
         "status",
