@@ -157,6 +157,17 @@ def test_a_loss_computed_in_float32_is_stated_float32() -> None:
     assert monitor.precision.startswith("float32")
     want = _want(*_loop(model, x, y, lambda o, t: F.cross_entropy(o.float(), t)), 5)
     assert monitor.m2 == pytest.approx(want.m2, rel=F32)
+    # measure() and monitored_step compute the loss after the forward too
+    def loss(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(o.float(), t, reduction="none")
+
+    assert measure(model, (x, y), loss, chunk_size=2).dtype == "float32"
+    assert measure(model, (x, y), "cross_entropy", chunk_size=2).dtype == "float64"
+    from batchbound.diversity import monitored_step
+
+    stepped = OnlineDiversity(1000, decay=0.0)
+    monitored_step(model, x, y, loss, stepped)
+    assert stepped.precision.startswith("float32")
 
 
 def test_a_float32_model_is_stated_float32() -> None:

@@ -688,7 +688,8 @@ def hooks_stats(
     run.into = into
     try:
         outputs = run.forward(model, x)
-        losses = loss_fn(outputs, y)
+        with run.rows.loss_casts() if run.rows is not None else nullcontext():
+            losses = loss_fn(outputs, y)
         check_losses(losses, n, offset)
         total = losses.sum()
         run.attach([total.grad_fn], output_nodes(outputs))

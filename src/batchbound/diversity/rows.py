@@ -45,6 +45,7 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensorMode,
 )
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
@@ -137,6 +138,12 @@ class RowTracker(TorchDispatchMode):
         super().__exit__(*exc)
         self._seen.arm()  # the forward's end: its lowered results have their nodes now
 
+    def loss_casts(self) -> _LossCasts:
+        """A mode for the loss, computed after the forward and outside the tracker: its
+        casts below the parameters' precision (``logits.float()`` in a float64 model) count
+        as the forward's do."""
+        return _LossCasts(self._seen)
+
     def _valued(self, t: Tensor) -> bool:
         """Floating-point values that depend on the examples (or on the weights): everything
         but what is known computed from integer inputs, buffers and constants alone. A
@@ -218,3 +225,24 @@ class RowTracker(TorchDispatchMode):
             seen.add(node)
             stack.extend(child for child, _ in node.next_functions if child is not None)
         return seen
+
+
+class _LossCasts(TorchFunctionMode):
+    """Notes the loss's lowered results in ``seen`` (above autograd: they have their nodes)."""
+
+    def __init__(self, seen: GradientPrecision) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, Tensor) and t.dtype in _BELOW_FLOAT64:
+                self.seen.see(t, (*args, *kwargs.values()))
+        return out
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self.seen.arm()
