@@ -12,7 +12,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from batchbound.train import TrainConfig, train
-from batchbound.train.distributed import free_port
+from batchbound.train.distributed import free_port, init_group, teardown
 
 pytestmark = pytest.mark.distributed
 
@@ -22,12 +22,12 @@ CONFIG = dict(dataset="digits", model="fc(depth=1,params=800)", batch_size=32, l
 
 
 def rank(r: int, port: int, checkpoint: str, out: str) -> None:
-    import torch.distributed as dist
-
     from batchbound.train.loop import train_in_group
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r,
-                            world_size=2)
+    # init_group and teardown, not torch's own: the optimizer imports torch._dynamo, which
+    # would keep the group alive past destroy_process_group and abort the rank at exit
+    # (SIGABRT, "terminate called without an active exception": docs/torchrun-abort.md)
+    init_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2)
     try:
         result = train_in_group(TrainConfig(**CONFIG), checkpoint_path=checkpoint,
                                 resume=(r == 0), stall_timeout=30)
@@ -35,7 +35,7 @@ def rank(r: int, port: int, checkpoint: str, out: str) -> None:
             {"iterations": result.final["iterations"], "status": result.status,
              "curves": [(i, m, v) for i, _, _, m, v in result.curves]}))
     finally:
-        dist.destroy_process_group()
+        teardown()
 
 
 def test_ranks_that_disagree_on_resuming_all_resume(tmp_path: Path) -> None:
