@@ -249,7 +249,7 @@ def test_advise_reads_the_lag_of_the_config_or_the_users_factory() -> None:
     assert lag == 0.0 and why == "AssertionError: float32 parameters only"
 
 
-def _segments(kappa_exponent: float, loss_exponent: float) -> list:
+def _segments(kappa_exponent: float, loss_exponent: float, se: float = 1.0) -> list:
     """Five pilot segments whose loss is 3·t^−p and whose B_noise·L is 10·t^r exactly."""
     from batchbound.advise.trajectory import Segment
 
@@ -257,7 +257,7 @@ def _segments(kappa_exponent: float, loss_exponent: float) -> list:
     for a in (1, 21, 41, 61, 81):
         t = a + 9.5
         loss = 3.0 * t**-loss_exponent
-        out.append(Segment(a, a + 19, 10.0 * t**kappa_exponent / loss, 1.0, loss))
+        out.append(Segment(a, a + 19, 10.0 * t**kappa_exponent / loss, se, loss))
     return out
 
 
@@ -286,6 +286,30 @@ def test_a_falling_kappa_is_the_start_and_a_steep_rise_is_capped_at_the_high_end
     first = _grid(100, 1000)[0]
     assert steep.central.noise_scale(1000) / steep.central.noise_scale(first) == \
         pytest.approx(1000 / first)
+
+
+def test_a_rise_within_one_standard_error_of_none_is_not_used() -> None:
+    from batchbound.advise.trajectory import _grid, _kappa_trend, extrapolate
+
+    clear = _segments(0.3, 0.2)  # B_noise ≈ 11–16 ± 1: r = 0.3 is several SE from 0
+    r, se = _kappa_trend(clear[1:], 0.0)
+    # the SE by hand: each segment's relative error carried through the slope of a fit on log t
+    x = [math.log(s.middle) for s in clear[1:]]
+    mean = sum(x) / len(x)
+    spread = sum((v - mean) ** 2 for v in x)
+    by_hand = math.sqrt(sum((v - mean) ** 2 * (s.se / s.noise) ** 2
+                            for v, s in zip(x, clear[1:], strict=True))) / spread
+    assert r == pytest.approx(0.3) and se == pytest.approx(by_hand) and se < 0.3
+    assert extrapolate(clear, 100, 1000, 16, 0.1).kappa_growth == pytest.approx(0.3)
+    noisy = _segments(0.3, 0.2, se=8.0)  # the same rise, each segment ± 50–70 %
+    r, se = _kappa_trend(noisy[1:], 0.0)
+    assert r == pytest.approx(0.3) and se > r
+    path = extrapolate(noisy, 100, 1000, 16, 0.1)
+    assert path.kappa_growth == 0.0 and path.kappa_trend == (pytest.approx(r), pytest.approx(se))
+    assert "within one standard error of none: κ held constant" in path.assumption
+    first = _grid(100, 1000)[0]  # past the pilot B_noise grows as 1/L(t) alone: t^p
+    assert path.central.noise_scale(1000) / path.central.noise_scale(first) == \
+        pytest.approx((1000 / first) ** 0.2)
 
 
 def test_a_rise_out_of_the_first_segment_is_not_a_trend() -> None:

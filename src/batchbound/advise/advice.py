@@ -751,7 +751,7 @@ def _pilot_record(config: TrainConfig, run: PilotRun, path: Trajectory, planned:
         "seconds": run.seconds, "estimator": run.estimator, "target": goal,
         "minimum_iterations": minimum_iterations(path.central),
         "kappa": path.kappa, "kappa_se": path.kappa_se, "loss_exponent": path.loss_exponent,
-        "kappa_growth": path.kappa_growth,
+        "kappa_growth": path.kappa_growth, "kappa_trend": list(path.kappa_trend),
         "lag": path.lag,
         "final_loss": list(path.final_loss) if planned else None,
         "segments": [{"start": s.start, "end": s.end, "noise_scale": s.noise, "se": s.se,

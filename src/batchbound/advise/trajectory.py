@@ -15,7 +15,10 @@ pairs (M2, C) (``batchbound.diversity.online``). Here:
 
    - central: B_noise(t) = κ(t) / L(t), the loss continuing on its fitted power law and κ
      on its own trend over the segments after the first, κ(t) ∝ t^r (a least-squares fit of
-     log κ on log t over at least two of them, else r = 0; r clipped to [0, 1 − p]).
+     log κ on log t over at least two of them, else r = 0; r clipped to [0, 1 − p]). A rise
+     within one standard error of none (the segments' own errors carried through the fit)
+     is not used: κ stays constant, the simpler model the pilot cannot tell apart (the
+     one-standard-error rule of model selection).
      McCandlish et al.'s κ is constant; on language models it grows while the loss falls
      slowly (the critical batch rising well past B_noise·L, Merrill et al. 2025), and the
      pilot sees the start of that rise. A falling κ is read as
@@ -130,6 +133,7 @@ class Trajectory:
     final_loss: tuple[float, float, float]  # extrapolated loss at the plan's end: central, lo, hi
     assumption: str
     lag: float = 0.0  # steps the optimiser took to build up its steady step (step_lag)
+    kappa_trend: tuple[float, float] = (0.0, 0.0)  # r as fitted over the pilot, its SE
 
 
 def extrapolate(segs: Sequence[Segment], pilot_iterations: int, planned_iterations: int,
@@ -147,7 +151,8 @@ def extrapolate(segs: Sequence[Segment], pilot_iterations: int, planned_iteratio
     spread = float(np.std(products, ddof=1) / math.sqrt(len(products))) if len(later) > 1 else 0
     kappa_se = max(math.sqrt(1.0 / float(np.sum(weights))), spread)
     exponent, loss_end = _loss_trend(later, pilot_iterations, lag)
-    growth = _kappa_trend(segs[1:], lag, 1.0 - exponent)
+    fitted, fitted_se = _kappa_trend(segs[1:], lag)
+    growth = min(fitted, max(1.0 - exponent, 0.0)) if fitted > fitted_se else 0.0
     tp, k = pilot_iterations, planned_iterations
 
     def moved(t: float) -> float:  # (t − lag)/(tp − lag): the growth past the pilot
@@ -178,8 +183,11 @@ def extrapolate(segs: Sequence[Segment], pilot_iterations: int, planned_iteratio
         f"{kappa:.3g} ± "
         f"{kappa_se:.2g} (McCandlish et al.) with the training loss continuing its pilot "
         f"trend L ∝ t^−{exponent:.2f}"
-        + (f" and κ its rise over the pilot, κ ∝ t^{growth:.2f} (the critical batch growing "
-           f"as on language models, Merrill et al. 2025)" if growth > 0 else "")
+        + (f" and κ its rise over the pilot, κ ∝ t^{growth:.2f} (fitted {fitted:.2f} ± "
+           f"{fitted_se:.2f}; the critical batch growing as on language models, Merrill et al. "
+           f"2025)" if growth > 0 else "")
+        + (f" (κ's rise over the pilot, t^{fitted:.2f} ± {fitted_se:.2f}, is within one "
+           f"standard error of none: κ held constant)" if 0 < fitted <= fitted_se else "")
         + (f" (t counted from {lag:.3g} steps in: the optimiser's momentum builds up its "
            f"steady step over the first steps)" if lag > 0 else "")
         + "; the interval runs from B_noise staying where the "
@@ -188,7 +196,7 @@ def extrapolate(segs: Sequence[Segment], pilot_iterations: int, planned_iteratio
         f"B_noise measured over the whole run to the target ({k} steps, {len(segs)} segments, "
         f"± two standard errors of their level)")
     return Trajectory(central, low, high, tuple(segs), kappa, kappa_se, exponent, growth,
-                      final, assumption, lag)
+                      final, assumption, lag, (fitted, fitted_se))
 
 
 def _level_error(segs: Sequence[Segment]) -> float:
@@ -217,19 +225,23 @@ def _loss_trend(later: Sequence[Segment], pilot_iterations: int, lag: float = 0.
     return exponent, end
 
 
-def _kappa_trend(after_first: Sequence[Segment], lag: float, most: float) -> float:
-    """r in κ ∝ (t − lag)^r from a least-squares fit of log(B_noise·L) on log(t − lag) over
-    the segments after the first, each counted once (their standard errors grow with their
-    values, so weighting by them would favour the lowest); clipped to [0, most]. 0 with
-    fewer than two such segments (a rise out of the first segment is the start's transient,
-    not a trend: on a held-out LSTM it read r = 0.9 from two segments and over-read the gain
-    ×1.5) or a zero noise scale."""
+def _kappa_trend(after_first: Sequence[Segment], lag: float) -> tuple[float, float]:
+    """(r, its standard error) in κ ∝ (t − lag)^r from a least-squares fit of log(B_noise·L)
+    on log(t − lag) over the segments after the first, each counted once (their standard
+    errors grow with their values, so weighting by them would favour the lowest); the
+    standard error carries each segment's relative error of B_noise through the fit. (0, 0)
+    with fewer than two such segments (a rise out of the first segment is the start's
+    transient, not a trend: on a held-out LSTM it read r = 0.9 from two segments and
+    over-read the gain ×1.5) or a zero noise scale."""
     products = [s.noise * s.loss for s in after_first]
     if len(after_first) < 2 or min(products) <= 0:
-        return 0.0
+        return 0.0, 0.0
     t = np.log([_moving(s.middle, lag) for s in after_first])
-    slope = float(np.polyfit(t, np.log(products), 1)[0])
-    return min(max(slope, 0.0), max(most, 0.0))
+    centred = t - t.mean()
+    spread = float(np.sum(centred**2))
+    slope = float(np.sum(centred * np.log(products)) / spread)
+    relative = np.array([s.se / s.noise for s in after_first])
+    return slope, float(math.sqrt(np.sum(centred**2 * relative**2)) / spread)
 
 
 def _moving(t: float, lag: float) -> float:
