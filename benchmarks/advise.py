@@ -101,6 +101,15 @@ CASES["pysrc-gpt-adamw-4ep"] = {**CASES["licenses-gpt-adamw-4ep"],
                                 "dataset": "text(path={pysrc})"}
 # and as issue 36's done-when 4 states it: 2 epochs at B0 = 16 (run after the 4-epoch case)
 CASES["pysrc-gpt-adamw"] = {**CASES["licenses-gpt-adamw"], "dataset": "text(path={pysrc})"}
+# held out after the one-standard-error rule (trajectory.py), written down before their first
+# run: two of issue 36's outside workloads, SGD with momentum on images (lr chosen only so that
+# the plan trains: mnist1d to 98 % training accuracy, Fashion-MNIST to 87 %)
+CASES["mnist1d-cnn1d-momentum"] = dict(dataset="mnist1d", model="cnn1d()", b0=32, lr=0.01,
+                                       momentum=0.9, epochs=40, batches=(128, 512, 2048),
+                                       eval_subset=None)
+CASES["fashion-fc-momentum"] = dict(dataset="fashion-mnist", model="fc(depth=2,params=100000)",
+                                    b0=64, lr=0.01, momentum=0.9, epochs=2,
+                                    batches=(256, 1024, 4096), eval_subset=5000)
 OPTIMISER_KEYS = ("optimizer", "betas", "momentum", "weight_decay")
 HALF_WINDOW = 4  # a crossing is read on the centred mean of 9 evaluations
 
