@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from batchbound.advise.step_timer import PEER_FAILED
 from batchbound.config import load_toml
 from batchbound.data import Dataset
 from batchbound.errors import BatchboundError
@@ -188,7 +189,9 @@ def _run_ranks(arguments: list[str], workers: int, out: Path, tmp: str) -> None:
         for rank, log in zip(ranks, logs, strict=True):
             if rank.wait():
                 err = log.read_text().strip()
-                errors.append(err.splitlines()[-1] if err else f"exit {rank.returncode}")
+                line = err.splitlines()[-1] if err else f"exit {rank.returncode}"
+                # a rank stopped by another's failure says nothing; the failing one names it
+                errors.insert(len(errors) if rank.returncode == PEER_FAILED else 0, line)
     finally:
         for rank in ranks:
             if rank.poll() is None:
