@@ -184,18 +184,19 @@ def _run_ranks(arguments: list[str], workers: int, out: Path, tmp: str) -> None:
                 "BATCHBOUND_TIMER_FOLDER": tmp,  # theirs to remove if this process dies
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(workers)}))
-    errors = []
+    errors: list[str] = []
+    stopped: list[str] = []  # ranks stopped by another's failure say nothing: it names it
     try:
         for rank, log in zip(ranks, logs, strict=True):
             if rank.wait():
                 err = log.read_text().strip()
                 line = err.splitlines()[-1] if err else f"exit {rank.returncode}"
-                # a rank stopped by another's failure says nothing; the failing one names it
-                errors.insert(len(errors) if rank.returncode == PEER_FAILED else 0, line)
+                (stopped if rank.returncode == PEER_FAILED else errors).append(line)
     finally:
         for rank in ranks:
             if rank.poll() is None:
                 rank.kill()
+    errors += stopped
     if errors or not out.exists():
         raise BatchboundError(f"timing the step on {workers} processes failed: "
                               f"{errors[0] if errors else 'no result'}")
