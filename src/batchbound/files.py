@@ -1,11 +1,14 @@
 """Files written whole or not at all: results, checkpoints, reports, figures, exports.
 
-The bytes go to a hidden temporary file of their own beside the target (``.NAME.PID.HEX.tmp``),
-are synced, and only then take the target's name (``os.replace``, or ``os.link`` for a name
-no file may have yet). A write that fails (a full disk, a file-size limit) removes its
-temporary file; a kill leaves at most that hidden file, which the next write of the same
-target removes once its writer is dead. Either way the target is the previous file, whole,
-or the new one, whole: never a truncated JSON, checkpoint or page that looks like a result.
+The bytes go to a hidden temporary file of their own beside the target
+(``.NAME.HOST.PID.HEX.tmp``), are synced, and only then take the target's name
+(``os.replace``, or ``os.link`` for a name no file may have yet). A write that fails (a full
+disk, a file-size limit) removes its temporary file; a kill leaves at most that hidden file,
+which the next write of the same target on the same host removes once its writer is dead. A
+pid means nothing on another host, so on a folder several hosts share (NFS, a cluster's
+home) another host's temporary file, maybe a live writer's, is never removed here. Either
+way the target is the previous file, whole, or the new one, whole: never a truncated JSON,
+checkpoint or page that looks like a result.
 
 A target that is no file to replace, a device (``/dev/null``), a FIFO, or a name of an open
 descriptor (``/dev/stdout``, ``/dev/fd/N``), is written in place, as ``open`` would: replacing
@@ -16,9 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import os
 import re
 import secrets
+import socket
 import stat
 import sys
 import tempfile
@@ -80,8 +85,18 @@ def _keep_mode(real: Path, tmp: Path) -> None:
         os.chmod(tmp, stat.S_IMODE(os.stat(real).st_mode))
 
 
+def host_tag(host: str | None = None) -> str:
+    """This host's part of a temporary file's name (``host``'s, given one): its name made fit
+    for a file name, without dots, and 6 hex digits of a hash of the whole name, so that two
+    names made alike (``a.b``, ``a_b``) stay apart."""
+    host = socket.gethostname() if host is None else host
+    safe = re.sub(r"[^A-Za-z0-9-]", "-", host)[:24] or "host"
+    return f"{safe}-{hashlib.sha256(host.encode()).hexdigest()[:6]}"
+
+
 def _temp_name(target: Path, suffix: str = ".tmp") -> Path:
-    return target.parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}{suffix}"
+    return target.parent / (f".{target.name}.{host_tag()}.{os.getpid()}."
+                            f"{secrets.token_hex(4)}{suffix}")
 
 
 def _synced_temp(folder: Path, name: str, data: str | bytes | memoryview) -> Path:
@@ -168,10 +183,11 @@ def _move_into_place(tmp: Path, real: Path) -> Path:
 
 
 def remove_stale_temps(path: Path) -> None:
-    """Remove the temporary files of writers of ``path`` that died mid-write (a SIGKILL
-    between the open and the replace leaves one, a checkpoint's size, at every kill); a live
-    writer's, named by its pid, is left alone."""
-    prefix = f".{path.name}."
+    """Remove the temporary files of writers of ``path`` on this host that died mid-write (a
+    SIGKILL between the open and the replace leaves one, a checkpoint's size, at every kill);
+    a live writer's, named by its pid, is left alone, and so is every other host's (its pid
+    names no process here) and a name without a host (written before names carried one)."""
+    prefix = f".{path.name}.{host_tag()}."
     for tmp in path.parent.glob(f"{glob.escape(prefix)}*"):
         ours = _TEMP.fullmatch(tmp.name[len(prefix):])  # PID.HEX and a suffix: nobody else's
         if ours and int(ours[1]) < _PID_LIMIT and not _alive(int(ours[1])):

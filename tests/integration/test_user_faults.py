@@ -189,11 +189,12 @@ ck.save_checkpoint(sys.argv[1], {"config_hash": "abc", "weights": torch.zeros(10
 
 
 def test_a_writer_killed_mid_checkpoint_leaves_no_temporary_file_for_long(tmp_path):
-    """A SIGKILL between a checkpoint's write and its replace leaves `.ck.pt.PID.HEX.tmp`, the
+    """A SIGKILL between a checkpoint's write and its replace leaves `.ck.pt.HOST.PID.HEX.tmp`, the
     size of a checkpoint, at every kill; the next checkpoint written there removes those of
     dead writers (never a live writer's)."""
     import torch
 
+    from batchbound.files import host_tag
     from batchbound.train import checkpoint as ck
 
     path = tmp_path / "ck.pt"
@@ -205,8 +206,8 @@ def test_a_writer_killed_mid_checkpoint_leaves_no_temporary_file_for_long(tmp_pa
     proc.kill()
     proc.wait()
     (stale,) = tmp_path.glob(".ck.pt.*.tmp")
-    assert stale.name.startswith(f".ck.pt.{proc.pid}.")
-    live = tmp_path / f".ck.pt.{os.getpid()}.00000000.tmp"  # a writer still at work
+    assert stale.name.startswith(f".ck.pt.{host_tag()}.{proc.pid}.")
+    live = tmp_path / f".ck.pt.{host_tag()}.{os.getpid()}.00000000.tmp"  # a writer at work
     live.write_bytes(b"partial")
     ck.save_checkpoint(path, {"config_hash": "abc", "weights": torch.ones(1000)})
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "ck.pt"]

@@ -48,9 +48,13 @@ def test_bytes_text_and_new_names(tmp_path):
 
 def test_a_dead_writers_temporary_file_goes_a_live_ones_and_a_users_stay(tmp_path):
     target = tmp_path / "ck.pt"
-    dead = tmp_path / f".ck.pt.{_dead_pid()}.0123abcd.tmp"
-    live = tmp_path / f".ck.pt.{os.getpid()}.0123abcd.tmp"
-    users = [tmp_path / ".ck.pt.5.bak", tmp_path / ".ck.pt.swp", tmp_path / ".ck.pt.12.notours.tmp"]
+    from batchbound.files import host_tag
+
+    host = host_tag()
+    dead = tmp_path / f".ck.pt.{host}.{_dead_pid()}.0123abcd.tmp"
+    live = tmp_path / f".ck.pt.{host}.{os.getpid()}.0123abcd.tmp"
+    users = [tmp_path / ".ck.pt.5.bak", tmp_path / ".ck.pt.swp", tmp_path / ".ck.pt.12.notours.tmp",
+             tmp_path / f".ck.pt.{host}.12.notours.tmp"]
     for path in [dead, live, *users]:
         path.write_bytes(b"x")
     write_whole(target, b"checkpoint")
@@ -72,3 +76,30 @@ def test_an_export_cut_short_keeps_the_earlier_tables(tmp_path, monkeypatch):
         export(store, tmp_path / "csv", "csv")
     after = {p.name: p.read_bytes() for p in (tmp_path / "csv").iterdir()}
     assert after == before
+
+
+def test_another_hosts_temporary_file_stays_whatever_its_pid(tmp_path):
+    """A folder shared by several hosts (NFS, a cluster's home): a pid says nothing about a
+    process on another host, so the temporary file of a writer there is never removed here,
+    whether its pid is dead here or alive here; this host's dead writer's is. A name from
+    before the host was in it (no host) is nobody's to judge, and stays too."""
+    from batchbound.files import host_tag
+
+    target = tmp_path / "ck.pt"
+    dead = _dead_pid()
+    other = host_tag("node-b.cluster.example")
+    assert other != host_tag() and "." not in other
+    theirs = [tmp_path / f".ck.pt.{other}.{dead}.0123abcd.tmp",  # dead here, maybe not there
+              tmp_path / f".ck.pt.{other}.{os.getpid()}.0123abcd.tmp",
+              tmp_path / f".ck.pt.{dead}.0123abcd.tmp"]  # the old name, without a host
+    ours = tmp_path / f".ck.pt.{host_tag()}.{dead}.0123abcd.tmp"
+    for path in [*theirs, ours]:
+        path.write_bytes(b"x")
+    write_whole(target, b"checkpoint")
+    assert all(p.exists() for p in theirs) and not ours.exists()
+    # this process's own temporary files carry this host
+    written: list[str] = []
+    write_through(target, lambda tmp: written.append(tmp.name) or tmp.write_bytes(b"y"))
+    assert written[0].startswith(f".ck.pt.{host_tag()}.{os.getpid()}.")
+    # two host names alike once made safe for a file name stay apart
+    assert host_tag("a.b") != host_tag("a_b")

@@ -69,7 +69,9 @@ def test_a_replaced_file_keeps_its_permissions(tmp_path: Path) -> None:
 def test_a_number_no_pid_can_be_neither_crashes_the_write_nor_goes(tmp_path: Path) -> None:
     """A hidden file whose 'pid' no process can have (os.kill raised OverflowError after the
     write had succeeded: a checkpoint's save ended in a traceback) is not ours: it stays."""
-    odd = tmp_path / f".ck.pt.{2**70}.0123abcd.tmp"
+    from batchbound.files import host_tag
+
+    odd = tmp_path / f".ck.pt.{host_tag()}.{2**70}.0123abcd.tmp"
     odd.write_bytes(b"x")
     write_whole(tmp_path / "ck.pt", b"checkpoint")
     assert odd.exists() and (tmp_path / "ck.pt").read_bytes() == b"checkpoint"

@@ -181,6 +181,52 @@ def test_a_float32_model_is_stated_float32() -> None:
     assert monitor.m2 == pytest.approx(want.m2, rel=1e-5)
 
 
+def _cast_loss(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(o.float(), t, reduction="none")
+
+
+def _inside() -> nn.Module:
+    model = Float32Inside().double()
+    model.table = model.table.float()
+    return model
+
+
+def _dead() -> nn.Module:
+    model = Float32Inside(dead=True).double()
+    model.table = model.table.float()
+    return model
+
+
+@pytest.mark.parametrize("engine", ["hooks", "loop", "vmap", "auto"])
+@pytest.mark.parametrize(("build", "loss", "want"), [
+    (_inside, "cross_entropy", "float32"),  # a cast in the forward
+    (_float64_mlp, _cast_loss, "float32"),  # a cast in the loss
+    (_float64_mlp, "cross_entropy", "float64"),  # clean
+    (_dead, "cross_entropy", "float64"),  # float32 off the gradient's path
+], ids=["forward-cast", "loss-cast", "clean", "dead-branch"])
+def test_every_engine_states_the_precision_it_observed(build, loss, want: str,
+                                                       engine: str) -> None:
+    """The loop and vmap engines stated the parameters' float64 for a float64 model whose
+    forward or loss casts to float32, while hooks observed the cast: the same observation
+    (``precision.Casts`` into ``GradientPrecision``) now runs on every engine."""
+    torch.manual_seed(0)
+    model, (x, y) = build(), _data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = measure(model, (x, y), loss, chunk_size=2, engine=engine)
+    assert report.dtype == want
+    reference = measure(model, (x, y), loss, chunk_size=2, engine="loop")
+    assert report.diversity == pytest.approx(reference.diversity, rel=F32)
+    from batchbound.diversity import monitored_step
+
+    stepped = OnlineDiversity(1000, decay=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        monitored_step(model, x, y, loss, stepped, engine=engine)
+    model.zero_grad()
+    assert stepped.precision.split(" ")[0] == want
+
+
 # ------------------------------------------------------------------ Hugging Face models
 
 transformers = pytest.importorskip("transformers")

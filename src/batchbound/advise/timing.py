@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from batchbound.advise.step_timer import PEER_FAILED
 from batchbound.config import load_toml
 from batchbound.data import Dataset
 from batchbound.errors import BatchboundError
@@ -183,16 +184,19 @@ def _run_ranks(arguments: list[str], workers: int, out: Path, tmp: str) -> None:
                 "BATCHBOUND_TIMER_FOLDER": tmp,  # theirs to remove if this process dies
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(workers)}))
-    errors = []
+    errors: list[str] = []
+    stopped: list[str] = []  # ranks stopped by another's failure say nothing: it names it
     try:
         for rank, log in zip(ranks, logs, strict=True):
             if rank.wait():
                 err = log.read_text().strip()
-                errors.append(err.splitlines()[-1] if err else f"exit {rank.returncode}")
+                line = err.splitlines()[-1] if err else f"exit {rank.returncode}"
+                (stopped if rank.returncode == PEER_FAILED else errors).append(line)
     finally:
         for rank in ranks:
             if rank.poll() is None:
                 rank.kill()
+    errors += stopped
     if errors or not out.exists():
         raise BatchboundError(f"timing the step on {workers} processes failed: "
                               f"{errors[0] if errors else 'no result'}")

@@ -8,7 +8,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -129,11 +128,11 @@ def run_command(args: argparse.Namespace) -> int:
     main = env_rank() == 0  # under torchrun, rank 0 writes
     outputs = (args.checkpoint, args.output, args.tensorboard) if main else ()
     with claim_outputs(outputs):  # a second run given the same paths is refused now
-        _keep_checkpoint(args.checkpoint, args.resume)
-        result = train(
+        result = train(  # over an existing checkpoint without --resume: refused (train)
             config,
             checkpoint_path=args.checkpoint,
             resume=args.resume,
+            keep_checkpoint=True,
             progress=not args.no_progress and not args.json,
             stall_timeout=args.stall_timeout,
         )
@@ -158,21 +157,6 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"stopped: {resume_hint(args.checkpoint)}", file=sys.stderr)
         return EXIT_STOPPED
     return 1 if result.status == "failed" else 0
-
-
-def _keep_checkpoint(checkpoint: str | Path | None, resume: bool) -> None:
-    """Refuse to start a run over an existing checkpoint: rerunning a killed run's command
-    without --resume would begin at iteration 0 and write over what it had saved. Not under
-    torchrun: a group it restarts resumes by itself (``train``), and a node that joins a
-    restarted group is in its first attempt while the checkpoint is there."""
-    if checkpoint is None or resume or "TORCHELASTIC_RUN_ID" in os.environ:
-        return
-    if not Path(checkpoint).exists():
-        return
-    raise BatchboundError(
-        f"{checkpoint} already holds a checkpoint, which this run would write over from "
-        "iteration 0: add --resume to continue it (same configuration), or remove it or give "
-        "another --checkpoint to start afresh")
 
 
 def save_output(result: RunResult, path: str | Path) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from torch.func import functional_call, grad, vmap
 from batchbound.diversity.calls import Inputs, call_model, one_example, vmap_parts
 from batchbound.diversity.graph import parameter_users, walk
 from batchbound.diversity.losses import PerExampleLoss, check_finite, check_losses
+from batchbound.diversity.precision import Casts, GradientPrecision
 from batchbound.diversity.stats import (
     PerExampleStats,
     gradients,
@@ -52,9 +53,11 @@ def loop_sq_norms(
     *,
     offset: int = 0,
     sums: bool = True,
+    seen: GradientPrecision | None = None,
 ) -> tuple[SqNorms, GradSums, Tensor]:
     """One backward per example: squared norms and (with ``sums``) gradient sums of the
-    parameters ``names``, and the losses."""
+    parameters ``names``, and the losses. ``seen``: notes the casts below the parameters'
+    precision on the gradient's path (``precision.Casts``), for the precision stated."""
     params = dict(model.named_parameters())
     tensors = [params[name] for name in names]
     n = x.shape[0]
@@ -64,7 +67,8 @@ def loop_sq_norms(
                 for name, p in zip(names, tensors, strict=True)} if sums else {}
     losses = []
     for i in range(n):
-        value = loss_fn(call_model(model, x[i : i + 1]), y[i : i + 1])
+        with Casts(seen) if seen is not None else nullcontext():
+            value = loss_fn(call_model(model, x[i : i + 1]), y[i : i + 1])
         check_losses(value, 1, offset + i)
         grads = gradients(value.sum(), tensors)
         for name, g in zip(names, grads, strict=True):
@@ -78,10 +82,12 @@ def loop_sq_norms(
 
 
 def loop_stats(
-    model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss, *, offset: int = 0
+    model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss, *, offset: int = 0,
+    seen: GradientPrecision | None = None,
 ) -> PerExampleStats:
     names = list(trainable_parameters(model))
-    sq_norms, grad_sum, losses = loop_sq_norms(model, x, y, loss_fn, names, offset=offset)
+    sq_norms, grad_sum, losses = loop_sq_norms(model, x, y, loss_fn, names, offset=offset,
+                                               seen=seen)
     return PerExampleStats(losses, sq_norms, grad_sum)
 
 
@@ -103,11 +109,13 @@ def loop_gradients(
 
 
 def _per_example_fn(
-    model: nn.Module, loss_fn: PerExampleLoss, names: Sequence[str], *, outer: bool = False
+    model: nn.Module, loss_fn: PerExampleLoss, names: Sequence[str], *, outer: bool = False,
+    seen: GradientPrecision | None = None,
 ) -> Callable[[dict[str, Tensor], Tensor, Tensor], tuple[dict[str, Tensor], Tensor]]:
     """(params of ``names``, x_i, y_i) -> (∇f_i w.r.t. those params, f_i). With ``outer``,
     f_i keeps the autograd graph of whatever it used from outside the functional call (a
-    parameter the loss reads itself, which torch.func cannot see): ``outside_uses``."""
+    parameter the loss reads itself, which torch.func cannot see): ``outside_uses``.
+    ``seen``: as ``loop_sq_norms``'s, armed before torch.func's backward runs."""
     fixed = {k: v.detach() for k, v in model.named_parameters()}
     fixed.update({k: v.detach() for k, v in model.named_buffers()})
 
@@ -115,8 +123,9 @@ def _per_example_fn(
                     ) -> tuple[Tensor, Tensor]:
         one = one_example(xi, dims[0])
         args, kwargs = (one.args, one.kwargs) if isinstance(one, Inputs) else ((one,), {})
-        out = functional_call(model, {**fixed, **chosen}, args, kwargs)
-        values = loss_fn(out, one_example(yi, dims[1]))
+        with Casts(seen) if seen is not None else nullcontext():
+            out = functional_call(model, {**fixed, **chosen}, args, kwargs)
+            values = loss_fn(out, one_example(yi, dims[1]))
         if tuple(values.shape) != (1,):
             raise BatchboundError(f"the loss must return one value per example, got shape "
                                   f"{tuple(values.shape)} for one example; use reduction='none'")
@@ -172,15 +181,16 @@ def _sub_chunks(n: int, numel: int) -> Iterator[slice]:
 
 def vmap_sq_norms(
     model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss, names: Sequence[str],
-    *, uses: set[str] | None = None,
+    *, uses: set[str] | None = None, seen: GradientPrecision | None = None,
 ) -> tuple[SqNorms, GradSums, Tensor]:
     """Per-example squared norms and gradient sums of the parameters ``names``, and losses.
     Raises VmapUnsupported where torch.func cannot run the model. ``uses``, when given (run
     with grad enabled), receives the parameters the losses used outside the functional call
-    (``outside_uses``): their numbers here are then incomplete."""
+    (``outside_uses``): their numbers here are then incomplete. ``seen``: as
+    ``loop_sq_norms``'s."""
     params = dict(model.named_parameters())
     chosen = {name: params[name].detach() for name in names}
-    per_example = _per_example_fn(model, loss_fn, names, outer=uses is not None)
+    per_example = _per_example_fn(model, loss_fn, names, outer=uses is not None, seen=seen)
     n = x.shape[0]
     sq_norms = {name: p.new_zeros(n, dtype=norm_dtype(p.dtype)) for name, p in chosen.items()}
     grad_sum = {name: torch.zeros_like(p, dtype=norm_dtype(p.dtype)) for name, p in chosen.items()}
@@ -200,10 +210,11 @@ def vmap_sq_norms(
 
 def vmap_stats(
     model: nn.Module, x: Tensor, y: Tensor, loss_fn: PerExampleLoss, *, offset: int = 0,
-    uses: set[str] | None = None,
+    uses: set[str] | None = None, seen: GradientPrecision | None = None,
 ) -> PerExampleStats:
     names = list(trainable_parameters(model))
-    sq_norms, grad_sum, losses = vmap_sq_norms(model, x, y, loss_fn, names, uses=uses)
+    sq_norms, grad_sum, losses = vmap_sq_norms(model, x, y, loss_fn, names, uses=uses,
+                                               seen=seen)
     if uses:  # incomplete numbers: the caller refuses them, whatever the losses
         return PerExampleStats(losses, sq_norms, grad_sum)
     check_finite(losses, offset)

@@ -201,8 +201,8 @@ def measure(
                                 "chunk_size": chunk_size}
     count, loss_sum, per_param, grad_sum, fallback, seen = totals
     used = lowest(dtype, seen)  # autocast or casts in the forward: below the parameters'
-    if fallback:  # rerun under autocast without the observing mode: may round unseen inside
-        used = lowest(used, *autocast_dtypes())
+    if fallback or engine in ("loop", "vmap"):  # run under autocast without the observing
+        used = lowest(used, *autocast_dtypes())  # dispatch mode: may round unseen inside
     if used in LOW_PRECISION:
         extra["precision"] = statement(used, dtype)
         warnings.warn(f"batchbound: {statement(used, dtype)}; dtype=torch.float64 measures a "

@@ -27,11 +27,12 @@ from functools import partial
 
 import torch
 from torch.autograd.graph import Node
+from torch.overrides import TorchFunctionMode
 
 from batchbound.diversity.stats import LOW_PRECISION
 
-__all__ = ["LOW_PRECISION", "RANK", "GradientPrecision", "autocast_dtypes", "digits", "lowest",
-           "name", "statement"]
+__all__ = ["LOW_PRECISION", "RANK", "Casts", "GradientPrecision", "autocast_dtypes", "digits",
+           "lowest", "name", "statement"]
 # floating dtypes by precision, lowest first; any other dtype ranks 3 (not floating)
 RANK = {torch.float16: 0, torch.bfloat16: 0, torch.float32: 1, torch.float64: 2}
 
@@ -95,6 +96,31 @@ class GradientPrecision:
         r = RANK[dtype]
         if r < self.rank:
             self.dtype, self.rank = dtype, r
+
+
+class Casts(TorchFunctionMode):
+    """Notes the lowered results of the functions run inside it in ``seen`` (above autograd:
+    they have their nodes) and arms them on leaving, before the backward: the loss computed
+    after the hooks engine's forward, and the whole forward and loss of the loop and vmap
+    engines (one observation for every engine; a float64 model with ``logits.float()`` is
+    float32 whichever engine measures it)."""
+
+    def __init__(self, seen: GradientPrecision) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_function__(self, func: object, types: object, args: tuple = (),
+                           kwargs: dict | None = None) -> object:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)  # type: ignore[operator]
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and RANK.get(t.dtype, 3) < 2:
+                self.seen.see(t, (*args, *kwargs.values()))
+        return out
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self.seen.arm()
 
 
 def autocast_dtypes() -> list[torch.dtype]:

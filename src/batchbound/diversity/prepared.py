@@ -30,7 +30,7 @@ from batchbound.diversity.engines import (
 )
 from batchbound.diversity.hooks import HookPlan, Layout, hooks_stats, plan_hooks
 from batchbound.diversity.losses import PerExampleLoss, check_losses, resolve_loss
-from batchbound.diversity.precision import lowest
+from batchbound.diversity.precision import GradientPrecision, lowest
 from batchbound.diversity.rule_check import (
     COUPLED,
     INTERACTING,
@@ -141,12 +141,17 @@ class PreparedStats:
         check_model_mode(self.model, self.batch_norms)
         with torch.enable_grad():  # also when called under torch.no_grad()
             if self.engine == "loop":
-                return loop_stats(self.model, x, y, self.loss_fn, offset=offset)
+                seen = GradientPrecision()  # the casts the hooks engine observes, observed
+                stats = loop_stats(self.model, x, y, self.loss_fn, offset=offset, seen=seen)
+                self._saw(seen)
+                return stats
             if self.engine == "vmap":
                 used: set[str] = set()  # read off this call's own graph (no extra forward)
+                seen = GradientPrecision()
                 try:
                     stats = vmap_stats(self.model, x, y, self.loss_fn, offset=offset,
-                                       uses=used)
+                                       uses=used, seen=seen)
+                    self._saw(seen)
                     if used:
                         raise BatchboundError(
                             f"engine='vmap' cannot see parameters used outside their modules' "
@@ -165,6 +170,11 @@ class PreparedStats:
                 self._checked(self_check(self.model, x, y, self.loss_fn, self.plan,
                                          self.params, self.layout, self.plan.static_reasons()))
             return self._hooks(x, y, offset, into)
+
+    def _saw(self, seen: GradientPrecision) -> None:
+        """The loop's or vmap's observed precision into ``precision``, as a hooks pass's."""
+        parameters = next(iter(self.params.values())).dtype
+        self.precision = lowest(self.precision, seen.dtype or parameters)
 
     def _probe(self, x: Tensor, y: Tensor, offset: int) -> None:
         assert self.plan is not None

@@ -45,12 +45,11 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensorMode,
 )
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from batchbound.diversity.graph import Node, is_accumulator
-from batchbound.diversity.precision import LOW_PRECISION, GradientPrecision
+from batchbound.diversity.precision import LOW_PRECISION, Casts, GradientPrecision
 
 _INDEX_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
                            torch.int64})
@@ -138,11 +137,11 @@ class RowTracker(TorchDispatchMode):
         super().__exit__(*exc)
         self._seen.arm()  # the forward's end: its lowered results have their nodes now
 
-    def loss_casts(self) -> _LossCasts:
+    def loss_casts(self) -> Casts:
         """A mode for the loss, computed after the forward and outside the tracker: its
         casts below the parameters' precision (``logits.float()`` in a float64 model) count
         as the forward's do."""
-        return _LossCasts(self._seen)
+        return Casts(self._seen)
 
     def _valued(self, t: Tensor) -> bool:
         """Floating-point values that depend on the examples (or on the weights): everything
@@ -225,24 +224,3 @@ class RowTracker(TorchDispatchMode):
             seen.add(node)
             stack.extend(child for child, _ in node.next_functions if child is not None)
         return seen
-
-
-class _LossCasts(TorchFunctionMode):
-    """Notes the loss's lowered results in ``seen`` (above autograd: they have their nodes)."""
-
-    def __init__(self, seen: GradientPrecision) -> None:
-        super().__init__()
-        self.seen = seen
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, Tensor) and t.dtype in _BELOW_FLOAT64:
-                self.seen.see(t, (*args, *kwargs.values()))
-        return out
-
-    def __exit__(self, *exc: object) -> None:
-        super().__exit__(*exc)
-        self.seen.arm()

@@ -138,6 +138,17 @@ def _init_worker(threads: int) -> None:
     torch.set_num_threads(threads)
     die_with_parent()
     signal.signal(signal.SIGINT, _interrupt_runner)
+    signal.signal(signal.SIGTERM, _leave)
+
+
+def _leave(signum: int, frame: object) -> None:
+    """SIGTERM to a pool worker outside a run's own handler (idle, or between runs): leave
+    through the interpreter's normal exit, which runs multiprocessing's finalizers. Killed
+    outright, as by default, a worker left what it had registered with the resource tracker
+    (tqdm's multiprocessing lock, made by ``measure``) registered, and the tracker printed
+    "leaked semaphore objects" after a study's one-line error. Within a run the trainer's
+    StopFlag takes SIGTERM instead and stops the run at a checkpoint, as before."""
+    raise SystemExit(128 + signum)
 
 
 def _interrupt_runner(signum: int, frame: object) -> None:
@@ -206,13 +217,18 @@ class LocalPool:
         # `running`, which the next invocation resumes), then make sure nothing is left
         workers = multiprocessing.active_children()
         self.pool.shutdown(wait=False, cancel_futures=True)
-        for process in workers:
-            process.terminate()
         deadline = time.monotonic() + STOP_GRACE_SECONDS
-        for process in workers:
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                process.kill()
+        while workers and time.monotonic() < deadline:
+            # again while they last: a worker whose run has stopped at its checkpoint
+            # (its StopFlag took the first) leaves on the next, idle (``_leave``)
+            for process in workers:
+                process.terminate()
+            for process in workers:
+                process.join(min(0.2, max(0.0, deadline - time.monotonic())))
+            workers = [p for p in workers if p.is_alive()]
+        for process in workers:  # a run that did not stop within the grace
+            process.kill()
+            process.join()
         self.pending.clear()
 
 

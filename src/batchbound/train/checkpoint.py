@@ -103,6 +103,16 @@ def _why_unreadable(exc: Exception) -> str:
     return f"unreadable, truncated or not written by torch.save: {reason}"
 
 
+def overwrite_refusal(path: str | Path) -> BatchboundError:
+    """A run asked to keep its checkpoint (``batchbound train``) that would start afresh over
+    one: rerunning a killed run's command without --resume begins at iteration 0 and writes
+    over what it had saved."""
+    return BatchboundError(
+        f"{path} already holds a checkpoint, which this run would write over from "
+        "iteration 0: add --resume to continue it (same configuration), or remove it or give "
+        "another --checkpoint to start afresh")
+
+
 def load_checkpoint(path: str | Path, config_hash: str | None = None) -> dict[str, Any]:
     """The checkpoint at ``path``, read with ``weights_only=True`` (nothing in it can run).
     Refused with a ``BatchboundError`` when unreadable (truncated, garbage, a pickle of

@@ -34,6 +34,7 @@ from batchbound.environment import restart_count
 from batchbound.errors import BatchboundError, FaultError
 from batchbound.files import write_whole
 from batchbound.lifetime import die_with_parent
+from batchbound.train.checkpoint import overwrite_refusal
 from batchbound.train.config import TrainConfig
 from batchbound.train.distributed import (
     env_rank,
@@ -55,6 +56,7 @@ def train(
     resume: bool = False,
     progress: bool = False,
     stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+    keep_checkpoint: bool = False,
 ) -> RunResult:
     """Train per ``config``; return the RunResult (on every rank; rank 0 is the one to keep).
 
@@ -63,9 +65,11 @@ def train(
     ``config.checkpoint_every``, and on SIGTERM/SIGINT). ``resume``: continue from it; a run
     that torchrun restarted (``--max-restarts``) resumes from it by itself when it exists.
     ``stall_timeout``: seconds a collective waits for a silent rank before the run ends
-    naming it (stall.py). With ``config.workers > 1`` and no process group, P local
-    processes are spawned (gloo on CPU, NCCL on CUDA); under torchrun the environment's
-    group is joined.
+    naming it (stall.py). ``keep_checkpoint`` (``batchbound train``): a run that would start
+    afresh over an existing checkpoint is refused, naming --resume; under torchrun only
+    when no agent has restarted, decided by all ranks together (``loop._agreed``). With
+    ``config.workers > 1`` and no process group, P local processes are spawned (gloo on
+    CPU, NCCL on CUDA); under torchrun the environment's group is joined.
     """
     if resume and checkpoint_path is None:
         raise BatchboundError("resume needs a checkpoint path")
@@ -80,8 +84,10 @@ def train(
     options = {"checkpoint_path": checkpoint_path, "resume": resume, "progress": progress,
                "stall_timeout": stall_timeout}
     if config.workers > 1 and env_world_size() == 1 and not dist.is_initialized():
+        if keep_checkpoint and not resume and checkpoint_path and Path(checkpoint_path).exists():
+            raise overwrite_refusal(checkpoint_path)  # before spawning: no group to agree in
         return launch_local(config, dataset=dataset, **options)
-    return train_in_group(config, dataset=dataset, **options)
+    return train_in_group(config, dataset=dataset, keep_checkpoint=keep_checkpoint, **options)
 
 
 def launch_local(

@@ -37,11 +37,17 @@ from batchbound.data import BatchSampler, Dataset, apply_transform, load_dataset
 from batchbound.data.identity import data_digest
 from batchbound.diversity import PreparedStats, measure
 from batchbound.diversity.losses import check_shape, resolve_loss
+from batchbound.environment import restart_count
 from batchbound.errors import BatchboundError, NonFiniteLossError
 from batchbound.models import build_model
 from batchbound.train.cadence import EPS, next_due
 from batchbound.train.callbacks import Callback, Snapshots, callbacks_for
-from batchbound.train.checkpoint import StopFlag, load_checkpoint, save_checkpoint
+from batchbound.train.checkpoint import (
+    StopFlag,
+    load_checkpoint,
+    overwrite_refusal,
+    save_checkpoint,
+)
 from batchbound.train.config import TrainConfig
 from batchbound.train.distributed import (
     DistContext,
@@ -69,11 +75,13 @@ def train_in_group(
     resume: bool = False,
     progress: bool = False,
     stall_timeout: float | None = None,
+    keep_checkpoint: bool = False,
 ) -> RunResult:
     """Train in this process: alone, or as one rank of the process group that is already
     initialised or that torchrun's environment describes (its collectives bounded by
     ``stall_timeout`` seconds). ``batchbound.train.train`` decides whether to spawn local
-    processes first (launch.py) and calls this in each."""
+    processes first (launch.py) and calls this in each. ``keep_checkpoint``: refuse to start
+    afresh over an existing checkpoint (``_agreed``)."""
     if resume and checkpoint_path is None:
         raise BatchboundError("resume needs a checkpoint path")
     owns_group = not torch.distributed.is_initialized()  # setup() may create it (torchrun)
@@ -85,10 +93,14 @@ def train_in_group(
                 f"config says workers={config.workers} but the process group has "
                 f"{ctx.world_size} ranks; set --workers to the torchrun world size"
             )
+        # only asked for by train(), which has checked torchrun's environment (a local
+        # rank's is not torchrun's: no MASTER_ADDR)
+        restarted = keep_checkpoint and restart_count() > 0
+        over = keep_checkpoint and checkpoint_path is not None and Path(checkpoint_path).exists()
+        resume = _agreed(ctx, resume, restarted, over, checkpoint_path)
         trainer = Trainer(
             config, ctx, dataset=dataset, checkpoint_path=checkpoint_path, progress=progress
         )
-        resume = _agreed(ctx, resume)
         if resume and checkpoint_path is None:
             raise BatchboundError("another rank resumes from its checkpoint: give every rank "
                                   "the same --checkpoint")
@@ -100,17 +112,29 @@ def train_in_group(
             teardown(synchronise=finished)
 
 
-def _agreed(ctx: DistContext, resume: bool) -> bool:
+def _agreed(ctx: DistContext, resume: bool, restarted: bool, over: bool,
+            checkpoint: str | Path | None) -> bool:
     """Every rank resumes when one does (a MAX all-reduce): under torchrun each rank decides
     from its agent's restart count, and an agent that replaced a lost node counts none while
     the others count one; its ranks would start afresh beside resumed ones (other weights,
     iteration 0, on the same all-reduced gradients). A rank that cannot read the checkpoint
-    is refused by its load, in one line."""
-    if not ctx.distributed:
-        return resume
-    flag = torch.tensor([1.0 if resume else 0.0], device=ctx.device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag.item())
+    is refused by its load, in one line.
+
+    ``over``: this rank would start afresh over a checkpoint it was asked to keep;
+    ``restarted``: its torchrun agent has restarted the group. When no
+    rank resumes and no agent has restarted (a fresh torchrun launch, or a single process,
+    rerun without --resume after a kill), every rank refuses, in the same line: an agent's
+    restart reruns the same command and resumes by itself (launch.py), a fresh launch must
+    say so. Decided from the same reduced flags on every rank, so all stop or none does."""
+    flags = [resume, restarted, over]
+    if ctx.distributed:
+        reduced = torch.tensor([1.0 if f else 0.0 for f in flags], device=ctx.device)
+        torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX)
+        flags = [v > 0 for v in reduced.tolist()]
+    resume, restarted, over = flags
+    if over and not resume and not restarted:
+        raise overwrite_refusal(checkpoint)
+    return resume
 
 
 class StepTimes(NamedTuple):
