@@ -235,3 +235,21 @@ def test_embedding_bag_with_offsets_is_refused_in_one_line() -> None:
     said = str(info.value)
     assert said.startswith("the model raised on a few examples split from this call")
     assert "offsets[0] has to be 0" in said and "\n" not in said
+
+
+def test_advise_trains_a_model_with_an_output_its_loss_ignores() -> None:
+    """The router (``gate``) feeds only the auxiliary output, which this loss leaves out: its
+    parameters get no gradient. The trainer's two-batch norms read ``p.grad`` and stopped the
+    pilot ("failed: TypeError: linalg_vector_norm(): ... not NoneType"); they are zeros now."""
+    from batchbound.advise import advise
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 4, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        advice = advise(Routed(), (x, y), lambda out, t: F.cross_entropy(out[0], t,
+                                                                         reduction="none"),
+                        batch_size=8, lr=0.1, planned_epochs=8, max_workers=1,
+                        critical_batch="noise")
+    assert advice.rows and all(r.iterations > 0 for r in advice.rows)

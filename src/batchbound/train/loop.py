@@ -463,7 +463,23 @@ class Trainer:
         if self._backward_seed is None or self._backward_seed[0] != scale:
             self._backward_seed = (scale, torch.full_like(total, scale))
         total.backward(self._backward_seed[1])
-        return [p.grad for p in self.params], total.item(), []
+        return self._grads_or_zeros(), total.item(), []
+
+    def _grads_or_zeros(self) -> list[torch.Tensor]:
+        """Each parameter's gradient; zeros for one the loss did not reach (a branch, an
+        output the loss ignores), so that the monitor's norms and the all-reduce see every
+        parameter. On one process its .grad stays None (the optimizer skips it, as in plain
+        PyTorch); across ranks it is the zeros, which the all-reduce fills with the other
+        ranks' gradients (DDP's own convention for unused parameters)."""
+        grads = []
+        for p in self.params:
+            g = p.grad
+            if g is None:
+                g = torch.zeros_like(p)
+                if self.ctx.distributed:
+                    p.grad = g
+            grads.append(g)
+        return grads
 
     def all_reduce(self, grads: list[torch.Tensor], extras: list[float]) -> tuple[list[float], int]:
         """SUM gradients and the extras across ranks in one flat buffer; returns the summed
