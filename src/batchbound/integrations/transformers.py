@@ -33,11 +33,13 @@ scaler skips, are not folded in. n is ``len(train_dataset)`` unless given.
 batchbound.integrations.ddp cannot be registered: under DDP each rank estimates from its own
 micro-batches (still unbiased, noisier than the global estimate; rank 0's is logged), and
 that needs k ≥ 2 too (with ``average_tokens_across_devices`` the Trainer's ×P is undone;
-tensor, context or sequence parallelism is not supported). A custom
-``compute_loss_func`` or a Trainer subclass that changes how the loss is normalised is not
-detected. Reporting integrations (``report_to``) run before user callbacks in the Trainer,
-so to have them record these keys add the callback with ``DiversityCallback().attach(trainer)``
-(it goes in front of them) instead of ``callbacks=[...]``.
+tensor, context or sequence parallelism is not supported). ``label_smoothing_factor`` and
+``compute_loss_func`` pop the labels: on a model given ``num_items_in_batch`` that is
+refused (no labels reach the forward); otherwise a custom ``compute_loss_func`` or a Trainer
+subclass that changes how the loss is normalised is not detected. Reporting integrations
+(``report_to``) run before user callbacks in the Trainer, so to have them record these keys
+add the callback with ``DiversityCallback().attach(trainer)`` (it goes in front of them)
+instead of ``callbacks=[...]``.
 """
 
 from __future__ import annotations
