@@ -253,3 +253,10 @@ def test_advise_trains_a_model_with_an_output_its_loss_ignores() -> None:
                         batch_size=8, lr=0.1, planned_epochs=8, max_workers=1,
                         critical_batch="noise")
     assert advice.rows and all(r.iterations > 0 for r in advice.rows)
+    # the same model with the batch's auxiliary loss in each example's: the objective would
+    # change with how the batch is split among workers; advise answered for it, now refused
+    with pytest.raises(BatchboundError) as info:
+        advise(Routed(), (x, y), with_aux, batch_size=8, lr=0.1, planned_epochs=8,
+               max_workers=1, critical_batch="noise")
+    assert "reads output 1 of the model, shape ()" in str(info.value)
+    assert "\n" not in str(info.value)

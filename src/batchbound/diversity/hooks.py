@@ -724,8 +724,9 @@ def hooks_stats(
 def batch_output(k: int, shape: tuple[int, ...], n: int,
                  way_out: str = "leave it out of the per-example loss") -> str:
     """Why a loss may not read output ``k``: a quantity of the batch, not the examples'."""
+    examples = f"{n} example" + ("s" if n != 1 else "")
     return (f"the loss reads output {k} of the model, shape {shape}, which does not hold the "
-            f"{n} examples along dim 0: a quantity of the whole batch computed inside the "
+            f"{examples} along dim 0: a quantity of the whole batch computed inside the "
             "model (a mixture of experts' load-balancing auxiliary loss, a statistic of the "
             f"batch) couples the examples, so per-example gradients do not exist; {way_out}")
 

@@ -36,6 +36,7 @@ from batchbound import kernels
 from batchbound.data import BatchSampler, Dataset, apply_transform, load_dataset
 from batchbound.data.identity import data_digest
 from batchbound.diversity import PreparedStats, measure
+from batchbound.diversity.hooks import check_outputs_read
 from batchbound.diversity.losses import check_shape, resolve_loss
 from batchbound.errors import BatchboundError, NonFiniteLossError
 from batchbound.models import build_model
@@ -455,9 +456,13 @@ class Trainer:
                 p.grad = g
             return grads, float(stats.losses.sum()), [float(stats.total_sq_norms.sum())]
         self.optimizer.zero_grad(set_to_none=True)
-        losses = self.loss_fn(self.model(x), y)
+        outputs = self.model(x)
+        losses = self.loss_fn(outputs, y)
         check_shape(losses, len(y))  # a user's scalar loss would be summed as if one example
         total = losses.sum()
+        # an output of the whole batch read into each example's loss (a load-balancing loss)
+        # makes the objective change with how the batch is split among workers
+        check_outputs_read(total, outputs, len(y))
         # seeding backward with `scale` equals (total·scale).backward() bit for bit, without
         # the extra multiply and its autograd node (~40 µs a step on a small model)
         if self._backward_seed is None or self._backward_seed[0] != scale:
