@@ -212,7 +212,9 @@ def _split_failure(x: Inputs, exc: Exception) -> str:
     return (f"the model raised on a few examples split from this call ({type(exc).__name__}: "
             f"{said}); watch splits by example every tensor whose first dimension is the "
             f"batch's {x.n}, here {', '.join(split)}: a tensor the whole batch shares must "
-            f"not have {x.n} rows (give it a leading dimension of 1)")
+            f"not have {x.n} rows (give it a leading dimension of 1), and the examples must "
+            "lie along that dimension, not inside one flat tensor (EmbeddingBag's offsets, "
+            "indices into the flattened batch such as sampled negatives)")
 
 
 def batch_sums(sq_norms: dict[str, Tensor], sums: list[Tensor]) -> tuple[Tensor, Tensor]:
