@@ -585,7 +585,9 @@ LOSS_USE_IN_WATCH = ("used by the loss outside the model's layers (a regulariser
 
 
 UNACCOUNTED = ("it gets a gradient that no operation in the autograd graph accounts for (a "
-               "custom autograd.Function writing it unseen?)")
+               "custom autograd.Function writing it unseen, or its layer's output written in "
+               "place after the call, as h[mask] = v on a view, which takes the output's node "
+               "out of the graph?)")
 # Reasons the fallback on the outputs' gradients cannot remedy (it sees the model only).
 REFUSED = (LOSS_USE_IN_WATCH,)
 
