@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -260,3 +261,30 @@ def test_advise_trains_a_model_with_an_output_its_loss_ignores() -> None:
                max_workers=1, critical_batch="noise")
     assert "reads output 1 of the model, shape ()" in str(info.value)
     assert "\n" not in str(info.value)
+
+
+class SpecAugmented(nn.Module):
+    """Wav2Vec2's SpecAugment in miniature: in train mode, time steps drawn by numpy's
+    generator are overwritten in place, on the projection's output (a view), by a learned
+    vector."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj, self.out = nn.Linear(4, 6), nn.Linear(6, 3)
+        self.masked = nn.Parameter(torch.randn(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        if self.training:
+            h[torch.tensor(np.random.rand(*h.shape[:2]) < 0.3)] = self.masked
+        return self.out(torch.tanh(h).mean(1))
+
+
+def test_a_layer_output_written_in_place_by_numpy_masks_is_refused_naming_it() -> None:
+    x, y = torch.randn(B, 7, 4, dtype=torch.float64), torch.randint(0, 3, (B,))
+    model = SpecAugmented().double().train()
+    with pytest.raises(BatchboundError) as info:
+        watched(model, lambda m: m(x), lambda out: F.cross_entropy(out, y, reduction="none"))
+    said = str(info.value)
+    assert "output written in place after the call" in said and "\n" not in said
