@@ -254,7 +254,8 @@ def coupling_outputs(model: nn.Module, x: Tensor) -> dict[int, tuple[int, ...]]:
             found[k] = tuple(value.shape)
             continue
         total = torch.stack(each).double().sum(dim=0)
-        rtol = max(tolerance(value.dtype), 1e-5)  # float32 inside a float64 model rounds
+        # float32 inside a float64 model rounds; autocast rounds at its own precision
+        rtol = max(tolerance(lowest(value.dtype, *autocast_dtypes())), 1e-5)
         if not any(torch.allclose(value.double(), t, rtol=rtol, atol=0.0)
                    for t in (total, total / size)):
             found[k] = tuple(value.shape)
