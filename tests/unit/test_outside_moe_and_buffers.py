@@ -193,8 +193,41 @@ def test_hf_mixtures_of_experts_equal_the_loop_and_refuse_their_auxiliary_loss(n
     with pytest.raises(BatchboundError, match=r"reads output \d+ of the model, shape \(\)"):
         measure(model, DataLoader(rows, batch_size=3),
                 lambda out, b: causal(out, b) + 0.1 * out.aux_loss, chunk_size=2)
-    with pytest.raises(BatchboundError, match="does not hold the 5 examples along dim 0"):
+    with pytest.raises(BatchboundError, match="does not hold the 5 examples along any dimension"):
         watched(model, lambda m: m(**batch), lambda o: causal(o, batch) + 0.1 * o.aux_loss)
+
+
+class SequenceFirst(nn.Module):
+    """Outputs (T, n, V), as pytorch/examples' word language model returns them: the loss
+    reads the examples along dim 1, which is no quantity of the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.rnn, self.out = nn.Embedding(11, 6), nn.GRU(6, 7), nn.Linear(7, 11)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h, _ = self.rnn(self.emb(tokens.t()))
+        return self.out(h)
+
+
+def sequence_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.permute(1, 2, 0), y, reduction="none").sum(1)
+
+
+@pytest.mark.filterwarnings("ignore:batchbound. computing exact per-example")
+def test_a_sequence_first_output_is_not_taken_for_a_batch_quantity() -> None:
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randint(0, 11, (B, 4), generator=g), torch.randint(0, 11, (B, 4), generator=g)
+    model = SequenceFirst().double()
+    S, T = loop(model, lambda m: m(x), lambda out: sequence_loss(out, y))
+    report = measure(model, (x, y), sequence_loss, chunk_size=B)
+    got_s, got_t = report.S, report.T
+    assert got_s == pytest.approx(S, rel=1e-10)
+    assert got_t == pytest.approx(T, rel=1e-10)
+    # watch's check reads the examples along dim 0 of the outputs: refused, in one line
+    with pytest.raises(BatchboundError, match="none of the model's outputs holds the 5"):
+        watched(model, lambda m: m(x), lambda out: sequence_loss(out, y))
 
 
 def test_spectral_norm_in_train_mode_is_read_from_the_steps_own_forward() -> None:

@@ -726,19 +726,19 @@ def batch_output(k: int, shape: tuple[int, ...], n: int,
     """Why a loss may not read output ``k``: a quantity of the batch, not the examples'."""
     examples = f"{n} example" + ("s" if n != 1 else "")
     return (f"the loss reads output {k} of the model, shape {shape}, which does not hold the "
-            f"{examples} along dim 0: a quantity of the whole batch computed inside the "
+            f"{examples} along any dimension: a quantity of the whole batch computed inside the "
             "model (a mixture of experts' load-balancing auxiliary loss, a statistic of the "
             f"batch) couples the examples, so per-example gradients do not exist; {way_out}")
 
 
 def check_outputs_read(total: Tensor, outputs: Any, n: int) -> None:
-    """Refuse a per-example loss that reads an output without the examples along dim 0: its
+    """Refuse a per-example loss that reads an output with no dimension of the examples: its
     value is the batch's, so example i's loss would change with the other examples. Read on
     the loss's own graph (from ``total`` down to the model's outputs), by construction,
     whatever the output is called."""
     leaves = [t for t in flatten(outputs) if isinstance(t, Tensor)]
     batchless = {(t.grad_fn, t.output_nr): k for k, t in enumerate(leaves)
-                 if t.grad_fn is not None and (t.dim() == 0 or t.shape[0] != n)}
+                 if t.grad_fn is not None and n not in t.shape}  # (T, n, V) holds them
     if not batchless or total.grad_fn is None:
         return
     stops = {t.grad_fn for t in leaves if t.grad_fn is not None}

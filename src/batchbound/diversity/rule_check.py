@@ -223,7 +223,7 @@ def self_check(
 
 
 def coupling_outputs(model: nn.Module, x: Tensor) -> dict[int, tuple[int, ...]]:
-    """The model's floating outputs without the examples along dim 0 whose value on a few
+    """The model's floating outputs with no dimension of the examples whose value on a few
     examples is neither the sum nor the mean of its values on each example alone (output
     position in ``flatten``'s order -> shape): a quantity of the batch, as a mixture of
     experts' load-balancing loss, that couples the examples when a loss backpropagates
@@ -243,7 +243,7 @@ def coupling_outputs(model: nn.Module, x: Tensor) -> dict[int, tuple[int, ...]]:
         with mode:
             whole = leaves(xs)
             batchless = {k: t for k, t in enumerate(whole) if t.is_floating_point()
-                         and (t.dim() == 0 or t.shape[0] != size)}
+                         and size not in t.shape}  # (T, n, V) holds the examples
             if not batchless:
                 return {}
             alone = [leaves(xs[i : i + 1]) for i in range(size)]
