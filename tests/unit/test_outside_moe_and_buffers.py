@@ -6,8 +6,9 @@ backward per example) or refused in one line.
   the batch (Hugging Face's Mixtral and Qwen2-MoE with ``output_router_logits=True``, and the
   same pattern written by hand): a per-example loss that adds it was measured silently
   (Mixtral: S 0.08 % off, under the float32 rounding of its norms, which hid it from the
-  check against the loop), and ``watch`` gave m2 0.6 % off on the hand-written one whose
-  layers the rules all take. Both now refuse it, read on the loss's graph (measure) and by
+  check against the loop), and ``watch`` gave m2 0.2 % and the cross term 8 % off on the
+  hand-written one, whose layers the rules all take. Both now refuse it, read on the loss's
+  graph (measure) and by
   the output's value against its examples' own (watch); without the auxiliary loss in the
   loss, both equal the loop.
 - ``spectral_norm`` in train mode (its power iteration updates two buffers in every
