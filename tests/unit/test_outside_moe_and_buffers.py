@@ -322,3 +322,57 @@ def test_a_layer_output_written_in_place_by_numpy_masks_is_refused_naming_it() -
         watched(model, lambda m: m(x), lambda out: F.cross_entropy(out, y, reduction="none"))
     said = str(info.value)
     assert "output written in place after the call" in said and "\n" not in said
+
+
+class DropAdapter(nn.Module):
+    """A LoRA-style adapter as users write it (a raw matmul with its own parameters, which
+    no layer rule takes: the fallback), between dropouts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = nn.Linear(4, 8), nn.Linear(8, 3)
+        self.a, self.b = nn.Parameter(torch.randn(2, 8)), nn.Parameter(torch.randn(8, 2))
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(torch.tanh(self.inp(x)))
+        return self.out(self.drop(h + self.drop(h @ self.a.t()) @ self.b.t()))
+
+
+@pytest.mark.filterwarnings("ignore:batchbound. computing exact per-example")
+@pytest.mark.parametrize("make", ["dropout", "spectral_norm"])
+def test_monitored_step_in_train_mode_reads_the_steps_own_forward(make: str) -> None:
+    """monitored_step ran the fallback's parameters one example at a time: each forward drew
+    its own dropout masks (cross term 180 % off, m2 0.5 %) or ran spectral norm's power
+    iteration again (m2 2 %, cross 10 % off; the buffers then n steps on). The chunk's
+    forward is now replayed from the random state and buffers it began with."""
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    from batchbound.diversity import monitored_step
+
+    torch.manual_seed(0)
+    model = (DropAdapter() if make == "dropout" else nn.Sequential(
+        spectral_norm(nn.Linear(4, 6)), nn.Tanh(), spectral_norm(nn.Linear(6, 3))))
+    model = model.double().train()
+    x, y = data()
+    start = copy.deepcopy(model.state_dict())
+    torch.manual_seed(3)
+    plain = F.cross_entropy(model(x), y)
+    params = [p for p in model.parameters() if p.requires_grad]
+    want_grads = torch.autograd.grad(plain, params)
+    model.load_state_dict(start)
+    S, T = loop(model, lambda m: m(x), lambda out: F.cross_entropy(out, y, reduction="none"),
+                seed=3)
+    after = copy.deepcopy(model.state_dict())
+    model.load_state_dict(start)
+    monitor = OnlineDiversity(1000, decay=0.0)
+    torch.manual_seed(3)
+    monitored_step(model, x, y, "cross_entropy", monitor)
+    want = expected(S, T, B)
+    assert monitor.m2 == pytest.approx(want.m2, rel=1e-10)
+    assert monitor.cross == pytest.approx(want.cross, rel=1e-9)
+    for p, g in zip(params, want_grads, strict=True):  # the step's own gradient
+        torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-14)
+    for key, value in model.state_dict().items():  # one forward's buffers
+        assert torch.equal(value, after[key]), key

@@ -225,7 +225,7 @@ def replayed_from_outputs(
                 for k, p in zip(names, tensors, strict=True)}
         for first in range(0, n, REPLAY_ROWS):
             rows = torch.arange(first, min(n, first + REPLAY_ROWS), device=losses.device)
-            for i, grads in _rows_gradients(losses, tensors, rows):
+            for i, grads in rows_gradients(losses, tensors, rows):
                 for k, g in zip(names, grads, strict=True):
                     if g is not None:
                         g = g.to_dense() if g.is_sparse else g
@@ -235,7 +235,7 @@ def replayed_from_outputs(
     return sq, sums, method, time.perf_counter() - start
 
 
-def _rows_gradients(losses: Tensor, tensors: list[nn.Parameter], rows: Tensor
+def rows_gradients(losses: Tensor, tensors: list[nn.Parameter], rows: Tensor
                     ) -> Iterator[tuple[int, list[Tensor | None]]]:
     """(row, its gradients) for ``rows`` of ``losses``: one batched backward, or one backward
     per row where the graph holds an operation vmap cannot batch."""
