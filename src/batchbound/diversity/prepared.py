@@ -386,7 +386,8 @@ def per_example_stats(
     ``loss`` is a name (``"cross_entropy"``, ``"mse"``) or a callable returning one loss per
     example (see ``resolve_loss``). The model is used in its current mode (BatchNorm must be
     in eval mode; dropout in train mode gives the gradients under the masks drawn in this
-    pass, except for parameters left to a fallback engine, which draws its own), and its
+    pass, the fallback's parameters too: the pass is replayed from its random state and
+    buffers), and its
     ``.grad`` fields are left untouched. ``offset`` is the index of the chunk's first example,
     used to name an example whose loss is not finite. For many calls on one model,
     ``PreparedStats`` checks and plans the model once.
