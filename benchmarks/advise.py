@@ -152,7 +152,8 @@ def log(text: str) -> None:
 
 
 def run_case(name: str, device: str = "auto", budget: float | None = None,
-             workers: tuple[int, ...] = (1, 2), seed: int = 0) -> dict[str, Any]:
+             workers: tuple[int, ...] = (1, 2), seed: int = 0,
+             rates: tuple[float, ...] = ()) -> dict[str, Any]:
     case = CASES[name]
     dataset = case["dataset"].format(**{key: make() for key, (_, make) in TEXTS.items()
                                         if f"{{{key}}}" in case["dataset"]})
@@ -235,6 +236,10 @@ def run_case(name: str, device: str = "auto", budget: float | None = None,
                 f"last: {k_first}); predicted "
                 f"{row.seconds_to_target:.3g} s, measured {seconds:.3g} s")
             rows.append(out)
+            if workers == 1 and batch == max(case["batches"]):
+                out["rate_sweep"] = [_at_rate(name, config, batch, row.lr * m, horizon, every,
+                                              mean_target, scale) | {"times": m}
+                                     for m in rates]
     return dict(case=name, planned_iterations=planned, device=str(resolve_device(device)),
                 branches=advice.extra.get("branches"),
                 pilot_iterations=advice.pilot["iterations"],
@@ -243,6 +248,17 @@ def run_case(name: str, device: str = "auto", budget: float | None = None,
                 mean_target=mean_target, b0_first=k0_first, b0_mean_crossing=k0_mean,
                 timing_warning=advice.extra.get("timing_warning"),
                 model_error=advice.extra.get("model_error"), rows=rows)
+
+
+def _at_rate(name: str, config: TrainConfig, batch: int, lr: float, horizon: int,
+             every: int, mean_target: float, scale: float) -> dict[str, Any]:
+    """The largest batch's row again at another rate: is the rule's rate the best there?"""
+    run = train(config.replace(batch_size=batch, lr=lr, stop_at_targets=False,
+                               max_iterations=horizon, max_epochs=None, eval_every_epochs=None,
+                               eval_every_iterations=every), progress=False)
+    k = crossing(losses(run), mean_target)[0] * scale
+    log(f"  {name}: P=1 B={batch} at lr {lr:.4g}: measured {k:.0f} (±{every})")
+    return dict(lr=lr, k_meas=k)
 
 
 def losses(run: Any) -> list[tuple[int, float, float]]:
@@ -393,6 +409,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0,
                         help="the seed of the pilot, the planned run and every row's run "
                         "(initial weights and batch order; default 0, as recorded)")
+    parser.add_argument("--rates", type=float, nargs="+", default=[], metavar="M",
+                        help="also train each case's largest batch (P = 1) at its row's rate "
+                        "× M and measure its steps the same way (is the rule's rate the best "
+                        "there?); in the JSON as rows[].rate_sweep")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--record", metavar="FILE", type=Path,
                         help="also write the run's P = 1 rows as advise's recorded model "
@@ -407,8 +427,8 @@ def main() -> None:
         return
     kernels.use()
     start = time.perf_counter()
-    results = [run_case(name, args.device, args.budget, tuple(args.workers), args.seed)
-               for name in args.cases]
+    results = [run_case(name, args.device, args.budget, tuple(args.workers), args.seed,
+                        tuple(args.rates)) for name in args.cases]
     total = summary(results)
     if args.record:
         args.record.write_text(json.dumps(recorded_rows(results), indent=1) + "\n")

@@ -692,6 +692,7 @@ def hooks_stats(
             losses = loss_fn(outputs, y)
         check_losses(losses, n, offset)
         total = losses.sum()
+        check_outputs_read(total, outputs, n)
         run.attach([total.grad_fn], output_nodes(outputs))
         wanted = [k for k in params if k not in run.reasons and k not in run.rule_sums]
         edges = run.capture_edges()
@@ -718,6 +719,34 @@ def hooks_stats(
     sq_norms = {k: v for k, v in run.sq_norms.items() if k in grad_sum or k in run.added}
     return HooksResult(losses.detach(), sq_norms, grad_sum, run.reasons, run.loss_uses,
                        run.precision)
+
+
+def batch_output(k: int, shape: tuple[int, ...], n: int,
+                 way_out: str = "leave it out of the per-example loss") -> str:
+    """Why a loss may not read output ``k``: a quantity of the batch, not the examples'."""
+    examples = f"{n} example" + ("s" if n != 1 else "")
+    return (f"the loss reads output {k} of the model, shape {shape}, which does not hold the "
+            f"{examples} along any dimension: a quantity of the whole batch computed inside the "
+            "model (a mixture of experts' load-balancing auxiliary loss, a statistic of the "
+            f"batch) couples the examples, so per-example gradients do not exist; {way_out}")
+
+
+def check_outputs_read(total: Tensor, outputs: Any, n: int) -> None:
+    """Refuse a per-example loss that reads an output with no dimension of the examples: its
+    value is the batch's, so example i's loss would change with the other examples. Read on
+    the loss's own graph (from ``total`` down to the model's outputs), by construction,
+    whatever the output is called."""
+    leaves = [t for t in flatten(outputs) if isinstance(t, Tensor)]
+    batchless = {(t.grad_fn, t.output_nr): k for k, t in enumerate(leaves)
+                 if t.grad_fn is not None and n not in t.shape}  # (T, n, V) holds them
+    if not batchless or total.grad_fn is None:
+        return
+    stops = {t.grad_fn for t in leaves if t.grad_fn is not None}
+    for node in region([total.grad_fn], stops):
+        for edge in node.next_functions:
+            k = batchless.get(edge)
+            if k is not None:
+                raise BatchboundError(batch_output(k, tuple(leaves[k].shape), n))
 
 
 def output_nodes(outputs: Any) -> list[Node]:

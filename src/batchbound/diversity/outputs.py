@@ -156,21 +156,29 @@ def fallback_from_outputs(
 
 
 class RandomState:
-    """torch's random state (CPU, and the CUDA devices given) as it was when the user's forward
-    began: a forward replayed from it draws the same dropout masks."""
+    """torch's random state (CPU, and the CUDA devices given) and the model's buffers as they
+    were when the user's forward began: a forward replayed from them draws the same dropout
+    masks and reads the same buffers (spectral norm's power iteration updates its vectors in
+    every train-mode forward)."""
 
-    def __init__(self, devices: list[int]) -> None:
+    def __init__(self, devices: list[int], model: nn.Module | None = None) -> None:
         self.devices = devices
         self.cpu = torch.get_rng_state()
         self.cuda = [torch.cuda.get_rng_state(d) for d in devices]
+        self.buffers = [] if model is None else [(b, b.detach().clone())
+                                                 for b in model.buffers()]
 
     @contextmanager
     def replaying(self) -> Iterator[None]:
-        """Inside: the state as it was; after: the caller's, untouched."""
+        """Inside: the state as it was; after: the caller's random state, untouched (the
+        caller keeps the buffers: ``buffers_kept``)."""
         with torch.random.fork_rng(devices=self.devices):
             torch.set_rng_state(self.cpu)
             for device, state in zip(self.devices, self.cuda, strict=True):
                 torch.cuda.set_rng_state(state, device)
+            with torch.no_grad():
+                for buffer, value in self.buffers:
+                    buffer.copy_(value)
             yield
 
 
@@ -197,7 +205,7 @@ def replayed_from_outputs(
     params = dict(model.named_parameters())
     tensors = [params[k] for k in names]
     start = time.perf_counter()
-    with random.replaying(), torch.enable_grad(), autocast_as(state), buffers_kept(model):
+    with buffers_kept(model), random.replaying(), torch.enable_grad(), autocast_as(state):
         output = call_model(model, inputs)
         leaves = [t for t in flatten(output) if isinstance(t, Tensor)]
         for k, value in captured.values.items():
@@ -217,7 +225,7 @@ def replayed_from_outputs(
                 for k, p in zip(names, tensors, strict=True)}
         for first in range(0, n, REPLAY_ROWS):
             rows = torch.arange(first, min(n, first + REPLAY_ROWS), device=losses.device)
-            for i, grads in _rows_gradients(losses, tensors, rows):
+            for i, grads in rows_gradients(losses, tensors, rows):
                 for k, g in zip(names, grads, strict=True):
                     if g is not None:
                         g = g.to_dense() if g.is_sparse else g
@@ -227,7 +235,7 @@ def replayed_from_outputs(
     return sq, sums, method, time.perf_counter() - start
 
 
-def _rows_gradients(losses: Tensor, tensors: list[nn.Parameter], rows: Tensor
+def rows_gradients(losses: Tensor, tensors: list[nn.Parameter], rows: Tensor
                     ) -> Iterator[tuple[int, list[Tensor | None]]]:
     """(row, its gradients) for ``rows`` of ``losses``: one batched backward, or one backward
     per row where the graph holds an operation vmap cannot batch."""

@@ -30,13 +30,17 @@ from batchbound.diversity.engines import (
 )
 from batchbound.diversity.hooks import HookPlan, Layout, hooks_stats, plan_hooks
 from batchbound.diversity.losses import PerExampleLoss, check_losses, resolve_loss
-from batchbound.diversity.precision import GradientPrecision, lowest
+from batchbound.diversity.outputs import REPLAY_ROWS, RandomState, rows_gradients
+from batchbound.diversity.precision import GradientPrecision, autocast_dtypes, lowest
 from batchbound.diversity.rule_check import (
     COUPLED,
     INTERACTING,
+    buffers_kept,
     check_rows,
+    deterministic,
     disagreements,
     probe_layout,
+    rng_kept,
     self_check,
     tolerance,
 )
@@ -106,6 +110,8 @@ class PreparedStats:
         self._vmap_error = ""
         self.precision: torch.dtype | None = None  # the lowest a hooks forward ran in
         self._methods = ""
+        # per train/eval mode of the modules: whether two forward passes agree (no dropout)
+        self._deterministic: dict[tuple[bool, ...], bool] = {}
         self._structure = structure_of(model, self.params, loss, engine)
         if engine in ("auto", "hooks"):
             cached = _CHECKS.get(model)
@@ -203,6 +209,10 @@ class PreparedStats:
         assert self.plan is not None and self.layout is not None
         start = time.perf_counter()
         excluded = self.checked if self.checked is not None else self.plan.static_reasons()
+        # the random state and buffers the forward begins from, for a replay (train mode)
+        random = (RandomState(sorted({p.device.index or 0 for p in self.params.values()
+                                      if p.device.type == "cuda"}), self.model)
+                  if any(m.training for m in self.model.modules()) else None)
         result = hooks_stats(self.model, x, y, self.loss_fn, self.plan, self.params,
                              self.layout, excluded=excluded, offset=offset,
                              into=into if self.checked is not None else None)
@@ -224,7 +234,12 @@ class PreparedStats:
         rules_seconds = time.perf_counter() - start
         names = [name for name in self.params if name in result.reasons]
         start = time.perf_counter()
-        sq, sums, _ = self._fallback(x, y, names, offset, result.loss_uses)
+        if random is not None and not self._repeats(x):
+            sq, sums = _replayed(self.model, x, y, self.loss_fn, names, random, result.losses,
+                                 tolerance(lowest(self.precision, *autocast_dtypes())))
+            self._methods = "replay"
+        else:
+            sq, sums, _ = self._fallback(x, y, names, offset, result.loss_uses)
         self._warn(result.reasons, time.perf_counter() - start, rules_seconds)
         result.sq_norms.update(sq)
         result.grad_sum.update(sums)
@@ -232,6 +247,15 @@ class PreparedStats:
         grad_sum = {name: result.grad_sum[name] for name in self.params
                     if name in result.grad_sum}  # without those the rules added to ``into``
         return PerExampleStats(result.losses, ordered, grad_sum, tuple(names))
+
+    def _repeats(self, x: Tensor | Inputs) -> bool:
+        """Whether the model's forward gives the same outputs twice in its current modes
+        (no dropout, no buffer its forward updates): once per set of modes."""
+        modes = tuple(m.training for m in self.model.modules())
+        if modes not in self._deterministic:
+            with buffers_kept(self.model), rng_kept(self.params):
+                self._deterministic[modes] = deterministic(self.model, x)
+        return self._deterministic[modes]
 
     def _fallback(
         self, x: Tensor, y: Tensor, names: list[str], offset: int, loop_only: set[str]
@@ -290,6 +314,7 @@ class PreparedStats:
             "loop": "the per-example loop, one forward and backward per example",
             "vmap+loop": "torch.func vmap, and the per-example loop (one forward and backward "
                          "per example) for the loss's own parameters",
+            "replay": "the chunk's forward replayed with its own random numbers and buffers",
         }[self._methods]
         if self._vmap_error and "loop" in self._methods:
             how += f" ({self._vmap_error})"
@@ -319,6 +344,43 @@ class PreparedStats:
         return PerExampleStats(losses.detach(), sq_norms, grad_sum)
 
 
+def _replayed(model: nn.Module, x: Tensor | Inputs, y: Tensor, loss_fn: PerExampleLoss,
+              names: list[str], random: RandomState, seen: Tensor, rtol: float
+              ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """The fallback for a model whose forward draws random numbers or updates buffers
+    (dropout, spectral norm's power iteration in train mode): a forward per example, or
+    under vmap, would draw masks of its own, so its norms would be of other gradients than
+    the chunk's. The chunk's forward is replayed from the random state and buffers it began
+    with, its losses must equal the chunk's (else refused), and each example's loss is
+    differentiated on that one graph, a few rows per batched backward (the examples do not
+    interact: the check saw to it)."""
+    params = dict(model.named_parameters())
+    tensors = [params[k] for k in names]
+    with buffers_kept(model), random.replaying(), torch.enable_grad():
+        losses = loss_fn(call_model(model, x), y)
+        if not (losses.shape == seen.shape
+                and torch.allclose(losses.detach(), seen, rtol=rtol, atol=0.0)):
+            raise BatchboundError(
+                "the model draws random numbers (dropout) and its forward, replayed from the "
+                "random state and buffers its chunk began with, gave other losses (random "
+                "numbers from outside torch's generator?), so the per-example gradients of "
+                "this chunk cannot be read; put the model in eval mode")
+        n = losses.shape[0]
+        sq = {k: torch.zeros(n, dtype=torch.float64, device=p.device)
+              for k, p in zip(names, tensors, strict=True)}
+        sums = {k: torch.zeros_like(p, dtype=norm_dtype(p.dtype))
+                for k, p in zip(names, tensors, strict=True)}
+        for first in range(0, n, REPLAY_ROWS):
+            rows = torch.arange(first, min(n, first + REPLAY_ROWS), device=losses.device)
+            for i, grads in rows_gradients(losses, tensors, rows):
+                for k, g in zip(names, grads, strict=True):
+                    if g is not None:
+                        g = g.to_dense() if g.is_sparse else g
+                        sq[k][i] = torch.linalg.vector_norm(g, dtype=torch.float64).square()
+                        sums[k] += g
+    return sq, sums
+
+
 def per_example_stats(
     model: nn.Module,
     x: Tensor,
@@ -334,7 +396,8 @@ def per_example_stats(
     ``loss`` is a name (``"cross_entropy"``, ``"mse"``) or a callable returning one loss per
     example (see ``resolve_loss``). The model is used in its current mode (BatchNorm must be
     in eval mode; dropout in train mode gives the gradients under the masks drawn in this
-    pass, except for parameters left to a fallback engine, which draws its own), and its
+    pass, the fallback's parameters too: the pass is replayed from its random state and
+    buffers), and its
     ``.grad`` fields are left untouched. ``offset`` is the index of the chunk's first example,
     used to name an example whose loss is not finite. For many calls on one model,
     ``PreparedStats`` checks and plans the model once.

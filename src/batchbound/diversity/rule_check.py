@@ -222,6 +222,46 @@ def self_check(
     return disagreements(fast.sq_norms, fast.losses, slow_sq, slow_losses, precision)
 
 
+def coupling_outputs(model: nn.Module, x: Tensor) -> dict[int, tuple[int, ...]]:
+    """The model's floating outputs with no dimension of the examples whose value on a few
+    examples is neither the sum nor the mean of its values on each example alone (output
+    position in ``flatten``'s order -> shape): a quantity of the batch, as a mixture of
+    experts' load-balancing loss, that couples the examples when a loss backpropagates
+    through it. A sum or mean of the examples' own (a Hugging Face model's mean loss over
+    equally long sequences) is not one. Deterministic forward passes (eval mode where
+    dropout draws), the buffers and the random state kept."""
+    count = min(8, x.shape[0])
+    rows = torch.linspace(0, x.shape[0] - 1, count).round().long().unique()
+    size = max(3, rows.numel())
+    xs = examples(x[rows], size)
+
+    def leaves(inputs: Tensor) -> list[Tensor]:
+        return [t for t in flatten(call_model(model, inputs)) if isinstance(t, Tensor)]
+
+    with torch.no_grad(), buffers_kept(model), torch.random.fork_rng(devices=[]):
+        mode = nullcontext() if deterministic(model, xs) else eval_mode(model)
+        with mode:
+            whole = leaves(xs)
+            batchless = {k: t for k, t in enumerate(whole) if t.is_floating_point()
+                         and size not in t.shape}  # (T, n, V) holds the examples
+            if not batchless:
+                return {}
+            alone = [leaves(xs[i : i + 1]) for i in range(size)]
+    found = {}
+    for k, value in batchless.items():
+        each = [a[k] if k < len(a) and a[k].shape == value.shape else None for a in alone]
+        if any(e is None for e in each):
+            found[k] = tuple(value.shape)
+            continue
+        total = torch.stack(each).double().sum(dim=0)
+        # float32 inside a float64 model rounds; autocast rounds at its own precision
+        rtol = max(tolerance(lowest(value.dtype, *autocast_dtypes())), 1e-5)
+        if not any(torch.allclose(value.double(), t, rtol=rtol, atol=0.0)
+                   for t in (total, total / size)):
+            found[k] = tuple(value.shape)
+    return found
+
+
 def deterministic(model: nn.Module, x: Tensor) -> bool:
     """Whether two forward passes under different random seeds give the same outputs."""
     outputs = []

@@ -26,6 +26,7 @@ from batchbound.diversity.hooks import (
     HookPlan,
     HooksPass,
     Layout,
+    batch_output,
     draw_fingerprint_vectors,
     fingerprint_of,
     plan_hooks,
@@ -48,6 +49,7 @@ from batchbound.diversity.rule_check import (
     COUPLED,
     INTERACTING,
     buffers_kept,
+    coupling_outputs,
     deterministic,
     probe_layout,
     rng_kept,
@@ -164,6 +166,12 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     refused = {k: why for k, why in run.reasons.items() if why in REFUSED}
     if refused:
         _refuse(refused)
+    reached = [k for k in planned.coupling if watched.outputs and k in watched.outputs.grads]
+    if reached:
+        k = reached[0]
+        raise BatchboundError("watch(): " + batch_output(
+            k, planned.coupling[k], run.n, "backpropagate it after the block (a second "
+            "backward adds its gradient to .grad, outside what watch reads)"))
     # the backward's own change, read at its end: what the block does to .grad afterwards
     # (clipping, GradScaler.unscale_, zero_grad) is the optimizer's business, not Δ's
     delta = watched.delta if watched.delta is not None else _grad_changes(params, before)
@@ -204,7 +212,9 @@ def _split_failure(x: Inputs, exc: Exception) -> str:
     return (f"the model raised on a few examples split from this call ({type(exc).__name__}: "
             f"{said}); watch splits by example every tensor whose first dimension is the "
             f"batch's {x.n}, here {', '.join(split)}: a tensor the whole batch shares must "
-            f"not have {x.n} rows (give it a leading dimension of 1)")
+            f"not have {x.n} rows (give it a leading dimension of 1), and the examples must "
+            "lie along that dimension, not inside one flat tensor (EmbeddingBag's offsets, "
+            "indices into the flattened batch such as sampled negatives)")
 
 
 def batch_sums(sq_norms: dict[str, Tensor], sums: list[Tensor]) -> tuple[Tensor, Tensor]:
@@ -309,6 +319,8 @@ class _Planned:
     checked: dict[str, str] = field(default_factory=dict)  # disagreed with the loop: fallback
     # Per train/eval mode of the modules: whether two forward passes agree (no dropout).
     deterministic: dict[tuple[bool, ...], bool] = field(default_factory=dict)
+    # Outputs without the examples' axis that are no sum or mean of the examples' own
+    coupling: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 # One plan per model and subset: a loop that alternates watch(subset="all") and
@@ -392,15 +404,15 @@ class _Watched:
             self._inside = True
             try:
                 with torch.enable_grad():
-                    try:
+                    try:  # the probe and the check run the model on examples split off
                         layout = probe_layout(model, x, self.plan, self.params)
+                        self._check(x, layout)
                     except BatchboundError:
                         raise
                     except Exception as exc:  # any: named in the refusal
                         if not isinstance(x, Inputs):
                             raise
                         raise BatchboundError(_split_failure(x, exc)) from exc
-                    self._check(x, layout)
                 self.planned.layout = layout
             finally:
                 self._inside = False
@@ -411,7 +423,7 @@ class _Watched:
         self.run.recorder.start()
         # the probe above kept the random state: this is the one the user's forward draws from
         self.random = RandomState(sorted({p.device.index or 0 for p in self.params.values()
-                                          if p.device.type == "cuda"}))
+                                          if p.device.type == "cuda"}), model)
         self._rows = self.run.rows = RowTracker((args, kwargs), model.buffers())
         self._rows.__enter__()
 
@@ -426,6 +438,8 @@ class _Watched:
         if INTERACTING in reasons.values():
             raise BatchboundError(f"watch(): {COUPLED}")
         self.planned.checked = reasons
+        # the stand-in reads the outputs with the examples' axis only: the others apart
+        self.planned.coupling = coupling_outputs(self.model, x)
 
     def _after(self, model: nn.Module, args: tuple, output: Any) -> Any:
         if self._inside or self.run is None:
@@ -438,7 +452,7 @@ class _Watched:
         self.run.attach(roots)
         self._loss = _LossWatch(self.run, roots)
         self._loss.__enter__()
-        if self.run.reasons:  # the fallback will need the loss's gradients of the outputs
+        if self.run.reasons or self.planned.coupling:  # the outputs' gradients are needed
             self.outputs = OutputGrads(output, self.run.n)
             return self.outputs.output
         return None
@@ -571,7 +585,9 @@ LOSS_USE_IN_WATCH = ("used by the loss outside the model's layers (a regulariser
 
 
 UNACCOUNTED = ("it gets a gradient that no operation in the autograd graph accounts for (a "
-               "custom autograd.Function writing it unseen?)")
+               "custom autograd.Function writing it unseen, or its layer's output written in "
+               "place after the call, as h[mask] = v on a view, which takes the output's node "
+               "out of the graph?)")
 # Reasons the fallback on the outputs' gradients cannot remedy (it sees the model only).
 REFUSED = (LOSS_USE_IN_WATCH,)
 

@@ -33,11 +33,13 @@ scaler skips, are not folded in. n is ``len(train_dataset)`` unless given.
 batchbound.integrations.ddp cannot be registered: under DDP each rank estimates from its own
 micro-batches (still unbiased, noisier than the global estimate; rank 0's is logged), and
 that needs k ≥ 2 too (with ``average_tokens_across_devices`` the Trainer's ×P is undone;
-tensor, context or sequence parallelism is not supported). A custom
-``compute_loss_func`` or a Trainer subclass that changes how the loss is normalised is not
-detected. Reporting integrations (``report_to``) run before user callbacks in the Trainer,
-so to have them record these keys add the callback with ``DiversityCallback().attach(trainer)``
-(it goes in front of them) instead of ``callbacks=[...]``.
+tensor, context or sequence parallelism is not supported). ``label_smoothing_factor`` and
+``compute_loss_func`` pop the labels: on a model given ``num_items_in_batch`` that is
+refused (no labels reach the forward); otherwise a custom ``compute_loss_func`` or a Trainer
+subclass that changes how the loss is normalised is not detected. Reporting integrations
+(``report_to``) run before user callbacks in the Trainer, so to have them record these keys
+add the callback with ``DiversityCallback().attach(trainer)`` (it goes in front of them)
+instead of ``callbacks=[...]``.
 """
 
 from __future__ import annotations
@@ -67,6 +69,11 @@ transformers = require("transformers", "hf")
 _losses = require("transformers.loss.loss_utils", "hf")
 
 _IGNORE = -100  # the label the Trainer (and its models' losses) ignore
+NO_LABELS = (
+    "the model takes num_items_in_batch but its forward got no labels: the Trainer computes "
+    "the loss outside the model (label_smoothing_factor, compute_loss_func), so "
+    "DiversityCallback cannot count the tokens that loss sums over; train without them, or "
+    "measure with batchbound.diversity.watch and a per-example loss")
 # Losses Σ cross-entropy over label tokens / num_items_in_batch, by which tokens they sum.
 _TOKEN_LOSSES = {
     rule: [getattr(_losses, name) for name in names if hasattr(_losses, name)]
@@ -174,15 +181,15 @@ class DiversityCallback(transformers.TrainerCallback):
             b = float(_batch_size(args, kwargs))
             self._norms.start(b, 1.0 if self.reduction == "mean" else b)
             return
+        if kwargs.get("shift_labels") is None and kwargs.get("labels") is None:
+            raise BatchboundError(NO_LABELS)  # before the probe, which reads the model's loss
         if self._token_rule is None:  # the first micro-batch given num_items_in_batch
             self._use_tokens(module)
             self._probe = _divides_by_items(module, args, kwargs, items)
         self._items = items
         labels = kwargs.get("shift_labels")
         if labels is None:
-            labels = kwargs.get("labels")
-            if labels is None:
-                raise BatchboundError("the model takes num_items_in_batch but got no labels")
+            labels = kwargs["labels"]
             if self._token_rule == "shifted":
                 labels = labels[..., 1:]
         count = labels.ne(_IGNORE).sum().to(torch.float64)  # the items its loss sums over
@@ -216,11 +223,12 @@ class DiversityCallback(transformers.TrainerCallback):
         probe, self._probe = self._probe, None
         if probe is not None and not bool(probe):
             raise BatchboundError(
-                "the model takes num_items_in_batch but its loss does not divide by it (its "
-                "forward computes its own loss, such as a micro-batch's mean, and the Trainer "
-                "then adds the micro-batches' losses undivided): DiversityCallback cannot "
-                "weigh such micro-batches exactly; measure with batchbound.diversity.watch "
-                "or measure() and a per-example loss")
+                "the model takes num_items_in_batch but its loss does not divide by it a sum "
+                "over tokens (its forward computes its own loss, such as a micro-batch's "
+                "mean, or adds a term of the whole micro-batch, such as a mixture of experts' "
+                "load-balancing loss with output_router_logits=True): DiversityCallback "
+                "cannot weigh such micro-batches exactly; measure with "
+                "batchbound.diversity.watch or measure() and a per-example loss")
 
     # ------------------------------------------------------------------- a step
 

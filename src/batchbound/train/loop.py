@@ -36,6 +36,7 @@ from batchbound import kernels
 from batchbound.data import BatchSampler, Dataset, apply_transform, load_dataset
 from batchbound.data.identity import data_digest
 from batchbound.diversity import PreparedStats, measure
+from batchbound.diversity.hooks import check_outputs_read
 from batchbound.diversity.losses import check_shape, resolve_loss
 from batchbound.environment import restart_count
 from batchbound.errors import BatchboundError, NonFiniteLossError
@@ -479,15 +480,35 @@ class Trainer:
                 p.grad = g
             return grads, float(stats.losses.sum()), [float(stats.total_sq_norms.sum())]
         self.optimizer.zero_grad(set_to_none=True)
-        losses = self.loss_fn(self.model(x), y)
+        outputs = self.model(x)
+        losses = self.loss_fn(outputs, y)
         check_shape(losses, len(y))  # a user's scalar loss would be summed as if one example
         total = losses.sum()
+        # an output of the whole batch read into each example's loss (a load-balancing loss)
+        # makes the objective change with how the batch is split among workers
+        check_outputs_read(total, outputs, len(y))
         # seeding backward with `scale` equals (total·scale).backward() bit for bit, without
         # the extra multiply and its autograd node (~40 µs a step on a small model)
         if self._backward_seed is None or self._backward_seed[0] != scale:
             self._backward_seed = (scale, torch.full_like(total, scale))
         total.backward(self._backward_seed[1])
-        return [p.grad for p in self.params], total.item(), []
+        return self._grads_or_zeros(), total.item(), []
+
+    def _grads_or_zeros(self) -> list[torch.Tensor]:
+        """Each parameter's gradient; zeros for one the loss did not reach (a branch, an
+        output the loss ignores), so that the monitor's norms and the all-reduce see every
+        parameter. On one process its .grad stays None (the optimizer skips it, as in plain
+        PyTorch); across ranks it is the zeros, which the all-reduce fills with the other
+        ranks' gradients (DDP's own convention for unused parameters)."""
+        grads = []
+        for p in self.params:
+            g = p.grad
+            if g is None:
+                g = torch.zeros_like(p)
+                if self.ctx.distributed:
+                    p.grad = g
+            grads.append(g)
+        return grads
 
     def all_reduce(self, grads: list[torch.Tensor], extras: list[float]) -> tuple[list[float], int]:
         """SUM gradients and the extras across ranks in one flat buffer; returns the summed

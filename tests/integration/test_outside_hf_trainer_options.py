@@ -1,0 +1,121 @@
+"""The Hugging Face DiversityCallback under Trainer options and models earlier passes had not
+tried (issue 47), on a real ``transformers.Trainer`` (CPU, gradient_accumulation_steps=2,
+learning rate 0, tiny models from configs):
+
+- ``label_smoothing_factor``: the Trainer pops the labels and computes the loss outside the
+  model, so the forward gets ``num_items_in_batch`` and no labels; the callback's probe read
+  the model's loss and stopped training with a bare ``KeyError: 'loss'``. Now one line.
+- Mixtral (top-2 routing) with ``output_router_logits=True``: its loss adds the
+  load-balancing loss of the micro-batch, which is not a sum over tokens divided by
+  ``num_items_in_batch``: refused (it was, blaming "a micro-batch's mean"; the message now
+  names the auxiliary loss). Without it, the estimate in tokens equals McCandlish et al.'s
+  two-batch quantities by hand in float64.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchbound.diversity.online import OnlineDiversity
+from batchbound.errors import BatchboundError
+
+if importlib.util.find_spec("transformers") is None:
+    pytest.skip("transformers is not installed (pip install 'batchbound[hf]')",
+                allow_module_level=True)
+from batchbound.integrations import transformers as integration
+
+transformers = integration.transformers
+transformers.logging.set_verbosity_error()
+VOCAB, LENGTH, ROWS = 23, 10, 12
+
+
+def rows() -> list[dict[str, torch.Tensor]]:
+    """Sequences padded at the end (mask 0, label -100) on 0 to 5 positions."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i in range(ROWS):
+        ids = torch.randint(1, VOCAB, (LENGTH,), generator=g)
+        mask = (torch.arange(LENGTH) < LENGTH - i * 7 % 6).long()
+        out.append({"input_ids": ids * mask, "attention_mask": mask,
+                    "labels": ids.masked_fill(mask == 0, -100)})
+    return out
+
+
+def mixtral(aux: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        num_hidden_layers=1, hidden_size=16, intermediate_size=12, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=16, use_cache=False,
+        num_local_experts=4, num_experts_per_tok=2, output_router_logits=aux,
+        router_aux_loss_coef=0.1))
+
+
+def gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def run(tmp_path: Path, model: torch.nn.Module, seen: list | None = None, **options
+        ) -> integration.DiversityCallback:
+    if seen is not None:
+        model.register_forward_pre_hook(
+            lambda m, a, kw: seen.append({k: kw[k].clone() for k in
+                                          ("input_ids", "attention_mask", "labels")})
+            if m.training and torch.is_grad_enabled() else None, with_kwargs=True)
+    callback = integration.DiversityCallback(every=1, decay=None)
+    args = transformers.TrainingArguments(**{**dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=3,
+        gradient_accumulation_steps=2, learning_rate=0.0, weight_decay=0.0,
+        num_train_epochs=1, logging_steps=1000, save_strategy="no", report_to=[],
+        use_cpu=True, disable_tqdm=True, seed=0), **options})
+    transformers.Trainer(model=model, args=args, train_dataset=rows(),
+                         callbacks=[callback]).train()
+    return callback
+
+
+def test_label_smoothing_is_refused_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(BatchboundError) as info:
+        run(tmp_path, gpt2(), label_smoothing_factor=0.1)
+    said = str(info.value)
+    assert "got no labels" in said and "label_smoothing_factor" in said and "\n" not in said
+
+
+def test_mixtral_with_its_load_balancing_loss_is_refused_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(BatchboundError) as info:
+        run(tmp_path, mixtral(aux=True))
+    said = str(info.value)
+    assert "load-balancing loss" in said and "\n" not in said
+
+
+def test_mixtral_without_it_equals_the_hand_two_batch_in_tokens(tmp_path: Path) -> None:
+    model, seen = mixtral(aux=False), []
+    start = copy.deepcopy(model).double()
+    start.config._experts_implementation = "eager"  # grouped_mm computes no float64
+    got = run(tmp_path, model, seen).monitor
+    params = [p for p in start.parameters() if p.requires_grad]
+    want = OnlineDiversity(None, decay=None)
+    for step in range(len(seen) // 2):
+        grads, counts = [], []
+        for batch in seen[2 * step: 2 * step + 2]:
+            logits = start(input_ids=batch["input_ids"],
+                           attention_mask=batch["attention_mask"]).logits[:, :-1]
+            labels = batch["labels"][:, 1:]
+            loss = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100,
+                                   reduction="sum")
+            grads.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+                loss, params, allow_unused=True, materialize_grads=True)]))
+            counts.append(int(labels.ne(-100).sum()))
+        small = sum(float((g / c).square().sum()) for g, c in zip(grads, counts, strict=True)) / 2
+        big = float((sum(grads) / sum(counts)).square().sum())
+        want.update_two_batch(small, 2 / sum(1 / c for c in counts), big, sum(counts))
+    assert got.steps == want.steps == 2
+    assert got.m2 == pytest.approx(want.m2, rel=1e-5)
+    assert got.cross == pytest.approx(want.cross, rel=1e-4)
