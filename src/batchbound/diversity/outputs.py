@@ -218,21 +218,29 @@ def replayed_from_outputs(
                     "from outside torch's generator?), so the per-example gradients of this "
                     "step cannot be read")
         losses = stand_in_loss()(output, targets)
-        n = losses.shape[0]
-        sq = {k: torch.zeros(n, dtype=torch.float64, device=p.device)
-              for k, p in zip(names, tensors, strict=True)}
-        sums = {k: torch.zeros_like(p, dtype=norm_dtype(p.dtype))
-                for k, p in zip(names, tensors, strict=True)}
-        for first in range(0, n, REPLAY_ROWS):
-            rows = torch.arange(first, min(n, first + REPLAY_ROWS), device=losses.device)
-            for i, grads in rows_gradients(losses, tensors, rows):
-                for k, g in zip(names, grads, strict=True):
-                    if g is not None:
-                        g = g.to_dense() if g.is_sparse else g
-                        sq[k][i] = torch.linalg.vector_norm(g, dtype=torch.float64).square()
-                        sums[k] += g
+        sq, sums = replayed_rows(losses, names, tensors)
     method = "the batch's forward replayed with its own random numbers (dropout masks)"
     return sq, sums, method, time.perf_counter() - start
+
+
+def replayed_rows(losses: Tensor, names: list[str], tensors: list[nn.Parameter]
+                  ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Each example's squared gradient norm per parameter (float64) and the gradients' sum,
+    from one replayed graph of per-example ``losses``, REPLAY_ROWS rows per batched backward."""
+    n = losses.shape[0]
+    sq = {k: torch.zeros(n, dtype=torch.float64, device=p.device)
+          for k, p in zip(names, tensors, strict=True)}
+    sums = {k: torch.zeros_like(p, dtype=norm_dtype(p.dtype))
+            for k, p in zip(names, tensors, strict=True)}
+    for first in range(0, n, REPLAY_ROWS):
+        rows = torch.arange(first, min(n, first + REPLAY_ROWS), device=losses.device)
+        for i, grads in rows_gradients(losses, tensors, rows):
+            for k, g in zip(names, grads, strict=True):
+                if g is not None:
+                    g = g.to_dense() if g.is_sparse else g
+                    sq[k][i] = torch.linalg.vector_norm(g, dtype=torch.float64).square()
+                    sums[k] += g
+    return sq, sums
 
 
 def rows_gradients(losses: Tensor, tensors: list[nn.Parameter], rows: Tensor

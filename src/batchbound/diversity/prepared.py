@@ -30,7 +30,7 @@ from batchbound.diversity.engines import (
 )
 from batchbound.diversity.hooks import HookPlan, Layout, hooks_stats, plan_hooks
 from batchbound.diversity.losses import PerExampleLoss, check_losses, resolve_loss
-from batchbound.diversity.outputs import REPLAY_ROWS, RandomState, rows_gradients
+from batchbound.diversity.outputs import RandomState, replayed_rows
 from batchbound.diversity.precision import GradientPrecision, autocast_dtypes, lowest
 from batchbound.diversity.rule_check import (
     COUPLED,
@@ -365,19 +365,7 @@ def _replayed(model: nn.Module, x: Tensor | Inputs, y: Tensor, loss_fn: PerExamp
                 "random state and buffers its chunk began with, gave other losses (random "
                 "numbers from outside torch's generator?), so the per-example gradients of "
                 "this chunk cannot be read; put the model in eval mode")
-        n = losses.shape[0]
-        sq = {k: torch.zeros(n, dtype=torch.float64, device=p.device)
-              for k, p in zip(names, tensors, strict=True)}
-        sums = {k: torch.zeros_like(p, dtype=norm_dtype(p.dtype))
-                for k, p in zip(names, tensors, strict=True)}
-        for first in range(0, n, REPLAY_ROWS):
-            rows = torch.arange(first, min(n, first + REPLAY_ROWS), device=losses.device)
-            for i, grads in rows_gradients(losses, tensors, rows):
-                for k, g in zip(names, grads, strict=True):
-                    if g is not None:
-                        g = g.to_dense() if g.is_sparse else g
-                        sq[k][i] = torch.linalg.vector_norm(g, dtype=torch.float64).square()
-                        sums[k] += g
+        sq, sums = replayed_rows(losses, names, tensors)
     return sq, sums
 
 
