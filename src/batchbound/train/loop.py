@@ -503,7 +503,9 @@ class Trainer:
         output the loss ignores), so that the monitor's norms and the all-reduce see every
         parameter. On one process its .grad stays None (the optimizer skips it, as in plain
         PyTorch); across ranks it is the zeros, which the all-reduce fills with the other
-        ranks' gradients (DDP's own convention for unused parameters)."""
+        ranks' gradients (DDP's own convention for unused parameters); one no rank reached
+        then has a zero gradient that weight decay and momentum act on, unlike on one
+        process (docs/train.md, exactness rules: a known limit)."""
         grads = []
         for p in self.params:
             g = p.grad
