@@ -66,6 +66,11 @@ _ENV_HINT = ("left over from another job? unset WORLD_SIZE, RANK, LOCAL_RANK, MA
 
 
 def restart_count() -> int:
-    """TORCHELASTIC_RESTART_COUNT (0 when torchrun has not restarted this group), checked."""
+    """TORCHELASTIC_RESTART_COUNT (0 when torchrun has not restarted this group), checked;
+    0 outside torchrun (no TORCHELASTIC_RUN_ID, which its agent sets for every worker): a
+    count left in a shell would have a plain rerun resume by itself, past the refusal to
+    start afresh over a checkpoint."""
     check_torchrun_environment()
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return 0
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip())

@@ -1,14 +1,14 @@
 """Files written whole or not at all: results, checkpoints, reports, figures, exports.
 
 The bytes go to a hidden temporary file of their own beside the target
-(``.NAME.HOST.PID.HEX.tmp``), are synced, and only then take the target's name
-(``os.replace``, or ``os.link`` for a name no file may have yet). A write that fails (a full
-disk, a file-size limit) removes its temporary file; a kill leaves at most that hidden file,
-which the next write of the same target on the same host removes once its writer is dead. A
-pid means nothing on another host, so on a folder several hosts share (NFS, a cluster's
-home) another host's temporary file, maybe a live writer's, is never removed here. Either
-way the target is the previous file, whole, or the new one, whole: never a truncated JSON,
-checkpoint or page that looks like a result.
+(``.NAME.HOST.PID.HEX.tmp``; a name near the 255-byte limit is cut and hashed), are synced,
+and only then take the target's name (``os.replace``, or ``os.link`` for a name no file may
+have yet). A write that fails (a full disk, a file-size limit) removes its temporary file; a
+kill leaves at most that hidden file, which the next write of the same target on the same
+host removes once its writer is dead. A pid means nothing on another host, so on a folder
+several hosts share (NFS, a cluster's home) another host's temporary file, maybe a live
+writer's, is never removed here. Either way the target is the previous file, whole, or the
+new one, whole: never a truncated JSON, checkpoint or page that looks like a result.
 
 A target that is no file to replace, a device (``/dev/null``), a FIFO, or a name of an open
 descriptor (``/dev/stdout``, ``/dev/fd/N``), is written in place, as ``open`` would: replacing
@@ -94,9 +94,25 @@ def host_tag(host: str | None = None) -> str:
     return f"{safe}-{hashlib.sha256(host.encode()).hexdigest()[:6]}"
 
 
+_NAME_MAX = 255  # bytes in a file name (Linux, macOS)
+_ROOM = 40  # for PID.HEX and a suffix of up to 16 bytes after a temporary file's stem
+
+
+def _temp_stem(target: Path) -> str:
+    """``.NAME.HOST.``, the start of ``target``'s temporary files' names. A name too long to
+    carry the rest within a file name's 255 bytes (the host's part made it 32 bytes longer:
+    a 225-byte name failed with "File name too long") is cut, and a hash of it added."""
+    stem = f".{target.name}.{host_tag()}."
+    if len(os.fsencode(stem)) <= _NAME_MAX - _ROOM:
+        return stem
+    name = os.fsencode(target.name)
+    cut = name[:150].decode(errors="ignore")  # whole characters only
+    return f".{cut}~{hashlib.sha256(name).hexdigest()[:8]}.{host_tag()}."
+
+
 def _temp_name(target: Path, suffix: str = ".tmp") -> Path:
-    return target.parent / (f".{target.name}.{host_tag()}.{os.getpid()}."
-                            f"{secrets.token_hex(4)}{suffix}")
+    suffix = suffix if len(os.fsencode(suffix)) <= 16 else ".tmp"  # a figure keeps its type
+    return target.parent / f"{_temp_stem(target)}{os.getpid()}.{secrets.token_hex(4)}{suffix}"
 
 
 def _synced_temp(folder: Path, name: str, data: str | bytes | memoryview) -> Path:
@@ -187,7 +203,7 @@ def remove_stale_temps(path: Path) -> None:
     SIGKILL between the open and the replace leaves one, a checkpoint's size, at every kill);
     a live writer's, named by its pid, is left alone, and so is every other host's (its pid
     names no process here) and a name without a host (written before names carried one)."""
-    prefix = f".{path.name}.{host_tag()}."
+    prefix = _temp_stem(path)
     for tmp in path.parent.glob(f"{glob.escape(prefix)}*"):
         ours = _TEMP.fullmatch(tmp.name[len(prefix):])  # PID.HEX and a suffix: nobody else's
         if ours and int(ours[1]) < _PID_LIMIT and not _alive(int(ours[1])):

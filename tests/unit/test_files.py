@@ -103,3 +103,21 @@ def test_another_hosts_temporary_file_stays_whatever_its_pid(tmp_path):
     assert written[0].startswith(f".ck.pt.{host_tag()}.{os.getpid()}.")
     # two host names alike once made safe for a file name stay apart
     assert host_tag("a.b") != host_tag("a_b")
+
+
+def test_a_long_name_is_written_and_its_dead_writers_temp_removed(tmp_path):
+    """A name near the 255-byte limit: the temporary file's name (host, pid, random part
+    added) went past it, and the write failed with "File name too long"."""
+    from batchbound.files import _temp_name
+
+    for name in ("a" * 250, "é" * 120 + ".json"):  # bytes, not characters, count
+        target = tmp_path / name
+        write_whole(target, "{}")
+        write_whole(target, "{}")  # over an existing one: os.replace
+        assert target.read_text() == "{}" and _hidden(tmp_path) == []
+        dead = _temp_name(target)
+        dead = dead.with_name(dead.name.replace(f".{os.getpid()}.", f".{_dead_pid()}.", 1))
+        assert len(os.fsencode(dead.name)) <= 255
+        dead.write_bytes(b"x")
+        remove_stale_temps(target)
+        assert not dead.exists()

@@ -728,7 +728,9 @@ def batch_output(k: int, shape: tuple[int, ...], n: int,
     return (f"the loss reads output {k} of the model, shape {shape}, which does not hold the "
             f"{examples} along any dimension: a quantity of the whole batch computed inside the "
             "model (a mixture of experts' load-balancing auxiliary loss, a statistic of the "
-            f"batch) couples the examples, so per-example gradients do not exist; {way_out}")
+            f"batch) couples the examples, so per-example gradients do not exist; {way_out} "
+            "(an output of the parameters alone, a learned temperature, is refused alike: "
+            "apply it inside the model)")
 
 
 def check_outputs_read(total: Tensor, outputs: Any, n: int) -> None:
@@ -736,6 +738,8 @@ def check_outputs_read(total: Tensor, outputs: Any, n: int) -> None:
     value is the batch's, so example i's loss would change with the other examples. Read on
     the loss's own graph (from ``total`` down to the model's outputs), by construction,
     whatever the output is called."""
+    if n == 1:  # a batch of one has nothing to couple, and (n, 1).squeeze() is a scalar
+        return
     leaves = [t for t in flatten(outputs) if isinstance(t, Tensor)]
     batchless = {(t.grad_fn, t.output_nr): k for k, t in enumerate(leaves)
                  if t.grad_fn is not None and n not in t.shape}  # (T, n, V) holds them

@@ -90,6 +90,13 @@ def run_job(job: Job) -> Outcome:
         return Outcome(job.key, result, None, time.perf_counter() - start)
     except Exception:  # a crashed run is a result (status failed), not a crashed study
         return Outcome(job.key, None, traceback.format_exc(), time.perf_counter() - start)
+    except SystemExit as exc:
+        # SIGTERM to a pool worker outside the run's own handler (``_leave``), or the trainer
+        # calling sys.exit: the pool would hand the SystemExit to the runner, which ended
+        # silently with it; the run fails instead (retried next time) and the study goes on
+        why = (f"stopped by SIGTERM outside the run's checkpointing (exit {exc.code})"
+               if exc.code == 128 + signal.SIGTERM else f"the run called sys.exit({exc.code!r})")
+        return Outcome(job.key, None, why, time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)
 
@@ -147,7 +154,8 @@ def _leave(signum: int, frame: object) -> None:
     outright, as by default, a worker left what it had registered with the resource tracker
     (tqdm's multiprocessing lock, made by ``measure``) registered, and the tracker printed
     "leaked semaphore objects" after a study's one-line error. Within a run the trainer's
-    StopFlag takes SIGTERM instead and stops the run at a checkpoint, as before."""
+    StopFlag takes SIGTERM instead and stops the run at a checkpoint, as before; in a job
+    outside that window the run fails (``run_job``) and the worker stays for the next."""
     raise SystemExit(128 + signum)
 
 

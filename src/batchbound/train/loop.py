@@ -440,9 +440,11 @@ class Trainer:
             return grads, loss_sum, extras
         total: list[torch.Tensor] | None = None
         loss_sum, extras, small_sq = 0.0, [0.0], 0.0
+        reached = [False] * len(self.params)  # by some micro-batch's loss (its .grad is set)
         for xs, ys in zip(x.split(self.config.micro_batch), y.split(self.config.micro_batch),
                           strict=True):
             grads, loss, more = self.compute_gradients(xs, ys, scale)
+            reached = [r or p.grad is not None for r, p in zip(reached, self.params, strict=True)]
             if two_batch:
                 small_sq += self.monitor.small_batch_sq(grads, scale, len(xs))
             if total is None:
@@ -453,8 +455,10 @@ class Trainer:
                 extras = [a + b for a, b in zip(extras, more, strict=True)]
             loss_sum += loss
         assert total is not None
-        for p, g in zip(self.params, total, strict=True):
-            p.grad = g
+        for p, g, r in zip(self.params, total, reached, strict=True):
+            # one process: a parameter no micro-batch reached keeps no .grad, as in one pass
+            # (_grads_or_zeros), so weight decay and momentum skip it alike
+            p.grad = g if r or self.ctx.distributed else None
         return total, loss_sum, [small_sq] if two_batch else extras
 
     def compute_gradients(
@@ -499,7 +503,9 @@ class Trainer:
         output the loss ignores), so that the monitor's norms and the all-reduce see every
         parameter. On one process its .grad stays None (the optimizer skips it, as in plain
         PyTorch); across ranks it is the zeros, which the all-reduce fills with the other
-        ranks' gradients (DDP's own convention for unused parameters)."""
+        ranks' gradients (DDP's own convention for unused parameters); one no rank reached
+        then has a zero gradient that weight decay and momentum act on, unlike on one
+        process (docs/train.md, exactness rules: a known limit)."""
         grads = []
         for p in self.params:
             g = p.grad
