@@ -1,5 +1,5 @@
 """The Hugging Face DiversityCallback under Trainer options and models earlier passes had not
-tried (issue 47), on a real ``transformers.Trainer`` (CPU, gradient_accumulation_steps=2,
+tried, on a real ``transformers.Trainer`` (CPU, gradient_accumulation_steps=2,
 learning rate 0, tiny models from configs):
 
 - ``label_smoothing_factor``: the Trainer pops the labels and computes the loss outside the

@@ -1,4 +1,4 @@
-"""The in-loop tools on loops written the way outside users write them (issue 45): a
+"""The in-loop tools on loops written the way outside users write them: a
 Lightning module fed variable-length dict rows through its own padding collate_fn, with the
 batch-size warmup's branches; each result checked against what the loop itself computes."""
 

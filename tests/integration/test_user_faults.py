@@ -1,4 +1,4 @@
-"""Faults as users meet them, with real processes (issue 45): a write cut short by a file-size
+"""Faults as users meet them, with real processes: a write cut short by a file-size
 limit, a launcher or an advice killed mid-run. Each must leave no process, no temporary
 folder and no half-written file behind, and keep what was there before."""
 

@@ -121,7 +121,7 @@ def test_train_refuses_a_loss_not_finite_at_the_initial_weights(home):
 def test_advise_takes_a_batch_norm_mlp_that_cannot_step_on_one_example(home):
     """BatchNorm1d in train mode cannot take a batch of one: the model check refused the
     model as one that 'does not take this data's examples' (it ran one example in train
-    mode), and the step timers (here and on 2 processes) failed at micro-batch 1 (issue 45).
+    mode), and the step timers (here and on 2 processes) failed at micro-batch 1.
     The check runs in eval mode; the timers start at the first size the step runs at, and
     no row asks for a micro-batch below it."""
     done = run(["advise", "--dataset", "digits", "--model", "mymodels:batch_norm_mlp",

@@ -1,4 +1,4 @@
-"""``advise`` on a user's MLP with BatchNorm1d (issue 45): in train mode it cannot take a
+"""``advise`` on a user's MLP with BatchNorm1d: in train mode it cannot take a
 step on one example ("Expected more than 1 value per channel"), and timing the step at
 micro-batch 1 raised that ValueError as a bare traceback. The sizes the model's step fails
 at below the first that runs are not timed, and no row asks for a micro-batch below it."""

@@ -1,4 +1,4 @@
-"""measure() and watch() on Hugging Face models from configs not tried before (issue 45),
+"""measure() and watch() on Hugging Face models from configs not tried before,
 as outside users call them (``model(**batch)``, a per-sequence loss written by the user),
 each against the float64 per-example loop at the same weights: GPT-NeoX, Llama with grouped
 query attention, T5 (encoder-decoder, decoder_input_ids, -100 labels), BertForMaskedLM with

@@ -1,4 +1,4 @@
-"""Issue 47: models outside users write that earlier passes had not tried, against ``measure``
+"""Models outside users write that earlier passes had not tried, against ``measure``
 and ``watch``, each against the float64 per-example loop (one forward of the batch, one
 backward per example) or refused in one line.
 

@@ -1,4 +1,4 @@
-"""The precision watch() and measure() state is the one the backward actually ran in (issue 46).
+"""The precision watch() and measure() state is the one the backward actually ran in.
 
 Hugging Face's LlamaRMSNorm and T5's layer norm compute in float32 inside a float64 model
 (``hidden_states.to(torch.float32)``): the per-example gradients carry float32 rounding, and
@@ -231,7 +231,7 @@ def test_every_engine_states_the_precision_it_observed(build, loss, want: str,
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
-import test_outside_hf_configs as hf  # noqa: E402  (the models and loop of issue 45)
+import test_outside_hf_configs as hf  # noqa: E402  (the models and loop of the outside-models tests)
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "t5"])

@@ -1,5 +1,5 @@
-"""Review of issue 47's trainer changes: ordinary models and runs keep training, with the
-same numbers whichever way the batch is split (micro-batches)."""
+"""The trainer's batch-output check and parameters no loss reaches: ordinary models and runs
+keep training, with the same numbers whichever way the batch is split (micro-batches)."""
 
 from __future__ import annotations
 

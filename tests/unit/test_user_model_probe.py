@@ -1,5 +1,5 @@
 """The check a ``--model MODULE:CALLABLE`` model gets before any work (models/user.py,
-``probe_user_model``), on a user's MLP with BatchNorm1d (issue 45): run on one example in
+``probe_user_model``), on a user's MLP with BatchNorm1d: run on one example in
 train mode it raised BatchNorm's "Expected more than 1 value per channel", and every
 command refused the model as one that "does not take this data's examples". The probe
 runs in eval mode: the model's mode, its buffers and the random state are left as they were."""

@@ -1,5 +1,5 @@
 """``watch`` on a model in train mode with dropout whose parameters the layer rules cannot all
-take (issue 45): the exact fallback used to run a second forward, one example at a time or
+take: the exact fallback used to run a second forward, one example at a time or
 under vmap, that drew dropout masks of its own, so S came from other masks than the step's
 gradient (m2 1 % and cross 12 % off on a tiny T5 with dropout 0.1). The batch's forward is now
 replayed from the random state the user's call began with; each is checked against the

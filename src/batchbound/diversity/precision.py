@@ -14,7 +14,7 @@ after it under ``watch``; ``GradientPrecision`` notes where a result drops below
 requires grad and counts its dtype when the backward passes there. So a float64 model whose
 norms compute in float32 inside (Hugging Face's LlamaRMSNorm and T5's layer norm:
 ``.to(torch.float32)``) is stated float32: its per-example gradients carry float32 rounding,
-which a mean over b examples places differently from a per-example loop's (issue 46). A
+which a mean over b examples places differently from a per-example loop's. A
 constant computed in float32 from buffers or positions alone (rotary tables) is a value of
 the model, not a rounding of its gradients, and does not count.
 """
