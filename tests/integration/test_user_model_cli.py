@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from batchbound.cli import main
+
 MODELS = '''
 import torch
 from torch import nn
@@ -75,6 +77,19 @@ def home(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.fixture()
+def in_home(home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``home`` as this process's current directory, for the CLI called in this process
+    (``batchbound.cli.main``: no interpreter start per call); sys.path and the imported
+    ``mymodels`` are put back afterwards. The tests above and ``test_a_bad_factory_run_as_a_
+    process`` keep the real process and its exit code."""
+    monkeypatch.chdir(home)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "mymodels", raising=False)
+    yield home
+    sys.modules.pop("mymodels", None)
+
+
 def test_measure_train_and_describe_take_a_factory_from_the_current_directory(home):
     done = run(["measure", "--dataset", "digits", "--model", "mymodels:small_cnn", "--json"],
                home)
@@ -90,20 +105,35 @@ def test_measure_train_and_describe_take_a_factory_from_the_current_directory(ho
     assert done.returncode == 0 and "Linear" in done.stdout, done.stderr
 
 
-def test_the_seed_reaches_the_factory_and_fixes_the_initialisation(home):
-    outs = [run(["measure", "--dataset", "digits", "--model", "mymodels:seeded", "--seed", s,
-                 "--json"], home).stdout for s in ("0", "0", "1")]
+def test_the_seed_reaches_the_factory_and_fixes_the_initialisation(in_home, capsys):
+    # in this process: the second seed-0 call also sees the global RNG the first one left
+    outs = []
+    for s in ("0", "0", "1"):
+        assert main(["measure", "--dataset", "digits", "--model", "mymodels:seeded", "--seed",
+                     s, "--json"]) == 0
+        outs.append(capsys.readouterr().out)
     values = [json.loads(o)["S"] for o in outs]
     assert values[0] == values[1] != values[2]
 
 
-@pytest.mark.parametrize("spec, words", [
+BAD_FACTORIES = [
     ("nomodule:f", "no module 'nomodule'"),
     ("mymodels:missing", "has no callable 'missing'"),
     ("mymodels:not_a_module", "returned a int, not a torch.nn.Module"),
     ("mymodels:raises", "raised ValueError: no GPU here"),
-])
-def test_a_bad_factory_is_one_line_and_exit_2(home, spec, words):
+]
+
+
+@pytest.mark.parametrize("spec, words", BAD_FACTORIES)
+def test_a_bad_factory_is_one_line_and_exit_2(in_home, capsys, spec, words):
+    assert main(["measure", "--dataset", "digits", "--model", spec]) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_bad_factory_run_as_a_process_is_one_line_and_exit_2(home):
+    """The exit code and stderr of a real process, for one case (the others in-process)."""
+    spec, words = BAD_FACTORIES[-1]
     done = run(["measure", "--dataset", "digits", "--model", spec], home)
     assert done.returncode == 2
     assert words in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
