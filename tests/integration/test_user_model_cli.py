@@ -139,13 +139,14 @@ def test_a_bad_factory_run_as_a_process_is_one_line_and_exit_2(home):
     assert words in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
-def test_train_refuses_a_loss_not_finite_at_the_initial_weights(home):
+def test_train_refuses_a_loss_not_finite_at_the_initial_weights(in_home, capsys):
     """As advise does: exit 2, one line naming the cause, not 'diverged' and exit 0."""
-    done = run(["train", "--dataset", "digits", "--model", "mymodels:nan_at_start", "-B", "32",
-                "--lr", "0.1", "--max-iterations", "5", "--json"], home)
-    assert done.returncode == 2, (done.stdout, done.stderr)
-    assert "at the initial weights, before any step" in done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1 and done.stdout == ""
+    code = main(["train", "--dataset", "digits", "--model", "mymodels:nan_at_start", "-B", "32",
+                 "--lr", "0.1", "--max-iterations", "5", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    assert "at the initial weights, before any step" in err
+    assert len(err.strip().splitlines()) == 1 and out == ""
 
 
 def test_advise_takes_a_batch_norm_mlp_that_cannot_step_on_one_example(home):
