@@ -81,8 +81,8 @@ def home(tmp_path: Path) -> Path:
 def in_home(home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """``home`` as this process's current directory, for the CLI called in this process
     (``batchbound.cli.main``: no interpreter start per call); sys.path and the imported
-    ``mymodels`` are put back afterwards. The tests above and ``test_a_bad_factory_run_as_a_
-    process`` keep the real process and its exit code."""
+    ``mymodels`` are put back afterwards. ``test_train_takes_a_factory_...`` and
+    ``test_a_bad_factory_run_as_a_process...`` keep the real process and its exit code."""
     monkeypatch.chdir(home)
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.delitem(sys.modules, "mymodels", raising=False)
@@ -90,19 +90,23 @@ def in_home(home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     sys.modules.pop("mymodels", None)
 
 
-def test_measure_train_and_describe_take_a_factory_from_the_current_directory(home):
-    done = run(["measure", "--dataset", "digits", "--model", "mymodels:small_cnn", "--json"],
-               home)
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+def test_measure_and_describe_take_a_factory_from_the_current_directory(in_home, capsys):
+    assert main(["measure", "--dataset", "digits", "--model", "mymodels:small_cnn",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
     assert report["params"] == 6 * 9 + 6 + 96 * 10 + 10 and report["depth"] == 1
     assert report["batch_bound"] > 1 and report["fallback_parameters"] == []
+    assert main(["models", "describe", "mymodels:no_arguments", "--dataset", "digits"]) == 0
+    assert "Linear" in capsys.readouterr().out
+
+
+def test_train_takes_a_factory_from_the_current_directory(home):
+    """As its own process, as a user runs it (``python -m`` puts the folder on the path),
+    and on 2 workers, whose ranks import the factory too."""
     done = run(["train", "--dataset", "digits", "--model", "mymodels:seeded", "-B", "32",
                 "--lr", "0.1", "--max-epochs", "1", "--workers", "2", "--json"], home)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["status"] == "complete"
-    done = run(["models", "describe", "mymodels:no_arguments", "--dataset", "digits"], home)
-    assert done.returncode == 0 and "Linear" in done.stdout, done.stderr
 
 
 def test_the_seed_reaches_the_factory_and_fixes_the_initialisation(in_home, capsys):
