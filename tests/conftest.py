@@ -16,3 +16,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 from batchbound import kernels  # noqa: E402
 
 kernels.use()
+
+# The tests' own tensors (references, users' models, Lightning and HF fits) on one torch
+# thread too, as batchbound computes. Two threads at `nice` beside any busy process wait for
+# each other at every op: the same files took over 60 s instead of 14 s beside one busy core
+# (and the load-dependent suite time of 11 to 50 min). Tests of thread counts set their own.
+import torch  # noqa: E402
+
+torch.set_num_threads(1)

@@ -100,12 +100,27 @@ def lightning_trainer(**kwargs):
     return L.Trainer(**{**defaults, **kwargs})
 
 
-@pytest.mark.skipif(not have["lightning"], reason="lightning is not installed")
-def test_lightning_doubles_accumulation_at_group_boundaries():
+LIGHTNING_EPOCHS = 8
+
+
+@pytest.fixture(scope="module")
+def lightning_warmed():
+    """One Lightning fit with the warmup callback (B0 = 16 as 8 × 2 accumulated), read by the
+    two tests below: each only reads the fitted model, trainer and callback (one fit, not
+    two, of ~1400 callback steps)."""
+    if not have["lightning"]:
+        pytest.skip("lightning is not installed")
     model = DigitsNet()
     callback = lightning_integration.BatchWarmupCallback(every=10, fraction=1.0)
-    trainer = lightning_trainer(accumulate_grad_batches=2, max_epochs=8, callbacks=[callback])
+    trainer = lightning_trainer(accumulate_grad_batches=2, max_epochs=LIGHTNING_EPOCHS,
+                                callbacks=[callback])
     trainer.fit(model, digits_loader(8))
+    return model, callback, trainer
+
+
+@pytest.mark.skipif(not have["lightning"], reason="lightning is not installed")
+def test_lightning_doubles_accumulation_at_group_boundaries(lightning_warmed):
+    model, callback, trainer = lightning_warmed
     history = callback.warmup.history
     assert trainer.accumulate_grad_batches > 2, history  # it warmed up
     # the accumulation changed only where a group of the new size starts (batch_idx = 0 mod
@@ -118,16 +133,13 @@ def test_lightning_doubles_accumulation_at_group_boundaries():
 
 
 @pytest.mark.skipif(not have["lightning"], reason="lightning is not installed")
-def test_lightning_schedule_follows_the_trainers_own_warmup():
+def test_lightning_schedule_follows_the_trainers_own_warmup(lightning_warmed):
     """Same data, model, B0 = 16, lr and rule: the Lightning callback and batchbound's
     trainer reach batches within one doubling of each other and similar losses."""
     from batchbound.train import TrainConfig, train
 
-    epochs = 8
-    model = DigitsNet()
-    callback = lightning_integration.BatchWarmupCallback(every=10, fraction=1.0)
-    lightning_trainer(accumulate_grad_batches=2, max_epochs=epochs,
-                      callbacks=[callback]).fit(model, digits_loader(8))
+    epochs = LIGHTNING_EPOCHS
+    model, callback, _ = lightning_warmed
     ours = train(TrainConfig(dataset="digits", model="fc(depth=2,width=36)", batch_size=16,
                              lr=0.1, max_epochs=epochs, eval_every_epochs=epochs,
                              batch_policy="warmup(every=10,fraction=1.0)"), progress=False)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from batchbound.cli import main
+
 MODELS = '''
 import torch
 from torch import nn
@@ -75,47 +77,80 @@ def home(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_measure_train_and_describe_take_a_factory_from_the_current_directory(home):
-    done = run(["measure", "--dataset", "digits", "--model", "mymodels:small_cnn", "--json"],
-               home)
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+@pytest.fixture()
+def in_home(home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``home`` as this process's current directory, for the CLI called in this process
+    (``batchbound.cli.main``: no interpreter start per call); sys.path and the imported
+    ``mymodels`` are put back afterwards. ``test_train_takes_a_factory_...`` and
+    ``test_a_bad_factory_run_as_a_process...`` keep the real process and its exit code."""
+    monkeypatch.chdir(home)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "mymodels", raising=False)
+    yield home
+    sys.modules.pop("mymodels", None)
+
+
+def test_measure_and_describe_take_a_factory_from_the_current_directory(in_home, capsys):
+    assert main(["measure", "--dataset", "digits", "--model", "mymodels:small_cnn",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
     assert report["params"] == 6 * 9 + 6 + 96 * 10 + 10 and report["depth"] == 1
     assert report["batch_bound"] > 1 and report["fallback_parameters"] == []
+    assert main(["models", "describe", "mymodels:no_arguments", "--dataset", "digits"]) == 0
+    assert "Linear" in capsys.readouterr().out
+
+
+def test_train_takes_a_factory_from_the_current_directory(home):
+    """As its own process, as a user runs it (``python -m`` puts the folder on the path),
+    and on 2 workers, whose ranks import the factory too."""
     done = run(["train", "--dataset", "digits", "--model", "mymodels:seeded", "-B", "32",
                 "--lr", "0.1", "--max-epochs", "1", "--workers", "2", "--json"], home)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["status"] == "complete"
-    done = run(["models", "describe", "mymodels:no_arguments", "--dataset", "digits"], home)
-    assert done.returncode == 0 and "Linear" in done.stdout, done.stderr
 
 
-def test_the_seed_reaches_the_factory_and_fixes_the_initialisation(home):
-    outs = [run(["measure", "--dataset", "digits", "--model", "mymodels:seeded", "--seed", s,
-                 "--json"], home).stdout for s in ("0", "0", "1")]
+def test_the_seed_reaches_the_factory_and_fixes_the_initialisation(in_home, capsys):
+    # in this process: the second seed-0 call also sees the global RNG the first one left
+    outs = []
+    for s in ("0", "0", "1"):
+        assert main(["measure", "--dataset", "digits", "--model", "mymodels:seeded", "--seed",
+                     s, "--json"]) == 0
+        outs.append(capsys.readouterr().out)
     values = [json.loads(o)["S"] for o in outs]
     assert values[0] == values[1] != values[2]
 
 
-@pytest.mark.parametrize("spec, words", [
+BAD_FACTORIES = [
     ("nomodule:f", "no module 'nomodule'"),
     ("mymodels:missing", "has no callable 'missing'"),
     ("mymodels:not_a_module", "returned a int, not a torch.nn.Module"),
     ("mymodels:raises", "raised ValueError: no GPU here"),
-])
-def test_a_bad_factory_is_one_line_and_exit_2(home, spec, words):
+]
+
+
+@pytest.mark.parametrize("spec, words", BAD_FACTORIES)
+def test_a_bad_factory_is_one_line_and_exit_2(in_home, capsys, spec, words):
+    assert main(["measure", "--dataset", "digits", "--model", spec]) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_bad_factory_run_as_a_process_is_one_line_and_exit_2(home):
+    """The exit code and stderr of a real process, for one case (the others in-process)."""
+    spec, words = BAD_FACTORIES[-1]
     done = run(["measure", "--dataset", "digits", "--model", spec], home)
     assert done.returncode == 2
     assert words in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
-def test_train_refuses_a_loss_not_finite_at_the_initial_weights(home):
+def test_train_refuses_a_loss_not_finite_at_the_initial_weights(in_home, capsys):
     """As advise does: exit 2, one line naming the cause, not 'diverged' and exit 0."""
-    done = run(["train", "--dataset", "digits", "--model", "mymodels:nan_at_start", "-B", "32",
-                "--lr", "0.1", "--max-iterations", "5", "--json"], home)
-    assert done.returncode == 2, (done.stdout, done.stderr)
-    assert "at the initial weights, before any step" in done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1 and done.stdout == ""
+    code = main(["train", "--dataset", "digits", "--model", "mymodels:nan_at_start", "-B", "32",
+                 "--lr", "0.1", "--max-iterations", "5", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    assert "at the initial weights, before any step" in err
+    assert len(err.strip().splitlines()) == 1 and out == ""
 
 
 def test_advise_takes_a_batch_norm_mlp_that_cannot_step_on_one_example(home):
