@@ -31,6 +31,8 @@ portable kernels; a busy machine is flagged in the output (``timing_warning``).
     .venv/bin/python benchmarks/advise.py --cases mnist5k-fc --json
     .venv/bin/python benchmarks/advise.py --device cuda          # on a GPU: P = 1
     .venv/bin/python benchmarks/advise.py --leave-one-out        # the recorded errors, no runs
+    .venv/bin/python benchmarks/advise.py --cases mnist5k-fc-momentum --workers 1 \
+        --rates 0.5 0.7 1.4 2                                    # the largest batch at other rates
 
 Each interval includes the model's own error as recorded in advise/model_error.json
 (``--record`` writes that file from a run); a case's own recorded rows are left out of its
