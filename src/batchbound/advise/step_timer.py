@@ -88,8 +88,8 @@ class Lockstep:
 
     def run(self, step: Callable[[int], None], m: int, rank: int) -> None:
         """``step(m)``; when it raises, join the peers' all-reduce with the flag set (that of
-        this step when it had not entered its own, else their next) and raise SizeFailed."""
-        self.entered = False
+        this step when it had not entered its own, else their next: one either way) and raise
+        SizeFailed."""
         try:
             step(m)
         except PeerFailed:
