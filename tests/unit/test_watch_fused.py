@@ -81,8 +81,11 @@ def test_grouped_row_norms_equal_the_per_tensor_ones() -> None:
     dense = [("a", torch.randn(6, 4, generator=g)), ("b", torch.randn(6, 4, generator=g)),
              ("c", torch.randn(6, 2, 3, generator=g)), ("d", torch.randn(6, generator=g)),
              ("e", torch.randn(6, 4, generator=g, dtype=torch.float64))]
-    got = grouped_row_sq_norms(dense)
-    assert set(got) == {"a", "b", "c", "d", "e"}
+    stack = torch.randn(18, 4, generator=g)  # three calls' rows stacked (stacking.py)
+    got = grouped_row_sq_norms([([name], t) for name, t in dense]
+                               + [(["s0", None, "s2"], stack)])
+    assert set(got) == {"a", "b", "c", "d", "e", "s0", "s2"}  # None: rows nobody asked for
+    dense += [("s0", stack[:6]), ("s2", stack[12:])]
     for name, t in dense:
         ref = t.double().reshape(6, -1).square().sum(dim=1)
         assert got[name].dtype == t.dtype
