@@ -19,8 +19,10 @@ from batchbound.diversity import OnlineDiversity, hooks, watch
 class Blocks(nn.Module):
     """Residual blocks of one width (a LayerNorm and a Linear layer each), and a head."""
 
-    def __init__(self, eps: tuple[float, ...] = (1e-5, 1e-5, 1e-5), tied: bool = False) -> None:
+    def __init__(self, eps: tuple[float, ...] = (1e-5, 1e-5, 1e-5), tied: bool = False,
+                 leak: bool = False) -> None:
         super().__init__()
+        self.leak = leak  # norms.1.weight also used outside its call: the fallback's
         self.norms = nn.ModuleList(nn.LayerNorm(8, eps=e) for e in eps)
         self.fcs = nn.ModuleList(nn.Linear(8, 8) for _ in eps)
         if tied:  # one weight in every block: its norms need the cross terms
@@ -31,7 +33,8 @@ class Blocks(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         for norm, fc in zip(self.norms, self.fcs, strict=True):
             x = x + torch.tanh(fc(norm(x)))
-        return self.head(x)
+        out = self.head(x)
+        return out * self.norms[1].weight[0] if self.leak else out
 
 
 @pytest.fixture
@@ -118,3 +121,16 @@ def test_held_gradients_stay_within_the_budget(stacks: list[list[str]],
     monitor, expected = watched(model, x, feature_targets(model, x))
     assert monitor.m2 == pytest.approx(expected.m2, rel=1e-9)
     assert stacks and max(map(len, stacks)) <= 2
+
+
+def test_rows_nobody_asked_for_are_left_out(stacks: list[list[str]]) -> None:
+    """A LayerNorm weight also used outside its call goes to the exact fallback: its rows
+    in the stack are nobody's, and S counts that weight once, the fallback's."""
+    torch.manual_seed(5)
+    model = Blocks(leak=True).double()
+    x = torch.randn(4, 5, 8, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="norms.1.weight"):
+        monitor, expected = watched(model, x, feature_targets(model, x))
+    assert monitor.m2 == pytest.approx(expected.m2, rel=1e-9)
+    assert monitor.cross == pytest.approx(expected.cross, rel=1e-9, abs=1e-9 * expected.m2)
+    assert ["norms.0", "norms.1", "norms.2"] in map(sorted, stacks)

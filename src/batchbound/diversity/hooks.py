@@ -187,7 +187,8 @@ class HooksPass:
         self.fingerprints: dict[str, Tensor] = {}
         self.recorder = CallRecorder(plan.covered)
         self.reasons: dict[str, str] = {**plan.static_reasons(), **(excluded or {})}
-        self.sq_norms: dict[str, Tensor] = {}
+        # per-example squared norms computed so far (``sq_norms`` norms the held rest when read)
+        self._sq_norms: dict[str, Tensor] = {}
         self.totals: dict[str, Tensor] = {}  # Σ_i g_i where autograd's batch sum differs
         self.shapes: dict[tuple[str, int], ProbeShapes] = {}
         self.unused: set[str] = set()  # parameters no operation in the graph uses
@@ -326,17 +327,17 @@ class HooksPass:
             if len(forms) > 1 and forms[0].n * numel <= DEFER_NUMEL:  # small: summed, and
                 self._defer([name], sum_dense(forms))  # normed with the others
             else:
-                self.sq_norms[name] = combined_sq_norms(forms, numel)
+                self._sq_norms[name] = combined_sq_norms(forms, numel)
             for form in forms:
                 self._fingerprint(name, form)
             if not all(f.batch_sum_exact for f in forms):
                 self.totals[name] = sum(f.total() for f in forms).reshape(self.params[name].shape)
         self._pending.clear()
-        self._flush()
+        held = {name for names, _ in self._dense for name in names}  # normed when read
         for name, p in self.params.items():
-            if name not in self.reasons and name not in self.sq_norms:
+            if name not in self.reasons and name not in self._sq_norms and name not in held:
                 # no use of it reached the loss
-                self.sq_norms[name] = p.new_zeros(self.n, dtype=norm_dtype(p.dtype))
+                self._sq_norms[name] = p.new_zeros(self.n, dtype=norm_dtype(p.dtype))
                 self.unused.add(name)
 
     def close(self) -> None:
@@ -466,7 +467,7 @@ class HooksPass:
             if isinstance(small, Dense) and small.deferrable:  # normed with its like later
                 self._defer([name], small.grads)
             else:
-                self.sq_norms[name] = form.sq_norms()
+                self._sq_norms[name] = form.sq_norms()
             self._fingerprint(name, form)
             if self.into is not None and name in self.rule_sums and form.batch_sum_exact:
                 form.add_total_to(self.into[name])
@@ -536,7 +537,7 @@ class HooksPass:
         """Squared norms of ``len(names)`` calls' examples stacked, each call's to its
         parameter (None: nobody's)."""
         parts = sq_norms.split(self.n) if len(names) > 1 else (sq_norms,)
-        self.sq_norms.update((k, v) for k, v in zip(names, parts, strict=True) if k is not None)
+        self._sq_norms.update((k, v) for k, v in zip(names, parts, strict=True) if k is not None)
 
     def _defer(self, names: list[str | None], grads: Tensor) -> None:
         """Hold small per-example gradients (of one call's parameter, or of several calls'
@@ -551,9 +552,29 @@ class HooksPass:
         self._held += grads.numel()
 
     def _flush(self) -> None:
-        self.sq_norms.update(grouped_row_sq_norms(self._dense))
+        if self._dense:
+            self._sq_norms.update(grouped_row_sq_norms(self._dense))
         self._dense.clear()
         self._held = 0
+
+    @property
+    def sq_norms(self) -> dict[str, Tensor]:
+        """Every parameter's per-example squared norms, (n,) each (after ``finish``): what
+        is still held is normed when this is read."""
+        self._flush()
+        return self._sq_norms
+
+    def sq_parts(self) -> tuple[dict[str, Tensor], list[Tensor]]:
+        """What a sum over the examples and the parameters needs (S), without norming each
+        example's rows: the per-example squared norms computed so far, and the per-example
+        gradients still held, every entry of which counts squared (``steps.batch_sums`` norms
+        them whole, in one multi-tensor operation). A held stack with rows nobody asked for
+        (None) is normed by rows here, and those rows left out."""
+        partial = [(names, t) for names, t in self._dense if None in names]
+        if partial:
+            self._sq_norms.update(grouped_row_sq_norms(partial))
+            self._dense = [(names, t) for names, t in self._dense if None not in names]
+        return self._sq_norms, [t for _, t in self._dense]
 
     def _in_working_precision(self, call: CallRecord, inputs: dict[str, Any],
                               grads: list[Tensor]) -> tuple[dict[str, Any], list[Tensor]]:
