@@ -425,14 +425,15 @@ class HooksPass:
         self._handles.append(node.register_prehook(on_output))
         self._handles.append(broadcast.adjacent.register_prehook(on_operand))
 
-    def _run(self, call: CallRecord) -> None:
+    def _run(self, call: CallRecord, saved: bool = True) -> None:
         """The rule on one call's inputs and output gradients, under no_grad: the recorded
         inputs are the forward's own tensors, and a backward with create_graph runs its
-        hooks with grad enabled."""
+        hooks with grad enabled. ``saved``: what the call's nodes saved is still there (the
+        backward has not passed them), for the rule to read."""
         with torch.no_grad(), _no_autocast(self._first.device.type):
-            self._run_rule(call)
+            self._run_rule(call, saved)
 
-    def _run_rule(self, call: CallRecord) -> None:
+    def _run_rule(self, call: CallRecord, saved: bool = True) -> None:
         assert self.layout is not None
         entry, layout = call.entry, self.layout[call.key]
         inputs = dict(call.inputs)
@@ -443,7 +444,7 @@ class HooksPass:
         ]
         call.grads = []  # release them with the rule's forms
         main = call.main
-        nodes = [] if call.saved_hooks else [o.node for o in call.outputs]
+        nodes = [o.node for o in call.outputs] if saved and not call.saved_hooks else []
         if entry.example_axis is None and layout.axis != 0:
             nodes = []
             x = inputs[main]
@@ -500,7 +501,7 @@ class HooksPass:
         stacks, self._stacks, self._waiting = self._stacks, {}, 0
         for calls in stacks.values():
             if len(calls) == 1:
-                self._run(calls[0])
+                self._run(calls[0], saved=False)  # held: the backward has passed it
                 continue
             with torch.no_grad(), _no_autocast(self._first.device.type):
                 self._run_stack(calls)
