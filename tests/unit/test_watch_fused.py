@@ -27,6 +27,21 @@ def test_batch_sums_match_a_float64_loop() -> None:
     assert float(T_B) == pytest.approx(T_ref, rel=1e-14)
 
 
+def test_batch_sums_count_held_gradients_whole() -> None:
+    """Per-example gradients held un-normed (``HooksPass.sq_parts``) count every entry's
+    square in S_B, beside the per-example squared norms, or alone."""
+    g = torch.Generator().manual_seed(3)
+    sq = {"p": torch.rand(4, generator=g)}
+    held = [torch.randn(4, 3, generator=g), torch.randn(8, 2, 5, generator=g, dtype=torch.float64)]
+    sums = [torch.randn(3, generator=g)]
+    whole = sum(float(t.double().square().sum()) for t in held)
+    S_B, T_B = batch_sums(sq, sums, held)
+    assert float(S_B) == pytest.approx(float(sq["p"].double().sum()) + whole, rel=1e-14)
+    assert float(T_B) == pytest.approx(float(sums[0].double().square().sum()), rel=1e-14)
+    S_B, _ = batch_sums({}, sums, held)
+    assert float(S_B) == pytest.approx(whole, rel=1e-14)
+
+
 def test_batch_sums_mixed_dtypes() -> None:
     sq = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0], dtype=torch.float64)}
     S_B, _ = batch_sums(sq, [torch.ones(2)])
@@ -81,8 +96,11 @@ def test_grouped_row_norms_equal_the_per_tensor_ones() -> None:
     dense = [("a", torch.randn(6, 4, generator=g)), ("b", torch.randn(6, 4, generator=g)),
              ("c", torch.randn(6, 2, 3, generator=g)), ("d", torch.randn(6, generator=g)),
              ("e", torch.randn(6, 4, generator=g, dtype=torch.float64))]
-    got = grouped_row_sq_norms(dense)
-    assert set(got) == {"a", "b", "c", "d", "e"}
+    stack = torch.randn(18, 4, generator=g)  # three calls' rows stacked (stacking.py)
+    got = grouped_row_sq_norms([([name], t) for name, t in dense]
+                               + [(["s0", None, "s2"], stack)])
+    assert set(got) == {"a", "b", "c", "d", "e", "s0", "s2"}  # None: rows nobody asked for
+    dense += [("s0", stack[:6]), ("s2", stack[12:])]
     for name, t in dense:
         ref = t.double().reshape(6, -1).square().sum(dim=1)
         assert got[name].dtype == t.dtype

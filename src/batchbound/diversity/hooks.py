@@ -17,10 +17,12 @@ parameter whether the rules give its per-example gradients exactly:
 4. the rule does not decline the call's configuration.
 
 Backward pre-hooks on each call's output nodes hand the output gradients to the rule as
-soon as autograd computes them. A parameter used by one call gets that call's squared
-norms; a parameter used by several (a module run twice, a weight tied between modules)
-gets ‖Σ_c g_i^(c)‖² with the cross terms (``rules/forms.py``). Every other parameter comes
-back with the reason, for the caller to compute exactly by another engine or to refuse.
+soon as autograd computes them; small calls of like layers (a transformer's blocks) wait for
+the end of the backward pass and run as one, on their examples stacked (``stacking.py``).
+A parameter used by one call gets that call's squared norms; a parameter used by several
+(a module run twice, a weight tied between modules) gets ‖Σ_c g_i^(c)‖² with the cross
+terms (``rules/forms.py``). Every other parameter comes back with the reason, for the
+caller to compute exactly by another engine or to refuse.
 
 The loss is an explicit sum Σ_i f_i; its gradient, taken with ``torch.autograd.grad`` so a
 user's ``.grad`` fields are never touched, gives Σ_i g_i and hence T.
@@ -29,7 +31,7 @@ user's ``.grad`` fields are never touched, gives Σ_i g_i and hence T.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +41,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 from torch.utils.hooks import RemovableHandle
 
+from batchbound.diversity import stacking
 from batchbound.diversity.calls import CallRecord, CallRecorder, Inputs, call_model, flatten
 from batchbound.diversity.graph import (
     Edge,
@@ -184,7 +187,8 @@ class HooksPass:
         self.fingerprints: dict[str, Tensor] = {}
         self.recorder = CallRecorder(plan.covered)
         self.reasons: dict[str, str] = {**plan.static_reasons(), **(excluded or {})}
-        self.sq_norms: dict[str, Tensor] = {}
+        # per-example squared norms computed so far (``sq_norms`` norms the held rest when read)
+        self._sq_norms: dict[str, Tensor] = {}
         self.totals: dict[str, Tensor] = {}  # Σ_i g_i where autograd's batch sum differs
         self.shapes: dict[tuple[str, int], ProbeShapes] = {}
         self.unused: set[str] = set()  # parameters no operation in the graph uses
@@ -204,8 +208,12 @@ class HooksPass:
         self._contributions: dict[str, int] = {}
         self._pending: defaultdict[str, list[PerExampleGrad]] = defaultdict(list)
         self._deferred: list[CallRecord] = []
-        self._dense: list[tuple[str, Tensor]] = []  # small Dense forms, normed together
+        # small Dense forms (each of one call, or of several stacked), normed together
+        self._dense: list[tuple[list[str | None], Tensor]] = []
         self._held = 0  # numbers in ``_dense``, at most ``defer_budget``
+        # calls held to run stacked with their like (``stacking.py``), by key
+        self._stacks: dict[Hashable, list[CallRecord]] = {}
+        self._waiting = 0  # numbers of their output gradients, at most ``defer_budget``
         self.defer_budget = DEFER_BUDGET
         self._broadcasts: dict[tuple[str, int], _Broadcast] = {}
         self._handles: list[RemovableHandle] = []
@@ -313,22 +321,23 @@ class HooksPass:
         for call in self._deferred:
             self._run(call)
         self._deferred.clear()
+        self._run_stacks()
         for name, forms in self._pending.items():
             numel = self.params[name].numel()
             if len(forms) > 1 and forms[0].n * numel <= DEFER_NUMEL:  # small: summed, and
-                self._defer(name, sum_dense(forms))  # normed with the others
+                self._defer([name], sum_dense(forms))  # normed with the others
             else:
-                self.sq_norms[name] = combined_sq_norms(forms, numel)
+                self._sq_norms[name] = combined_sq_norms(forms, numel)
             for form in forms:
                 self._fingerprint(name, form)
             if not all(f.batch_sum_exact for f in forms):
                 self.totals[name] = sum(f.total() for f in forms).reshape(self.params[name].shape)
         self._pending.clear()
-        self._flush()
+        held = {name for names, _ in self._dense for name in names}  # normed when read
         for name, p in self.params.items():
-            if name not in self.reasons and name not in self.sq_norms:
+            if name not in self.reasons and name not in self._sq_norms and name not in held:
                 # no use of it reached the loss
-                self.sq_norms[name] = p.new_zeros(self.n, dtype=norm_dtype(p.dtype))
+                self._sq_norms[name] = p.new_zeros(self.n, dtype=norm_dtype(p.dtype))
                 self.unused.add(name)
 
     def close(self) -> None:
@@ -396,7 +405,7 @@ class HooksPass:
                 for k in slots:
                     call.grads[k] = grad_outputs[call.outputs[k].index]
                 if single:
-                    self._run(call)
+                    self._ready(call)
 
             return prehook
 
@@ -416,14 +425,15 @@ class HooksPass:
         self._handles.append(node.register_prehook(on_output))
         self._handles.append(broadcast.adjacent.register_prehook(on_operand))
 
-    def _run(self, call: CallRecord) -> None:
+    def _run(self, call: CallRecord, saved: bool = True) -> None:
         """The rule on one call's inputs and output gradients, under no_grad: the recorded
         inputs are the forward's own tensors, and a backward with create_graph runs its
-        hooks with grad enabled."""
+        hooks with grad enabled. ``saved``: what the call's nodes saved is still there (the
+        backward has not passed them), for the rule to read."""
         with torch.no_grad(), _no_autocast(self._first.device.type):
-            self._run_rule(call)
+            self._run_rule(call, saved)
 
-    def _run_rule(self, call: CallRecord) -> None:
+    def _run_rule(self, call: CallRecord, saved: bool = True) -> None:
         assert self.layout is not None
         entry, layout = call.entry, self.layout[call.key]
         inputs = dict(call.inputs)
@@ -434,7 +444,7 @@ class HooksPass:
         ]
         call.grads = []  # release them with the rule's forms
         main = call.main
-        nodes = [] if call.saved_hooks else [o.node for o in call.outputs]
+        nodes = [o.node for o in call.outputs] if saved and not call.saved_hooks else []
         if entry.example_axis is None and layout.axis != 0:
             nodes = []
             x = inputs[main]
@@ -456,9 +466,9 @@ class HooksPass:
                 continue
             small = form.small_dense() if isinstance(form, Outer) else form
             if isinstance(small, Dense) and small.deferrable:  # normed with its like later
-                self._defer(name, small.grads)
+                self._defer([name], small.grads)
             else:
-                self.sq_norms[name] = form.sq_norms()
+                self._sq_norms[name] = form.sq_norms()
             self._fingerprint(name, form)
             if self.into is not None and name in self.rule_sums and form.batch_sum_exact:
                 form.add_total_to(self.into[name])
@@ -466,21 +476,106 @@ class HooksPass:
             elif not form.batch_sum_exact or name in self.rule_sums:
                 self.totals[name] = form.total().reshape(self.params[name].shape)
 
-    def _defer(self, name: str, grads: Tensor) -> None:
-        """Hold small per-example gradients to norm them with their like (fewer operations);
-        once ``defer_budget`` numbers are held, norm those now (the extra memory's cap)."""
+    def _ready(self, call: CallRecord) -> None:
+        """A one-output call's gradient has arrived: its rule runs now, or, for a call whose
+        parameters are its own (no cross terms, no batch sum asked of the rule), with its
+        like stacked (``stacking.py``) at the end of the backward pass; once
+        ``defer_budget`` numbers of held gradients wait, the held calls run first."""
+        assert self.layout is not None
+        own = all(self._contributions.get(k, 1) == 1 and k not in self.rule_sums
+                  for k in self.plan.claims[call.prefix].values())
+        key = stacking.stack_key(call, self.layout[call.key].axis) if own else None
+        if key is None:
+            self._run(call)
+            return
+        grad = call.grads[0]
+        assert grad is not None  # (stack_key stacks no call without one)
+        if self._waiting + grad.numel() > self.defer_budget:
+            self._run_stacks()
+        self._stacks.setdefault(key, []).append(call)
+        self._waiting += grad.numel()
+
+    def _run_stacks(self) -> None:
+        """The held calls: each key's as one call over their examples stacked (one alone as
+        itself)."""
+        stacks, self._stacks, self._waiting = self._stacks, {}, 0
+        for calls in stacks.values():
+            if len(calls) == 1:
+                self._run(calls[0], saved=False)  # held: the backward has passed it
+                continue
+            with torch.no_grad(), _no_autocast(self._first.device.type):
+                self._run_stack(calls)
+
+    def _run_stack(self, calls: list[CallRecord]) -> None:
+        """The rule once on the calls' examples stacked; each form's rows k·n to (k+1)·n are
+        call k's parameter's (``stacking.rows``)."""
+        first = calls[0]
+        inputs, grads = stacking.stacked(calls)
+        for call in calls:
+            call.grads = []  # release them with the rule's forms
+        inputs, grads = self._in_working_precision(first, inputs, grads)
+        forms = first.entry.rule(Call(first.module, inputs, grads, first.main))
+        for local, form in forms.items():
+            names = [self.plan.claims[c.prefix].get(local) for c in calls]
+            names = [k if k in self._contributions else None for k in names]
+            if not any(names):
+                continue
+            small = form.small_dense() if isinstance(form, Outer) else form
+            if isinstance(small, Dense) and small.deferrable:  # normed with its like later
+                self._defer(names, small.grads)
+            else:
+                self._keep(names, form.sq_norms())
+            for k, name in enumerate(names):
+                if name is None or (name not in self.fingerprint_vectors
+                                    and form.batch_sum_exact):
+                    continue
+                part = form.part(stacking.rows(k, self.n))
+                self._fingerprint(name, part)
+                if not part.batch_sum_exact:
+                    self.totals[name] = part.total().reshape(self.params[name].shape)
+
+    def _keep(self, names: list[str | None], sq_norms: Tensor) -> None:
+        """Squared norms of ``len(names)`` calls' examples stacked, each call's to its
+        parameter (None: nobody's)."""
+        parts = sq_norms.split(self.n) if len(names) > 1 else (sq_norms,)
+        self._sq_norms.update((k, v) for k, v in zip(names, parts, strict=True) if k is not None)
+
+    def _defer(self, names: list[str | None], grads: Tensor) -> None:
+        """Hold small per-example gradients (of one call's parameter, or of several calls'
+        stacked, ``_keep``) to norm them with their like (fewer operations); once
+        ``defer_budget`` numbers are held, norm those now (the extra memory's cap)."""
         if grads.numel() > self.defer_budget:  # never held
-            self.sq_norms[name] = Dense(grads).sq_norms()
+            self._keep(names, Dense(grads).sq_norms())
             return
         if self._held + grads.numel() > self.defer_budget:
             self._flush()
-        self._dense.append((name, grads))
+        self._dense.append((names, grads))
         self._held += grads.numel()
 
     def _flush(self) -> None:
-        self.sq_norms.update(grouped_row_sq_norms(self._dense))
+        if self._dense:
+            self._sq_norms.update(grouped_row_sq_norms(self._dense))
         self._dense.clear()
         self._held = 0
+
+    @property
+    def sq_norms(self) -> dict[str, Tensor]:
+        """Every parameter's per-example squared norms, (n,) each (after ``finish``): what
+        is still held is normed when this is read."""
+        self._flush()
+        return self._sq_norms
+
+    def sq_parts(self) -> tuple[dict[str, Tensor], list[Tensor]]:
+        """What a sum over the examples and the parameters needs (S), without norming each
+        example's rows: the per-example squared norms computed so far, and the per-example
+        gradients still held, every entry of which counts squared (``steps.batch_sums`` norms
+        them whole, in one multi-tensor operation). A held stack with rows nobody asked for
+        (None) is normed by rows here, and those rows left out."""
+        partial = [(names, t) for names, t in self._dense if None in names]
+        if partial:
+            self._sq_norms.update(grouped_row_sq_norms(partial))
+            self._dense = [(names, t) for names, t in self._dense if None not in names]
+        return self._sq_norms, [t for _, t in self._dense]
 
     def _in_working_precision(self, call: CallRecord, inputs: dict[str, Any],
                               grads: list[Tensor]) -> tuple[dict[str, Any], list[Tensor]]:
@@ -580,34 +675,37 @@ def _no_autocast(device_type: str) -> Any:
     return nullcontext()
 
 
-def grouped_row_sq_norms(dense: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
-    """‖row i‖² of each (n, ...) tensor, those of one shape, dtype and device stacked and
-    reduced together, then every group's norms squared at once: one norm for all of a
+def grouped_row_sq_norms(dense: list[tuple[list[str | None], Tensor]]) -> dict[str, Tensor]:
+    """‖row i‖² of each (k·n, ...) tensor, rows k·n to (k+1)·n for its k-th name (one name:
+    one call's parameter; several: calls stacked, ``stacking.py``; None: rows nobody asked
+    for), the tensors of one shape, dtype and device stacked and reduced together, then all
+    the norms of one dtype and device squared and split at once: one norm for all of a
     model's same-width biases and LayerNorm weights instead of one per parameter
     (tests/unit/test_watch_fused.py compares it with the per-tensor reduction)."""
-    groups: defaultdict[tuple, list[tuple[str, Tensor]]] = defaultdict(list)
-    for name, t in dense:
-        groups[(tuple(t.shape), t.dtype, t.device)].append((name, t))
-    names: defaultdict[tuple, list[str]] = defaultdict(list)  # per dtype and device
-    norms: defaultdict[tuple, list[Tensor]] = defaultdict(list)  # (m, n) per group
-    out: dict[str, Tensor] = {}
+    groups: defaultdict[tuple, list[tuple[list[str | None], Tensor]]] = defaultdict(list)
+    for names, t in dense:
+        groups[(tuple(t.shape), t.dtype, t.device)].append((names, t))
+    names_of: defaultdict[tuple, list[str | None]] = defaultdict(list)  # per dtype and device
+    norms: defaultdict[tuple, list[Tensor]] = defaultdict(list)  # flat row norms per group
     for (shape, dtype, device), members in groups.items():
-        if len(members) == 1:  # its row norms join the others' square and split
-            name, t = members[0]
-            rows = t.unsqueeze(0) if len(shape) == 1 else torch.linalg.vector_norm(
-                t, dim=tuple(range(1, t.dim()))).unsqueeze(0)
-            names[(dtype, device)].append(name)
-            norms[(dtype, device)].append(rows)
+        for names, _ in members:
+            names_of[(dtype, device)] += names
+        if len(members) == 1:
+            t = members[0][1]
+            norms[(dtype, device)].append(t if len(shape) == 1 else torch.linalg.vector_norm(
+                t, dim=tuple(range(1, t.dim()))))
             continue
-        stacked = torch.stack([t for _, t in members])
-        # (n,) tensors: each row is one number, squared below as it is
-        rows = stacked if len(shape) == 1 else torch.linalg.vector_norm(
-            stacked, dim=tuple(range(2, stacked.dim())))
-        names[(dtype, device)] += [name for name, _ in members]
-        norms[(dtype, device)].append(rows)
+        together = torch.stack([t for _, t in members])
+        # (k·n,) tensors: each row is one number, squared below as it is
+        rows = together if len(shape) == 1 else torch.linalg.vector_norm(
+            together, dim=tuple(range(2, together.dim())))
+        norms[(dtype, device)].append(rows.reshape(-1))  # member by member
+    out: dict[str, Tensor] = {}
     for key, parts in norms.items():  # one square and one split per dtype and device
         rows = torch.cat(parts) if len(parts) > 1 else parts[0]
-        out.update(zip(names[key], rows.square().unbind(), strict=True))
+        n = rows.shape[0] // len(names_of[key])
+        out.update((name, sq) for name, sq in zip(names_of[key], rows.square().split(n),
+                                                  strict=True) if name is not None)
     return out
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -188,15 +188,15 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     unseen.update({k: UNACCOUNTED for k in run.unused if bool(delta[k].any())})
     if unseen:
         _refuse(unseen)
-    sq_norms = dict(run.sq_norms)
+    sq_norms, held = run.sq_parts()  # S_B needs no per-example norms of the held gradients
     if run.reasons:  # no layer rule can take these: the exact fallback, in this step
-        sq_norms.update(watched.fallback(run.reasons, delta, precision))
+        sq_norms = {**sq_norms, **watched.fallback(run.reasons, delta, precision)}
         precision = watched.fallback_precision(precision)
     # The rules saw the user's loss, so their norms and sums carry its scale: a mean over b
     # examples divides every per-example gradient by b.
     b = run.n
     scale = float(b) if reduction == "mean" else 1.0
-    S_B, T_B = batch_sums(sq_norms, [run.totals.get(k, delta[k]) for k in params])
+    S_B, T_B = batch_sums(sq_norms, [run.totals.get(k, delta[k]) for k in params], held)
     _state_precision(monitor, planned, precision)
     monitor.defer_from_norms(S_B, T_B, b, scale=scale**2)  # no host sync in the step
 
@@ -217,14 +217,22 @@ def _split_failure(x: Inputs, exc: Exception) -> str:
             "indices into the flattened batch such as sampled negatives)")
 
 
-def batch_sums(sq_norms: dict[str, Tensor], sums: list[Tensor]) -> tuple[Tensor, Tensor]:
+def batch_sums(sq_norms: dict[str, Tensor], sums: list[Tensor],
+               held: Sequence[Tensor] = ()) -> tuple[Tensor, Tensor]:
     """S_B = Σ over parameters and examples of ‖g_i‖² and T_B = ‖Σ_i g_i‖², as float64 device
-    tensors, in a few fused operations: one concatenation and one sum for S_B, one
-    multi-tensor norm for T_B (tests/unit/test_watch_fused.py checks them against a loop)."""
+    tensors, in a few fused operations: one concatenation and one sum of the per-example
+    squared norms, one multi-tensor norm of the per-example gradients ``held`` un-normed
+    (``HooksPass.sq_parts``: all their entries' squares count in S_B), one for T_B
+    (tests/unit/test_watch_fused.py checks them against a loop)."""
     f64 = torch.float64
-    norms = list(sq_norms.values())
-    S_B = torch.cat(norms).sum(dtype=f64)  # mixed dtypes: cat widens to the widest, exactly
+    terms = []
+    if sq_norms:  # mixed dtypes: cat widens to the widest, exactly
+        terms.append(torch.cat(list(sq_norms.values())).sum(dtype=f64))
+    if held:
+        norms_of_held = torch.stack(torch._foreach_norm(list(held), 2, dtype=f64))
+        terms.append(torch.dot(norms_of_held, norms_of_held))
     norms_of_sums = torch.stack(torch._foreach_norm(sums, 2, dtype=f64))
+    S_B = terms[0] if len(terms) == 1 else terms[0] + terms[1]
     return S_B, torch.dot(norms_of_sums, norms_of_sums)
 
 

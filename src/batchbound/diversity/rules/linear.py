@@ -54,11 +54,17 @@ def _own_sums(layer: nn.Module, x: Tensor, out_shape: torch.Size) -> tuple[str, 
 _EXACT = (torch.float32, torch.float64)
 
 
-@register_rule(nn.Linear, feature_dims=1, own_sums=_own_sums)
+def _config(layer: nn.Module) -> tuple[bool, bool]:
+    """All that ``_affine`` reads of the layer: which of its parameters train."""
+    return trainable(layer, "weight"), trainable(layer, "bias")
+
+
+@register_rule(nn.Linear, feature_dims=1, own_sums=_own_sums, config=_config)
 def linear_rule(call: Call) -> dict[str, PerExampleGrad]:
     return _affine(call.module, call.input, call.grad, transposed=False)
 
 
-@register_rule("transformers.pytorch_utils.Conv1D", feature_dims=1, own_sums=_own_sums)
+@register_rule("transformers.pytorch_utils.Conv1D", feature_dims=1, own_sums=_own_sums,
+               config=_config)
 def conv1d_transformers_rule(call: Call) -> dict[str, PerExampleGrad]:
     return _affine(call.module, call.input, call.grad, transposed=True)

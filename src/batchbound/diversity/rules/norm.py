@@ -42,7 +42,15 @@ def _normalized_dims(layer: nn.Module) -> int:
     return len(layer.normalized_shape)
 
 
-@register_rule(nn.LayerNorm, feature_dims=_normalized_dims)
+def _config(layer: nn.Module) -> tuple:
+    """All that the rules below read of the layer (its shape, its eps under either name, which
+    parameters train), for stacking its calls with its like's (``RuleEntry.config``)."""
+    return (tuple(getattr(layer, "normalized_shape", ())), getattr(layer, "eps", None),
+            getattr(layer, "variance_epsilon", None), trainable(layer, "weight"),
+            trainable(layer, "bias"))
+
+
+@register_rule(nn.LayerNorm, feature_dims=_normalized_dims, config=_config)
 def layer_norm_rule(call: Call) -> dict[str, PerExampleGrad]:
     layer, x, b = call.module, call.input, call.grad
     count = len(layer.normalized_shape)
@@ -71,7 +79,7 @@ def _saved_statistics(call: Call, x: Tensor, count: int) -> tuple[Tensor, Tensor
 
 
 
-@register_rule(nn.RMSNorm, params=("weight",), feature_dims=_normalized_dims)
+@register_rule(nn.RMSNorm, params=("weight",), feature_dims=_normalized_dims, config=_config)
 def rms_norm_rule(call: Call) -> dict[str, PerExampleGrad]:
     layer, x, b = call.module, call.input, call.grad
     dims = tuple(range(x.dim() - len(layer.normalized_shape), x.dim()))
@@ -92,7 +100,7 @@ HF_RMS_NORMS = tuple(
 )
 
 
-@register_rule(*HF_RMS_NORMS, params=("weight",), feature_dims=1)
+@register_rule(*HF_RMS_NORMS, params=("weight",), feature_dims=1, config=_config)
 def llama_rms_norm_rule(call: Call) -> dict[str, PerExampleGrad]:
     layer, x, b = call.module, call.input, call.grad
     wide = x.to(torch.float32)

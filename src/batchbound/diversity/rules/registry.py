@@ -33,7 +33,7 @@ recurrent layers in train mode, say), which sends that call's parameters to the 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +82,9 @@ class RuleEntry:
     # (module, main input, output shape) -> local names whose batch gradient the rule's form
     # gives from work it does anyway (materialised per-example gradients): autograd skips them.
     own_sums: Callable[[nn.Module, Tensor, torch.Size], tuple[str, ...]] | None = None
+    # module -> everything the rule reads of it besides its parameters' values: calls of
+    # modules with equal ones may run as one call over their examples stacked (hooks.py)
+    config: Callable[[nn.Module], Hashable] | None = None
 
 
 RULES: dict[type[nn.Module], RuleEntry] = {}
@@ -96,6 +99,7 @@ def register_rule(
     main: str | None = None,
     unsupported: Callable[[Call, int], str | None] | None = None,
     own_sums: Callable[[nn.Module, Tensor, torch.Size], tuple[str, ...]] | None = None,
+    config: Callable[[nn.Module], Hashable] | None = None,
 ) -> Callable[[Rule], Rule]:
     """Register ``rule`` for each of ``module_types``: classes, or the full dotted paths of
     classes from libraries batchbound does not import (see the module docstring).
@@ -110,6 +114,13 @@ def register_rule(
     forms give at no extra cost (``total()`` of gradients they materialise anyway); the
     engine then asks autograd for the call's output gradient instead of those parameters'
     gradients, so the batch weight gradient is not computed twice.
+    ``config``: for a rule whose one input and output gradient hold the examples along
+    dimension 0, everything it reads of the module besides the parameters' values (a
+    hashable value: eps, shapes, which parameters train). Small calls of modules of one type
+    with equal configs and equal shapes are then computed as one call over their examples
+    stacked: a row of the stacked input is one example of one call, so the rule gives each
+    call's rows exactly as it would alone, in one launch per operation for all of them
+    (a model's like layers). None (the default): every call on its own.
     """
 
     names = params if callable(params) else (lambda module, _p=tuple(params): _p)
@@ -122,7 +133,7 @@ def register_rule(
                 name = module_type if isinstance(module_type, str) else module_type.__name__
                 raise ValueError(f"a rule for {name} is registered twice")
             table[module_type] = RuleEntry(rule, names, example_axis, features, main, unsupported,
-                                           own_sums)
+                                           own_sums, config)
         return rule
 
     return decorate
