@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,6 +72,7 @@ from batchbound.advise.timing import (
 from batchbound.advise.trajectory import MIN_SEGMENT_STEPS, Trajectory, extrapolate
 from batchbound.advise.warmup import WarmupPlan, warmup_schedule
 from batchbound.data import Dataset, apply_transform, load_dataset
+from batchbound.environment import usable_cores
 from batchbound.errors import BatchboundError
 from batchbound.models import build_model, count_parameters
 from batchbound.train.config import Target, TrainConfig
@@ -276,7 +276,8 @@ def advise(
     defaults to half of it with branches, else 0.1.
     ``strategy``: the rows' rate rule; default ``noise`` for SGD and ``srsr`` (η0·√(B/B0))
     for Adam-type optimisers.
-    ``max_workers``: the largest P (default: this machine's cores, or the cluster's).
+    ``max_workers``: the largest P (default: the cores this process may run on, or the
+    cluster's).
     ``cluster``: a cluster file or ``Cluster`` to model communication (and compute, with
     ``examples_per_second``) instead of timing it here. ``overlap``: ``"none"``
     (batchbound's trainer) or ``"backward"`` (DDP)."""
@@ -822,13 +823,14 @@ def advise_from_study(
 def _worker_limit(max_workers: int | None, cluster: str | Path | Cluster | None
                   ) -> tuple[Cluster | None, int]:
     spec = load_cluster(cluster) if isinstance(cluster, (str, Path)) else cluster
-    cores = os.cpu_count() or 1
+    cores = usable_cores()  # the cores it may run on (taskset, a Slurm cpuset), not the node's
     limit = max_workers if max_workers is not None else (spec.max_workers if spec else cores)
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise BatchboundError(f"max workers must be a positive integer, got {limit!r}")
     if spec is None and limit > cores:
-        raise BatchboundError(f"this machine has {cores} cores, so at most {cores} local "
-                              f"workers can be timed; pass --cluster FILE to model {limit}")
+        raise BatchboundError(f"this process may run on {cores} cores (its CPU affinity), so at "
+                              f"most {cores} local workers can be timed; pass --cluster FILE "
+                              f"to model {limit}")
     return spec, limit
 
 
