@@ -353,14 +353,20 @@ def advise(
             if not pilot_given:
                 pilot_fraction = budget
                 pilot_steps = min(planned, math.ceil(pilot_fraction * planned))
-    if estimator != "exact" and pilot_steps is not None and pilot_steps < MIN_SEGMENT_STEPS:
+    # an Adam-type optimiser's first step has no second moment to weight the two-batch
+    # estimate by (pilot.py): it is not estimated
+    unestimated = 1 if adaptive and estimator == "two_batch" else 0
+    if estimator != "exact" and pilot_steps is not None and \
+            pilot_steps - unestimated < MIN_SEGMENT_STEPS:
         # one estimate per step at most: a pilot this short is refused after the timing and
         # the pilot anyway; here it costs nothing, and the answer names the fraction needed
-        needed = math.ceil(100 * MIN_SEGMENT_STEPS / planned) / 100
+        needed = math.ceil(100 * (MIN_SEGMENT_STEPS + unestimated) / planned) / 100
         raise BatchboundError(
             f"the pilot's {pilot_fraction:g} of the planned {planned} iterations is "
             f"{pilot_steps} step{'s' if pilot_steps != 1 else ''}; the noise scale needs at "
-            f"least {MIN_SEGMENT_STEPS}: give "
+            f"least {MIN_SEGMENT_STEPS}"
+            + (" estimated ones (an Adam-type optimiser's first step is not: it has no "
+               "second moment yet)" if unestimated else "") + ": give "
             + (f"--pilot-fraction {needed:g} or more, or " if needed <= 1 else "")
             + "a longer plan (--planned-epochs or --planned-iterations)")
     if skipped:  # said once the pilot is known to run: a refusal above is its only line
