@@ -448,7 +448,9 @@ def advise(
         f", constant through training (no warm-up or decay). "
         + _seconds_text(spec, overlap, payload, micro_limit, "timed on this machine"))
     return Advice(
-        batch_bound=path.central.mean_batch_bound(),
+        # over the pilot's own steps, as the answer says: the central trajectory runs on
+        # over the plan, past the pilot, on the extrapolated noise scale
+        batch_bound=path.central.mean_batch_bound(run.iterations),
         rows=rows, recommended=recommended, workers_stop_paying=stop,
         assumptions=assumptions,
         pilot={**_pilot_record(config, run, path, planned, pilot_fraction, goal),
