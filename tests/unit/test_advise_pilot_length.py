@@ -32,7 +32,7 @@ def test_twenty_adam_steps_are_refused_before_any_timing(monkeypatch) -> None:
 
 
 def test_twenty_one_adam_steps_are_enough() -> None:
-    out = advise(ADAMW, planned_iterations=400, pilot_fraction=0.0525, max_workers=1,
+    out = advise(ADAMW, planned_iterations=420, pilot_fraction=0.05, max_workers=1,
                  critical_batch="noise").to_dict()
     assert out["pilot"]["iterations"] == 21 and out["pilot"]["metric"] == "adam"
     assert out["pilot"]["segments"][0]["start"] == 2  # the first step: not estimated

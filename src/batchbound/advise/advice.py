@@ -448,9 +448,12 @@ def advise(
         f", constant through training (no warm-up or decay). "
         + _seconds_text(spec, overlap, payload, micro_limit, "timed on this machine"))
     return Advice(
-        # over the pilot's own steps, as the answer says: the central trajectory runs on
-        # over the plan, past the pilot, on the extrapolated noise scale
-        batch_bound=path.central.mean_batch_bound(run.iterations),
+        # over the pilot's own steps and segments, as the answer says: the central trajectory
+        # runs on over the plan, its last pilot steps already interpolated towards the
+        # extrapolated noise scale
+        batch_bound=Pilot(config.batch_size, config.lr, run.iterations,
+                          tuple(round(s.middle) for s in path.segments),
+                          tuple(1.0 + s.noise for s in path.segments)).mean_batch_bound(),
         rows=rows, recommended=recommended, workers_stop_paying=stop,
         assumptions=assumptions,
         pilot={**_pilot_record(config, run, path, planned, pilot_fraction, goal),
