@@ -74,3 +74,11 @@ def restart_count() -> int:
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return 0
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip())
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on: its affinity (``taskset``, a Slurm job's cpuset), not
+    ``os.cpu_count()``, which counts every core of a shared node."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,6 +72,7 @@ from batchbound.advise.timing import (
 from batchbound.advise.trajectory import MIN_SEGMENT_STEPS, Trajectory, extrapolate
 from batchbound.advise.warmup import WarmupPlan, warmup_schedule
 from batchbound.data import Dataset, apply_transform, load_dataset
+from batchbound.environment import usable_cores
 from batchbound.errors import BatchboundError
 from batchbound.models import build_model, count_parameters
 from batchbound.train.config import Target, TrainConfig
@@ -276,7 +276,8 @@ def advise(
     defaults to half of it with branches, else 0.1.
     ``strategy``: the rows' rate rule; default ``noise`` for SGD and ``srsr`` (η0·√(B/B0))
     for Adam-type optimisers.
-    ``max_workers``: the largest P (default: this machine's cores, or the cluster's).
+    ``max_workers``: the largest P (default: the cores this process may run on, or the
+    cluster's).
     ``cluster``: a cluster file or ``Cluster`` to model communication (and compute, with
     ``examples_per_second``) instead of timing it here. ``overlap``: ``"none"``
     (batchbound's trainer) or ``"backward"`` (DDP)."""
@@ -352,14 +353,20 @@ def advise(
             if not pilot_given:
                 pilot_fraction = budget
                 pilot_steps = min(planned, math.ceil(pilot_fraction * planned))
-    if estimator != "exact" and pilot_steps is not None and pilot_steps < MIN_SEGMENT_STEPS:
+    # an Adam-type optimiser's first step has no second moment to weight the two-batch
+    # estimate by (pilot.py): it is not estimated
+    unestimated = 1 if adaptive and estimator == "two_batch" else 0
+    if estimator != "exact" and pilot_steps is not None and \
+            pilot_steps - unestimated < MIN_SEGMENT_STEPS:
         # one estimate per step at most: a pilot this short is refused after the timing and
         # the pilot anyway; here it costs nothing, and the answer names the fraction needed
-        needed = math.ceil(100 * MIN_SEGMENT_STEPS / planned) / 100
+        needed = math.ceil(100 * (MIN_SEGMENT_STEPS + unestimated) / planned) / 100
         raise BatchboundError(
             f"the pilot's {pilot_fraction:g} of the planned {planned} iterations is "
             f"{pilot_steps} step{'s' if pilot_steps != 1 else ''}; the noise scale needs at "
-            f"least {MIN_SEGMENT_STEPS}: give "
+            f"least {MIN_SEGMENT_STEPS}"
+            + (" estimated ones (an Adam-type optimiser's first step is not: it has no "
+               "second moment yet)" if unestimated else "") + ": give "
             + (f"--pilot-fraction {needed:g} or more, or " if needed <= 1 else "")
             + "a longer plan (--planned-epochs or --planned-iterations)")
     if skipped:  # said once the pilot is known to run: a refusal above is its only line
@@ -441,7 +448,12 @@ def advise(
         f", constant through training (no warm-up or decay). "
         + _seconds_text(spec, overlap, payload, micro_limit, "timed on this machine"))
     return Advice(
-        batch_bound=path.central.mean_batch_bound(),
+        # over the pilot's own steps and segments, as the answer says: the central trajectory
+        # runs on over the plan, its last pilot steps already interpolated towards the
+        # extrapolated noise scale
+        batch_bound=Pilot(config.batch_size, config.lr, run.iterations,
+                          tuple(round(s.middle) for s in path.segments),
+                          tuple(1.0 + s.noise for s in path.segments)).mean_batch_bound(),
         rows=rows, recommended=recommended, workers_stop_paying=stop,
         assumptions=assumptions,
         pilot={**_pilot_record(config, run, path, planned, pilot_fraction, goal),
@@ -822,13 +834,14 @@ def advise_from_study(
 def _worker_limit(max_workers: int | None, cluster: str | Path | Cluster | None
                   ) -> tuple[Cluster | None, int]:
     spec = load_cluster(cluster) if isinstance(cluster, (str, Path)) else cluster
-    cores = os.cpu_count() or 1
+    cores = usable_cores()  # the cores it may run on (taskset, a Slurm cpuset), not the node's
     limit = max_workers if max_workers is not None else (spec.max_workers if spec else cores)
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise BatchboundError(f"max workers must be a positive integer, got {limit!r}")
     if spec is None and limit > cores:
-        raise BatchboundError(f"this machine has {cores} cores, so at most {cores} local "
-                              f"workers can be timed; pass --cluster FILE to model {limit}")
+        raise BatchboundError(f"this process may run on {cores} cores (its CPU affinity), so at "
+                              f"most {cores} local workers can be timed; pass --cluster FILE "
+                              f"to model {limit}")
     return spec, limit
 
 

@@ -35,6 +35,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
 
 from batchbound.errors import BatchboundError
 from batchbound.train.lr_rules import LR_RULES, lr_rule
@@ -81,16 +84,38 @@ class Pilot:
                 return max(b0 + w * (b1 - b0) - 1.0, 0.0)
         return max(bounds[-1] - 1.0, 0.0)
 
-    def noise_scales(self) -> list[float]:
-        """B_noise at each pilot step t = 0 .. iterations−1."""
-        return [self.noise_scale(t) for t in range(self.iterations)]
+    def noise_scales(self) -> np.ndarray:
+        """B_noise at each pilot step t = 0 .. iterations−1 (read-only), ``noise_scale`` at
+        each, computed once: a plan has up to millions of steps, read by every batch's
+        prediction (one Python call per step took minutes for the rows of a long plan)."""
+        return self._noise_scales
+
+    @cached_property
+    def _noise_scales(self) -> np.ndarray:
+        t = np.arange(self.iterations, dtype=np.float64)
+        its = np.asarray(self.bound_iterations, dtype=np.float64)
+        bounds = np.asarray(self.batch_bounds, dtype=np.float64)
+        k = np.clip(np.searchsorted(its, t, side="left"), 1, max(len(its) - 1, 1))
+        if len(its) == 1:
+            values = np.full_like(t, bounds[0] - 1.0)
+        else:  # noise_scale's arithmetic, in its order: the same values to the last bit
+            i0, i1, b0, b1 = its[k - 1], its[k], bounds[k - 1], bounds[k]
+            with np.errstate(divide="ignore", invalid="ignore"):  # i1 = i0 only where
+                values = b0 + (t - i0) / (i1 - i0) * (b1 - b0) - 1.0  # replaced below
+            values = np.where(t <= its[0], bounds[0] - 1.0, values)
+            values = np.where(t > its[-1], bounds[-1] - 1.0, values)
+        values = np.maximum(values, 0.0)
+        values.flags.writeable = False
+        return values
 
     def lowest_noise_scale(self) -> float:
         return max(min(self.batch_bounds) - 1.0, 0.0)
 
-    def mean_batch_bound(self) -> float:
-        """n·Δ averaged over the pilot's steps."""
-        return 1.0 + sum(self.noise_scales()) / self.iterations
+    def mean_batch_bound(self, steps: int | None = None) -> float:
+        """n·Δ averaged over the first ``steps`` steps (default: all ``iterations``; a
+        trajectory over a plan is extrapolated past its pilot, whose own steps are fewer)."""
+        count = self.iterations if steps is None else min(steps, self.iterations)
+        return 1.0 + _in_order(self.noise_scales()[:count]) / count
 
 
 def lr_scale(strategy: str, batch_size: int, pilot: Pilot) -> float:
@@ -119,17 +144,24 @@ def predict_iterations(pilot: Pilot, batch_size: int, strategy: str = "noise",
     if batch_size < 1:
         raise BatchboundError(f"batch size must be >= 1, got {batch_size}")
     scale = lr_scale(strategy, batch_size, pilot) if scale is None else scale
-    total = 0.0
-    for noise in pilot.noise_scales():
-        if strategy == "noise":  # the rate near its best at every step: S(B)/S(B0)
-            total += (1.0 + noise / batch_size) / (1.0 + noise / pilot.batch_size)
-            continue
-        total += steps_per_pilot_step(noise, pilot.batch_size, batch_size, scale)
-        if math.isinf(total):
-            return math.inf
-    return total
+    noise = pilot.noise_scales()
+    if strategy == "noise":  # the rate near its best at every step: S(B)/S(B0)
+        return _in_order((1.0 + noise / batch_size) / (1.0 + noise / pilot.batch_size))
+    # steps_per_pilot_step at every step, its arithmetic in its order
+    x0 = 1.0 / (1.0 + noise / pilot.batch_size)
+    x = scale * x0
+    progress = 2.0 * x - x * x * (1.0 + noise / batch_size)
+    if not np.all(progress > 0):
+        return math.inf
+    return _in_order(x0 / progress)
 
 
 def minimum_iterations(pilot: Pilot) -> float:
     """S_min in steps: k(B) as B → ∞ under the ``noise`` rule, Σ_t 1/(1 + B_noise(t)/B0)."""
-    return sum(1.0 / (1.0 + noise / pilot.batch_size) for noise in pilot.noise_scales())
+    return _in_order(1.0 / (1.0 + pilot.noise_scales() / pilot.batch_size))
+
+
+def _in_order(values: np.ndarray) -> float:
+    """The sum added one value after another, as a loop adds (not numpy's pairwise sum):
+    the step-by-step predictions, and those recorded from them, to the last bit."""
+    return float(np.add.accumulate(values)[-1]) if values.size else 0.0

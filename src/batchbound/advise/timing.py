@@ -34,6 +34,7 @@ import torch
 from batchbound.advise.step_timer import PEER_FAILED
 from batchbound.config import load_toml
 from batchbound.data import Dataset
+from batchbound.environment import usable_cores
 from batchbound.errors import BatchboundError
 from batchbound.train.config import TrainConfig
 from batchbound.train.distributed import free_port
@@ -239,9 +240,10 @@ OTHER_CORES_LIMIT = 0.5  # other work using half a core on average while timing:
 
 class OtherWork:
     """The CPU other processes take while a block runs (``with others: ...``, summed over
-    every block): the busy time /proc/stat counts, steal included (a virtual machine's host
-    taking its cores), less this process's own and its finished children's. The 1-minute
-    load average cannot tell: it counts the timing's own threads and the minute before."""
+    every block): the busy time /proc/stat counts on the CPUs this process may run on, steal
+    included (a virtual machine's host taking its cores), less this process's own and its
+    finished children's. The 1-minute load average cannot tell: it counts the timing's own
+    threads and the minute before."""
 
     def __init__(self) -> None:
         self.cpu_seconds, self.wall_seconds = 0.0, 0.0
@@ -266,12 +268,24 @@ class OtherWork:
         return self.cpu_seconds / self.wall_seconds
 
 
-def _machine_busy_seconds() -> float | None:
+def _machine_busy_seconds(text: str | None = None, cpus: set[int] | None = None
+                          ) -> float | None:
     """CPU seconds all processes have used since boot (user, nice, system, irq, softirq,
-    steal of /proc/stat's first line), None without /proc/stat."""
+    steal of /proc/stat) on the CPUs this process may run on (``cpus``, default its
+    affinity); None without /proc/stat. Another job busy on other cores of a shared node
+    takes no time from the timing's own: counted from the all-CPU line, it flagged every
+    timing there."""
     try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
-        ticks = [int(v) for v in fields[1:9]]
+        text = Path("/proc/stat").read_text() if text is None else text
+        rows = [line.split() for line in text.splitlines() if line.startswith("cpu")]
+        if cpus is None and hasattr(os, "sched_getaffinity"):
+            cpus = set(os.sched_getaffinity(0))
+        per = {int(r[0][3:]): r for r in rows if r[0] != "cpu"}
+        chosen = [per[c] for c in sorted(cpus or ()) if c in per] or [
+            r for r in rows if r[0] == "cpu"]
+        if not chosen:
+            return None
+        ticks = [sum(int(r[k]) for r in chosen) for k in range(1, 9)]
     except (OSError, ValueError, IndexError):
         return None
     user, nice, system, _idle, _iowait, irq, softirq, steal = ticks
@@ -293,7 +307,7 @@ def busy_reason(other_cores: float | None, timed: float, retimed: float) -> str 
     step timed twice (before and after the pilot) disagreeing by more than 25 %."""
     reasons = []
     if other_cores is not None and other_cores > OTHER_CORES_LIMIT:
-        reasons.append(f"other processes kept {other_cores:.2g} of the {os.cpu_count() or 1} "
+        reasons.append(f"other processes kept {other_cores:.2g} of the {usable_cores()} "
                        "cores busy while timing")
     ratio = retimed / timed if timed > 0 else math.nan
     if not 0.8 <= ratio <= 1.25:

@@ -144,6 +144,16 @@ def extrapolate(segs: Sequence[Segment], pilot_iterations: int, planned_iteratio
     and Adam); the loss trend and the growth past the pilot run on t − lag, the time the
     optimiser has actually been moving at its steady rate."""
     later = list(segs[1:]) if len(segs) > 2 else list(segs)
+    below = next((s for s in later if not s.loss > 0), None)
+    if below is not None and planned_iterations > pilot_iterations:
+        # κ = B_noise·L takes ‖G‖² to fall with a loss whose minimum is 0: at L ≤ 0 its sign
+        # flips (low and high trade places) and near 0 B_noise = κ/L runs off
+        raise BatchboundError(
+            f"the pilot's mean batch loss over steps {below.start}–{below.end} was "
+            f"{below.loss:.4g}, not above 0: the noise scale is extrapolated past the pilot as "
+            "B_noise·L ≈ κ (McCandlish et al.: ‖G‖² falls with a loss whose minimum is 0), "
+            "which such a loss does not follow; shift the loss to a minimum of 0, or give a "
+            "target instead of a plan (the pilot then runs to it: nothing is extrapolated)")
     products = np.array([s.noise * s.loss for s in later])
     errors = np.array([max(s.se, 1e-12) * s.loss for s in later])
     weights = 1.0 / errors**2
@@ -216,8 +226,8 @@ def _loss_trend(later: Sequence[Segment], pilot_iterations: int, lag: float = 0.
     p in [0, 1]."""
     t = np.array([_moving(s.middle, lag) for s in later], dtype=float)
     loss = np.array([s.loss for s in later], dtype=float)
-    if len(later) < 2 or np.any(loss <= 0):
-        return 0.0, float(loss[-1])
+    if len(later) < 2 or np.any(loss <= 0) or np.ptp(t) == 0:  # no spread in time (all
+        return 0.0, float(loss[-1])  # within the optimiser's lag): no trend to fit
     slope, intercept = np.polyfit(np.log(t), np.log(loss), 1)
     exponent = float(min(max(-slope, 0.0), 1.0))
     end = float(math.exp(intercept + slope * math.log(_moving(pilot_iterations, lag)))) \
@@ -239,6 +249,8 @@ def _kappa_trend(after_first: Sequence[Segment], lag: float) -> tuple[float, flo
     t = np.log([_moving(s.middle, lag) for s in after_first])
     centred = t - t.mean()
     spread = float(np.sum(centred**2))
+    if spread == 0:  # every segment within the optimiser's lag: one time, no trend
+        return 0.0, 0.0
     slope = float(np.sum(centred * np.log(products)) / spread)
     relative = np.array([s.se / s.noise for s in after_first])
     return slope, float(math.sqrt(np.sum(centred**2 * relative**2)) / spread)

@@ -113,7 +113,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "and adam). With --from-study: which of the study's "
                         "strategies to read (needed when it ran several)")
     parser.add_argument("--max-workers", "-P", type=int,
-                        help="largest worker count (default: this machine's cores, or the "
+                        help="largest worker count (default: the cores advise may run on, or the "
                         "cluster file's max_workers)")
     parser.add_argument("--cluster", metavar="FILE.toml",
                         help="model a cluster: [network] bandwidth_gbytes_per_s, latency_us; "

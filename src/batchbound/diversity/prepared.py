@@ -179,8 +179,10 @@ class PreparedStats:
 
     def _saw(self, seen: GradientPrecision) -> None:
         """The loop's or vmap's observed precision into ``precision``, as a hooks pass's."""
-        parameters = next(iter(self.params.values())).dtype
-        self.precision = lowest(self.precision, seen.dtype or parameters)
+        # every trainable parameter's dtype: a float32 layer beside float64 ones, fed from
+        # the data (no cast of a tensor that requires grad), computes its gradient in float32
+        parameters = lowest(*(p.dtype for p in self.params.values()))
+        self.precision = lowest(self.precision, seen.dtype, parameters)
 
     def _probe(self, x: Tensor, y: Tensor, offset: int) -> None:
         assert self.plan is not None

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from batchbound import kernels
+from batchbound.environment import usable_cores
 from batchbound.errors import BatchboundError
 
 STOP_GRACE_SECONDS = 30.0  # a stopped worker's time to write its checkpoint
@@ -173,7 +174,7 @@ _interrupt_runner.chained = True  # type: ignore[attr-defined]  # StopFlag calls
 
 
 def default_jobs() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return usable_cores()
 
 
 class LocalPool:

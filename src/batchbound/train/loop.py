@@ -725,7 +725,9 @@ class Trainer:
         loss, factor = self.last_batch_loss, self.config.divergence_factor
         if not math.isfinite(loss):
             self.status, self.message = "diverged", f"non-finite loss at iteration {self.iteration}"
-        elif factor is not None and self.initial_loss and loss > factor * self.initial_loss:
+        elif factor is not None and self.initial_loss is not None and self.initial_loss > 0 \
+                and loss > factor * self.initial_loss:  # a multiple of a loss at or below 0
+            # is no bound above it (−3 > 10 × −2.7): every such run read as diverged at once
             self.status = "diverged"
             self.message = (
                 f"loss {loss:.4g} > {factor:g} × initial {self.initial_loss:.4g} at iteration "
