@@ -119,3 +119,61 @@ def test_mixtral_without_it_equals_the_hand_two_batch_in_tokens(tmp_path: Path) 
     assert got.steps == want.steps == 2
     assert got.m2 == pytest.approx(want.m2, rel=1e-5)
     assert got.cross == pytest.approx(want.cross, rel=1e-4)
+
+
+class Finetune(torch.nn.Module):
+    """A frozen backbone and a head, given {"x", "labels"} rows; records what it trains on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = torch.nn.Linear(6, 5).double().requires_grad_(False)
+        self.head = torch.nn.Linear(5, 3).double()
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.backbone(x)))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.training:
+            self.seen.append((x.clone(), labels.clone()))
+        return {"loss": F.cross_entropy(self.logits(x), labels)}
+
+
+class UnfreezeAtEpoch1(transformers.TrainerCallback):
+    def on_epoch_begin(self, args, state, control, model=None, **kwargs) -> None:
+        if state.epoch >= 1:
+            model.backbone.requires_grad_(True)
+
+
+def test_the_estimate_follows_a_backbone_unfrozen_during_training(tmp_path: Path) -> None:
+    """The hooks were put on the parameters trainable at train start: once the backbone
+    trained too, the head's n·Δ was logged as the model's. Every step must equal the
+    two-batch estimate over the parameters that train in that step."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 6, generator=g, dtype=torch.float64), torch.zeros(16, dtype=torch.long)
+    model = Finetune()
+    callback = integration.DiversityCallback(every=1, decay=0.0)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        learning_rate=0.0, weight_decay=0.0, num_train_epochs=2, logging_steps=1000,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+    rows = [{"x": a, "labels": b} for a, b in zip(x, y, strict=True)]
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows,
+                                   callbacks=[UnfreezeAtEpoch1(), callback])
+    trainer.train()
+    got = [r["gradient_diversity/batch_bound"] for r in trainer.state.log_history
+           if "gradient_diversity/batch_bound" in r]
+    head = list(model.head.parameters())
+    want = []
+    for step in range(len(model.seen) // 2):  # two steps an epoch, the backbone from epoch 1
+        params = head if step < 2 else list(model.backbone.parameters()) + head
+        grads = [torch.cat([d.reshape(-1) for d in torch.autograd.grad(
+            F.cross_entropy(model.logits(a), b), params)]) for a, b in model.seen[2 * step:
+                                                                               2 * step + 2]]
+        reference = OnlineDiversity(16, decay=0.0)
+        reference.update_two_batch(sum(float(d.square().sum()) for d in grads) / 2, 4,
+                                   float((sum(grads) / 2).square().sum()), 8)
+        want.append(reference.batch_bound)
+    assert len(model.seen) == 8
+    assert got == pytest.approx(want, rel=1e-9)

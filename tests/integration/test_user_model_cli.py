@@ -63,6 +63,21 @@ def nan_at_start(num_outputs):
 def batch_norm_mlp(input_shape, num_outputs):
     return nn.Sequential(nn.Linear(input_shape[0], 16), nn.BatchNorm1d(16), nn.ReLU(),
                          nn.Linear(16, num_outputs))
+
+
+class LogitsAndLoss(nn.Module):
+    """nanoGPT's forward: (logits, loss), the loss None without targets."""
+
+    def __init__(self, classes):
+        super().__init__()
+        self.head = nn.Linear(64, classes)
+
+    def forward(self, x, targets=None):
+        return self.head(x), None
+
+
+def logits_and_loss(num_outputs):
+    return LogitsAndLoss(num_outputs)
 '''
 
 
@@ -125,6 +140,8 @@ BAD_FACTORIES = [
     ("mymodels:missing", "has no callable 'missing'"),
     ("mymodels:not_a_module", "returned a int, not a torch.nn.Module"),
     ("mymodels:raises", "raised ValueError: no GPU here"),
+    # was a traceback from the named loss (AttributeError: 'tuple' object has no 'dim')
+    ("mymodels:logits_and_loss", "needs the model's output as one tensor, got tuple"),
 ]
 
 

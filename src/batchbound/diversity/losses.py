@@ -29,12 +29,22 @@ _DEFAULT_FOR_TASK = {
 }
 
 
+def _one_tensor(outputs: object, name: str) -> None:
+    """A named loss reads the model's output as one tensor of logits or values."""
+    if not isinstance(outputs, Tensor):  # nanoGPT's (logits, loss), an output object
+        raise BatchboundError(
+            f"loss {name!r} needs the model's output as one tensor, got "
+            f"{type(outputs).__name__}; make the model's forward return the logits, or (from "
+            "Python) pass a loss callable that takes them out of its output")
+
+
 def cross_entropy(outputs: Tensor, targets: Tensor) -> Tensor:
     """f_i = −log softmax(outputs_i)[y_i]: ``nn.CrossEntropyLoss()`` on a batch of one.
 
     ``outputs`` is (n, C) logits. ``targets`` is (n,) integer class indices, or (n, C) class
     probabilities of the outputs' floating dtype.
     """
+    _one_tensor(outputs, "cross_entropy")
     if outputs.dim() != 2:
         raise BatchboundError(
             f"cross_entropy needs outputs of shape (n, classes), got {tuple(outputs.shape)}"
@@ -67,6 +77,7 @@ def mse(outputs: Tensor, targets: Tensor) -> Tensor:
 
     ``targets`` has the outputs' shape; (n,) targets are accepted for (n, 1) outputs.
     """
+    _one_tensor(outputs, "mse")
     n = outputs.shape[0]
     if targets.shape != outputs.shape:
         if targets.dim() == 1 and tuple(outputs.shape) == (n, 1) and targets.shape[0] == n:
@@ -89,6 +100,7 @@ def sequence_cross_entropy(outputs: Tensor, targets: Tensor) -> Tensor:
     whose per-sequence gradients Δ is about. ``outputs`` is (n, context, vocabulary) logits,
     ``targets`` (n, context) integer next tokens. The mean token loss is this / context.
     """
+    _one_tensor(outputs, "sequence_cross_entropy")
     if outputs.dim() != 3:
         raise BatchboundError(
             "sequence_cross_entropy needs outputs of shape (n, context, vocabulary), got "

@@ -227,7 +227,8 @@ class MicroBatchNorms:
     def __init__(self, params: Iterable[nn.Parameter], *, fused: bool = True) -> None:
         self.window = Window()
         self.fused = fused
-        self.params = [p for p in params if p.requires_grad]
+        self._all = list(params)
+        self.params = [p for p in self._all if p.requires_grad]
         self._norms: list[Tensor] = []  # this micro-batch: ‖h‖ per parameter
         self._dots: list[Tensor] = []  # this step: ⟨A_{j−1}, h_j⟩ per parameter and j
         self._micro: list[Tensor] = []  # this step: Σ_params ‖h_j‖² per micro-batch
@@ -242,11 +243,28 @@ class MicroBatchNorms:
         self._queued = False
         self._accumulated: Tensor | None = None
         self._broken = False  # this step saw nested or repeated backward passes
+        self._mixed = False  # which parameters train changed within this step
         self._handles: list[RemovableHandle] = [
             p.register_hook(self._hook_for(p)) for p in self.params
         ]
         if not self._handles:
             raise BatchboundError("the model has no trainable parameters to watch")
+
+    def _follow_trainable(self) -> None:
+        """Hook the parameters that train now. Fine-tuning loops unfreeze (or freeze) them
+        between steps (Lightning's BackboneFinetuning, gradual unfreezing); hooks fixed at the
+        start would read the first set's norms as the model's. A change within a step drops
+        that step: its micro-batches' gradients cover different parameters."""
+        trainable = [p for p in self._all if p.requires_grad]
+        if len(trainable) == len(self.params) and all(
+                a is b for a, b in zip(trainable, self.params, strict=True)):
+            return
+        if self.window.count:
+            self._mixed = True
+        for handle in self._handles:
+            handle.remove()
+        self.params = trainable
+        self._handles = [p.register_hook(self._hook_for(p)) for p in trainable]
 
     def _hook_for(self, param: nn.Parameter) -> Callable[[Tensor], None]:
         acc = torch.promote_types(param.dtype, torch.float32)
@@ -312,6 +330,7 @@ class MicroBatchNorms:
 
     def start(self, size: Number, weight: Number) -> None:
         self.stop()
+        self._follow_trainable()
         self.window.add(size, weight)
         self._open = True
         self._tasks, self._queued = set(), False
@@ -338,6 +357,9 @@ class MicroBatchNorms:
         self.window, self._micro, self._dots, self._accumulated = Window(), [], [], None
         if self._broken:  # this step's numbers cannot be trusted: drop it, go the exact way
             self._broken, self.fused = False, False
+            return None
+        if self._mixed:
+            self._mixed = False
             return None
         if window.count < 2:
             return None
