@@ -2,9 +2,9 @@
 as outside users call them (``model(**batch)``, a per-sequence loss written by the user),
 each against the float64 per-example loop at the same weights: GPT-NeoX, Llama with grouped
 query attention, T5 (encoder-decoder, decoder_input_ids, -100 labels), BertForMaskedLM with
--100 labels, DistilBERT with tied word embeddings; watch in train mode with gradient
-checkpointing on; and a LoRA adapter written by hand, whose frozen base weights are not
-measured."""
+-100 labels, DistilBERT with tied word embeddings, BART with layerdrop; watch in train mode
+with gradient checkpointing on; and a LoRA adapter written by hand, whose frozen base
+weights are not measured."""
 
 from __future__ import annotations
 
@@ -76,6 +76,14 @@ CASES = {
     "distilbert-tied": (lambda: transformers.DistilBertForMaskedLM(transformers.DistilBertConfig(
         n_layers=2, dim=32, hidden_dim=48, n_heads=4, vocab_size=VOCAB,
         max_position_embeddings=32, tie_word_embeddings=True)), masked_tokens, per_token, 1e-10),
+    # separate key biases, whose exact gradient is 0 (softmax ignores a shift): the step's
+    # .grad holds rounding noise there, once refused as "a regulariser in the loss"; layerdrop
+    # draws whole layers at random (the replayed masks must be the step's own)
+    "bart-layerdrop": (lambda: transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=VOCAB, d_model=16, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, max_position_embeddings=32, encoder_layerdrop=0.5,
+        decoder_layerdrop=0.5, dropout=0.1, use_cache=False)), seq2seq, per_token, 1e-6),
 }
 
 

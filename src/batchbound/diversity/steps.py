@@ -308,9 +308,20 @@ def _unseen_uses(run: HooksPass, delta: dict[str, Tensor],
     seen = torch.stack([fingerprint_of(delta[k], run.fingerprint_vectors[k]) for k in names])
     scale = torch.stack([torch.linalg.vector_norm(delta[k]) for k in names]) + torch.stack(
         [run.sq_norms[k].sum() for k in names]).sqrt()
-    bad = ((ours - seen).abs() > rtol * scale + 1e-30).tolist()
+    bad = ((ours - seen).abs() > rtol * (scale + step_norm(delta)) + 1e-30).tolist()
     return {k: "its gradient includes uses outside the model's layers (a regulariser in the loss?)"
             for k, wrong in zip(names, bad, strict=True) if wrong}
+
+
+def step_norm(delta: dict[str, Tensor]) -> Tensor:
+    """‖the step's whole gradient‖: the scale of the checks' rounding floor. A parameter whose
+    exact gradient is 0 (an attention key's bias: softmax ignores a shift) holds rounding of
+    the terms that cancelled, not of its own norm; a mismatch below rtol × this moves the
+    step's Δ by no more than its precision does, so it is not a use the outputs do not show."""
+    norms = torch._foreach_norm(list(delta.values())) if delta else [torch.zeros(())]
+    if len({n.dtype for n in norms}) > 1:  # parameters of several precisions
+        norms = [n.double() for n in norms]
+    return torch.linalg.vector_norm(torch.stack(norms).double())
 
 
 @dataclass
@@ -538,13 +549,14 @@ class _Watched:
                     rtol)
         except BatchboundError as exc:
             _refuse({k: str(exc) for k in names})
+        floor = rtol * float(step_norm(delta))
         wrong = {k: "its gradient in this step is not the sum of the per-example gradients "
                     "read off the model's outputs (a regulariser in the loss, or a loss that "
                     "is not a sum over the examples?)"
                  for k in names
                  if float(torch.linalg.vector_norm(sums[k].to(delta[k].dtype) - delta[k]))
                  > rtol * (float(torch.linalg.vector_norm(delta[k]))
-                           + float(sq[k].sum()) ** 0.5) + 1e-30}
+                           + float(sq[k].sum()) ** 0.5) + floor + 1e-30}
         if wrong:
             _refuse(wrong)
         key = describe({k: reasons[k] for k in names})
