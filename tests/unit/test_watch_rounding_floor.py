@@ -41,13 +41,24 @@ def losses(out: Tensor, y: Tensor) -> Tensor:
 @pytest.mark.parametrize("size", [0.01, 0.03, 0.1])  # ‖λ·W_b‖ / ‖the step's gradient‖
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_penalty_on_a_small_layer_is_refused_or_exact(size: float, seed: int) -> None:
+    refused_or_exact("b", size, seed)
+
+
+@pytest.mark.xfail(strict=True, reason="known, not fixed: the fingerprint's tolerance is on "
+                   "the norm scale, its mismatch a projection (~1/√numel of a regulariser's "
+                   "norm), so a penalty on the main layer passes, n·Δ 17 % off")
+def test_a_penalty_on_the_main_layer_is_refused_or_exact() -> None:
+    refused_or_exact("a", 0.1, 2)
+
+
+def refused_or_exact(layer: str, size: float, seed: int) -> None:
     torch.manual_seed(seed)
     model = SmallBranch()
     x, y = torch.randn(N, 16), torch.randint(0, 4, (N,))
     S, T = loop_S_T(copy.deepcopy(model), (x,), {}, lambda out, i: losses(out, y[i : i + 1]).sum(),
                     N)
     grads = torch.autograd.grad(losses(model(x), y).sum(), list(model.parameters()))
-    weight = model.b.weight
+    weight = getattr(model, layer).weight
     lam = size * float(torch.sqrt(sum(g.double().square().sum() for g in grads))) / float(
         weight.detach().norm())
     expected = OnlineDiversity(10, decay=0.0)
@@ -60,6 +71,6 @@ def test_a_penalty_on_a_small_layer_is_refused_or_exact(size: float, seed: int) 
                 total = losses(model(x), y).sum() + 0.5 * lam * weight.square().sum()
                 torch.autograd.backward(total)
     except BatchboundError as exc:
-        assert "b.weight" in str(exc)
+        assert f"{layer}.weight" in str(exc)
         return
     assert monitor.cross == pytest.approx(expected.cross, rel=1e-3)
