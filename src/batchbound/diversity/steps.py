@@ -308,16 +308,21 @@ def _unseen_uses(run: HooksPass, delta: dict[str, Tensor],
     seen = torch.stack([fingerprint_of(delta[k], run.fingerprint_vectors[k]) for k in names])
     scale = torch.stack([torch.linalg.vector_norm(delta[k]) for k in names]) + torch.stack(
         [run.sq_norms[k].sum() for k in names]).sqrt()
-    bad = ((ours - seen).abs() > rtol * (scale + step_norm(delta)) + 1e-30).tolist()
+    floor = rtol * step_norm(delta)
+    bad = ((ours - seen).abs() > rtol * scale + floor * (scale <= floor) + 1e-30).tolist()
     return {k: "its gradient includes uses outside the model's layers (a regulariser in the loss?)"
             for k, wrong in zip(names, bad, strict=True) if wrong}
 
 
 def step_norm(delta: dict[str, Tensor]) -> Tensor:
-    """‖the step's whole gradient‖: the scale of the checks' rounding floor. A parameter whose
-    exact gradient is 0 (an attention key's bias: softmax ignores a shift) holds rounding of
-    the terms that cancelled, not of its own norm; a mismatch below rtol × this moves the
-    step's Δ by no more than its precision does, so it is not a use the outputs do not show."""
+    """‖the step's whole gradient‖: the scale of the checks' rounding floor, rtol × this. A
+    parameter whose exact gradient is 0 (an attention key's bias: softmax ignores a shift)
+    holds rounding of the terms that cancelled, not of its own norm. The floor applies only
+    to a parameter whose gradient and examples' gradients (the check's own scale) lie below
+    it: a use the outputs do not show can then be no larger than that, and moves the step's
+    Δ by no more than its precision does. Elsewhere it would hide one: the fingerprints are
+    projections, about 1/√numel of a mismatch's norm, so a regulariser of 0.03 × the step's
+    gradient on a small layer passed under it (tests/unit/test_watch_rounding_floor.py)."""
     norms = torch._foreach_norm(list(delta.values())) if delta else [torch.zeros(())]
     if len({n.dtype for n in norms}) > 1:  # parameters of several precisions
         norms = [n.double() for n in norms]
@@ -550,13 +555,14 @@ class _Watched:
         except BatchboundError as exc:
             _refuse({k: str(exc) for k in names})
         floor = rtol * float(step_norm(delta))
+        scale = {k: float(torch.linalg.vector_norm(delta[k])) + float(sq[k].sum()) ** 0.5
+                 for k in names}  # the floor only below it (step_norm)
         wrong = {k: "its gradient in this step is not the sum of the per-example gradients "
                     "read off the model's outputs (a regulariser in the loss, or a loss that "
                     "is not a sum over the examples?)"
                  for k in names
                  if float(torch.linalg.vector_norm(sums[k].to(delta[k].dtype) - delta[k]))
-                 > rtol * (float(torch.linalg.vector_norm(delta[k]))
-                           + float(sq[k].sum()) ** 0.5) + floor + 1e-30}
+                 > rtol * scale[k] + (floor if scale[k] <= floor else 0.0) + 1e-30}
         if wrong:
             _refuse(wrong)
         key = describe({k: reasons[k] for k in names})
