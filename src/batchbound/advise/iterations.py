@@ -111,11 +111,9 @@ class Pilot:
     def lowest_noise_scale(self) -> float:
         return max(min(self.batch_bounds) - 1.0, 0.0)
 
-    def mean_batch_bound(self, steps: int | None = None) -> float:
-        """n·Δ averaged over the first ``steps`` steps (default: all ``iterations``; a
-        trajectory over a plan is extrapolated past its pilot, whose own steps are fewer)."""
-        count = self.iterations if steps is None else min(steps, self.iterations)
-        return 1.0 + _in_order(self.noise_scales()[:count]) / count
+    def mean_batch_bound(self) -> float:
+        """n·Δ averaged over the pilot's steps."""
+        return 1.0 + _in_order(self.noise_scales()) / self.iterations
 
 
 def lr_scale(strategy: str, batch_size: int, pilot: Pilot) -> float:

@@ -464,11 +464,7 @@ class HooksPass:
             if self._contributions[name] > 1:
                 self._pending[name].append(form)
                 continue
-            small = form.small_dense() if isinstance(form, Outer) else form
-            if isinstance(small, Dense) and small.deferrable:  # normed with its like later
-                self._defer([name], small.grads)
-            else:
-                self._sq_norms[name] = form.sq_norms()
+            self._store([name], form)
             self._fingerprint(name, form)
             if self.into is not None and name in self.rule_sums and form.batch_sum_exact:
                 form.add_total_to(self.into[name])
@@ -520,11 +516,7 @@ class HooksPass:
             names = [k if k in self._contributions else None for k in names]
             if not any(names):
                 continue
-            small = form.small_dense() if isinstance(form, Outer) else form
-            if isinstance(small, Dense) and small.deferrable:  # normed with its like later
-                self._defer(names, small.grads)
-            else:
-                self._keep(names, form.sq_norms())
+            self._store(names, form)
             for k, name in enumerate(names):
                 if name is None or (name not in self.fingerprint_vectors
                                     and form.batch_sum_exact):
@@ -533,6 +525,15 @@ class HooksPass:
                 self._fingerprint(name, part)
                 if not part.batch_sum_exact:
                     self.totals[name] = part.total().reshape(self.params[name].shape)
+
+    def _store(self, names: list[str | None], form: PerExampleGrad) -> None:
+        """A form's per-example squared norms (of one call's parameter, or of several calls'
+        stacked): small materialised gradients held to be normed with their like, else now."""
+        small = form.small_dense() if isinstance(form, Outer) else form
+        if isinstance(small, Dense) and small.deferrable:  # normed with its like later
+            self._defer(names, small.grads)
+        else:
+            self._keep(names, form.sq_norms())
 
     def _keep(self, names: list[str | None], sq_norms: Tensor) -> None:
         """Squared norms of ``len(names)`` calls' examples stacked, each call's to its

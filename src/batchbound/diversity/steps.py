@@ -323,10 +323,10 @@ def step_norm(delta: dict[str, Tensor]) -> Tensor:
     Δ by no more than its precision does. Elsewhere it would hide one: the fingerprints are
     projections, about 1/√numel of a mismatch's norm, so a regulariser of 0.03 × the step's
     gradient on a small layer passed under it (tests/unit/test_watch_rounding_floor.py)."""
-    norms = torch._foreach_norm(list(delta.values())) if delta else [torch.zeros(())]
-    if len({n.dtype for n in norms}) > 1:  # parameters of several precisions
-        norms = [n.double() for n in norms]
-    return torch.linalg.vector_norm(torch.stack(norms).double())
+    if not delta:
+        return torch.zeros((), dtype=torch.float64)
+    norms = torch._foreach_norm(list(delta.values()), 2, dtype=torch.float64)
+    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 @dataclass
