@@ -184,7 +184,7 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
         return
     # the forward's lowest precision on the gradient's path, and the loss's written after it
     precision = watched.loss_precision(run.precision)
-    unseen = _unseen_uses(run, delta, precision)
+    unseen = _unseen_uses(run, delta, before, precision)
     unseen.update({k: UNACCOUNTED for k in run.unused if bool(delta[k].any())})
     if unseen:
         _refuse(unseen)
@@ -295,11 +295,18 @@ def _refuse(reasons: dict[str, str]) -> None:
                           "computes them by an exact fallback")
 
 
-def _unseen_uses(run: HooksPass, delta: dict[str, Tensor],
+def _unseen_uses(run: HooksPass, delta: dict[str, Tensor], before: dict[str, Tensor | None],
                  precision: torch.dtype) -> dict[str, str]:
     """Parameters whose ``.grad`` change disagrees with the rules' gradient sum (projected on
     fixed random vectors): a use the model's graph does not show, a regulariser in the loss.
-    One comparison for all parameters; the projections and norms are small tensor products."""
+    One comparison for all parameters; the projections and norms are small tensor products.
+
+    The tolerance: rtol × the norms (‖Δ.grad‖ + √S), which bound rounding's effect on any
+    projection; or, where the rules' forms bound their terms (``forms.project_bound``), the
+    rounding that bound allows, at the projection's own scale (~1/√numel of the norms'), at
+    which a regulariser on a layer's weights shows (tests/unit/test_watch_rounding_floor.py).
+    Where ``.grad`` held a sum already (accumulation), its addition and the subtraction
+    that reads the change round by ≤ ε(‖before‖ + ‖after‖) more."""
     names = [k for k in run.fingerprints if k not in run.totals]
     if not names:
         return {}
@@ -309,9 +316,38 @@ def _unseen_uses(run: HooksPass, delta: dict[str, Tensor],
     scale = torch.stack([torch.linalg.vector_norm(delta[k]) for k in names]) + torch.stack(
         [run.sq_norms[k].sum() for k in names]).sqrt()
     floor = rtol * step_norm(delta)
-    bad = ((ours - seen).abs() > rtol * scale + floor * (scale <= floor) + 1e-30).tolist()
+    allowed = (rtol * scale + floor * (scale <= floor)).unsqueeze(1).expand_as(ours).clone()
+    bounded = [i for i, k in enumerate(names) if run.fingerprint_bounds.get(k) is not None]
+    if bounded:
+        keys = [names[i] for i in bounded]
+        terms, chains = (torch.stack([torch.as_tensor(run.fingerprint_bounds[k][j])  # type: ignore[index]
+                                      for k in keys]).double() for j in (0, 1))
+        held = [before[k] if before.get(k) is not None else delta[k].new_zeros(())
+                for k in keys]
+        sums = torch.stack(torch._foreach_norm(held, 2, dtype=torch.float64)) * 2 + scale[
+            bounded].double()
+        eps = torch.tensor([torch.finfo(delta[k].dtype).eps for k in keys], dtype=torch.float64)
+        tight = _rounding(precision, terms, chains) + (4 * eps * sums).unsqueeze(1)
+        allowed[bounded] = torch.minimum(allowed[bounded], tight.to(allowed.dtype))
+    bad = ((ours - seen).abs() > allowed + 1e-30).any(dim=1).tolist()
     return {k: "its gradient includes uses outside the model's layers (a regulariser in the loss?)"
             for k, wrong in zip(names, bad, strict=True) if wrong}
+
+
+def _rounding(precision: torch.dtype, terms: Tensor, chains: Tensor) -> Tensor:
+    """What rounding can move a projection by, from its terms in absolute value and their
+    chains of roundings (``forms.project_bound``): 2 units of float32 or float64 per link,
+    at most the precision's rtol (longer sums round far below the worst case). bfloat16 and
+    float16, or float32 products run in TensorFloat-32 or bfloat16 passes
+    (``torch.set_float32_matmul_precision``), round each operand to 10 bits or fewer: their
+    rtol."""
+    rtol = tolerance(precision)
+    if precision == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        return tolerance(torch.bfloat16) * terms
+    if precision not in (torch.float32, torch.float64):
+        return rtol * terms
+    unit = torch.finfo(precision).eps  # 2 units of rounding
+    return torch.minimum(unit * chains, rtol * terms)
 
 
 def step_norm(delta: dict[str, Tensor]) -> Tensor:

@@ -15,6 +15,7 @@ from batchbound.diversity.rules.forms import (
     combined_sq_norms,
     inner,
     project,
+    project_bound,
     sum_dense,
 )
 from batchbound.diversity.rules.registry import (
@@ -44,6 +45,7 @@ __all__ = [
     "linear",
     "norm",
     "project",
+    "project_bound",
     "recurrent",
     "register_rule",
     "rule_for",

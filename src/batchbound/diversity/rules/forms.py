@@ -181,10 +181,15 @@ class Outer(PerExampleGrad):
     """Σ_t u_t v_tᵀ per example (see the module docstring)."""
 
     def __init__(self, u: Tensor, v: Tensor, rows: int | None = None,
-                 batch_sum_exact: bool = True, sq_norms: Tensor | None = None) -> None:
+                 batch_sum_exact: bool = True, sq_norms: Tensor | None = None,
+                 autograd_terms: bool = True) -> None:
         self.u, self.v, self.rows = u, v, rows
         self.batch_sum_exact = batch_sum_exact
         self._sq = sq_norms  # when the rule has them already
+        # u and v are the tensors autograd's batch gradient multiplies (the call's recorded
+        # input and output gradient), so the two sums differ by the summation's rounding
+        # alone (``project_bound``); False where the rule computed them itself
+        self.autograd_terms = autograd_terms
 
     @property
     def n(self) -> int:
@@ -208,7 +213,8 @@ class Outer(PerExampleGrad):
 
     def part(self, rows: slice) -> Outer:
         sq = None if self._sq is None else self._sq[rows]
-        return Outer(self.u[rows], self.v[rows], self.rows, self.batch_sum_exact, sq)
+        return Outer(self.u[rows], self.v[rows], self.rows, self.batch_sum_exact, sq,
+                     self.autograd_terms)
 
     def _keys(self) -> Tensor:
         """Row index + p·example, flattened: one key per (example, row) pair."""
@@ -338,13 +344,32 @@ def inner(a: PerExampleGrad, b: PerExampleGrad, numel: int) -> Tensor:
 
 
 def project(form: PerExampleGrad, a: Tensor, b: Tensor) -> Tensor:
-    """⟨Σ_i g_i, a bᵀ⟩ for the parameter viewed as a (len(a) × len(b)) matrix: a cheap
-    fingerprint of the gradient sum, compared with autograd's to catch unseen uses."""
+    """⟨Σ_i g_i, a_k b_kᵀ⟩ for each column k of ``a`` and ``b`` (the parameter viewed as a
+    (len(a) × len(b)) matrix): a cheap fingerprint of the gradient sum, compared with
+    autograd's to catch unseen uses."""
     if isinstance(form, Outer):
         left = a[_long(form.u)] if form.indexed else form.u @ a
-        return (left * (form.v @ b)).sum()
+        return (left * (form.v @ b)).reshape(-1, a.shape[1]).sum(dim=0)
     total = form.total().reshape(a.shape[0], b.shape[0])
-    return a @ total @ b
+    return ((a.T @ total) * b.T).sum(dim=1)
+
+
+def project_bound(form: PerExampleGrad, a: Tensor, b: Tensor) -> tuple[Tensor, int] | None:
+    """How far rounding can move the fingerprint ``project(form, a, b)`` from autograd's
+    batch gradient projected alike: the terms' projection in absolute value, Σ over the
+    form's terms u_t v_tᵀ of |a_k|ᵀ|u_t||v_t|ᵀ|b_k| per column k, with the longest chain of
+    roundings in either computation (the n·T terms summed, the products of length len(a)
+    and len(b)). A sum of k terms rounds by at most k·unit of the sum of their absolute
+    values, so a use that moves the projection by more is not rounding. It scales with the
+    projection itself (~1/√numel of the gradient's norm), where a regulariser of the layer
+    shows as it would not against the norms. None for a materialised form (its terms were
+    summed over positions already) or one whose terms the rule computed itself."""
+    if not isinstance(form, Outer) or not form.autograd_terms:
+        return None
+    a, b = a.abs(), b.abs()
+    left = a[_long(form.u)] if form.indexed else form.u.abs() @ a
+    chain = form.n * form.steps + a.shape[0] + b.shape[0] + 8  # + the loss's scaling, margin
+    return (left * (form.v.abs() @ b)).reshape(-1, a.shape[1]).sum(dim=0), chain
 
 
 def sum_dense(forms: list[PerExampleGrad]) -> Tensor:

@@ -163,14 +163,16 @@ def recurrent_rule(call: Call) -> dict[str, PerExampleGrad]:
         s = d.suffix
         d_gi = deltas[(s, "gi")][0]
         d_gh = torch.stack(deltas[(s, "gh")], dim=1) if m.mode == "GRU" else d_gi
-        forms[f"weight_ih{s}"] = Outer(d_gi, d.x.detach())
-        forms[f"weight_hh{s}"] = Outer(d_gh, torch.stack(d.h_prev, dim=1).detach())
+        forms[f"weight_ih{s}"] = Outer(d_gi, d.x.detach(), autograd_terms=False)
+        forms[f"weight_hh{s}"] = Outer(d_gh, torch.stack(d.h_prev, dim=1).detach(),
+                                        autograd_terms=False)
         if m.bias:
             forms[f"bias_ih{s}"] = Dense(d_gi.sum(dim=1))
             forms[f"bias_hh{s}"] = Dense(d_gh.sum(dim=1))
         if m.proj_size:
             d_h = torch.stack(deltas[(s, "h_proj")], dim=1)
-            forms[f"weight_hr{s}"] = Outer(d_h, torch.stack(d.m, dim=1).detach())
+            forms[f"weight_hr{s}"] = Outer(d_h, torch.stack(d.m, dim=1).detach(),
+                                            autograd_terms=False)
     return {k: v for k, v in forms.items() if getattr(m, k).requires_grad}
 
 
