@@ -338,6 +338,24 @@ def test_conv_patches_are_each_example_s_own_gradient(
     torch.testing.assert_close(fast, grouped, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("device,products", [("cpu", 79), ("meta", 1)])
+def test_patch_blocks_are_cache_sized_on_the_cpu_only(monkeypatch, device: str,
+                                                      products: int) -> None:
+    """LeNet-5's first layer at 1024 examples: on the CPU blocks of 2^18 numbers (13
+    examples, their patches in cache), elsewhere one product (each block costs ~6 kernel
+    launches on a GPU; ``meta`` stands for a device here)."""
+    layer = nn.Conv2d(1, 6, 5, padding=2).to(device)
+    x = torch.randn(1024, 1, 28, 28, device=device)
+    b = torch.randn(1024, 6, 28, 28, device=device)
+    calls = []
+    bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a, **k: calls.append(1) or bmm(*a, **k))
+    with torch.no_grad():
+        grads = conv.patches_weight_grads(layer, x, b)
+    assert grads.shape == (1024, 6, 1, 5, 5)
+    assert len(calls) == products
+
+
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN only")
 @pytest.mark.parametrize("groups,c_in", [(1, 6), (2, 10), (1, 3)])
 def test_conv_grouped_kernel_with_channels_last_input(groups: int, c_in: int) -> None:

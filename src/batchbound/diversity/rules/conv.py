@@ -53,8 +53,11 @@ MATERIALISING = ("conv", "patches")  # the methods that make the gradients (and 
 # per group in every shape timed, slower from 8 on (benchmarks/conv_grads.py).
 PATCH_CHANNELS = 4
 # Numbers in one block of copied patches (1 MiB of float32): the block's product reads it while
-# it is still in cache; one example at a time where one example's patches hold more.
+# it is still in cache; one example at a time where one example's patches hold more. On a GPU
+# each block is ~6 kernel launches (LeNet-5's first layer at 1024 examples would take 79), so
+# there a block is bounded by memory alone (128 MiB of float32: that layer in one).
 PATCH_BLOCK = 2**18
+PATCH_BLOCK_DEVICE = 2**25
 _strategy = "auto"
 
 
@@ -183,8 +186,8 @@ def patches_weight_grads(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
     The patches A_i (C_in/g·k × L) are a strided view of the padded input: entry (c, tap,
     position) sits at channel c, offset tap·dilation + position·stride along each spatial
     dimension, so one copy of the view (no unfold) makes them, a block of examples at a time
-    (at most ``PATCH_BLOCK`` numbers, one example if that holds more), each block's product
-    taken while its patches are in cache.
+    (at most ``PATCH_BLOCK`` numbers on the CPU, ``PATCH_BLOCK_DEVICE`` elsewhere, one example
+    if that holds more), each block's product taken while its patches are in cache.
     """
     n, g = x.shape[0], layer.groups
     c_in, c_out = layer.in_channels // g, layer.out_channels // g
@@ -192,7 +195,8 @@ def patches_weight_grads(layer: nn.Module, x: Tensor, b: Tensor) -> Tensor:
     rows, positions = c_in * math.prod(kernel), math.prod(out_size)
     grads = b.reshape(n * g, c_out, positions)
     out = b.new_empty(n * g, c_out, rows)
-    block = max(1, PATCH_BLOCK // (g * rows * positions))
+    budget = PATCH_BLOCK if x.device.type == "cpu" else PATCH_BLOCK_DEVICE
+    block = max(1, budget // (g * rows * positions))
     padded = _padded(layer, x)  # once: one copy per block cost 1–2 % of LeNet-5's measure()
     s = padded.stride()
     for start in range(0, n, block):
