@@ -306,7 +306,8 @@ def _unseen_uses(run: HooksPass, delta: dict[str, Tensor], before: dict[str, Ten
     rounding that bound allows, at the projection's own scale (~1/√numel of the norms'), at
     which a regulariser on a layer's weights shows (tests/unit/test_watch_rounding_floor.py).
     Where ``.grad`` held a sum already (accumulation), its addition and the subtraction
-    that reads the change round by ≤ ε(‖before‖ + ‖after‖) more."""
+    that reads the change round by ≤ ε(|a|ᵀ|before||b| + |a|ᵀ|Δ||b|) more (``_accumulated``),
+    an embedding's (a sparse ``.grad``) by ≤ ε(‖before‖ + ‖after‖)."""
     names = [k for k in run.fingerprints if k not in run.totals]
     if not names:
         return {}
@@ -329,8 +330,8 @@ def _unseen_uses(run: HooksPass, delta: dict[str, Tensor], before: dict[str, Ten
         eps = torch.tensor([torch.finfo(delta[k].dtype).eps for k in keys], dtype=torch.float64)
         held_round = (4 * eps * sums).unsqueeze(1).expand_as(terms).clone()
         for row, k in enumerate(keys):
-            if before.get(k) is not None and k not in run.fingerprint_indexed:
-                held_round[row] = _accumulated(before[k], delta[k], run.fingerprint_vectors[k])
+            if k not in run.fingerprint_indexed:
+                held_round[row] = _accumulated(before.get(k), delta[k], run.fingerprint_vectors[k])
         tight = _rounding(precision, terms, chains) + held_round
         allowed[bounded] = torch.minimum(allowed[bounded], tight.to(allowed.dtype))
     bad = ((ours - seen).abs() > allowed + 1e-30).any(dim=1).tolist()
@@ -338,18 +339,20 @@ def _unseen_uses(run: HooksPass, delta: dict[str, Tensor], before: dict[str, Ten
             for k, wrong in zip(names, bad, strict=True) if wrong}
 
 
-def _accumulated(before: Tensor, delta: Tensor, vectors: tuple[Tensor, Tensor]) -> Tensor:
+def _accumulated(before: Tensor | None, delta: Tensor, vectors: tuple[Tensor, Tensor]) -> Tensor:
     """What accumulation can move a dense ``.grad``'s fingerprints by: ``.grad += g`` and
     Δ = after − before round each entry by ≤ 1 unit of |before + g| and of |Δ|, so the
-    projections on a, b by ≤ ε(|a|ᵀ|before||b| + |a|ᵀ|Δ||b|) with a margin (ε = 2 units):
-    on the fingerprints' own scale, where ε·‖before‖ is √numel times larger and let a
-    regulariser through once many micro-batches had accumulated. Not for an embedding's
-    (``HooksPass.fingerprint_indexed``): a sparse gradient's entries are added one at a time
-    onto before, or reordered when a sparse ``.grad`` is made dense."""
+    projections on a, b by ≤ ε(|a|ᵀ|before||b| + |a|ᵀ|Δ||b|) with a margin (ε = 2 units;
+    a ``.grad`` that was None takes g as it is): on the fingerprints' own scale, where
+    ε·‖before‖ is √numel times larger and let a regulariser through once many micro-batches
+    had accumulated. Not for an embedding's (``HooksPass.fingerprint_indexed``): a sparse
+    gradient's entries are added one at a time onto before, or reordered when a sparse
+    ``.grad`` is made dense."""
     absolute = (vectors[0].abs(), vectors[1].abs())
-    eps = torch.finfo(delta.dtype).eps
-    return 2 * eps * (fingerprint_of(before.abs(), absolute)
-                      + fingerprint_of(delta.abs(), absolute)).double()
+    held = fingerprint_of(delta.abs(), absolute)
+    if before is not None:
+        held = held + fingerprint_of(before.abs(), absolute)
+    return 2 * torch.finfo(delta.dtype).eps * held.double()
 
 
 def _rounding(precision: torch.dtype, terms: Tensor, chains: Tensor) -> Tensor:
