@@ -189,6 +189,9 @@ class HooksPass:
         # Per fingerprint, over its forms (``forms.project_bound``): Σ |a|ᵀ|term||b| and the
         # same weighted by each form's chain of roundings; None where a form gave none
         self.fingerprint_bounds: dict[str, tuple[Tensor, Tensor] | None] = {}
+        # Parameters with an indexed form (an embedding's): their ``.grad`` may be sparse, or
+        # a sparse sum added into a dense one entry by entry (``steps._unseen_uses``)
+        self.fingerprint_indexed: set[str] = set()
         self.recorder = CallRecorder(plan.covered)
         self.reasons: dict[str, str] = {**plan.static_reasons(), **(excluded or {})}
         # per-example squared norms computed so far (``sq_norms`` norms the held rest when read)
@@ -289,7 +292,10 @@ class HooksPass:
         rule gives at no extra cost: autograd is asked for the call's output gradient instead,
         so a backward that needs nothing below the call (a first layer) skips it."""
         own = call.entry.own_sums
-        if (own is None or len(call.outputs) != 1 or call.outputs[0].node is None
+        # a call broadcast over the examples reads its per-example gradients off the
+        # broadcast's, by prehooks on nodes that a captured backward does not run
+        if (own is None or call.key in self._broadcasts or len(call.outputs) != 1
+                or call.outputs[0].node is None
                 or not isinstance(call.main_input, Tensor)):
             return
         claims = self.plan.claims[call.prefix]
@@ -631,6 +637,8 @@ class HooksPass:
             a, b = self.fingerprint_vectors[name]
             value = project(form, a, b)
             self.fingerprints[name] = self.fingerprints.get(name, 0) + value
+            if isinstance(form, Outer) and form.indexed:
+                self.fingerprint_indexed.add(name)
             bound, held = project_bound(form, a, b), self.fingerprint_bounds.get(name, (0, 0))
             self.fingerprint_bounds[name] = None if bound is None or held is None else (
                 held[0] + bound[0], held[1] + bound[0] * bound[1])
@@ -745,28 +753,42 @@ def _rounded(value: Any, dtype: torch.dtype) -> Any:
 # random vectors is small by chance shows on another (with 1, a regulariser of 10 % of the
 # step's gradient passed 2 in 10 times on a sequence model's Linear)
 FINGERPRINTS = 4
+# And as many single entries (a = e_i, b = e_j): a dense unit pair's bound, Σ|a|ᵀ|term||b|,
+# is about √numel times the projection it bounds (the terms' signs cancel in the sum, not in
+# the bound), so on a 256 × 256 layer a regulariser of 10 % of the step's gradient passed it;
+# an entry's bound Σ_t |u_ti||v_tj| is on the entry's own scale
+# (tests/unit/test_watch_bound_review.py)
+COORDINATES = 4
 
 
 def draw_fingerprint_vectors(params: dict[str, nn.Parameter]) -> dict[str, tuple[Tensor, Tensor]]:
-    """For each parameter p, fixed random unit vectors a_k (rows) and b_k (columns) for p
-    viewed as a matrix (rows = its first dimension), ``FINGERPRINTS`` of each as the columns
-    of a and b; a local generator leaves the global RNG alone."""
+    """For each parameter p, viewed as a matrix (rows = its first dimension), ``FINGERPRINTS``
+    fixed random unit vectors a_k (rows) and b_k (columns), then ``COORDINATES`` fixed random
+    unit coordinate vectors, as the columns of a and b; a local generator leaves the global
+    RNG alone."""
     return {name: _draw_fingerprint_vectors(p) for name, p in params.items()}
 
 
 def _draw_fingerprint_vectors(p: Tensor) -> tuple[Tensor, Tensor]:
     rows = p.shape[0] if p.dim() else 1
+    cols = p.numel() // rows
     generator = torch.Generator(device=p.device).manual_seed(p.numel())
-    a = torch.randn(rows, FINGERPRINTS, generator=generator, device=p.device, dtype=p.dtype)
-    b = torch.randn(p.numel() // rows, FINGERPRINTS, generator=generator, device=p.device,
-                    dtype=p.dtype)
-    return a / torch.linalg.vector_norm(a, dim=0), b / torch.linalg.vector_norm(b, dim=0)
+    dtype = norm_dtype(p.dtype)  # the rules' forms are float32 for a low-precision model
+    a = torch.randn(rows, FINGERPRINTS, generator=generator, device=p.device, dtype=dtype)
+    b = torch.randn(cols, FINGERPRINTS, generator=generator, device=p.device, dtype=dtype)
+    a, b = a / torch.linalg.vector_norm(a, dim=0), b / torch.linalg.vector_norm(b, dim=0)
+    entries = [torch.randint(size, (1, COORDINATES), generator=generator, device=p.device)
+               for size in (rows, cols)]
+    a_e, b_e = (torch.zeros(size, COORDINATES, device=p.device, dtype=dtype).scatter_(
+        0, index, 1.0) for size, index in zip((rows, cols), entries, strict=True))
+    return torch.cat([a, a_e], dim=1), torch.cat([b, b_e], dim=1)
 
 
 def fingerprint_of(grad: Tensor, vectors: tuple[Tensor, Tensor]) -> Tensor:
     """a_kᵀ grad b_k for each column k (``forms.project`` of a materialised gradient)."""
     a, b = vectors
-    return ((a.T @ grad.reshape(a.shape[0], b.shape[0])) * b.T).sum(dim=1)
+    grad = grad.reshape(a.shape[0], b.shape[0]).to(a.dtype)  # a bfloat16 .grad: widened, exact
+    return ((a.T @ grad) * b.T).sum(dim=1)
 
 
 @dataclass

@@ -306,7 +306,8 @@ def _unseen_uses(run: HooksPass, delta: dict[str, Tensor], before: dict[str, Ten
     rounding that bound allows, at the projection's own scale (~1/√numel of the norms'), at
     which a regulariser on a layer's weights shows (tests/unit/test_watch_rounding_floor.py).
     Where ``.grad`` held a sum already (accumulation), its addition and the subtraction
-    that reads the change round by ≤ ε(‖before‖ + ‖after‖) more."""
+    that reads the change round by ≤ ε(|a|ᵀ|before||b| + |a|ᵀ|Δ||b|) more (``_accumulated``),
+    an embedding's (a sparse ``.grad``) by ≤ ε(‖before‖ + ‖after‖)."""
     names = [k for k in run.fingerprints if k not in run.totals]
     if not names:
         return {}
@@ -327,11 +328,31 @@ def _unseen_uses(run: HooksPass, delta: dict[str, Tensor], before: dict[str, Ten
         sums = torch.stack(torch._foreach_norm(held, 2, dtype=torch.float64)) * 2 + scale[
             bounded].double()
         eps = torch.tensor([torch.finfo(delta[k].dtype).eps for k in keys], dtype=torch.float64)
-        tight = _rounding(precision, terms, chains) + (4 * eps * sums).unsqueeze(1)
+        held_round = (4 * eps * sums).unsqueeze(1).expand_as(terms).clone()
+        for row, k in enumerate(keys):
+            if k not in run.fingerprint_indexed:
+                held_round[row] = _accumulated(before.get(k), delta[k], run.fingerprint_vectors[k])
+        tight = _rounding(precision, terms, chains) + held_round
         allowed[bounded] = torch.minimum(allowed[bounded], tight.to(allowed.dtype))
     bad = ((ours - seen).abs() > allowed + 1e-30).any(dim=1).tolist()
     return {k: "its gradient includes uses outside the model's layers (a regulariser in the loss?)"
             for k, wrong in zip(names, bad, strict=True) if wrong}
+
+
+def _accumulated(before: Tensor | None, delta: Tensor, vectors: tuple[Tensor, Tensor]) -> Tensor:
+    """What accumulation can move a dense ``.grad``'s fingerprints by: ``.grad += g`` and
+    Δ = after − before round each entry by ≤ 1 unit of |before + g| and of |Δ|, so the
+    projections on a, b by ≤ ε(|a|ᵀ|before||b| + |a|ᵀ|Δ||b|) with a margin (ε = 2 units;
+    a ``.grad`` that was None takes g as it is): on the fingerprints' own scale, where
+    ε·‖before‖ is √numel times larger and let a regulariser through once many micro-batches
+    had accumulated. Not for an embedding's (``HooksPass.fingerprint_indexed``): a sparse
+    gradient's entries are added one at a time onto before, or reordered when a sparse
+    ``.grad`` is made dense."""
+    absolute = (vectors[0].abs(), vectors[1].abs())
+    held = fingerprint_of(delta.abs(), absolute)
+    if before is not None:
+        held = held + fingerprint_of(before.abs(), absolute)
+    return 2 * torch.finfo(delta.dtype).eps * held.double()
 
 
 def _rounding(precision: torch.dtype, terms: Tensor, chains: Tensor) -> Tensor:
@@ -342,12 +363,29 @@ def _rounding(precision: torch.dtype, terms: Tensor, chains: Tensor) -> Tensor:
     (``torch.set_float32_matmul_precision``), round each operand to 10 bits or fewer: their
     rtol."""
     rtol = tolerance(precision)
-    if precision == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+    if precision == torch.float32 and _float32_products_lowered():
         return tolerance(torch.bfloat16) * terms
     if precision not in (torch.float32, torch.float64):
         return rtol * terms
     unit = torch.finfo(precision).eps  # 2 units of rounding
     return torch.minimum(unit * chains, rtol * terms)
+
+
+def _float32_products_lowered() -> bool:
+    """Whether float32 matrix products may round their operands to TensorFloat-32 or
+    bfloat16: ``torch.set_float32_matmul_precision``, or the per-backend settings of
+    torch ≥ 2.9 (``torch.backends.{cuda,mkldnn}.matmul.fp32_precision``, and the generic
+    ``torch.backends.fp32_precision`` they inherit), after which the legacy read raises
+    (tests/unit/test_watch_bound_review.py: oneDNN's "bf16" rounds a CPU's float32 Linear
+    at 3e-3)."""
+    try:
+        if torch.get_float32_matmul_precision() != "highest":
+            return True
+    except RuntimeError:  # "a mix of the legacy and new APIs": the backends' own say
+        pass
+    backends = [getattr(getattr(torch.backends, name, None), "matmul", None)
+                for name in ("cuda", "mkldnn")]
+    return any(getattr(b, "fp32_precision", "ieee") in ("tf32", "bf16") for b in backends)
 
 
 def step_norm(delta: dict[str, Tensor]) -> Tensor:
