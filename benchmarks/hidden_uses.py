@@ -25,7 +25,7 @@ from batchbound.diversity import OnlineDiversity, measure, watch
 from batchbound.errors import BatchboundError
 
 N = 16
-SIZES = (0.001, 0.003, 0.01, 0.03, 0.1)
+SIZES = (0.0001, 0.0003, 0.001, 0.01, 0.1)
 
 
 class Branch(nn.Module):

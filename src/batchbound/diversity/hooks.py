@@ -757,7 +757,7 @@ FINGERPRINTS = 4
 # is about √numel times the projection it bounds (the terms' signs cancel in the sum, not in
 # the bound), so on a 256 × 256 layer a regulariser of 10 % of the step's gradient passed it;
 # an entry's bound Σ_t |u_ti||v_tj| is on the entry's own scale
-# (tests/unit/test_watch_bound_review.py)
+# (tests/unit/test_watch_fingerprints.py)
 COORDINATES = 4
 
 

@@ -376,7 +376,7 @@ def _float32_products_lowered() -> bool:
     bfloat16: ``torch.set_float32_matmul_precision``, or the per-backend settings of
     torch ≥ 2.9 (``torch.backends.{cuda,mkldnn}.matmul.fp32_precision``, and the generic
     ``torch.backends.fp32_precision`` they inherit), after which the legacy read raises
-    (tests/unit/test_watch_bound_review.py: oneDNN's "bf16" rounds a CPU's float32 Linear
+    (tests/unit/test_watch_fingerprints.py: oneDNN's "bf16" rounds a CPU's float32 Linear
     at 3e-3)."""
     try:
         if torch.get_float32_matmul_precision() != "highest":

@@ -309,7 +309,8 @@ ONEDNN_BF16 = NEW_API.replace('torch.backends.cuda.matmul.fp32_precision = "tf32
                                   "<= 1e-3 *", "<= 5e-2 *")
 
 
-@pytest.mark.xfail(strict=True, reason="known, not fixed: oneDNN's bfloat16 passes for float32 "
+# not strict: whether oneDNN rounds to bfloat16 depends on the processor (AMX, AVX512-BF16)
+@pytest.mark.xfail(strict=False, reason="known, not fixed: oneDNN's bfloat16 passes for float32 "
                    "products are no dtype, so the precision watch() reads stays float32 and the "
                    "self-check, a batch of 1 beside a batch at float32's 1e-3, refuses the model "
                    "as 'the examples interact'")
