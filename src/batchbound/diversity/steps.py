@@ -323,15 +323,11 @@ def _unseen_uses(run: HooksPass, delta: dict[str, Tensor], before: dict[str, Ten
         keys = [names[i] for i in bounded]
         terms, chains = (torch.stack([torch.as_tensor(run.fingerprint_bounds[k][j])  # type: ignore[index]
                                       for k in keys]).double() for j in (0, 1))
-        held = [before[k] if before.get(k) is not None else delta[k].new_zeros(())
-                for k in keys]
-        sums = torch.stack(torch._foreach_norm(held, 2, dtype=torch.float64)) * 2 + scale[
-            bounded].double()
-        eps = torch.tensor([torch.finfo(delta[k].dtype).eps for k in keys], dtype=torch.float64)
-        held_round = (4 * eps * sums).unsqueeze(1).expand_as(terms).clone()
-        for row, k in enumerate(keys):
-            if k not in run.fingerprint_indexed:
-                held_round[row] = _accumulated(before.get(k), delta[k], run.fingerprint_vectors[k])
+        held_round = torch.stack([
+            _accumulated(before.get(k), delta[k], run.fingerprint_vectors[k])
+            if k not in run.fingerprint_indexed
+            else _accumulated_sparse(before.get(k), delta[k], scale[i]).expand(terms.shape[1])
+            for i, k in zip(bounded, keys, strict=True)])
         tight = _rounding(precision, terms, chains) + held_round
         allowed[bounded] = torch.minimum(allowed[bounded], tight.to(allowed.dtype))
     bad = ((ours - seen).abs() > allowed + 1e-30).any(dim=1).tolist()
@@ -353,6 +349,14 @@ def _accumulated(before: Tensor | None, delta: Tensor, vectors: tuple[Tensor, Te
     if before is not None:
         held = held + fingerprint_of(before.abs(), absolute)
     return 2 * torch.finfo(delta.dtype).eps * held.double()
+
+
+def _accumulated_sparse(before: Tensor | None, delta: Tensor, scale: Tensor) -> Tensor:
+    """An embedding's allowance for accumulation (``_accumulated``'s exception): its entries
+    added onto ``before`` one at a time, or reordered when a sparse ``.grad`` is made dense,
+    round by ≤ 2ε(‖before‖ + ‖after‖), with ‖after‖ ≤ ‖before‖ + ‖Δ‖ ≤ ‖before‖ + ``scale``."""
+    held = 0.0 if before is None else float(torch.linalg.vector_norm(before, dtype=torch.float64))
+    return 4 * torch.finfo(delta.dtype).eps * (2 * held + scale.double())
 
 
 def _rounding(precision: torch.dtype, terms: Tensor, chains: Tensor) -> Tensor:
