@@ -112,6 +112,10 @@ CASES["mnist1d-cnn1d-momentum"] = dict(dataset="mnist1d", model="cnn1d()", b0=32
 CASES["fashion-fc-momentum"] = dict(dataset="fashion-mnist", model="fc(depth=2,params=100000)",
                                     b0=64, lr=0.01, momentum=0.9, epochs=2,
                                     batches=(256, 1024, 4096), eval_subset=5000)
+# held out from momentum's rate (iterations.lr_scale: B_lo × (1 + μ)), written down before their
+# first run: another μ (the same effective step η/(1 − μ) = 0.1), and the SGD GPT with momentum
+CASES["mnist5k-fc-momentum-0.5"] = {**CASES["mnist5k-fc-momentum"], "lr": 0.05, "momentum": 0.5}
+CASES["fortunes-gpt-momentum"] = {**CASES["fortunes-gpt"], "lr": 0.0003, "momentum": 0.9}
 OPTIMISER_KEYS = ("optimizer", "betas", "momentum", "weight_decay")
 HALF_WINDOW = 4  # a crossing is read on the centred mean of 9 evaluations
 

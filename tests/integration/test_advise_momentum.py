@@ -26,7 +26,9 @@ def test_momentum_is_kept_and_the_effective_step_said() -> None:
     assert "counted from 9 steps in" in out["assumptions"]
     assert "η/(1 − μ) (= 0.1 at B0)" in out["assumptions"]
     for row in advice.rows:  # the rule scales η; μ stays, so η/(1 − μ) scales the same
-        assert row.lr == pytest.approx(0.01 * lr_scale("noise", row.batch_size, advice.source))
+        assert row.lr == pytest.approx(
+            0.01 * lr_scale("noise", row.batch_size, advice.source, momentum=0.9))
+    assert "B_lo taken (1 + μ) times over" in out["assumptions"]
     plain = advise(CONFIG.replace(momentum=0.0), planned_epochs=4, max_workers=1,
                    critical_batch="noise").to_dict()
     assert plain["momentum"] == 0.0 and "momentum μ" not in plain["assumptions"]

@@ -72,6 +72,22 @@ def test_noise_rule_rate_approaches_linear_scaling_for_small_batches() -> None:
     assert lr_scale("noise", 10**7, pilot) == pytest.approx(1 + 1000 / 4, rel=0.01)
 
 
+def test_momentum_raises_the_noise_rules_noise_free_limit_by_one_plus_mu() -> None:
+    # heavy ball is stable for η·λ < 2(1 + μ), SGD for η·λ < 2; where noise limits the rate
+    # (B ≪ B_noise) momentum moves as SGD at η/(1 − μ), so the rule's low-B end is unchanged
+    pilot = flat_pilot(noise=100.0, b0=16)
+    for batch in (4, 64, 1024, 10**7):
+        assert lr_scale("noise", batch, pilot, momentum=0.9) == pytest.approx(
+            (1 + 190 / 16) / (1 + 190 / batch), rel=1e-12)
+        assert lr_scale("noise", batch, pilot, momentum=0.0) == lr_scale("noise", batch, pilot)
+    huge = flat_pilot(noise=1e9, b0=16)
+    assert lr_scale("noise", 64, huge, momentum=0.9) == pytest.approx(
+        lr_scale("noise", 64, huge), rel=1e-6)
+    limit = lr_scale("noise", 10**12, pilot, momentum=0.9) / lr_scale("noise", 10**12, pilot)
+    assert limit == pytest.approx((1 + 190 / 16) / (1 + 100 / 16), rel=1e-6)
+    assert lr_scale("lsr", 64, pilot, momentum=0.9) == 4.0  # a named rule is the user's
+
+
 def test_a_pilot_without_a_finite_bound_is_refused() -> None:
     with pytest.raises(BatchboundError, match="finite"):
         Pilot(16, 0.1, 10, (0,), (math.inf,))

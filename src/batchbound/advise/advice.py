@@ -385,6 +385,10 @@ def advise(
     horizon = planned if planned is not None else run.iterations
     lag, lag_failed = _lag(config, parts)
     path = extrapolate(run.segments, run.iterations, horizon, config.batch_size, config.lr, lag)
+    momentum = 0.0 if adaptive else _momentum(config, parts)
+
+    def rate(batch: int) -> float:
+        return _lr(config, strategy, path.central, batch, momentum)
     log(f"pilot: {run.iterations} iterations; B_noise {run.segments[0].noise:.4g} at the "
         f"start, {run.segments[-1].noise:.4g} at its end; κ = B_noise·L = {path.kappa:.3g}")
     measured, inconclusive = None, skipped
@@ -394,7 +398,7 @@ def advise(
             points = measure(run.states, pilot_config(config, pilot_steps, estimator,
                                                       diversity_every_epochs),
                              data_set, device_, branch_plan,
-                             lambda b: _lr(config, strategy, path.central, b), parts=parts,
+                             rate, parts=parts,
                              log=log)
             measured = (points, trajectories(points, path.central, config.batch_size,
                                              config.lr, run.iterations, horizon))
@@ -404,7 +408,7 @@ def advise(
     busy = _timing_check(config, data_set, curves, others, parts, spec)
     rows = _prediction_rows(config, path, strategy, counts, n, micro_limit, curves,
                             communication, overlap, adaptive, measured[1] if measured else None,
-                            error)
+                            error, momentum)
     fewest = _fewest(path, measured[1] if measured else None)
     if busy:  # seconds not to be trusted: the answer on iterations alone, the same each time
         recommended, stop = on_iterations(rows, fewest), None
@@ -415,7 +419,7 @@ def advise(
     if with_probe:
         log("probe: branching short runs from the pilot")
         points = probe(run, pilot_config(config, pilot_steps, estimator, diversity_every_epochs),
-                       data_set, device_, lambda b: _lr(config, strategy, path.central, b),
+                       data_set, device_, rate,
                        lambda i: 1.0 + path.central.noise_scale(i), tolerance=probe_tolerance,
                        largest=micro_limit, parts=parts, log=log)
     goal = (f"the training loss the planned {planned} iterations at B0 reach" if planned
@@ -427,7 +431,6 @@ def advise(
                         "gives them more examples)" if inconclusive else
                         " (the branches need a plan: --planned-epochs or --planned-iterations)"))
     named_optimizer = config.optimizer if parts is None or parts.optimizer is None else "yours"
-    momentum = 0.0 if adaptive else _momentum(config, parts)
     optimiser_text = (f"optimizer {named_optimizer}"
                       + (" (Adam-type: the rate rule's steps taken as the tuned rate's, "
                          "S(B)/S(B0))" if adaptive else "")
@@ -435,7 +438,10 @@ def advise(
                       + (f" with momentum μ = {momentum:g}, kept at every batch: the rate "
                          f"rule scales η and with it the effective step η/(1 − μ) (= "
                          f"{config.lr / (1 - momentum):.4g} at B0), the only way the model "
-                         "sees the rate (as the ratio η(B)/η0)" if momentum else "")
+                         "sees the rate (as the ratio η(B)/η0)"
+                         + ("; the noise rule's B_lo taken (1 + μ) times over: heavy ball's "
+                            "stable rate is (1 + μ) times SGD's" if strategy == NOISE else "")
+                         if momentum else "")
                       + (f"; its start-up lag could not be measured on a scalar ({lag_failed}):"
                          " the loss trend counted from step 0" if lag_failed else ""))
     assumptions = (
@@ -685,8 +691,9 @@ def _timing_check(config: TrainConfig, data: Dataset, curves: dict[int, ComputeC
     return "; ".join(reasons) or None
 
 
-def _lr(config: TrainConfig, strategy: str, pilot: Pilot, batch: int) -> float:
-    scale = lr_scale(strategy, batch, pilot)
+def _lr(config: TrainConfig, strategy: str, pilot: Pilot, batch: int,
+        momentum: float = 0.0) -> float:
+    scale = lr_scale(strategy, batch, pilot, momentum)
     return config.lr * scale * (pilot.batch_size / batch if config.convention == "sum" else 1.0)
 
 
@@ -694,7 +701,7 @@ def _prediction_rows(config: TrainConfig, path: Trajectory, strategy: str, count
                      n: int, micro_limit: int, curves: dict[int, ComputeCurve],
                      communication: dict[int, float], overlap: str, adaptive: bool = False,
                      measured: tuple[Pilot, Pilot, Pilot] | None = None,
-                     error: ModelError | None = None) -> list[Row]:
+                     error: ModelError | None = None, momentum: float = 0.0) -> list[Row]:
     """Every candidate (P, B) with its iterations, interval and seconds (see answer.py).
     An Adam-type optimiser's steps follow the tuned-rate relation whatever its rate rule
     (the SGD quadratic's penalty does not describe Adam); ``measured``: the branches'
@@ -703,7 +710,7 @@ def _prediction_rows(config: TrainConfig, path: Trajectory, strategy: str, count
     model = "noise" if adaptive else strategy
 
     def from_noise(batch: int) -> tuple[float, tuple[float, float]]:
-        scale = lr_scale(strategy, batch, path.central)
+        scale = lr_scale(strategy, batch, path.central, momentum)
         ends = [predict_iterations(p, batch, model, scale) for p in (path.high, path.low)]
         return predict_iterations(path.central, batch, model, scale), (min(ends), max(ends))
 
@@ -728,7 +735,7 @@ def _prediction_rows(config: TrainConfig, path: Trajectory, strategy: str, count
     for workers in counts:
         rows += candidate_rows(workers, n, micro_limit, curves[workers], communication[workers],
                                overlap, iterations, lambda b: _lr(config, strategy,
-                                                                  path.central, b),
+                                                                  path.central, b, momentum),
                                interval, spread)
     for row in rows:
         beside = both(row.batch_size)

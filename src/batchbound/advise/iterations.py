@@ -116,12 +116,16 @@ class Pilot:
         return 1.0 + _in_order(self.noise_scales()) / self.iterations
 
 
-def lr_scale(strategy: str, batch_size: int, pilot: Pilot) -> float:
-    """s(B): the rate at B is s(B)·η0 (see the module docstring)."""
+def lr_scale(strategy: str, batch_size: int, pilot: Pilot, momentum: float = 0.0) -> float:
+    """s(B): the rate at B is s(B)·η0 (see the module docstring). With heavy-ball momentum μ
+    the ``noise`` rule's noise-free limit is (1 + μ) times SGD's: on a quadratic, heavy ball
+    is stable for η·λ < 2(1 + μ) where SGD needs η·λ < 2, while where noise limits the rate
+    (B ≪ B_noise) momentum moves as SGD at η/(1 − μ) and the rule is unchanged:
+    s = (1 + c·B_lo/B0)/(1 + c·B_lo/B), c = 1 + μ (docs/advise.md, "Momentum's rate")."""
     rule = lr_rule(strategy, "strategy", extra=(NOISE,))
     if rule is not None:
         return rule.scale(batch_size / pilot.batch_size)
-    low = pilot.lowest_noise_scale()
+    low = (1.0 + momentum) * pilot.lowest_noise_scale()
     return (1.0 + low / pilot.batch_size) / (1.0 + low / batch_size)
 
 

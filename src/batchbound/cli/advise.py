@@ -109,7 +109,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--strategy", choices=strategies(), default=None,
                         help="the learning rate at batch B: noise (default for sgd) "
                         "η0·(1+B_lo/B0)/(1+B_lo/B), B_lo the pilot's lowest noise scale "
-                        f"n·Δ−1; {rules_help()} (srsr is the default for --optimizer adamw "
+                        "n·Δ−1 (times 1 + μ with SGD momentum μ); "
+                        f"{rules_help()} (srsr is the default for --optimizer adamw "
                         "and adam). With --from-study: which of the study's "
                         "strategies to read (needed when it ran several)")
     parser.add_argument("--max-workers", "-P", type=int,
