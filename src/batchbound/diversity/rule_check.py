@@ -40,6 +40,7 @@ from batchbound.diversity.hooks import (
 from batchbound.diversity.losses import PerExampleLoss
 from batchbound.diversity.precision import autocast_dtypes, lowest
 from batchbound.diversity.stats import eval_mode, gradients
+from batchbound.errors import BatchboundError
 
 PROBE_SIZES = (2, 3)
 INTERACTING = (
@@ -71,6 +72,34 @@ def rng_kept(params: dict[str, nn.Parameter]) -> Iterator[None]:
     devices = sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):
         yield
+
+
+def fixed_outputs(model: nn.Module, x: Tensor, params: dict[str, nn.Parameter]
+                  ) -> frozenset[int]:
+    """Positions (in ``flatten``'s order of the tensor outputs) of the outputs whose shape is
+    the same at 2 and at 3 examples: they hold no dimension of the examples, whatever their
+    size (a load per expert of n experts, a statistic per head of n heads), so a loss that
+    reads them reads the batch's quantity. Two small forward passes without autograd, the
+    random state and the buffers kept."""
+    shapes = []
+    with torch.no_grad(), rng_kept(params), buffers_kept(model):
+        for count in PROBE_SIZES:
+            try:
+                outputs = call_model(model, examples(x, count))
+            except Exception as exc:  # any: the user's model, named in one line
+                said = " ".join(str(exc).split())
+                raise BatchboundError(
+                    f"the model raised on {count} examples ({type(exc).__name__}: {said}); "
+                    "which of its outputs hold the examples is read by running it at 2 and 3 "
+                    "examples: let it run on any number of examples") from exc
+            shapes.append([tuple(t.shape) for t in flatten(outputs) if isinstance(t, Tensor)])
+    small, large = shapes
+    if len(small) != len(large):
+        raise BatchboundError(f"the model returns {len(small)} tensors at {PROBE_SIZES[0]} "
+                              f"examples and {len(large)} at {PROBE_SIZES[1]}: which of its "
+                              "outputs hold the examples cannot be read; return the same "
+                              "outputs whatever the number of examples")
+    return frozenset(k for k, (s, t) in enumerate(zip(small, large, strict=True)) if s == t)
 
 
 def probe_layout(
@@ -200,6 +229,7 @@ def self_check(
     params: dict[str, nn.Parameter],
     layout: Layout,
     excluded: dict[str, str],
+    fixed: frozenset[int] = frozenset(),
 ) -> dict[str, str]:
     """For a model in train mode: the rules on a batch of up to 8 of the chunk's examples,
     spread over it, beside the per-example loop on each (see ``disagreements``). In train
@@ -213,7 +243,8 @@ def self_check(
     with buffers_kept(model), rng_kept(params):
         mode = nullcontext() if deterministic(model, xs) else eval_mode(model)
         with mode:
-            fast = hooks_stats(model, xs, ys, loss_fn, plan, params, layout, excluded=excluded)
+            fast = hooks_stats(model, xs, ys, loss_fn, plan, params, layout, excluded=excluded,
+                               fixed=fixed)
             slow_sq, _, slow_losses = loop_sq_norms(model, xs, ys, loss_fn, list(params),
                                                     sums=False)
     # The tolerance of the precision the forward actually ran in (autocast: bfloat16), and
@@ -222,8 +253,10 @@ def self_check(
     return disagreements(fast.sq_norms, fast.losses, slow_sq, slow_losses, precision)
 
 
-def coupling_outputs(model: nn.Module, x: Tensor) -> dict[int, tuple[int, ...]]:
-    """The model's floating outputs with no dimension of the examples whose value on a few
+def coupling_outputs(model: nn.Module, x: Tensor, fixed: frozenset[int] = frozenset()
+                     ) -> dict[int, tuple[int, ...]]:
+    """The model's floating outputs with no dimension of the examples (``fixed``, see
+    ``fixed_outputs``, and those without the check's count) whose value on a few
     examples is neither the sum nor the mean of its values on each example alone (output
     position in ``flatten``'s order -> shape): a quantity of the batch, as a mixture of
     experts' load-balancing loss, that couples the examples when a loss backpropagates
@@ -243,7 +276,7 @@ def coupling_outputs(model: nn.Module, x: Tensor) -> dict[int, tuple[int, ...]]:
         with mode:
             whole = leaves(xs)
             batchless = {k: t for k, t in enumerate(whole) if t.is_floating_point()
-                         and size not in t.shape}  # (T, n, V) holds the examples
+                         and (size not in t.shape or k in fixed)}  # (T, n, V) holds them
             if not batchless:
                 return {}
             alone = [leaves(xs[i : i + 1]) for i in range(size)]
