@@ -236,9 +236,7 @@ def self_check(
     mode when the model is deterministic there (so a layer that mixes the batch in training
     shows), else in eval mode (dropout masks cannot be replayed one example at a time). The model's
     buffers are restored after."""
-    count = min(8, x.shape[0])
-    rows = torch.linspace(0, x.shape[0] - 1, count).round().long().unique()
-    size = max(3, rows.numel())
+    rows, size = spread_rows(x.shape[0])
     xs, ys = examples(x[rows], size), examples(y[rows], size)
     with buffers_kept(model), rng_kept(params):
         mode = nullcontext() if deterministic(model, xs) else eval_mode(model)
@@ -253,6 +251,48 @@ def self_check(
     return disagreements(fast.sq_norms, fast.losses, slow_sq, slow_losses, precision)
 
 
+def spread_rows(n: int) -> tuple[Tensor, int]:
+    """The checks' rows: up to 8 spread over the ``n`` examples, and the checks' batch size
+    (at least 3: ``examples`` repeats them)."""
+    rows = torch.linspace(0, n - 1, min(8, n)).round().long().unique()
+    return rows, max(3, rows.numel())
+
+
+def padded_output(model: nn.Module, x: Tensor, fixed: frozenset[int] = frozenset()
+                  ) -> str | None:
+    """Why the check's batch and its examples alone differ, where an output holding the
+    examples along dimension 0 has other dimensions on the batch than on an example alone:
+    padded to the batch's longest example (``pad_packed_sequence`` without
+    ``total_length``), its padding then holds values that no example alone has. None when
+    every such output keeps its other dimensions."""
+    rows, size = spread_rows(x.shape[0])
+    xs = examples(x[rows], size)
+
+    def shapes(inputs: Tensor) -> list[tuple[int, ...]]:
+        return [tuple(t.shape) for t in flatten(call_model(model, inputs))
+                if isinstance(t, Tensor)]
+
+    with torch.no_grad(), buffers_kept(model), torch.random.fork_rng(devices=[]):
+        mode = nullcontext() if deterministic(model, xs) else eval_mode(model)
+        with mode:
+            whole = shapes(xs)
+            alone = [shapes(xs[i : i + 1]) for i in range(size)]
+    for k, s in enumerate(whole):
+        if k in fixed or not s or s[0] != size:
+            continue
+        for a in alone:
+            if k < len(a) and len(a[k]) == len(s) and a[k][1:] != s[1:]:
+                dims = [d for d in range(1, len(s)) if a[k][d] != s[d]]
+                return (f"output {k} of the model has shape {s} on {size} examples but {a[k]} "
+                        f"on one of them alone: its dimension {dims[0]} follows the batch (a "
+                        "padding to the batch's longest example, as pad_packed_sequence "
+                        "without total_length pads), so watch cannot compare an example alone "
+                        "with the batch; pad to a length that does not depend on the batch "
+                        "(pad_packed_sequence(..., total_length=...)), or use measure(), whose "
+                        "check reads the loss itself")
+    return None
+
+
 def coupling_outputs(model: nn.Module, x: Tensor, fixed: frozenset[int] = frozenset()
                      ) -> dict[int, tuple[int, ...]]:
     """The model's floating outputs with no dimension of the examples (``fixed``, see
@@ -263,9 +303,7 @@ def coupling_outputs(model: nn.Module, x: Tensor, fixed: frozenset[int] = frozen
     through it. A sum or mean of the examples' own (a Hugging Face model's mean loss over
     equally long sequences) is not one. Deterministic forward passes (eval mode where
     dropout draws), the buffers and the random state kept."""
-    count = min(8, x.shape[0])
-    rows = torch.linspace(0, x.shape[0] - 1, count).round().long().unique()
-    size = max(3, rows.numel())
+    rows, size = spread_rows(x.shape[0])
     xs = examples(x[rows], size)
 
     def leaves(inputs: Tensor) -> list[Tensor]:

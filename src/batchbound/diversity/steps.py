@@ -53,6 +53,7 @@ from batchbound.diversity.rule_check import (
     coupling_outputs,
     deterministic,
     fixed_outputs,
+    padded_output,
     probe_layout,
     rng_kept,
     self_check,
@@ -541,8 +542,8 @@ class _Watched:
         fixed = fixed_outputs(self.model, x, self.params)
         reasons = self_check(self.model, x, y, functools.partial(_stand_in_loss, fixed=fixed),
                              self.plan, self.params, layout, self.plan.static_reasons(), fixed)
-        if INTERACTING in reasons.values():
-            raise BatchboundError(f"watch(): {COUPLED}")
+        if INTERACTING in reasons.values():  # or a padding that follows the batch, named
+            raise BatchboundError(f"watch(): {padded_output(self.model, x, fixed) or COUPLED}")
         self.planned.checked = reasons
         # the stand-in reads the outputs with the examples' axis only: the others apart
         self.planned.coupling = coupling_outputs(self.model, x, fixed)
