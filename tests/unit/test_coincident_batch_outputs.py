@@ -131,3 +131,46 @@ def test_watch_refuses_the_loads_in_the_loss_naming_them() -> None:
         added(model(x), y).mean().backward()
     refused_naming_the_output(info)
     assert str(info.value).startswith("watch(): ")
+
+
+class PerClass(nn.Module):
+    """A learned temperature per class, returned beside the logits: E classes, a batch of E.
+    Of the parameters alone, so it couples no examples, but its rows are no examples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.out = nn.Linear(6, E)
+        self.log_t = nn.Parameter(0.1 * torch.randn(E))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.out(x), self.log_t.exp()
+
+
+def per_class(out, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out[0] / out[1], y, reduction="none")
+
+
+def test_a_temperature_per_class_is_measured_and_watch_refuses_its_rows() -> None:
+    """watch's fallback reads the gradient on row i of each output as example i's: read off
+    this output, whose E rows are classes, it would have been wrong; refused."""
+    x, y = data()
+    model = PerClass().double()
+    params = list(model.parameters())
+    losses = per_class(model(x), y)
+    S, total = 0.0, [torch.zeros_like(p) for p in params]
+    for i in range(E):
+        for t, g in zip(total, torch.autograd.grad(losses[i], params, retain_graph=True),
+                        strict=True):
+            t += g
+            S += float(g.square().sum())
+    T = float(sum(t.square().sum() for t in total))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = measure(model, (x, y), per_class, chunk_size=E)
+        got_s, got_t = report.S, report.T
+        assert got_s == pytest.approx(S, rel=1e-10)
+        assert got_t == pytest.approx(T, rel=1e-10)
+        with pytest.raises(BatchboundError) as info, watch(model, OnlineDiversity(10)):
+            per_class(model(x), y).mean().backward()
+    assert f"output 1 of the model, shape ({E},), receives a gradient" in str(info.value)

@@ -22,9 +22,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchbound.diversity.calls import call_model, flatten
 from batchbound.diversity.engines import loop_sq_norms
@@ -33,6 +35,7 @@ from batchbound.diversity.hooks import (
     HookPlan,
     HooksPass,
     Layout,
+    OutputKinds,
     ProbeShapes,
     hooks_stats,
     output_sum,
@@ -74,32 +77,80 @@ def rng_kept(params: dict[str, nn.Parameter]) -> Iterator[None]:
         yield
 
 
-def fixed_outputs(model: nn.Module, x: Tensor, params: dict[str, nn.Parameter]
-                  ) -> frozenset[int]:
-    """Positions (in ``flatten``'s order of the tensor outputs) of the outputs whose shape is
-    the same at 2 and at 3 examples: they hold no dimension of the examples, whatever their
-    size (a load per expert of n experts, a statistic per head of n heads), so a loss that
-    reads them reads the batch's quantity. Two small forward passes without autograd, the
-    random state and the buffers kept."""
-    shapes = []
+class _OfParameters(TorchDispatchMode):
+    """Follows one forward pass's data flow through its ATen operations: a tensor is of the
+    parameters alone when its storage is a parameter's or a buffer's, or an operation wrote
+    it from such tensors only (a factory, ``arange``, from none). Anything else (the examples,
+    a tensor made where no operation shows, as ``from_numpy``) is not, nor is what an
+    operation writes from it. A value read on the host from such a tensor (``.item()``, a
+    branch on it) could reach any later tensor unseen, so then nothing is (``host``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.clean = {_storage(t) for t in (*model.parameters(), *model.buffers())}
+        self.host = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = [t for t in flatten((args, kwargs)) if isinstance(t, Tensor)]
+        leaves = flatten(out)
+        written = [t for t in leaves if isinstance(t, Tensor)]
+        if not self.host and all(_storage(t) in self.clean for t in inputs):
+            self.clean.update(_storage(t) for t in written)
+        else:
+            self.host |= any(not isinstance(t, Tensor) and t is not None for t in leaves)
+            if func._schema.is_mutable:  # in place, also into an argument it does not return
+                written += inputs
+            self.clean.difference_update(_storage(t) for t in written)
+        return out
+
+    def alone(self, t: Tensor) -> bool:
+        return not self.host and _storage(t) in self.clean
+
+
+def _storage(t: Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # sparse: no storage, marked by the tensor
+        return id(t)
+
+
+def output_kinds(model: nn.Module, x: Tensor, params: dict[str, nn.Parameter]) -> OutputKinds:
+    """Which outputs hold no dimension of the examples: those whose shape is the same at 2
+    and at 3 examples, whatever their size (a load per expert of n experts, a statistic per
+    head of n heads, at a batch of n), so a loss that reads them reads the batch's quantity;
+    and of those, the ones of the parameters alone (a learned temperature): computed from
+    the parameters and buffers only (``_OfParameters``), and the same at 2 and 3 examples
+    (not ``temperature * n``). Two small forward passes without autograd, the random state and
+    the buffers kept."""
+    shapes, alone = [], []
     with torch.no_grad(), rng_kept(params), buffers_kept(model):
         for count in PROBE_SIZES:
+            flow = _OfParameters(model)
             try:
-                outputs = call_model(model, examples(x, count))
+                with flow:
+                    outputs = [t for t in flatten(call_model(model, examples(x, count)))
+                               if isinstance(t, Tensor)]
             except Exception as exc:  # any: the user's model, named in one line
                 said = " ".join(str(exc).split())
                 raise BatchboundError(
                     f"the model raised on {count} examples ({type(exc).__name__}: {said}); "
                     "which of its outputs hold the examples is read by running it at 2 and 3 "
                     "examples: let it run on any number of examples") from exc
-            shapes.append([tuple(t.shape) for t in flatten(outputs) if isinstance(t, Tensor)])
+            shapes.append([tuple(t.shape) for t in outputs])
+            alone.append([t if flow.alone(t) else None for t in outputs])
     small, large = shapes
     if len(small) != len(large):
         raise BatchboundError(f"the model returns {len(small)} tensors at {PROBE_SIZES[0]} "
                               f"examples and {len(large)} at {PROBE_SIZES[1]}: which of its "
                               "outputs hold the examples cannot be read; return the same "
                               "outputs whatever the number of examples")
-    return frozenset(k for k, (s, t) in enumerate(zip(small, large, strict=True)) if s == t)
+    fixed = frozenset(k for k, (s, t) in enumerate(zip(small, large, strict=True)) if s == t)
+    parameters = frozenset(k for k in fixed if alone[0][k] is not None
+                           and alone[1][k] is not None
+                           and torch.equal(alone[0][k], alone[1][k]))  # type: ignore[arg-type]
+    return OutputKinds(fixed, parameters)
 
 
 def probe_layout(
@@ -229,7 +280,7 @@ def self_check(
     params: dict[str, nn.Parameter],
     layout: Layout,
     excluded: dict[str, str],
-    fixed: frozenset[int] = frozenset(),
+    kinds: OutputKinds | None = None,
 ) -> dict[str, str]:
     """For a model in train mode: the rules on a batch of up to 8 of the chunk's examples,
     spread over it, beside the per-example loop on each (see ``disagreements``). In train
@@ -242,7 +293,7 @@ def self_check(
         mode = nullcontext() if deterministic(model, xs) else eval_mode(model)
         with mode:
             fast = hooks_stats(model, xs, ys, loss_fn, plan, params, layout, excluded=excluded,
-                               fixed=fixed)
+                               kinds=kinds)
             slow_sq, _, slow_losses = loop_sq_norms(model, xs, ys, loss_fn, list(params),
                                                     sums=False)
     # The tolerance of the precision the forward actually ran in (autocast: bfloat16), and
@@ -296,7 +347,7 @@ def padded_output(model: nn.Module, x: Tensor, fixed: frozenset[int] = frozenset
 def coupling_outputs(model: nn.Module, x: Tensor, fixed: frozenset[int] = frozenset()
                      ) -> dict[int, tuple[int, ...]]:
     """The model's floating outputs with no dimension of the examples (``fixed``, see
-    ``fixed_outputs``, and those without the check's count) whose value on a few
+    ``output_kinds``, and those without the check's count) whose value on a few
     examples is neither the sum nor the mean of its values on each example alone (output
     position in ``flatten``'s order -> shape): a quantity of the batch, as a mixture of
     experts' load-balancing loss, that couples the examples when a loss backpropagates

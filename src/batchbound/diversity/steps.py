@@ -52,7 +52,7 @@ from batchbound.diversity.rule_check import (
     buffers_kept,
     coupling_outputs,
     deterministic,
-    fixed_outputs,
+    output_kinds,
     padded_output,
     probe_layout,
     rng_kept,
@@ -426,6 +426,7 @@ class _Planned:
     deterministic: dict[tuple[bool, ...], bool] = field(default_factory=dict)
     # Outputs without the examples' axis that are no sum or mean of the examples' own
     coupling: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    fixed: frozenset[int] = frozenset()  # outputs with no examples' axis (``output_kinds``)
 
 
 # One plan per model and subset: a loop that alternates watch(subset="all") and
@@ -539,9 +540,10 @@ class _Watched:
         Parameters whose rules disagree go to the exact fallback."""
         y = torch.zeros(x.shape[0], device=x.device)
         # n experts' loads at a batch of n: no output of the examples, whatever its size
-        fixed = fixed_outputs(self.model, x, self.params)
+        kinds = output_kinds(self.model, x, self.params)
+        fixed = self.planned.fixed = kinds.fixed
         reasons = self_check(self.model, x, y, functools.partial(_stand_in_loss, fixed=fixed),
-                             self.plan, self.params, layout, self.plan.static_reasons(), fixed)
+                             self.plan, self.params, layout, self.plan.static_reasons(), kinds)
         if INTERACTING in reasons.values():  # or a padding that follows the batch, named
             raise BatchboundError(f"watch(): {padded_output(self.model, x, fixed) or COUPLED}")
         self.planned.checked = reasons
@@ -560,7 +562,7 @@ class _Watched:
         self._loss = _LossWatch(self.run, roots)
         self._loss.__enter__()
         if self.run.reasons or self.planned.coupling:  # the outputs' gradients are needed
-            self.outputs = OutputGrads(output, self.run.n)
+            self.outputs = OutputGrads(output, self.run.n, self.planned.fixed)
             return self.outputs.output
         return None
 
@@ -705,7 +707,7 @@ def _stand_in_loss(outputs: Any, targets: Tensor, fixed: frozenset[int] = frozen
                    ) -> Tensor:
     """Per example: Σ_k ⟨output_k,i, r_k⟩ over the outputs that hold the examples along dim 0,
     for fixed random r_k (the same on every call); not the ``fixed`` outputs, whose shape
-    does not follow the number of examples (``fixed_outputs``)."""
+    does not follow the number of examples (``output_kinds``)."""
     n, total = targets.shape[0], None
     generator = torch.Generator().manual_seed(0)
     tensors = [t for t in flatten(outputs) if isinstance(t, Tensor)]
