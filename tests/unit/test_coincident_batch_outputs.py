@@ -11,7 +11,7 @@ holds the examples was decided by ``n in shape``, so it passed for one:
   "the examples interact", also when the loss leaves them out (8 experts, batches of ≥ 8).
 
 An output holds the examples when its shape follows their number: it is now read at 2 and
-at 3 examples (``rule_check.fixed_outputs``), and one whose shape stays is the batch's.
+at 3 examples (``rule_check.output_kinds``), and one whose shape stays is the batch's.
 """
 
 from __future__ import annotations
