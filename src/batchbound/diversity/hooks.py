@@ -34,7 +34,7 @@ from collections import defaultdict
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -96,6 +96,16 @@ class CallLayout:
 
 
 Layout = dict[tuple[str, int], CallLayout]
+
+
+class OutputKinds(NamedTuple):
+    """The model's tensor outputs (positions in ``flatten``'s order) whose shape is the same
+    at 2 and at 3 examples (``fixed``: no dimension of the examples, whatever their size),
+    and of those, the ones computed from the parameters alone (``parameters``: a learned
+    temperature), from ``rule_check.output_kinds``."""
+
+    fixed: frozenset[int] = frozenset()
+    parameters: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -813,12 +823,13 @@ def hooks_stats(
     excluded: dict[str, str] | None = None,
     offset: int = 0,
     into: dict[str, Tensor] | None = None,
+    kinds: OutputKinds | None = None,
 ) -> HooksResult:
     """One chunk through the hooks engine. ``layout`` comes from ``rule_check.py``; ``excluded``
     parameters are left to the caller from the start (with their reasons). ``into``: running
     sums (each parameter's shape, ``norm_dtype``, contiguous) that the rules add the batch
     sums they compute themselves to (``own_sums``); those parameters are then left out of
-    ``grad_sum``, which holds the others as usual."""
+    ``grad_sum``, which holds the others as usual. ``kinds``: see ``check_outputs_read``."""
     n = x.shape[0]
     run = HooksPass(plan, params, layout, n, excluded)
     run.own_sums = True  # autograd is asked here, for what the rules do not sum themselves
@@ -829,7 +840,7 @@ def hooks_stats(
             losses = loss_fn(outputs, y)
         check_losses(losses, n, offset)
         total = losses.sum()
-        check_outputs_read(total, outputs, n)
+        check_outputs_read(total, outputs, n, kinds)
         run.attach([total.grad_fn], output_nodes(outputs))
         wanted = [k for k in params if k not in run.reasons and k not in run.rule_sums]
         edges = run.capture_edges()
@@ -862,24 +873,30 @@ def batch_output(k: int, shape: tuple[int, ...], n: int,
                  way_out: str = "leave it out of the per-example loss") -> str:
     """Why a loss may not read output ``k``: a quantity of the batch, not the examples'."""
     examples = f"{n} example" + ("s" if n != 1 else "")
-    return (f"the loss reads output {k} of the model, shape {shape}, which does not hold the "
-            f"{examples} along any dimension: a quantity of the whole batch computed inside the "
+    size = " at any batch size" if n in shape else ""  # n experts, by coincidence
+    return (f"the loss reads output {k} of the model, shape {shape}{size}, which does not "
+            f"hold the {examples} "
+            "along any dimension: a quantity of the whole batch computed inside the "
             "model (a mixture of experts' load-balancing auxiliary loss, a statistic of the "
-            f"batch) couples the examples, so per-example gradients do not exist; {way_out} "
-            "(an output of the parameters alone, a learned temperature, is refused alike: "
-            "apply it inside the model)")
+            f"batch) couples the examples, so per-example gradients do not exist; {way_out}")
 
 
-def check_outputs_read(total: Tensor, outputs: Any, n: int) -> None:
+def check_outputs_read(total: Tensor, outputs: Any, n: int,
+                       kinds: OutputKinds | None = None) -> None:
     """Refuse a per-example loss that reads an output with no dimension of the examples: its
     value is the batch's, so example i's loss would change with the other examples. Read on
     the loss's own graph (from ``total`` down to the model's outputs), by construction,
-    whatever the output is called."""
+    whatever the output is called. ``kinds`` (``rule_check.output_kinds``): also the outputs
+    whose shape does not follow the number of examples, with a dimension of n by coincidence
+    (n experts); not those of the parameters alone (a learned temperature), which are the
+    same for every example and couple none."""
     if n == 1:  # a batch of one has nothing to couple, and (n, 1).squeeze() is a scalar
         return
+    kinds = kinds or OutputKinds()
     leaves = [t for t in flatten(outputs) if isinstance(t, Tensor)]
     batchless = {(t.grad_fn, t.output_nr): k for k, t in enumerate(leaves)
-                 if t.grad_fn is not None and n not in t.shape}  # (T, n, V) holds them
+                 if t.grad_fn is not None and (n not in t.shape or k in kinds.fixed)
+                 and k not in kinds.parameters}
     if not batchless or total.grad_fn is None:
         return
     stops = {t.grad_fn for t in leaves if t.grad_fn is not None}

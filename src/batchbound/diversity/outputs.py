@@ -54,10 +54,12 @@ class OutputGrads:
     """The model's output, each tensor in it handed back as a view of itself with a hook:
     the gradient that reaches a view is the loss's own partial derivative ∂L/∂out_k, none
     of it from the model's internal uses of that tensor (a Hugging Face model's logits feed
-    its returned cache and loss too), so Σ_k ⟨out_k, G_k⟩ has exactly the loss's gradient."""
+    its returned cache and loss too), so Σ_k ⟨out_k, G_k⟩ has exactly the loss's gradient.
+    ``fixed``: the outputs whose shape does not follow the number of examples
+    (``rule_check.output_kinds``), whose rows are no examples even where they number n."""
 
-    def __init__(self, output: Any, n: int) -> None:
-        self.n = n
+    def __init__(self, output: Any, n: int, fixed: frozenset[int] = frozenset()) -> None:
+        self.n, self.fixed = n, fixed
         self.grads: dict[int, Tensor] = {}  # flatten position -> ∂L/∂out_k
         self._shapes: dict[int, tuple[int, ...]] = {}
         self.values: dict[int, Tensor] = {}
@@ -107,12 +109,13 @@ class OutputGrads:
                                   "and dataclasses) received a gradient from the loss")
         for k in self.grads:
             shape = self._shapes[k]
-            if not shape or shape[0] != self.n:
+            if not shape or shape[0] != self.n or k in self.fixed:
                 raise BatchboundError(
                     f"output {k} of the model, shape {shape}, receives a gradient but does not "
-                    f"hold the {self.n} examples along dim 0 (a loss over the whole batch "
-                    "computed inside the model?), so the examples' own gradients cannot be read "
-                    "off it; compute the loss outside the model")
+                    f"hold the {self.n} examples along dim 0, so the examples' own gradients "
+                    "cannot be read off it: a loss over the whole batch computed inside the "
+                    "model (compute it outside), or an output of the parameters alone, a learned "
+                    "temperature (apply it inside the model)")
         return Inputs((dict(self.grads),), {}, self.n)
 
 

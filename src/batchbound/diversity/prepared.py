@@ -28,7 +28,7 @@ from batchbound.diversity.engines import (
     vmap_gradients,
     vmap_stats,
 )
-from batchbound.diversity.hooks import HookPlan, Layout, hooks_stats, plan_hooks
+from batchbound.diversity.hooks import HookPlan, Layout, OutputKinds, hooks_stats, plan_hooks
 from batchbound.diversity.losses import PerExampleLoss, check_losses, resolve_loss
 from batchbound.diversity.outputs import RandomState, replayed_rows
 from batchbound.diversity.precision import GradientPrecision, autocast_dtypes, lowest
@@ -39,6 +39,7 @@ from batchbound.diversity.rule_check import (
     check_rows,
     deterministic,
     disagreements,
+    output_kinds,
     probe_layout,
     rng_kept,
     self_check,
@@ -104,6 +105,7 @@ class PreparedStats:
         self.plan: HookPlan | None = None
         self.layout: Layout | None = None
         self.checked: dict[str, str] | None = None  # parameters that failed the check
+        self.kinds: OutputKinds | None = None  # outputs with no examples' dimension
         self.fallback = "vmap"  # "loop" once vmap has failed on this model
         self._vmap_checked = False  # vmap's rows checked against the loop's once
         self._warned: set[str] = set()
@@ -172,9 +174,12 @@ class PreparedStats:
                 return self._one_example(x, y, offset)
             if self.layout is None:
                 self._probe(x, y, offset)
+            if self.kinds is None:
+                self.kinds = output_kinds(self.model, x, self.params)
             if self.checked is None and any(m.training for m in self.model.modules()):
                 self._checked(self_check(self.model, x, y, self.loss_fn, self.plan,
-                                         self.params, self.layout, self.plan.static_reasons()))
+                                         self.params, self.layout, self.plan.static_reasons(),
+                                         self.kinds))
             return self._hooks(x, y, offset, into)
 
     def _saw(self, seen: GradientPrecision) -> None:
@@ -217,7 +222,8 @@ class PreparedStats:
                   if any(m.training for m in self.model.modules()) else None)
         result = hooks_stats(self.model, x, y, self.loss_fn, self.plan, self.params,
                              self.layout, excluded=excluded, offset=offset,
-                             into=into if self.checked is not None else None)
+                             into=into if self.checked is not None else None,
+                             kinds=self.kinds)
         self.precision = lowest(self.precision, result.precision)
         if self.checked is None:  # the first chunk, in eval mode: check it against the loop
             self._checked(check_rows(self.model, x, y, self.loss_fn, self.params,

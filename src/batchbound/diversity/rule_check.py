@@ -22,9 +22,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchbound.diversity.calls import call_model, flatten
 from batchbound.diversity.engines import loop_sq_norms
@@ -33,6 +35,7 @@ from batchbound.diversity.hooks import (
     HookPlan,
     HooksPass,
     Layout,
+    OutputKinds,
     ProbeShapes,
     hooks_stats,
     output_sum,
@@ -40,6 +43,7 @@ from batchbound.diversity.hooks import (
 from batchbound.diversity.losses import PerExampleLoss
 from batchbound.diversity.precision import autocast_dtypes, lowest
 from batchbound.diversity.stats import eval_mode, gradients
+from batchbound.errors import BatchboundError
 
 PROBE_SIZES = (2, 3)
 INTERACTING = (
@@ -71,6 +75,82 @@ def rng_kept(params: dict[str, nn.Parameter]) -> Iterator[None]:
     devices = sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):
         yield
+
+
+class _OfParameters(TorchDispatchMode):
+    """Follows one forward pass's data flow through its ATen operations: a tensor is of the
+    parameters alone when its storage is a parameter's or a buffer's, or an operation wrote
+    it from such tensors only (a factory, ``arange``, from none). Anything else (the examples,
+    a tensor made where no operation shows, as ``from_numpy``) is not, nor is what an
+    operation writes from it. A value read on the host from such a tensor (``.item()``, a
+    branch on it) could reach any later tensor unseen, so then nothing is (``host``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.clean = {_storage(t) for t in (*model.parameters(), *model.buffers())}
+        self.host = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = [t for t in flatten((args, kwargs)) if isinstance(t, Tensor)]
+        leaves = flatten(out)
+        written = [t for t in leaves if isinstance(t, Tensor)]
+        if not self.host and all(_storage(t) in self.clean for t in inputs):
+            self.clean.update(_storage(t) for t in written)
+        else:
+            self.host |= any(not isinstance(t, Tensor) and t is not None for t in leaves)
+            if func._schema.is_mutable:  # in place, also into an argument it does not return
+                written += inputs
+            self.clean.difference_update(_storage(t) for t in written)
+        return out
+
+    def alone(self, t: Tensor) -> bool:
+        return not self.host and _storage(t) in self.clean
+
+
+def _storage(t: Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # sparse: no storage, marked by the tensor
+        return id(t)
+
+
+def output_kinds(model: nn.Module, x: Tensor, params: dict[str, nn.Parameter]) -> OutputKinds:
+    """Which outputs hold no dimension of the examples: those whose shape is the same at 2
+    and at 3 examples, whatever their size (a load per expert of n experts, a statistic per
+    head of n heads, at a batch of n), so a loss that reads them reads the batch's quantity;
+    and of those, the ones of the parameters alone (a learned temperature): computed from
+    the parameters and buffers only (``_OfParameters``), and the same at 2 and 3 examples
+    (not ``temperature * n``). Two small forward passes without autograd, the random state and
+    the buffers kept."""
+    shapes, alone = [], []
+    with torch.no_grad(), rng_kept(params), buffers_kept(model):
+        for count in PROBE_SIZES:
+            flow = _OfParameters(model)
+            try:
+                with flow:
+                    outputs = [t for t in flatten(call_model(model, examples(x, count)))
+                               if isinstance(t, Tensor)]
+            except Exception as exc:  # any: the user's model, named in one line
+                said = " ".join(str(exc).split())
+                raise BatchboundError(
+                    f"the model raised on {count} examples ({type(exc).__name__}: {said}); "
+                    "which of its outputs hold the examples is read by running it at 2 and 3 "
+                    "examples: let it run on any number of examples") from exc
+            shapes.append([tuple(t.shape) for t in outputs])
+            alone.append([t if flow.alone(t) else None for t in outputs])
+    small, large = shapes
+    if len(small) != len(large):
+        raise BatchboundError(f"the model returns {len(small)} tensors at {PROBE_SIZES[0]} "
+                              f"examples and {len(large)} at {PROBE_SIZES[1]}: which of its "
+                              "outputs hold the examples cannot be read; return the same "
+                              "outputs whatever the number of examples")
+    fixed = frozenset(k for k, (s, t) in enumerate(zip(small, large, strict=True)) if s == t)
+    parameters = frozenset(k for k in fixed if alone[0][k] is not None
+                           and alone[1][k] is not None
+                           and torch.equal(alone[0][k], alone[1][k]))  # type: ignore[arg-type]
+    return OutputKinds(fixed, parameters)
 
 
 def probe_layout(
@@ -200,20 +280,20 @@ def self_check(
     params: dict[str, nn.Parameter],
     layout: Layout,
     excluded: dict[str, str],
+    kinds: OutputKinds | None = None,
 ) -> dict[str, str]:
     """For a model in train mode: the rules on a batch of up to 8 of the chunk's examples,
     spread over it, beside the per-example loop on each (see ``disagreements``). In train
     mode when the model is deterministic there (so a layer that mixes the batch in training
     shows), else in eval mode (dropout masks cannot be replayed one example at a time). The model's
     buffers are restored after."""
-    count = min(8, x.shape[0])
-    rows = torch.linspace(0, x.shape[0] - 1, count).round().long().unique()
-    size = max(3, rows.numel())
+    rows, size = spread_rows(x.shape[0])
     xs, ys = examples(x[rows], size), examples(y[rows], size)
     with buffers_kept(model), rng_kept(params):
         mode = nullcontext() if deterministic(model, xs) else eval_mode(model)
         with mode:
-            fast = hooks_stats(model, xs, ys, loss_fn, plan, params, layout, excluded=excluded)
+            fast = hooks_stats(model, xs, ys, loss_fn, plan, params, layout, excluded=excluded,
+                               kinds=kinds)
             slow_sq, _, slow_losses = loop_sq_norms(model, xs, ys, loss_fn, list(params),
                                                     sums=False)
     # The tolerance of the precision the forward actually ran in (autocast: bfloat16), and
@@ -222,17 +302,59 @@ def self_check(
     return disagreements(fast.sq_norms, fast.losses, slow_sq, slow_losses, precision)
 
 
-def coupling_outputs(model: nn.Module, x: Tensor) -> dict[int, tuple[int, ...]]:
-    """The model's floating outputs with no dimension of the examples whose value on a few
+def spread_rows(n: int) -> tuple[Tensor, int]:
+    """The checks' rows: up to 8 spread over the ``n`` examples, and the checks' batch size
+    (at least 3: ``examples`` repeats them)."""
+    rows = torch.linspace(0, n - 1, min(8, n)).round().long().unique()
+    return rows, max(3, rows.numel())
+
+
+def padded_output(model: nn.Module, x: Tensor, fixed: frozenset[int] = frozenset()
+                  ) -> str | None:
+    """Why the check's batch and its examples alone differ, where an output holding the
+    examples along dimension 0 has other dimensions on the batch than on an example alone:
+    padded to the batch's longest example (``pad_packed_sequence`` without
+    ``total_length``), its padding then holds values that no example alone has. None when
+    every such output keeps its other dimensions."""
+    rows, size = spread_rows(x.shape[0])
+    xs = examples(x[rows], size)
+
+    def shapes(inputs: Tensor) -> list[tuple[int, ...]]:
+        return [tuple(t.shape) for t in flatten(call_model(model, inputs))
+                if isinstance(t, Tensor)]
+
+    with torch.no_grad(), buffers_kept(model), torch.random.fork_rng(devices=[]):
+        mode = nullcontext() if deterministic(model, xs) else eval_mode(model)
+        with mode:
+            whole = shapes(xs)
+            alone = [shapes(xs[i : i + 1]) for i in range(size)]
+    for k, s in enumerate(whole):
+        if k in fixed or not s or s[0] != size:
+            continue
+        for a in alone:
+            if k < len(a) and len(a[k]) == len(s) and a[k][1:] != s[1:]:
+                dims = [d for d in range(1, len(s)) if a[k][d] != s[d]]
+                return (f"output {k} of the model has shape {s} on {size} examples but {a[k]} "
+                        f"on one of them alone: its dimension {dims[0]} follows the batch (a "
+                        "padding to the batch's longest example, as pad_packed_sequence "
+                        "without total_length pads), so watch cannot compare an example alone "
+                        "with the batch; pad to a length that does not depend on the batch "
+                        "(pad_packed_sequence(..., total_length=...)), or use measure(), whose "
+                        "check reads the loss itself")
+    return None
+
+
+def coupling_outputs(model: nn.Module, x: Tensor, fixed: frozenset[int] = frozenset()
+                     ) -> dict[int, tuple[int, ...]]:
+    """The model's floating outputs with no dimension of the examples (``fixed``, see
+    ``output_kinds``, and those without the check's count) whose value on a few
     examples is neither the sum nor the mean of its values on each example alone (output
     position in ``flatten``'s order -> shape): a quantity of the batch, as a mixture of
     experts' load-balancing loss, that couples the examples when a loss backpropagates
     through it. A sum or mean of the examples' own (a Hugging Face model's mean loss over
     equally long sequences) is not one. Deterministic forward passes (eval mode where
     dropout draws), the buffers and the random state kept."""
-    count = min(8, x.shape[0])
-    rows = torch.linspace(0, x.shape[0] - 1, count).round().long().unique()
-    size = max(3, rows.numel())
+    rows, size = spread_rows(x.shape[0])
     xs = examples(x[rows], size)
 
     def leaves(inputs: Tensor) -> list[Tensor]:
@@ -243,7 +365,7 @@ def coupling_outputs(model: nn.Module, x: Tensor) -> dict[int, tuple[int, ...]]:
         with mode:
             whole = leaves(xs)
             batchless = {k: t for k, t in enumerate(whole) if t.is_floating_point()
-                         and size not in t.shape}  # (T, n, V) holds the examples
+                         and (size not in t.shape or k in fixed)}  # (T, n, V) holds them
             if not batchless:
                 return {}
             alone = [leaves(xs[i : i + 1]) for i in range(size)]

@@ -7,6 +7,7 @@ exact, or the step raises BatchboundError naming the parameter and the reason.
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -51,6 +52,8 @@ from batchbound.diversity.rule_check import (
     buffers_kept,
     coupling_outputs,
     deterministic,
+    output_kinds,
+    padded_output,
     probe_layout,
     rng_kept,
     self_check,
@@ -423,6 +426,7 @@ class _Planned:
     deterministic: dict[tuple[bool, ...], bool] = field(default_factory=dict)
     # Outputs without the examples' axis that are no sum or mean of the examples' own
     coupling: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    fixed: frozenset[int] = frozenset()  # outputs with no examples' axis (``output_kinds``)
 
 
 # One plan per model and subset: a loop that alternates watch(subset="all") and
@@ -535,13 +539,16 @@ class _Watched:
         do not depend on the loss; the check shows examples that interact or are reordered).
         Parameters whose rules disagree go to the exact fallback."""
         y = torch.zeros(x.shape[0], device=x.device)
-        reasons = self_check(self.model, x, y, _stand_in_loss, self.plan, self.params, layout,
-                             self.plan.static_reasons())
-        if INTERACTING in reasons.values():
-            raise BatchboundError(f"watch(): {COUPLED}")
+        # n experts' loads at a batch of n: no output of the examples, whatever its size
+        kinds = output_kinds(self.model, x, self.params)
+        fixed = self.planned.fixed = kinds.fixed
+        reasons = self_check(self.model, x, y, functools.partial(_stand_in_loss, fixed=fixed),
+                             self.plan, self.params, layout, self.plan.static_reasons(), kinds)
+        if INTERACTING in reasons.values():  # or a padding that follows the batch, named
+            raise BatchboundError(f"watch(): {padded_output(self.model, x, fixed) or COUPLED}")
         self.planned.checked = reasons
         # the stand-in reads the outputs with the examples' axis only: the others apart
-        self.planned.coupling = coupling_outputs(self.model, x)
+        self.planned.coupling = coupling_outputs(self.model, x, fixed)
 
     def _after(self, model: nn.Module, args: tuple, output: Any) -> Any:
         if self._inside or self.run is None:
@@ -555,7 +562,7 @@ class _Watched:
         self._loss = _LossWatch(self.run, roots)
         self._loss.__enter__()
         if self.run.reasons or self.planned.coupling:  # the outputs' gradients are needed
-            self.outputs = OutputGrads(output, self.run.n)
+            self.outputs = OutputGrads(output, self.run.n, self.planned.fixed)
             return self.outputs.output
         return None
 
@@ -696,14 +703,17 @@ UNACCOUNTED = ("it gets a gradient that no operation in the autograd graph accou
 REFUSED = (LOSS_USE_IN_WATCH,)
 
 
-def _stand_in_loss(outputs: Any, targets: Tensor) -> Tensor:
+def _stand_in_loss(outputs: Any, targets: Tensor, fixed: frozenset[int] = frozenset()
+                   ) -> Tensor:
     """Per example: Σ_k ⟨output_k,i, r_k⟩ over the outputs that hold the examples along dim 0,
-    for fixed random r_k (the same on every call)."""
+    for fixed random r_k (the same on every call); not the ``fixed`` outputs, whose shape
+    does not follow the number of examples (``output_kinds``)."""
     n, total = targets.shape[0], None
     generator = torch.Generator().manual_seed(0)
-    for out in flatten(outputs):
-        if not (isinstance(out, Tensor) and out.is_floating_point() and out.dim() > 0
-                and out.shape[0] == n and out.requires_grad):
+    tensors = [t for t in flatten(outputs) if isinstance(t, Tensor)]
+    for k, out in enumerate(tensors):
+        if not (out.is_floating_point() and out.dim() > 0 and out.shape[0] == n
+                and out.requires_grad and k not in fixed):
             continue
         r = torch.randn(out.shape[1:], generator=generator, dtype=out.dtype)
         term = (out * r.to(out.device)).reshape(n, -1).sum(dim=1)

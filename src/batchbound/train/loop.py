@@ -36,8 +36,9 @@ from batchbound import kernels
 from batchbound.data import BatchSampler, Dataset, apply_transform, load_dataset
 from batchbound.data.identity import data_digest
 from batchbound.diversity import PreparedStats, measure
-from batchbound.diversity.hooks import check_outputs_read
+from batchbound.diversity.hooks import OutputKinds, check_outputs_read
 from batchbound.diversity.losses import check_shape, resolve_loss
+from batchbound.diversity.rule_check import output_kinds
 from batchbound.environment import restart_count
 from batchbound.errors import BatchboundError, NonFiniteLossError
 from batchbound.models import build_model
@@ -271,6 +272,7 @@ class Trainer:
         self.monitor = OnlineMonitor(config.online_diversity, self.n, ctx, config.sampling,
                                      config.micro_batch)
         self.prepared_stats: PreparedStats | None = None  # made on the first monitored step
+        self._kinds: OutputKinds | None = None  # outputs with no examples' dimension
         self._backward_seed: tuple[float, torch.Tensor] | None = None  # (scale, tensor), reused
 
         self.eval_train = self.train_subset(config.eval_subset or self.n, config.seed)
@@ -484,13 +486,17 @@ class Trainer:
                 p.grad = g
             return grads, float(stats.losses.sum()), [float(stats.total_sq_norms.sum())]
         self.optimizer.zero_grad(set_to_none=True)
+        if self._kinds is None and len(y) > 1:  # once, before the forward whose graph is read
+            self._kinds = output_kinds(self.model, x, dict(zip(self.names, self.params,
+                                                               strict=True)))
         outputs = self.model(x)
         losses = self.loss_fn(outputs, y)
         check_shape(losses, len(y))  # a user's scalar loss would be summed as if one example
         total = losses.sum()
         # an output of the whole batch read into each example's loss (a load-balancing loss)
-        # makes the objective change with how the batch is split among workers
-        check_outputs_read(total, outputs, len(y))
+        # makes the objective change with how the batch is split among workers; by its
+        # shape at other batch sizes, so that n experts at a batch of n are seen too
+        check_outputs_read(total, outputs, len(y), self._kinds)
         # seeding backward with `scale` equals (total·scale).backward() bit for bit, without
         # the extra multiply and its autograd node (~40 µs a step on a small model)
         if self._backward_seed is None or self._backward_seed[0] != scale:
