@@ -21,7 +21,8 @@ the trainer's, after warm-up):
   et al.'s S(B)/S(B0) with the rate near its best at every step. The rate the rows give is
   s = (1 + B_lo/B0)/(1 + B_lo/B), B_lo the smallest B_noise along the trajectory: the best
   constant rate where B_noise is B_lo (McCandlish's ε_opt), never past the best rate at any
-  step (s grows with B_noise for B > B0). Checked against real runs (benchmarks/advise.py):
+  step (s grows with B_noise for B > B0); with SGD momentum μ, B_lo is taken (1 + μ) times
+  over (``lr_scale``). Checked against real runs (benchmarks/advise.py):
   at that constant rate, runs took about as many steps as the tuned-rate relation predicts,
   where the quadratic model's penalty for a constant rate overestimated them by 1.4–2×.
 - ``lsr``: s = B/B0 (linear scaling). Progress vanishes for B ≥ 2·B0 + B_noise: there the model
