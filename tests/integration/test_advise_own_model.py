@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from batchbound.advise import advise
+from batchbound.cli import main
 from batchbound.data import load_dataset
 from batchbound.errors import BatchboundError
 
@@ -95,14 +95,21 @@ def small_cnn(input_shape, num_outputs, seed):
 '''
 
 
-def test_advise_cli_with_a_users_model_file(tmp_path: Path):
+def test_advise_cli_with_a_users_model_file(tmp_path: Path, monkeypatch, capsys):
+    """The command line in this process, from the model file's folder as a user runs it
+    (its timing ranks are fresh interpreters there); sys.path and ``mymodels`` put back."""
     (tmp_path / "mymodels.py").write_text(MYMODELS)
-    done = subprocess.run(
-        [sys.executable, "-m", "batchbound", "advise", "--dataset", "digits", "--model",
-         "mymodels:small_cnn", "--lr", "0.1", "--target-train-acc", "0.95", "--max-workers",
-         "2", "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    advice = json.loads(done.stdout)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "mymodels", raising=False)
+    try:
+        code = main(["advise", "--dataset", "digits", "--model", "mymodels:small_cnn", "--lr",
+                     "0.1", "--target-train-acc", "0.95", "--max-workers", "2", "--json"])
+    finally:
+        sys.modules.pop("mymodels", None)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    advice = json.loads(out)
     assert advice["recommended"]["workers"] in (1, 2)
     assert advice["pilot"]["iterations"] > 0
-    assert "pilot:" in done.stderr and "about" in done.stderr  # the cost, said first
+    assert "pilot:" in err and "about" in err  # the cost, said first

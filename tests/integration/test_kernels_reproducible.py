@@ -62,27 +62,36 @@ def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     return done
 
 
-def _train_loss(setting: str, kernels: str | None) -> tuple[float, str]:
-    done = _cli(["train", "--dataset", "digits", "--model", "fc(depth=2,params=4000)",
-                 "-B", "32", "--lr", "0.3", "--max-epochs", "3", "--json"],
-                _env(setting, kernels))
+TRAIN = ["--dataset", "digits", "--model", "fc(depth=2,params=4000)", "-B", "32", "--lr", "0.3",
+         "--max-epochs", "3", "--json"]
+
+
+def _train_loss(setting: str) -> tuple[float, str]:
+    done = _cli(["train", *TRAIN], _env(setting, None))
     result = json.loads(done.stdout)
     return float(result["final"]["train_loss"]), result["kernels"]
 
 
-def _native_differs() -> bool:
-    """Whether this processor's own kernels round otherwise than the stand-ins (not on a
-    baseline-only machine); checked on a plain float32 reduction in a fresh process."""
-    probe = ("import torch; g = torch.Generator().manual_seed(0); "
-             "x = torch.randn(4099, generator=g); w = torch.randn(4099, 37, generator=g); "
-             "print((x @ w).sum().item().hex(), torch.softmax(w, 0).sum().item().hex())")
-    outs = {s: subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                              env=_env(s, None), check=True).stdout for s in SETTINGS}
-    return len(set(outs.values())) > 1
+# A plain float32 reduction, printed before `batchbound train` runs in the same process: where
+# it gives the same bits under every setting, this processor's kernels are the baseline ones.
+PROBE = ("import sys, torch; g = torch.Generator().manual_seed(0); "
+         "x = torch.randn(4099, generator=g); w = torch.randn(4099, 37, generator=g); "
+         "print((x @ w).sum().item().hex(), torch.softmax(w, 0).sum().item().hex()); "
+         "from batchbound.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def _native_probe_and_loss(setting: str) -> tuple[str, float]:
+    """Under BATCHBOUND_KERNELS=native, in one process: the probe's bits, then train's loss
+    (the probe computes first, which native kernels allow)."""
+    done = subprocess.run([sys.executable, "-c", PROBE, "train", *TRAIN], capture_output=True,
+                          text=True, env=_env(setting, "native"), timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    probe, result = done.stdout.split("\n", 1)
+    return probe, float(json.loads(result)["final"]["train_loss"])
 
 
 def test_train_gives_the_same_loss_under_every_processor_setting():
-    results = {s: _train_loss(s, None) for s in SETTINGS}
+    results = {s: _train_loss(s) for s in SETTINGS}
     assert len({loss for loss, _ in results.values()}) == 1, results
     assert all(k.startswith("portable (ATen DEFAULT") for _, k in results.values()), results
 
@@ -90,9 +99,10 @@ def test_train_gives_the_same_loss_under_every_processor_setting():
 def test_native_kernels_round_differently_here():
     """The control: without the pin, the stand-ins do change the numbers (else the tests
     above and below could not fail on this machine)."""
-    if not _native_differs():
+    native = {s: _native_probe_and_loss(s) for s in SETTINGS}
+    if len({probe for probe, _ in native.values()}) == 1:
         pytest.skip("this processor's kernels are the baseline ones")
-    losses = {s: _train_loss(s, "native")[0] for s in SETTINGS}
+    losses = {s: loss for s, (_, loss) in native.items()}
     assert len(set(losses.values())) > 1, losses
 
 

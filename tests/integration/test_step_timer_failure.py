@@ -10,12 +10,15 @@ example is; the rest are timed."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from batchbound.advise.timing import ComputeCurve, time_workers
+from batchbound.errors import BatchboundError
+from batchbound.train import TrainConfig
 
 pytestmark = pytest.mark.distributed
 
@@ -52,26 +55,11 @@ def net(input_shape, num_outputs):
     return Flaky(d, num_outputs)
 '''
 
-SCRIPT = '''
-from batchbound.advise.timing import time_workers
-from batchbound.errors import BatchboundError
-from batchbound.train import TrainConfig
-
-config = TrainConfig(dataset="digits", model="flaky:net", lr=0.1, batch_size=4)
-try:
-    curve, communication = time_workers(config, 2, {sizes}, 1, repeats=3)
-except BatchboundError as exc:
-    print("REFUSED", exc, flush=True)
-    raise SystemExit(2)
-print("TIMED", curve.sizes, communication > 0, flush=True)
-'''
-
-
 def _marked(mark: str) -> list[int]:
-    """This user's live processes whose environment carries ``mark``."""
+    """This user's live processes (but this one) whose environment carries ``mark``."""
     found = []
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
                 if mark.encode() in (entry / "environ").read_bytes():
                     found.append(int(entry.name))
@@ -80,38 +68,44 @@ def _marked(mark: str) -> list[int]:
     return found
 
 
-def _time(tmp_path: Path, size: int, when: str, sizes: tuple[int, ...] = (1, 4, 8)
-          ) -> subprocess.CompletedProcess[str]:
+def _time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int, when: str,
+          sizes: tuple[int, ...] = (1, 4, 8)) -> tuple[ComputeCurve, float] | str:
+    """``time_workers`` called here (its ranks are fresh interpreters, which import
+    ``flaky`` from ``tmp_path``): the timed curve, or the one-line refusal."""
     (tmp_path / "flaky.py").write_text(MODEL.format(size=size, when=when))
     mark = f"BATCHBOUND_TEST_MARK={tmp_path}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(tmp_path)]),
-           "BATCHBOUND_TEST_MARK": str(tmp_path)}
-    try:  # the bound: a hang is a failure, not a stuck test run
-        done = subprocess.run([sys.executable, "-c", SCRIPT.format(sizes=list(sizes))],
-                              cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=240)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(SRC), str(tmp_path)]))
+    monkeypatch.setenv("BATCHBOUND_TEST_MARK", str(tmp_path))  # the ranks inherit it
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    monkeypatch.delitem(sys.modules, "flaky", raising=False)
+    config = TrainConfig(dataset="digits", model="flaky:net", lr=0.1, batch_size=4)
+    try:
+        return time_workers(config, 2, list(sizes), 1, repeats=3)
+    except BatchboundError as exc:
+        return str(exc)
     finally:
+        sys.modules.pop("flaky", None)
         deadline = time.time() + 20
         while _marked(mark) and time.time() < deadline:
             time.sleep(0.1)
         assert not _marked(mark), "a timing process was left behind"
-    return done
 
 
 @pytest.mark.parametrize("when", ["every", "second"],
                          ids=["before-the-all-reduce", "after-the-all-reduce"])
-def test_a_size_failing_on_one_rank_ends_the_timing_in_one_line(tmp_path: Path,
-                                                                 when: str) -> None:
-    done = _time(tmp_path, 4, when)
-    assert done.returncode == 2, done.stderr[-3000:]
-    lines = done.stdout.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("REFUSED"), done.stdout
-    assert "micro-batch 4 failed on rank 1" in lines[0], lines[0]
-    assert "RuntimeError: rank 1 cannot take 4 examples" in lines[0], lines[0]
+def test_a_size_failing_on_one_rank_ends_the_timing_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str) -> None:
+    refused = _time(tmp_path, monkeypatch, 4, when)
+    assert isinstance(refused, str) and "\n" not in refused, refused
+    assert "micro-batch 4 failed on rank 1" in refused, refused
+    assert "RuntimeError: rank 1 cannot take 4 examples" in refused, refused
 
 
-def test_a_first_size_failing_on_one_rank_is_skipped(tmp_path: Path) -> None:
+def test_a_first_size_failing_on_one_rank_is_skipped(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     # not 1: the trainer tries the model on one example as it builds it
-    done = _time(tmp_path, 2, "every", (2, 4, 8))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "TIMED (4, 8) True" in done.stdout, done.stdout
+    timed = _time(tmp_path, monkeypatch, 2, "every", (2, 4, 8))
+    assert not isinstance(timed, str), timed
+    curve, communication = timed
+    assert curve.sizes == (4, 8) and communication > 0

@@ -170,17 +170,18 @@ def test_train_refuses_a_loss_not_finite_at_the_initial_weights(in_home, capsys)
     assert len(err.strip().splitlines()) == 1 and out == ""
 
 
-def test_advise_takes_a_batch_norm_mlp_that_cannot_step_on_one_example(home):
+def test_advise_takes_a_batch_norm_mlp_that_cannot_step_on_one_example(in_home, capsys):
     """BatchNorm1d in train mode cannot take a batch of one: the model check refused the
     model as one that 'does not take this data's examples' (it ran one example in train
     mode), and the step timers (here and on 2 processes) failed at micro-batch 1.
     The check runs in eval mode; the timers start at the first size the step runs at, and
     no row asks for a micro-batch below it."""
-    done = run(["advise", "--dataset", "digits", "--model", "mymodels:batch_norm_mlp",
-                "--lr", "0.1", "--planned-epochs", "3", "--critical-batch", "noise",
-                "--max-workers", "2", "--json"], home)
-    assert done.returncode == 0, done.stderr
-    answer = json.loads(done.stdout)
+    code = main(["advise", "--dataset", "digits", "--model", "mymodels:batch_norm_mlp",
+                 "--lr", "0.1", "--planned-epochs", "3", "--critical-batch", "noise",
+                 "--max-workers", "2", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    answer = json.loads(out)
     ones = [r for r in answer["rows"] if r["batch_size"] // r["workers"] < 2]
     assert ones and all(r["seconds_to_target"] is None for r in ones)  # never timed: no time
     assert answer["recommended"]["batch_size"] // answer["recommended"]["workers"] >= 2

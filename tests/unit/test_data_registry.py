@@ -104,6 +104,21 @@ def test_digits_image_option(embedded: dict) -> None:
     assert torch.equal(image.x_train.flatten(1), embedded["digits"].x_train)
 
 
+def test_digits_are_scikit_learns_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read from scikit-learn's bundled file without importing sklearn.datasets: the same
+    arrays as load_digits, and the same from the fallback (load_digits itself)."""
+    from sklearn.datasets import load_digits as sk_load
+
+    from batchbound.data import embedded
+
+    bunch = sk_load()
+    read = embedded.digits_arrays()
+    monkeypatch.setattr(embedded.importlib.util, "find_spec", lambda name: None)
+    for pixels, labels in (read, embedded.digits_arrays()):
+        assert pixels.dtype == bunch.data.dtype and labels.dtype == bunch.target.dtype
+        assert np.array_equal(pixels, bunch.data) and np.array_equal(labels, bunch.target)
+
+
 def test_unknown_names_and_options_are_errors() -> None:
     with pytest.raises(BatchboundError,
                        match=r"unknown data set 'mnst' \(did you mean 'mnist'\?\); available: "

@@ -33,6 +33,24 @@ def _needs(module: str, package: str) -> MissingCheck:
     return check
 
 
+def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits as ``load_digits`` returns them (pixels float64, labels int),
+    read from its own bundled file as it reads it: importing ``sklearn.datasets`` takes about
+    1 s, paid by every process and rank that loads digits. Where the file is not found (another
+    scikit-learn layout), ``load_digits`` itself."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            path = Path(folder) / "datasets" / "data" / "digits.csv.gz"
+            if path.is_file():
+                table = np.loadtxt(path, delimiter=",")
+                return table[:, :-1], table[:, -1].astype(int)
+    from sklearn.datasets import load_digits as sk_load
+
+    bunch = sk_load()
+    return bunch.data, bunch.target
+
+
 @register_dataset(
     "digits",
     source="scikit-learn bundled 8x8 handwritten digits (sklearn.datasets.load_digits)",
@@ -44,14 +62,12 @@ def _needs(module: str, package: str) -> MissingCheck:
 def load_digits(
     data_dir: Path, test_fraction: float = 0.2, split_seed: int = 0, image: bool = False
 ) -> Dataset:
-    from sklearn.datasets import load_digits as sk_load
-
-    bunch = sk_load()
-    x = torch.tensor(bunch.data, dtype=torch.float32) / 16.0
+    pixels, labels = digits_arrays()
+    x = torch.tensor(pixels, dtype=torch.float32) / 16.0
     x = (x - x.mean()) / x.std()
     if image:
         x = x.reshape(-1, 1, 8, 8)
-    y = torch.tensor(bunch.target, dtype=torch.int64)
+    y = torch.tensor(labels, dtype=torch.int64)
     train, test = split_indices(len(y), test_fraction, split_seed)
     return Dataset(
         name="digits",
