@@ -36,3 +36,20 @@ def test_sigterm_to_a_worker_outside_the_runs_handler_fails_that_run(
         assert "SIGTERM" in outcome.error
     finally:
         pool.close()
+
+
+def test_sigterm_while_a_worker_exits_prints_nothing() -> None:
+    """The runner repeats SIGTERM while it waits; one that reached a worker already in its
+    exit's finalizers raised SystemExit there: "Exception ignored in atexit callback" and a
+    traceback after the study's one line. Here the SIGTERM comes from an exit hook registered
+    before the worker's set-up, so it runs after the worker's own (last registered, first run)."""
+    import subprocess
+    import sys
+
+    code = ("import atexit, os, signal\n"
+            "atexit.register(os.kill, os.getpid(), signal.SIGTERM)\n"
+            "from batchbound.study.executor import _init_worker\n"
+            "_init_worker(1)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr

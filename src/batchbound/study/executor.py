@@ -18,6 +18,7 @@ that has not exited ``STOP_GRACE_SECONDS`` later.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import multiprocessing
 import os
@@ -147,6 +148,9 @@ def _init_worker(threads: int) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, _interrupt_runner)
     signal.signal(signal.SIGTERM, _leave)
+    # at exit, before the finalizers registered earlier (torch's, at its import above: atexit
+    # runs last-registered first), SIGTERM is ignored: the worker is leaving already
+    atexit.register(signal.signal, signal.SIGTERM, signal.SIG_IGN)
 
 
 def _leave(signum: int, frame: object) -> None:
@@ -156,7 +160,11 @@ def _leave(signum: int, frame: object) -> None:
     (tqdm's multiprocessing lock, made by ``measure``) registered, and the tracker printed
     "leaked semaphore objects" after a study's one-line error. Within a run the trainer's
     StopFlag takes SIGTERM instead and stops the run at a checkpoint, as before; in a job
-    outside that window the run fails (``run_job``) and the worker stays for the next."""
+    outside that window the run fails (``run_job``) and the worker stays for the next.
+    Once, and not while the worker exits already: the runner repeats SIGTERM while it waits,
+    and a SystemExit raised inside the exit's own finalizers printed "Exception ignored in
+    atexit callback" and a traceback after the study's one line (on a busy machine)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving already: the exit finishes it
     raise SystemExit(128 + signum)
 
 
