@@ -117,33 +117,47 @@ def _storage(t: Tensor) -> int:
 
 
 def output_kinds(model: nn.Module, x: Tensor, params: dict[str, nn.Parameter]) -> OutputKinds:
-    """Which outputs hold no dimension of the examples: those whose shape is the same at 2
-    and at 3 examples, whatever their size (a load per expert of n experts, a statistic per
-    head of n heads, at a batch of n), so a loss that reads them reads the batch's quantity;
-    and of those, the ones of the parameters alone (a learned temperature): computed from
-    the parameters and buffers only (``_OfParameters``), and the same at 2 and 3 examples
-    (not ``temperature * n``). Two small forward passes without autograd, the random state and
-    the buffers kept."""
+    """Which outputs hold no dimension of the examples: those whose shape is the same at two
+    batch sizes, whatever their size (a load per expert of n experts, a statistic per head
+    of n heads, at a batch of n), so a loss that reads them reads the batch's quantity; and
+    of those, the ones of the parameters alone (a learned temperature): computed from the
+    parameters and buffers only (``_OfParameters``), and the same at both sizes (not
+    ``temperature * n``). Two small forward passes at 2 and 3 examples, or at n and n + 1
+    (the batch's own size and one more) for a model that cannot run on so few (BatchNorm
+    that needs four); in the caller's grad mode (a user's forward may read its outputs'
+    ``grad_fn``), the random state and the buffers kept."""
+    n = x.shape[0]
+    tried = [PROBE_SIZES] + ([(n, n + 1)] if n > PROBE_SIZES[1] else [])
+    for sizes in tried[:-1]:
+        try:
+            return _kinds_at(model, x, params, sizes)
+        except BatchboundError:
+            pass  # the next sizes
+    return _kinds_at(model, x, params, tried[-1])
+
+
+def _kinds_at(model: nn.Module, x: Tensor, params: dict[str, nn.Parameter],
+              sizes: tuple[int, int]) -> OutputKinds:
     shapes, alone = [], []
-    with torch.no_grad(), rng_kept(params), buffers_kept(model):
-        for count in PROBE_SIZES:
+    with rng_kept(params), buffers_kept(model):
+        for count in sizes:
             flow = _OfParameters(model)
             try:
                 with flow:
-                    outputs = [t for t in flatten(call_model(model, examples(x, count)))
+                    outputs = [t.detach() for t in flatten(call_model(model, examples(x, count)))
                                if isinstance(t, Tensor)]
             except Exception as exc:  # any: the user's model, named in one line
                 said = " ".join(str(exc).split())
                 raise BatchboundError(
                     f"the model raised on {count} examples ({type(exc).__name__}: {said}); "
-                    "which of its outputs hold the examples is read by running it at 2 and 3 "
-                    "examples: let it run on any number of examples") from exc
+                    "which of its outputs hold the examples is read by running it at two batch "
+                    "sizes: let it run on any number of examples") from exc
             shapes.append([tuple(t.shape) for t in outputs])
             alone.append([t if flow.alone(t) else None for t in outputs])
     small, large = shapes
     if len(small) != len(large):
-        raise BatchboundError(f"the model returns {len(small)} tensors at {PROBE_SIZES[0]} "
-                              f"examples and {len(large)} at {PROBE_SIZES[1]}: which of its "
+        raise BatchboundError(f"the model returns {len(small)} tensors at {sizes[0]} "
+                              f"examples and {len(large)} at {sizes[1]}: which of its "
                               "outputs hold the examples cannot be read; return the same "
                               "outputs whatever the number of examples")
     fixed = frozenset(k for k, (s, t) in enumerate(zip(small, large, strict=True)) if s == t)

@@ -486,17 +486,22 @@ class Trainer:
                 p.grad = g
             return grads, float(stats.losses.sum()), [float(stats.total_sq_norms.sum())]
         self.optimizer.zero_grad(set_to_none=True)
-        if self._kinds is None and len(y) > 1:  # once, before the forward whose graph is read
-            self._kinds = output_kinds(self.model, x, dict(zip(self.names, self.params,
-                                                               strict=True)))
-        outputs = self.model(x)
+        kinds = self._kinds
+        if kinds is None and len(y) > 1:  # once, before the forward whose graph is read
+            try:
+                kinds = output_kinds(self.model, x, dict(zip(self.names, self.params,
+                                                             strict=True)))
+            except BatchboundError:  # it runs at no other size here: the shape rule alone,
+                kinds = OutputKinds()  # and read again at the next size if this one fails
+        outputs = self.model(x)  # a model that cannot take this size raises here (timing)
+        self._kinds = kinds
         losses = self.loss_fn(outputs, y)
         check_shape(losses, len(y))  # a user's scalar loss would be summed as if one example
         total = losses.sum()
         # an output of the whole batch read into each example's loss (a load-balancing loss)
         # makes the objective change with how the batch is split among workers; by its
         # shape at other batch sizes, so that n experts at a batch of n are seen too
-        check_outputs_read(total, outputs, len(y), self._kinds)
+        check_outputs_read(total, outputs, len(y), kinds)
         # seeding backward with `scale` equals (total·scale).backward() bit for bit, without
         # the extra multiply and its autograd node (~40 µs a step on a small model)
         if self._backward_seed is None or self._backward_seed[0] != scale:
