@@ -150,3 +150,54 @@ def test_watch_and_the_callbacks_bookkeeping_steps_do_not_sync_the_device():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert records.fold().steps == 2
+
+
+def test_bfloat16_products_on_cuda_are_float32_sums_of_exact_products():
+    """``forms.products`` multiplies bfloat16 operands on the tensor cores with float32
+    results: within float32's rounding of the d-term sums (d·2⁻²⁴ of Σ|x||y|) of float64's."""
+    from batchbound.diversity.rules.forms import products
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 64, 3000, device="cuda").bfloat16()
+    got = products(x, x.transpose(1, 2))
+    assert got.dtype == torch.float32
+    wide = x.double()
+    err = (got.double() - wide @ wide.transpose(1, 2)).abs()
+    assert bool((err <= 3000 * 2.0**-24 * (wide.abs() @ wide.abs().transpose(1, 2))).all())
+
+
+def test_watch_of_a_bfloat16_gpt2_on_cuda_matches_its_widened_rules(monkeypatch):
+    """The low-precision path (Linear and Conv1D given bfloat16 terms, multiplied on the
+    tensor cores) against the rules given float32 terms, on the same GPU and batch."""
+    import dataclasses
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from batchbound.diversity import OnlineDiversity, watch
+    from batchbound.diversity.rules import registry
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4, n_positions=64,
+                                       vocab_size=1000, use_cache=False, resid_pdrop=0.0,
+                                       embd_pdrop=0.0, attn_pdrop=0.0)).cuda().eval()
+    x = torch.randint(1000, (8, 65), device="cuda")
+
+    def sums() -> tuple[float, float]:  # one step's (M2, C)
+        monitor = OnlineDiversity(1000)
+        with watch(model, monitor), torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(x[:, :-1]).logits
+            torch.nn.functional.cross_entropy(logits.float().reshape(-1, 1000),
+                                              x[:, 1:].reshape(-1)).backward()
+        model.zero_grad(set_to_none=True)
+        last = monitor.last
+        assert last is not None
+        return last
+
+    low = sums()
+    conv1d = "transformers.pytorch_utils.Conv1D"
+    monkeypatch.setitem(registry.RULES, torch.nn.Linear, dataclasses.replace(
+        registry.RULES[torch.nn.Linear], low_precision=False))
+    monkeypatch.setitem(registry.NAMED_RULES, conv1d, dataclasses.replace(
+        registry.NAMED_RULES[conv1d], low_precision=False))
+    wide = sums()
+    assert low == pytest.approx(wide, rel=1e-4)

@@ -604,11 +604,15 @@ class HooksPass:
         model, or bfloat16 outputs and output gradients under autocast), else the
         parameters'. A call whose output is lower precision than its floating inputs ran on
         inputs cast down (autocast casts a Linear's input to bfloat16): the rule reads them
-        as rounded, the activations the operation actually used."""
+        as rounded, the activations the operation actually used. A ``low_precision`` rule
+        gets them in the call's own dtype, unwidened."""
         work = norm_dtype(self._dtype(call))
         out = lowest(*(o.dtype for o in call.outputs if o.dtype.is_floating_point))
         if out in LOW_PRECISION and work not in LOW_PRECISION:
-            inputs = {k: _widened(_rounded(v, out), work) for k, v in inputs.items()}
+            inputs = {k: _rounded(v, out) for k, v in inputs.items()}
+            if call.entry.low_precision and all(g.dtype == out for g in grads):
+                return inputs, grads  # the rule's forms widen or multiply them (``products``)
+            inputs = {k: _widened(v, work) for k, v in inputs.items()}
         else:
             inputs = {k: _widened(v, work) for k, v in inputs.items()}
         return inputs, [_widened(g, work) for g in grads]

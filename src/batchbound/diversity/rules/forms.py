@@ -27,6 +27,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from batchbound.diversity.stats import LOW_PRECISION
+
 # Numbers a materialised block of per-example gradients may hold in ``inner``.
 MATERIALISE_BUDGET = 2**24
 # Dense per-example gradients up to this many numbers may wait for the end of the backward
@@ -75,6 +77,22 @@ def segments(keys: Tensor) -> Tensor:
 def _long(t: Tensor) -> Tensor:
     """Integer indices as int64 (no operation when they are already)."""
     return t if t.dtype == torch.int64 else t.long()
+
+
+def products(x: Tensor, y: Tensor) -> Tensor:
+    """``x @ y`` in float32 for float32 or lower-precision operands: bfloat16 or float16
+    operands on CUDA multiplied as they are, with float32 results (``out_dtype``: tensor-core
+    speed; a product of two such numbers is exact in float32 and the sums accumulate in
+    float32, as they would widened), elsewhere widened first (exactly)."""
+    if x.dtype in LOW_PRECISION and x.dtype == y.dtype and x.is_cuda:
+        mm = torch.bmm if x.dim() == 3 else torch.mm
+        return mm(x, y, out_dtype=torch.float32)
+    return _float32(x) @ _float32(y)
+
+
+def _float32(t: Tensor) -> Tensor:
+    """A bfloat16 or float16 tensor as float32 (exact); any other as it is."""
+    return t.float() if t.dtype in LOW_PRECISION else t
 
 
 def _row_sq(t: Tensor) -> Tensor:
@@ -183,7 +201,10 @@ class Outer(PerExampleGrad):
     def __init__(self, u: Tensor, v: Tensor, rows: int | None = None,
                  batch_sum_exact: bool = True, sq_norms: Tensor | None = None,
                  autograd_terms: bool = True) -> None:
-        self.u, self.v, self.rows = u, v, rows
+        # u and v as the rule gave them: bfloat16 or float16 where the call computed in it
+        # (``products`` multiplies them so); ``u`` and ``v`` widen them for everything else
+        self._u, self._v, self.rows = u, v, rows
+        self._wide: tuple[Tensor, Tensor] | None = None
         self.batch_sum_exact = batch_sum_exact
         self._sq = sq_norms  # when the rule has them already
         # u and v are the tensors autograd's batch gradient multiplies (the call's recorded
@@ -192,20 +213,34 @@ class Outer(PerExampleGrad):
         self.autograd_terms = autograd_terms
 
     @property
+    def u(self) -> Tensor:
+        return self._widened()[0]
+
+    @property
+    def v(self) -> Tensor:
+        return self._widened()[1]
+
+    def _widened(self) -> tuple[Tensor, Tensor]:
+        if self._wide is None:  # an index tensor u stays as it is
+            u = self._u if self.indexed else _float32(self._u)
+            self._wide = (u, _float32(self._v))
+        return self._wide
+
+    @property
     def n(self) -> int:
-        return int(self.v.shape[0])
+        return int(self._v.shape[0])
 
     @property
     def steps(self) -> int:
-        return int(self.v.shape[1])
+        return int(self._v.shape[1])
 
     @property
     def p(self) -> int:
-        return self.rows if self.rows is not None else int(self.u.shape[2])
+        return self.rows if self.rows is not None else int(self._u.shape[2])
 
     @property
     def q(self) -> int:
-        return int(self.v.shape[2])
+        return int(self._v.shape[2])
 
     @property
     def indexed(self) -> bool:
@@ -213,7 +248,7 @@ class Outer(PerExampleGrad):
 
     def part(self, rows: slice) -> Outer:
         sq = None if self._sq is None else self._sq[rows]
-        return Outer(self.u[rows], self.v[rows], self.rows, self.batch_sum_exact, sq,
+        return Outer(self._u[rows], self._v[rows], self.rows, self.batch_sum_exact, sq,
                      self.autograd_terms)
 
     def _keys(self) -> Tensor:
@@ -231,7 +266,7 @@ class Outer(PerExampleGrad):
             return Dense(self.dense()) if self.n * p * q <= DEFER_NUMEL else None
         if self.n * p * q > DEFER_NUMEL or p * q > SMALL_FLOPS_FACTOR * steps * (p + q + 1):
             return None
-        return Dense(self.u.transpose(1, 2) @ self.v)
+        return Dense(products(self._u.transpose(1, 2), self._v))
 
     def sq_norms(self) -> Tensor:
         if self._sq is not None:
@@ -246,17 +281,17 @@ class Outer(PerExampleGrad):
             return self.v.new_zeros(self.n).index_add_(0, owner, sums.square().sum(dim=1))
         if self.steps == 1:  # one outer product: ‖u‖²‖v‖²
             return _row_sq(self.u[:, 0]) * _row_sq(self.v[:, 0])
-        steps, p, q = self.steps, self.p, self.q
+        steps, p, q, u, v = self.steps, self.p, self.q, self._u, self._v
         if steps * steps * (p + q + 1) < steps * p * q:
-            gram_u = self.u @ self.u.transpose(1, 2)
-            gram_v = self.v @ self.v.transpose(1, 2)
+            gram_u = products(u, u.transpose(1, 2))
+            gram_v = products(v, v.transpose(1, 2))
             return (gram_u * gram_v).sum(dim=(1, 2))
-        return _row_sq(self.u.transpose(1, 2) @ self.v)
+        return _row_sq(products(u.transpose(1, 2), v))
 
     def dense(self) -> Tensor:
         if self.indexed:
             return self.flat_dense().view(self.n, self.p, self.q)
-        return self.u.transpose(1, 2) @ self.v
+        return products(self._u.transpose(1, 2), self._v)
 
     def flat_dense(self) -> Tensor:
         if self.indexed:  # scattered straight into (n, p·q)
@@ -294,7 +329,7 @@ def _gram_u(a: Outer, b: Outer) -> Tensor:
     if b.indexed:  # u'_s is one-hot at row b.u[s]: pick that column of u_t
         n, t_a, t_b = a.n, a.steps, b.steps
         return a.u.gather(2, _long(b.u).unsqueeze(1).expand(n, t_a, t_b))
-    return a.u @ b.u.transpose(1, 2)
+    return products(a._u, b._u.transpose(1, 2))
 
 
 def _outer_inner(a: Outer, b: Outer) -> Tensor:
@@ -303,7 +338,7 @@ def _outer_inner(a: Outer, b: Outer) -> Tensor:
     gram = a.steps * b.steps * ((p if dense_u else 1) + q)
     materialise = (a.steps + b.steps) * p * q + p * q
     if gram <= materialise:
-        return (_gram_u(a, b) * (a.v @ b.v.transpose(1, 2))).sum(dim=(1, 2))
+        return (_gram_u(a, b) * products(a._v, b._v.transpose(1, 2))).sum(dim=(1, 2))
     return _dense_inner(a, b)
 
 

@@ -15,12 +15,16 @@ from torch import Tensor, nn
 
 from batchbound.diversity.rules.forms import Dense, Outer, PerExampleGrad
 from batchbound.diversity.rules.registry import Call, register_rule, row_sq_norms, trainable
+from batchbound.diversity.stats import norm_dtype
 
 
 def _affine(layer: nn.Module, a: Tensor, b: Tensor, transposed: bool) -> dict[str, PerExampleGrad]:
+    """``a`` and ``b`` may be bfloat16 or float16 as the call computed (``low_precision``):
+    the weight's ``Outer`` multiplies them so; everything else here is computed widened."""
     n = a.shape[0]
     grads: dict[str, PerExampleGrad] = {}
     if a.dim() == 2:  # one position: ‖g_i‖² = ‖a_i‖²‖b_i‖², the bias's is ‖b_i‖²
+        a, b = a.to(norm_dtype(a.dtype)), b.to(norm_dtype(b.dtype))
         b_sq = row_sq_norms(b)
         if trainable(layer, "weight"):
             u, v = (a, b) if transposed else (b, a)
@@ -35,7 +39,7 @@ def _affine(layer: nn.Module, a: Tensor, b: Tensor, transposed: bool) -> dict[st
     if trainable(layer, "weight"):
         grads["weight"] = Outer(a, b) if transposed else Outer(b, a)
     if trainable(layer, "bias"):
-        grads["bias"] = Dense(b.sum(dim=1))
+        grads["bias"] = Dense(b.sum(dim=1, dtype=norm_dtype(b.dtype)))
     return grads
 
 
@@ -59,12 +63,12 @@ def _config(layer: nn.Module) -> tuple[bool, bool]:
     return trainable(layer, "weight"), trainable(layer, "bias")
 
 
-@register_rule(nn.Linear, feature_dims=1, own_sums=_own_sums, config=_config)
+@register_rule(nn.Linear, feature_dims=1, own_sums=_own_sums, config=_config, low_precision=True)
 def linear_rule(call: Call) -> dict[str, PerExampleGrad]:
     return _affine(call.module, call.input, call.grad, transposed=False)
 
 
 @register_rule("transformers.pytorch_utils.Conv1D", feature_dims=1, own_sums=_own_sums,
-               config=_config)
+               config=_config, low_precision=True)
 def conv1d_transformers_rule(call: Call) -> dict[str, PerExampleGrad]:
     return _affine(call.module, call.input, call.grad, transposed=True)

@@ -85,6 +85,9 @@ class RuleEntry:
     # module -> everything the rule reads of it besides its parameters' values: calls of
     # modules with equal ones may run as one call over their examples stacked (hooks.py)
     config: Callable[[nn.Module], Hashable] | None = None
+    # The rule takes a bfloat16 or float16 call's input and output gradient as the call
+    # computed them, not widened to float32: its forms widen what they need (hooks.py)
+    low_precision: bool = False
 
 
 RULES: dict[type[nn.Module], RuleEntry] = {}
@@ -100,6 +103,7 @@ def register_rule(
     unsupported: Callable[[Call, int], str | None] | None = None,
     own_sums: Callable[[nn.Module, Tensor, torch.Size], tuple[str, ...]] | None = None,
     config: Callable[[nn.Module], Hashable] | None = None,
+    low_precision: bool = False,
 ) -> Callable[[Rule], Rule]:
     """Register ``rule`` for each of ``module_types``: classes, or the full dotted paths of
     classes from libraries batchbound does not import (see the module docstring).
@@ -121,6 +125,10 @@ def register_rule(
     stacked: a row of the stacked input is one example of one call, so the rule gives each
     call's rows exactly as it would alone, in one launch per operation for all of them
     (a model's like layers). None (the default): every call on its own.
+    ``low_precision``: the rule is given a bfloat16 or float16 call's input and output
+    gradient in that dtype (else widened to float32 first) and its forms widen what they
+    compute with, or multiply them as they are with float32 results (``forms.products``:
+    on CUDA, tensor-core speed where the model trains in bfloat16).
     """
 
     names = params if callable(params) else (lambda module, _p=tuple(params): _p)
@@ -133,7 +141,7 @@ def register_rule(
                 name = module_type if isinstance(module_type, str) else module_type.__name__
                 raise ValueError(f"a rule for {name} is registered twice")
             table[module_type] = RuleEntry(rule, names, example_axis, features, main, unsupported,
-                                           own_sums, config)
+                                           own_sums, config, low_precision)
         return rule
 
     return decorate
