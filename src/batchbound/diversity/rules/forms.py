@@ -22,7 +22,6 @@ example i alone has its own counts); the engine then takes ``total()`` for Σ_i 
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable
 
 import torch
@@ -39,10 +38,6 @@ DEFER_NUMEL = 2**20
 # than normed by its Gram form (6): small steps are bound by operations, not flops, so it
 # may cost up to this factor more flops than the Gram form.
 SMALL_FLOPS_FACTOR = 2
-# The Gram form of a long sequence multiplies strips of at least this many positions (and at
-# most this many strips), the blocks above the diagonal skipped (``gram_inner``).
-STRIP_STEPS = 128
-MAX_STRIPS = 4
 
 
 @functools.lru_cache(maxsize=32)
@@ -93,27 +88,6 @@ def products(x: Tensor, y: Tensor) -> Tensor:
         mm = torch.bmm if x.dim() == 3 else torch.mm
         return mm(x, y, out_dtype=torch.float32)
     return _float32(x) @ _float32(y)
-
-
-def gram_inner(u: Tensor, v: Tensor) -> Tensor:
-    """Σ_ts (u_t·u_s)(v_t·v_s) per example, ⟨u uᵀ, v vᵀ⟩, for u (n, T, p) and v (n, T, q).
-    Both Gram matrices are symmetric: over k strips of ``STRIP_STEPS`` or more positions only
-    the blocks on and left of the diagonal are multiplied, each strip against the positions
-    up to its end, the blocks left of the diagonal counted twice (halving the diagonal's
-    products is exact): (k + 1)/2k of the flops, in 2k matrix products. Not for bfloat16 or
-    float16 operands, whose products on a GPU cost little next to the launches."""
-    steps = u.shape[1]
-    strips = 1 if u.dtype in LOW_PRECISION else min(MAX_STRIPS, steps // STRIP_STEPS)
-    if strips < 2:
-        return (products(u, u.transpose(1, 2)) * products(v, v.transpose(1, 2))).sum(dim=(1, 2))
-    edges = [steps * i // strips for i in range(strips + 1)]
-    total = u.new_zeros(u.shape[0])
-    for start, end in itertools.pairwise(edges):
-        block = products(u[:, start:end], u[:, :end].transpose(1, 2))
-        block.mul_(products(v[:, start:end], v[:, :end].transpose(1, 2)))
-        block[:, :, start:end].mul_(0.5)
-        total.add_(block.sum(dim=(1, 2)), alpha=2)
-    return total
 
 
 def _float32(t: Tensor) -> Tensor:
@@ -309,7 +283,9 @@ class Outer(PerExampleGrad):
             return _row_sq(self.u[:, 0]) * _row_sq(self.v[:, 0])
         steps, p, q, u, v = self.steps, self.p, self.q, self._u, self._v
         if steps * steps * (p + q + 1) < steps * p * q:
-            return gram_inner(u, v)
+            gram_u = products(u, u.transpose(1, 2))
+            gram_v = products(v, v.transpose(1, 2))
+            return (gram_u * gram_v).sum(dim=(1, 2))
         return _row_sq(products(u.transpose(1, 2), v))
 
     def dense(self) -> Tensor:
