@@ -54,7 +54,11 @@ def test_advise_pilots_and_times_on_cuda(capsys: pytest.CaptureFixture[str]):
     advice = json.loads(capsys.readouterr().out)
     pilot = advice["pilot"]  # the pilot is its fraction of the plan, as on the CPU
     assert pilot["iterations"] == round(pilot["fraction"] * pilot["planned_iterations"])
-    assert all(r["seconds_per_iteration"] > 0 for r in advice["rows"])
+    seconds = [r["seconds_per_iteration"] for r in advice["rows"]]
+    if advice["timing_reliable"]:
+        assert all(s > 0 for s in seconds)
+    else:  # a step of ~0.1 ms on a GPU may not settle: the answer on iterations, saying why
+        assert advice["timing_warning"] and all(s is None for s in seconds), advice
 
 
 def test_watch_around_a_bf16_autocast_step_of_gpt2_at_context_1024():
