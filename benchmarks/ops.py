@@ -3,21 +3,26 @@ the torch profiler (not a test; prints a table or JSON). Where a GPU step takes 
 its cost is kernel launches, one per operation, so the count tracks that cost on a machine
 without a GPU, and it is the same on every run (no timing noise).
 
-Two counts per step, from one profiled step after two warm-up steps:
+Three counts per step, from one profiled step after two warm-up steps (and one more step for
+the third):
 
 - **ops**: the outermost aten operations (an aten op not called by another aten op): what
   Python and autograd dispatch, each ``torch._foreach_*`` counted once, whatever it loops
   over inside (on a GPU it is one or a few fused kernels);
 - **compute**: those of them that are not views or metadata (``view``, ``reshape``,
   ``transpose``, ``detach``, ``empty``, a no-op ``to``, ...): closer to what launches device
-  work (each at least one kernel on a GPU).
+  work (each at least one kernel on a GPU);
+- **py**: Python frames entered (``sys.setprofile``'s calls, generator resumptions included):
+  the host's work. On an H100 GPT-2 small's step under ``watch`` was bound by it, not by the
+  GPU (docs/benchmarks.md), where the operation counts rose by a fifth; this count tracks it.
 
 Rows (each the tool's step against the same plain step, on the same batch):
 
 - ``watch``: ``with watch(model, monitor): loss.backward()`` against the bare forward and
   backward (HF GPT-2 4×128 context 64, batch 8; the MLP and LeNet-5 of
   benchmarks/diversity.py, batch 64); ``watch:norms`` is its cheap mode
-  (``subset="norms"``: LayerNorm parameters only);
+  (``subset="norms"``: LayerNorm parameters only), ``watch bf16`` the same step under
+  bfloat16 autocast;
 - ``lightning`` / ``hf``: one optimizer step of 2 accumulated micro-batches through
   ``Trainer.fit`` / ``Trainer.train`` with and without the ``DiversityCallback``, per optimizer
   step by difference of runs of 4 and 8 steps (set-up cancels); the plain column is the
@@ -42,7 +47,7 @@ import sys
 import tempfile
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 
 import torch
 from torch import Tensor, nn
@@ -70,6 +75,27 @@ VIEWS = {
 class Count:
     ops: int
     compute: int
+    python: int = 0  # Python frames entered (generator resumptions included): host time
+
+
+class _PythonCalls:
+    """Counts Python frames entered while active (``sys.setprofile``'s "call" events): the
+    host's share of a step that a GPU cannot hide. On an H100 `watch` made GPT-2 small's step
+    host-bound (docs/benchmarks.md), which the operation counts do not show."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def _event(self, frame: object, event: str, arg: object) -> None:
+        if event == "call":
+            self.calls += 1
+
+    def __enter__(self) -> _PythonCalls:
+        sys.setprofile(self._event)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(None)
 
 
 def _aten(event: object) -> bool:
@@ -96,7 +122,9 @@ def profiled(step: Callable[[], object], warm: int = 2) -> Count:
         step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
-    return count_events(prof.events())
+    with _PythonCalls() as calls:
+        step()
+    return Count(*astuple(count_events(prof.events()))[:2], python=calls.calls)
 
 
 @dataclass
@@ -114,6 +142,10 @@ class Row:
     def extra_compute(self) -> float:
         return 100.0 * (self.tool_count.compute - self.plain.compute) / self.plain.compute
 
+    @property
+    def extra_python(self) -> float:
+        return 100.0 * (self.tool_count.python - self.plain.python) / self.plain.python
+
 
 # ------------------------------------------------------------------------------- watch
 
@@ -125,20 +157,26 @@ def _case(name: str, batch: int) -> tuple[Case, nn.Module, Tensor, Tensor]:
     return case, model, x, y
 
 
-def watch_row(name: str, batch: int, subset: str = "all") -> Row:
+def watch_row(name: str, batch: int, subset: str = "all", bf16: bool = False) -> Row:
     case, model, x, y = _case(name, batch)
     monitor = OnlineDiversity()
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if bf16
+                else contextlib.nullcontext())
 
     def plain() -> None:
         model.zero_grad(set_to_none=True)
-        case.loss(model(x), y).mean().backward()
+        with autocast:
+            loss = case.loss(model(x), y).mean()
+        loss.backward()
 
     def watched() -> None:
         model.zero_grad(set_to_none=True)
         with watch(model, monitor, subset=subset):
-            case.loss(model(x), y).mean().backward()
+            with autocast:
+                loss = case.loss(model(x), y).mean()
+            loss.backward()
 
-    tool = "watch" if subset == "all" else f"watch:{subset}"
+    tool = ("watch" if subset == "all" else f"watch:{subset}") + (" bf16" if bf16 else "")
     return Row(tool, case.name, profiled(plain), profiled(watched))
 
 
@@ -166,10 +204,12 @@ def _per_step(run: Callable[[int], None]) -> Count:
     for steps in STEPS:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             run(steps)
-        counts.append(count_events(prof.events()))
+        with _PythonCalls() as calls:
+            run(steps)
+        counts.append(Count(*astuple(count_events(prof.events()))[:2], python=calls.calls))
     span = STEPS[1] - STEPS[0]
-    return Count(round((counts[1].ops - counts[0].ops) / span),
-                 round((counts[1].compute - counts[0].compute) / span))
+    return Count(*(round((b - a) / span) for a, b in zip(astuple(counts[0]), astuple(counts[1]),
+                                                            strict=True)))
 
 
 def _tokens(batches: int, batch: int) -> tuple[Tensor, Tensor]:
@@ -260,7 +300,8 @@ def hf_row(batch: int) -> Row:
 def rows_for(only: set[str]) -> list[Row]:
     rows = []
     if "watch" in only:
-        rows += [watch_row("hf-gpt2", 8), watch_row("hf-gpt2", 8, "norms"), watch_row("mlp", 64),
+        rows += [watch_row("hf-gpt2", 8), watch_row("hf-gpt2", 8, "norms"),
+                 watch_row("hf-gpt2", 8, bf16=True), watch_row("mlp", 64),
                  watch_row("lenet", 64)]
     if "lightning" in only:
         rows.append(lightning_row(8))
@@ -272,12 +313,14 @@ def rows_for(only: set[str]) -> list[Row]:
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"{'tool':<12} {'model':<28} {'plain ops':>9} {'tool ops':>9} {'extra':>8} "
-          f"{'plain cmp':>10} {'tool cmp':>9} {'extra':>8}")
+    print(f"{'tool':<17} {'model':<28} {'plain ops':>9} {'tool ops':>9} {'extra':>8} "
+          f"{'plain cmp':>10} {'tool cmp':>9} {'extra':>8} {'plain py':>9} {'tool py':>8} "
+          f"{'extra':>8}")
     for r in rows:
-        print(f"{r.tool:<12} {r.model:<28} {r.plain.ops:>9} {r.tool_count.ops:>9} "
+        print(f"{r.tool:<17} {r.model:<28} {r.plain.ops:>9} {r.tool_count.ops:>9} "
               f"{r.extra_ops:>+7.0f}% {r.plain.compute:>10} {r.tool_count.compute:>9} "
-              f"{r.extra_compute:>+7.0f}%")
+              f"{r.extra_compute:>+7.0f}% {r.plain.python:>9} {r.tool_count.python:>8} "
+              f"{r.extra_python:>+7.0f}%")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = rows_for({part.strip() for part in args.only.split(",")})
     if args.json:
         print(json.dumps([{**asdict(r), "extra_ops_percent": r.extra_ops,
-                           "extra_compute_percent": r.extra_compute} for r in rows], indent=1))
+                           "extra_compute_percent": r.extra_compute,
+                           "extra_python_percent": r.extra_python} for r in rows], indent=1))
     else:
         print_table(rows)
     return 0

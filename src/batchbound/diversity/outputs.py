@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import fields, is_dataclass, replace
 from typing import Any
@@ -164,12 +164,14 @@ class RandomState:
     masks and reads the same buffers (spectral norm's power iteration updates its vectors in
     every train-mode forward)."""
 
-    def __init__(self, devices: list[int], model: nn.Module | None = None) -> None:
+    def __init__(self, devices: list[int], model: nn.Module | None = None,
+                 buffers: Iterable[Tensor] | None = None) -> None:
         self.devices = devices
         self.cpu = torch.get_rng_state()
         self.cuda = [torch.cuda.get_rng_state(d) for d in devices]
-        self.buffers = [] if model is None else [(b, b.detach().clone())
-                                                 for b in model.buffers()]
+        if buffers is None:  # the model's, or the ones the caller read off it already
+            buffers = () if model is None else model.buffers()
+        self.buffers = [(b, b.detach().clone()) for b in buffers]
 
     @contextmanager
     def replaying(self) -> Iterator[None]:

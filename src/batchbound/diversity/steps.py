@@ -44,7 +44,7 @@ from batchbound.diversity.outputs import (
 )
 from batchbound.diversity.precision import LOW_PRECISION, RANK, GradientPrecision, lowest, statement
 from batchbound.diversity.precision import name as dtype_name
-from batchbound.diversity.prepared import PreparedStats, describe, structure_of
+from batchbound.diversity.prepared import PreparedStats, describe
 from batchbound.diversity.rows import RowTracker
 from batchbound.diversity.rule_check import (
     COUPLED,
@@ -156,11 +156,11 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     """
     if reduction not in ("mean", "sum"):
         raise BatchboundError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    planned = _planned(model, subset)
+    planned, buffers = _planned(model, subset)
     params = planned.params
     check_model_mode(model, planned.batch_norms)
     before = _grad_copies(params)
-    with _Watched(model, planned, before) as watched:
+    with _Watched(model, planned, before, buffers) as watched:
         yield
     run = watched.finish()
     if run is None or not (run.backward_seen or (watched.outputs and watched.outputs.grads)):
@@ -435,26 +435,50 @@ class _Planned:
 _PLANS: weakref.WeakKeyDictionary[nn.Module, dict[str, _Planned]] = weakref.WeakKeyDictionary()
 
 
-def _planned(model: nn.Module, subset: str = "all") -> _Planned:
-    params = monitored_parameters(model, subset)
-    structure = structure_of(model, params, None, f"watch:{subset}")
+def _planned(model: nn.Module, subset: str = "all") -> tuple[_Planned, list[Tensor]]:
+    """The model's plan, made again where its structure changed, and its buffers now."""
+    structure, buffers = _walk(model)
     plans = _PLANS.setdefault(model, {})
     planned = plans.get(subset)
     if planned is None or planned.structure != structure:
+        params = monitored_parameters(model, subset)
         plan = plan_hooks(model, params)
         planned = plans[subset] = _Planned(structure, params, plan,
                                            draw_fingerprint_vectors(params),
                                            batch_norm_modules(model))
-    return planned
+    return planned, buffers
+
+
+def _walk(model: nn.Module) -> tuple[tuple, list[Tensor]]:
+    """One pass over the modules, on every step: what a plan holds for (each module's name,
+    identity and type; each parameter's name, identity, shape, dtype, device and whether it
+    trains, in ``named_parameters`` order, tied ones once) and the buffers (for the row
+    tracker and a replay). Four passes (``named_parameters``, ``named_modules`` and
+    ``buffers`` twice) were a fifth of the Python calls ``watch`` adds to a step, and a GPU
+    waits on the host's Python (docs/benchmarks.md)."""
+    modules, tensors, buffers = [], [], []
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        modules.append((name, id(module), type(module)))
+        for key, p in module._parameters.items():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                tensors.append((f"{name}.{key}" if name else key, id(p), p.shape, p.dtype,
+                                p.device, p.requires_grad))
+        for b in module._buffers.values():
+            if b is not None and id(b) not in seen:
+                seen.add(id(b))
+                buffers.append(b)
+    return (tuple(modules), tuple(tensors)), buffers
 
 
 class _Watched:
     """Root-module hooks: on the model's call, check it (first time only), record its layer
     calls, and before the backward pass read the graph from its outputs."""
 
-    def __init__(self, model: nn.Module, planned: _Planned,
-                 before: dict[str, Tensor | None]) -> None:
-        self.model, self.planned, self.before = model, planned, before
+    def __init__(self, model: nn.Module, planned: _Planned, before: dict[str, Tensor | None],
+                 buffers: list[Tensor]) -> None:
+        self.model, self.planned, self.before, self.buffers = model, planned, before, buffers
         self.delta: dict[str, Tensor] | None = None  # .grad's change at the backward's end
         self._queued = False
         self.plan, self.params = planned.plan, planned.params
@@ -529,8 +553,8 @@ class _Watched:
         self.run.recorder.start()
         # the probe above kept the random state: this is the one the user's forward draws from
         self.random = RandomState(sorted({p.device.index or 0 for p in self.params.values()
-                                          if p.device.type == "cuda"}), model)
-        self._rows = self.run.rows = RowTracker((args, kwargs), model.buffers())
+                                          if p.device.type == "cuda"}), buffers=self.buffers)
+        self._rows = self.run.rows = RowTracker((args, kwargs), self.buffers)
         self._rows.__enter__()
 
     def _check(self, x: Tensor | Inputs, layout: Layout) -> None:
