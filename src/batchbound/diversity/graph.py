@@ -60,9 +60,9 @@ def walk(roots: Iterable[Node]) -> tuple[list[Node], dict[Node, list[Edge]]]:
 def parameter_users(nodes: Iterable[Node], names: dict[int, str]) -> dict[str, list[Node]]:
     """For each parameter (``names``: id of the tensor -> name), the nodes that use it."""
     found: dict[str, list[Node]] = {}
-    for node in nodes:
+    for node in nodes:  # every node, every step: is_accumulator inline (host time)
         for child, _ in node.next_functions:
-            if child is not None and is_accumulator(child):
+            if child is not None and hasattr(child, "variable"):
                 name = names.get(id(child.variable))
                 if name is not None:
                     found.setdefault(name, []).append(node)
@@ -74,12 +74,14 @@ def region(outputs: Iterable[Node], stops: set[Node]) -> set[Node]:
     entering its inputs' nodes (``stops``) or any AccumulateGrad."""
     inside: set[Node] = set()
     stack = [node for node in outputs if node is not None]
-    while stack:
+    while stack:  # once per node of every call, every step: no calls inside (host time)
         node = stack.pop()
-        if node in inside or node in stops or is_accumulator(node):
+        if node in inside or node in stops or hasattr(node, "variable"):  # AccumulateGrad
             continue
         inside.add(node)
-        stack.extend(child for child, _ in node.next_functions if child is not None)
+        for child, _ in node.next_functions:
+            if child is not None:
+                stack.append(child)
     return inside
 
 
