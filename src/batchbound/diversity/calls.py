@@ -54,10 +54,8 @@ class CallRecord:
 
     def __post_init__(self) -> None:
         self.main = self.entry.main or first_argument(self.module)
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return self.prefix, self.index
+        # read a dozen times per call every step: an attribute, not a property (host time)
+        self.key: tuple[str, int] = (self.prefix, self.index)
 
     @property
     def label(self) -> str:
@@ -121,6 +119,8 @@ def saved_tensor_hooks_active() -> bool:
 def flatten(value: Any) -> list[Any]:
     """The leaves of nested tuples, lists, dicts (a Hugging Face ``ModelOutput`` is one) and
     dataclass instances, in order."""
+    if isinstance(value, Tensor):  # the common leaf, first (every call's inputs and outputs)
+        return [value]
     if isinstance(value, (tuple, list)):
         return [leaf for item in value for leaf in flatten(item)]
     if isinstance(value, dict):
