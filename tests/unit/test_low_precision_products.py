@@ -79,3 +79,41 @@ def test_watch_under_autocast_gives_the_same_numbers_unwidened(monkeypatch) -> N
         assert sq.dtype == torch.float32
         torch.testing.assert_close(sq, wide.sq_norms[name], rtol=1e-6, atol=0)
     assert abs(low.S / wide.S - 1) < 1e-6
+
+
+class _TiedFloat64(nn.Module):
+    """A float64 first parameter (the working dtype) before a tied embedding and head: under
+    bfloat16 autocast the head's call is bfloat16, the embedding's forms float64."""
+
+    def __init__(self, vocab: int = 2000, dim: int = 64) -> None:
+        super().__init__()
+        self.temp = nn.Parameter(torch.ones((), dtype=torch.float64))
+        self.wte = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.wte(idx))) * self.temp
+
+
+def _token_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.double().transpose(1, 2), y,
+                                       reduction="none").sum(dim=1)
+
+
+def test_a_float64_working_dtype_keeps_the_forms_in_float64_under_autocast(monkeypatch) -> None:
+    """Only where the working dtype is float32 do the terms go unwidened: here the bfloat16
+    head meets the float64 embedding form in the tied weight's cross terms (n·numel past
+    2²⁰, not summed materialised), which multiplied float32 by float64 and raised."""
+    torch.manual_seed(0)
+    model = _TiedFloat64().eval()
+    x, y = torch.randint(0, 2000, (16, 5)), torch.randint(0, 2000, (16, 5))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        stats = PreparedStats(model, _token_loss)(x, y)
+    assert {t.dtype for t in stats.sq_norms.values()} == {torch.float64}
+    entry = registry.RULES[nn.Linear]
+    monkeypatch.setitem(registry.RULES, nn.Linear, dataclasses.replace(entry, low_precision=False))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        wide = PreparedStats(model, _token_loss)(x, y)
+    for name, sq in stats.sq_norms.items():
+        assert torch.equal(sq, wide.sq_norms[name])

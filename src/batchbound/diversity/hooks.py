@@ -605,12 +605,14 @@ class HooksPass:
         parameters'. A call whose output is lower precision than its floating inputs ran on
         inputs cast down (autocast casts a Linear's input to bfloat16): the rule reads them
         as rounded, the activations the operation actually used. A ``low_precision`` rule
-        gets them in the call's own dtype, unwidened."""
+        gets them in the call's own dtype, unwidened, where the working dtype is float32
+        (its forms widen to float32; a float64 model's other forms are float64)."""
         work = norm_dtype(self._dtype(call))
         out = lowest(*(o.dtype for o in call.outputs if o.dtype.is_floating_point))
         if out in LOW_PRECISION and work not in LOW_PRECISION:
             inputs = {k: _rounded(v, out) for k, v in inputs.items()}
-            if call.entry.low_precision and all(g.dtype == out for g in grads):
+            if (call.entry.low_precision and work == torch.float32
+                    and all(g.dtype == out for g in grads)):
                 return inputs, grads  # the rule's forms widen or multiply them (``products``)
             inputs = {k: _widened(v, work) for k, v in inputs.items()}
         else:

@@ -546,6 +546,8 @@ class _Watched:
                 self.planned.layout = layout
             finally:
                 self._inside = False
+            # the probe ran the model: a buffer its forward builds lazily exists now
+            self.buffers = list(model.buffers())
         excluded = {**self.plan.static_reasons(), **self.planned.checked}
         self.run = HooksPass(self.plan, self.params, layout, int(x.shape[0]), excluded,
                              fingerprint_vectors=self.planned.fingerprint_vectors)
