@@ -164,14 +164,11 @@ class RandomState:
     masks and reads the same buffers (spectral norm's power iteration updates its vectors in
     every train-mode forward)."""
 
-    def __init__(self, devices: list[int], model: nn.Module | None = None,
-                 buffers: Iterable[Tensor] | None = None) -> None:
+    def __init__(self, devices: list[int], buffers: Iterable[Tensor] = ()) -> None:
         self.devices = devices
         self.cpu = torch.get_rng_state()
         self.cuda = [torch.cuda.get_rng_state(d) for d in devices]
-        if buffers is None:  # the model's, or the ones the caller read off it already
-            buffers = () if model is None else model.buffers()
-        self.buffers = [(b, b.detach().clone()) for b in buffers]
+        self.buffers = [(b, b.detach().clone()) for b in buffers]  # the model's
 
     @contextmanager
     def replaying(self) -> Iterator[None]:

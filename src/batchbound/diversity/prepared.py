@@ -218,7 +218,7 @@ class PreparedStats:
         excluded = self.checked if self.checked is not None else self.plan.static_reasons()
         # the random state and buffers the forward begins from, for a replay (train mode)
         random = (RandomState(sorted({p.device.index or 0 for p in self.params.values()
-                                      if p.device.type == "cuda"}), self.model)
+                                      if p.device.type == "cuda"}), self.model.buffers())
                   if any(m.training for m in self.model.modules()) else None)
         result = hooks_stats(self.model, x, y, self.loss_fn, self.plan, self.params,
                              self.layout, excluded=excluded, offset=offset,

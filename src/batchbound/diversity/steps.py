@@ -555,7 +555,7 @@ class _Watched:
         self.run.recorder.start()
         # the probe above kept the random state: this is the one the user's forward draws from
         self.random = RandomState(sorted({p.device.index or 0 for p in self.params.values()
-                                          if p.device.type == "cuda"}), buffers=self.buffers)
+                                          if p.device.type == "cuda"}), self.buffers)
         self._rows = self.run.rows = RowTracker((args, kwargs), self.buffers)
         self._rows.__enter__()
 
