@@ -174,3 +174,25 @@ def test_a_temperature_per_class_is_measured_and_watch_refuses_its_rows() -> Non
         with pytest.raises(BatchboundError) as info, watch(model, OnlineDiversity(10)):
             per_class(model(x), y).mean().backward()
     assert f"output 1 of the model, shape ({E},), receives a gradient" in str(info.value)
+
+
+def test_measuring_the_same_model_again_reuses_its_output_kinds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The outputs' kinds (two forward passes at 2 and 3 examples) are kept with the model's
+    other checks: a second ``measure`` of the same model and loss does not run them again,
+    and gives the same numbers."""
+    import batchbound.diversity.prepared as prepared
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(12, 4), torch.randint(3, (12,))
+    runs = []
+    real = prepared.output_kinds
+    monkeypatch.setattr(prepared, "output_kinds",
+                        lambda *a, **k: runs.append(1) or real(*a, **k))
+    first = measure(model, (x, y), "cross_entropy", chunk_size=5)
+    second = measure(model, (x, y), "cross_entropy", chunk_size=5)
+    assert len(runs) == 1
+    # the first call's first chunk is summed apart (it may run again): the float32 sums
+    # of the gradient differ in their last bits
+    assert pytest.approx((first.S, first.T), rel=1e-6) == (second.S, second.T)

@@ -60,8 +60,9 @@ from batchbound.errors import BatchboundError
 # The check of a model (its calls' example axes and the rules' agreement with the loop)
 # depends on its structure and the loss, not on its weights: kept per model, so that
 # measuring the same model again (every half epoch in a study) does not redo it.
+# The outputs' kinds (``output_kinds``: two more forward passes) are kept with them.
 _CHECKS: weakref.WeakKeyDictionary[
-    nn.Module, tuple[tuple, HookPlan, Layout, dict[str, str]]
+    nn.Module, tuple[tuple, HookPlan, Layout, dict[str, str], OutputKinds | None]
 ] = weakref.WeakKeyDictionary()
 
 
@@ -119,6 +120,7 @@ class PreparedStats:
             cached = _CHECKS.get(model)
             if cached is not None and cached[0] == self._structure:
                 self.plan, self.layout, self.checked = cached[1], cached[2], dict(cached[3])
+                self.kinds = cached[4]
             else:
                 self.plan = plan_hooks(model, self.params)
 
@@ -204,7 +206,8 @@ class PreparedStats:
         self.checked = reasons
         assert self.layout is not None
         assert self.plan is not None
-        _CHECKS[self.model] = (self._structure, self.plan, self.layout, dict(reasons))
+        _CHECKS[self.model] = (self._structure, self.plan, self.layout, dict(reasons),
+                               self.kinds)
         if reasons and self.engine == "hooks":
             raise BatchboundError(f"engine='hooks' cannot compute these parameters' per-example "
                                   f"gradients exactly: {describe(reasons)}")
