@@ -1,5 +1,5 @@
 """benchmarks/gpu.py runs every path on CPU (--device cpu --smoke): the table a GPU run
-prints comes from the same code."""
+prints comes from the same code; benchmarks/host.py (the host-time proxy) runs every step."""
 
 from __future__ import annotations
 
@@ -25,3 +25,13 @@ def test_gpu_benchmark_smoke_on_cpu() -> None:
         assert row["errors"] == {} and row["plain_ms"] > 0 and row["measure_ratio"] > 0
         assert row["watch_extra"] is not None
     assert rows[1]["norms_extra"] is not None  # GPT-2 has LayerNorms: the cheap mode ran
+
+
+def test_host_benchmark_runs_every_step() -> None:
+    """benchmarks/host.py (the host-time proxy) times each step on the real code path."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "host.py"), "--layers", "1", "--repeats",
+         "1", "--json"], capture_output=True, text=True, timeout=300, check=True)
+    rows = json.loads(done.stdout)
+    assert [r["step"] for r in rows] == ["plain", "watch", "watch:norms", "empty mode"]
+    assert all(r["ms"] > 0 for r in rows)

@@ -1,0 +1,116 @@
+"""Host-time proxy for the in-loop tools on a GPU, in milliseconds, on a machine without one.
+
+On an H100 GPT-2 small's step under ``watch`` was bound by the host (docs/benchmarks.md): the
+time Python and torch's dispatcher take to issue the step, not the GPU's work. This script
+times that host work on CPU: GPT-2 small's structure (12 layers, its modules and calls) at
+width 32, context 8 and batch 4, where the arithmetic is a small part of a step and its wall
+time is nearly all dispatch and Python. Interleaved rounds, medians, one thread:
+
+- ``plain``: the bare forward and backward (``loss.backward()``);
+- ``watch`` / ``watch:norms``: the same step inside ``watch(model, monitor)`` (all layers, and
+  the cheap mode, ``subset="norms"``);
+- ``empty mode``: the plain step with a ``TorchDispatchMode`` around the forward that does
+  nothing but call each operation: what torch's Python dispatch alone costs a tracker that
+  sees every operation of the forward, as ``watch``'s row tracker (diversity/rows.py) does.
+
+The ratios are the host's, not a GPU step's: where the GPU's own work is longer than the
+host's, a step's wall time is the GPU's.
+
+    python benchmarks/host.py
+    python benchmarks/host.py --layers 24 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from batchbound.diversity import OnlineDiversity, watch
+
+
+class EmptyMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return func(*args, **(kwargs or {}))
+
+
+def gpt2(layers: int, width: int) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    return GPT2LMHeadModel(GPT2Config(
+        n_layer=layers, n_embd=width, n_head=4, n_positions=8, vocab_size=64, use_cache=False,
+        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).eval()
+
+
+def steps(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Callable[[], None]]:
+    monitor = OnlineDiversity()
+    none = contextlib.nullcontext
+
+    def step(block: Callable[[], Any], forward: Callable[[], Any] = none) -> Callable[[], None]:
+        def run() -> None:
+            model.zero_grad(set_to_none=True)
+            with block():
+                with forward():
+                    logits = model(input_ids=x).logits
+                F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+
+        return run
+
+    return {
+        "plain": step(none),
+        "watch": step(lambda: watch(model, monitor)),
+        "watch:norms": step(lambda: watch(model, monitor, subset="norms")),
+        "empty mode": step(none, EmptyMode),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=12, help="GPT-2 layers (default 12)")
+    parser.add_argument("--width", type=int, default=32, help="model width (default 32)")
+    parser.add_argument("--repeats", type=int, default=40, help="interleaved rounds")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = gpt2(args.layers, args.width)
+    tokens = torch.randint(64, (4, 9), generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    runs = steps(model, x, y)
+    for run in runs.values():  # the first watched step plans and checks the model
+        for _ in range(3):
+            run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    rows = [{"step": name, "ms": round(v, 2), "extra": round(100 * (v / ms["plain"] - 1))}
+            for name, v in ms.items()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"GPT-2 structure, {args.layers} layers at width {args.width}, batch 4 × 8 tokens; "
+          f"torch {torch.__version__}, 1 thread, median of {args.repeats} interleaved rounds")
+    print("| step | ms | extra |\n|---|---|---|")
+    for row in rows:
+        print(f"| {row['step']} | {row['ms']:.2f} | {row['extra']:+d} % |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
