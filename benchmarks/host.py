@@ -12,6 +12,8 @@ time is nearly all dispatch and Python. Interleaved rounds, medians, one thread:
 - ``empty mode``: the plain step with a ``TorchDispatchMode`` around the forward that does
   nothing but call each operation: what torch's Python dispatch alone costs a tracker that
   sees every operation of the forward, as ``watch``'s row tracker (diversity/rows.py) does.
+- ``measure``: ``measure()`` of the same batch as one chunk, called again on the same model
+  (its checks are kept from the first call), as ``benchmarks/gpu.py`` times it.
 
 The ratios are the host's, not a GPU step's: where the GPU's own work is longer than the
 host's, a step's wall time is the GPU's.
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from batchbound.diversity import OnlineDiversity, watch
+from batchbound.diversity import OnlineDiversity, measure, watch
 
 
 class EmptyMode(TorchDispatchMode):
@@ -73,7 +75,14 @@ def steps(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Callable[[], None
         "watch": step(lambda: watch(model, monitor)),
         "watch:norms": step(lambda: watch(model, monitor, subset="norms")),
         "empty mode": step(none, EmptyMode),
+        "measure": lambda: measure(model, (x, y), token_loss, chunk_size=x.shape[0]),
     }
+
+
+def token_loss(outputs: Any, y: Tensor) -> Tensor:
+    """Each sequence's mean next-token cross-entropy."""
+    logits = outputs.logits
+    return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(dim=1)
 
 
 def main(argv: list[str] | None = None) -> int:
