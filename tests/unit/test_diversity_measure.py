@@ -207,6 +207,20 @@ def test_users_model_is_untouched() -> None:
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
 
 
+def test_a_model_in_eval_mode_is_not_switched() -> None:
+    """measure() of a model in eval mode already (a loop that measures it again and again)
+    leaves every module as it is: no train(False) call, no mode written back."""
+    torch.manual_seed(6)
+    model = small_cnn().eval()
+    calls = []
+    for module in model.modules():
+        module.train = lambda mode=True, m=module: calls.append(m)  # type: ignore[method-assign]
+    x, y = cnn_data()
+    measure(model, (x, y), "cross_entropy")
+    assert calls == []
+    assert not any(m.training for m in model.modules())
+
+
 def test_no_warning_for_covered_models_even_under_no_grad() -> None:
     model = small_cnn()
     with warnings.catch_warnings(), torch.no_grad():

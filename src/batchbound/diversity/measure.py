@@ -183,7 +183,7 @@ def measure(
         raise BatchboundError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     if engine not in ENGINES:
         raise BatchboundError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
-    trainable_parameters(model)  # raises for a model with nothing to measure
+    params = trainable_parameters(model)  # raises for a model with nothing to measure
     chunks, n_known, task = data_chunks(data, chunk_size)
     loss_fn = resolve_loss(loss, task)
     named = not callable(loss)
@@ -191,12 +191,14 @@ def measure(
     start = time.perf_counter()
     # one thread (or $BATCHBOUND_THREADS): S and T's last bits do not follow the cores
     with kernels.computing_threads(), measuring(model, dtype) as work:
+        if work is not model:  # a float64 copy
+            params = trainable_parameters(work)
         if memory_budget is not None:
             chunk_size = _budget_chunk(work, data, loss_fn, memory_budget, chunk_size)
             chunks, n_known, _ = data_chunks(data, chunk_size)
         totals = _accumulate(work, _tensor_targets(chunks) if named else chunks, n_known,
                              loss_fn, engine, progress)
-    dtype = _model_dtype(work)
+    dtype = next(iter(params.values())).dtype
     extra: dict[str, object] = {"loss_name": loss_name(loss_fn), "fallback_parameters": [],
                                 "chunk_size": chunk_size}
     count, loss_sum, per_param, grad_sum, fallback, seen = totals
@@ -207,7 +209,7 @@ def measure(
         extra["precision"] = statement(used, dtype)
         warnings.warn(f"batchbound: {statement(used, dtype)}; dtype=torch.float64 measures a "
                       "float64 copy (outside autocast)", stacklevel=2)
-    names = list(trainable_parameters(work))
+    names = list(params)
     reduced = all_reduce_sum([count, loss_sum, *per_param, *grad_sum])
     n = round(float(reduced[0]))
     if n == 0:
