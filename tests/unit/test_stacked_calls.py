@@ -81,13 +81,16 @@ def test_watch_stacks_like_layers_exactly(step: int, stacks: list[list[str]]) ->
 
 def test_the_hooks_engine_stacks_norms_exactly(stacks: list[list[str]]) -> None:
     """Under per_example_stats every parameter's own norms, each from its stack's rows; the
-    Linear layers, whose batch sums the rule gives there (``own_sums``), run alone."""
+    Linear layers, whose batch sums the rule gives there (``own_sums``), stack too, each
+    adding its own rows' sum."""
     torch.manual_seed(1)
     model = Blocks()
     x = torch.randn(4, 5, 8)
     assert_exact(model, x, feature_targets(model.double(), x.double()), feature_loss,
                  engine="hooks")
-    assert stacks and all(sorted(s) == ["norms.0", "norms.1", "norms.2"] for s in stacks)
+    assert stacks and all(sorted(s) in (["fcs.0", "fcs.1", "fcs.2"],
+                                        ["norms.0", "norms.1", "norms.2"]) for s in stacks)
+    assert ["fcs.0", "fcs.1", "fcs.2"] in map(sorted, stacks)
 
 
 def test_layers_the_rule_reads_differently_are_not_stacked(stacks: list[list[str]]) -> None:
@@ -113,8 +116,8 @@ def test_a_tied_weight_is_not_stacked(stacks: list[list[str]]) -> None:
 def test_held_gradients_stay_within_the_budget(stacks: list[list[str]],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Past ``defer_budget`` numbers of held output gradients the held calls run at once:
-    still exact, in smaller stacks."""
-    monkeypatch.setattr(hooks, "DEFER_BUDGET", 2 * 4 * 5 * 8)  # two calls' gradients
+    still exact, in smaller stacks (the backward meets a Linear and a LayerNorm by turns)."""
+    monkeypatch.setattr(hooks, "DEFER_BUDGET", 4 * 4 * 5 * 8)  # four calls' gradients
     torch.manual_seed(4)
     model = Blocks(eps=(1e-5,) * 5).double()
     x = torch.randn(4, 5, 8, dtype=torch.float64)
@@ -134,3 +137,46 @@ def test_rows_nobody_asked_for_are_left_out(stacks: list[list[str]]) -> None:
     assert monitor.m2 == pytest.approx(expected.m2, rel=1e-9)
     assert monitor.cross == pytest.approx(expected.cross, rel=1e-9, abs=1e-9 * expected.m2)
     assert ["norms.0", "norms.1", "norms.2"] in map(sorted, stacks)
+
+
+def test_measure_stacks_like_linear_layers_exactly(stacks: list[list[str]]) -> None:
+    """measure(): Linear layers of one shape, whose batch sums the rules add into the running
+    sums themselves, run stacked, each adding its own rows' sum; the first (its input needs
+    no gradient, so autograd is asked for its output's and its node never runs) is taken once.
+    S, T and every parameter's S equal the float64 loop's, over several chunks."""
+    from batchbound.diversity import measure
+
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                          nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x, y = torch.randn(20, 8, dtype=torch.float64), torch.randint(3, (20,))
+    report = measure(model, (x, y), "cross_entropy", chunk_size=6)
+    params = dict(model.named_parameters())
+    per = dict.fromkeys(params, 0.0)
+    total = {k: torch.zeros_like(p) for k, p in params.items()}
+    for i in range(20):
+        loss = nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1])
+        for k, g in zip(params, torch.autograd.grad(loss, list(params.values())),
+                        strict=True):
+            per[k] += float(g.square().sum())
+            total[k] += g
+    T = sum(float(t.square().sum()) for t in total.values())
+    assert report.per_parameter_S == pytest.approx(per, rel=1e-10)
+    assert pytest.approx((sum(per.values()), T), rel=1e-10) == (report.S, report.T)
+    assert ["2", "4"] in map(sorted, stacks)
+
+
+def test_calls_that_add_batch_sums_stack_only_when_small(stacks: list[list[str]],
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Past ``SUMS_STACK_NUMEL`` numbers a call whose rule adds its batch sum runs alone (the
+    copies into the stack cost more there than they save, on CPU)."""
+    from batchbound.diversity import measure, stacking
+
+    monkeypatch.setattr(stacking, "SUMS_STACK_NUMEL", 6 * 8 - 1)  # below a chunk's 6 × 8
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                          nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x, y = torch.randn(12, 8, dtype=torch.float64), torch.randint(3, (12,))
+    measure(model, (x, y), "cross_entropy", chunk_size=6)
+    assert not any("2" in s for s in stacks)

@@ -230,6 +230,7 @@ class HooksPass:
         self._held = 0  # numbers in ``_dense``, at most ``defer_budget``
         # calls held to run stacked with their like (``stacking.py``), by key
         self._stacks: dict[Hashable, list[CallRecord]] = {}
+        self._stacked: set[tuple[str, int]] = set()  # calls put in a stack (run or waiting)
         self._waiting = 0  # numbers of their output gradients, at most ``defer_budget``
         self.defer_budget = DEFER_BUDGET
         self._broadcasts: dict[tuple[str, int], _Broadcast] = {}
@@ -324,7 +325,7 @@ class HooksPass:
         """The captured output gradients, for the calls whose node the backward did not run
         (no prehook fired: nothing below them was asked for)."""
         for call, grad in zip(self._captures, grads, strict=True):
-            if call.grads:  # not run yet
+            if call.grads and call.key not in self._stacked:  # not run, nor held to run
                 self.backward_seen = True
                 call.grads = [grad]
                 self._run(call)
@@ -486,21 +487,29 @@ class HooksPass:
                 continue
             self._store([name], form)
             self._fingerprint(name, form)
-            if self.into is not None and name in self.rule_sums and form.batch_sum_exact:
-                form.add_total_to(self.into[name])
-                self.added.add(name)
-            elif not form.batch_sum_exact or name in self.rule_sums:
-                self.totals[name] = form.total().reshape(self.params[name].shape)
+            self._batch_sum(name, form)
+
+    def _batch_sum(self, name: str, form: PerExampleGrad) -> None:
+        """Σ_i g_i of one call's parameter where autograd's is not taken (``rule_sums``: added
+        into ``into`` by the form's own kernel, or kept in ``totals``) or is not the sum of
+        the examples' (``batch_sum_exact`` False)."""
+        if self.into is not None and name in self.rule_sums and form.batch_sum_exact:
+            form.add_total_to(self.into[name])
+            self.added.add(name)
+        elif not form.batch_sum_exact or name in self.rule_sums:
+            self.totals[name] = form.total().reshape(self.params[name].shape)
 
     def _ready(self, call: CallRecord) -> None:
         """A one-output call's gradient has arrived: its rule runs now, or, for a call whose
-        parameters are its own (no cross terms, no batch sum asked of the rule), with its
-        like stacked (``stacking.py``) at the end of the backward pass; once
-        ``defer_budget`` numbers of held gradients wait, the held calls run first."""
+        parameters are its own (no cross terms), with its like stacked (``stacking.py``) at
+        the end of the backward pass, batch sums asked of the rule included
+        (``_batch_sum``); once ``defer_budget`` numbers of held gradients wait, the held
+        calls run first."""
         assert self.layout is not None
-        own = all(self._contributions.get(k, 1) == 1 and k not in self.rule_sums
-                  for k in self.plan.claims[call.prefix].values())
-        key = stacking.stack_key(call, self.layout[call.key].axis) if own else None
+        claimed = self.plan.claims[call.prefix].values()
+        own = all(self._contributions.get(k, 1) == 1 for k in claimed)
+        key = stacking.stack_key(call, self.layout[call.key].axis,
+                                 sums=any(k in self.rule_sums for k in claimed)) if own else None
         if key is None:
             self._run(call)
             return
@@ -509,6 +518,7 @@ class HooksPass:
         if self._waiting + grad.numel() > self.defer_budget:
             self._run_stacks()
         self._stacks.setdefault(key, []).append(call)
+        self._stacked.add(call.key)
         self._waiting += grad.numel()
 
     def _run_stacks(self) -> None:
@@ -539,12 +549,11 @@ class HooksPass:
             self._store(names, form)
             for k, name in enumerate(names):
                 if name is None or (name not in self.fingerprint_vectors
-                                    and form.batch_sum_exact):
+                                    and name not in self.rule_sums and form.batch_sum_exact):
                     continue
                 part = form.part(stacking.rows(k, self.n))
                 self._fingerprint(name, part)
-                if not part.batch_sum_exact:
-                    self.totals[name] = part.total().reshape(self.params[name].shape)
+                self._batch_sum(name, part)
 
     def _store(self, names: list[str | None], form: PerExampleGrad) -> None:
         """A form's per-example squared norms (of one call's parameter, or of several calls'

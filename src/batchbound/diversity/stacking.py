@@ -27,17 +27,24 @@ from batchbound.diversity.rules import DEFER_NUMEL
 
 # A call whose input or output gradient holds more numbers than this runs on its own.
 STACK_NUMEL = DEFER_NUMEL
+# The same for a call whose rule also adds the batch sum into a running sum (``measure``'s
+# Linear layers): its copies into the stack outweigh what stacking saves sooner. At
+# DEFER_NUMEL the MLP's 256 × 512 calls of benchmarks/diversity.py took measure() from
+# 1.24× to 1.28–1.30× a plain pass on CPU; the small calls of GPT-2 at width 32
+# (benchmarks/host.py) gain.
+SUMS_STACK_NUMEL = 2**16
 
 
-def stack_key(call: CallRecord, axis: int | None) -> Hashable | None:
+def stack_key(call: CallRecord, axis: int | None, sums: bool = False) -> Hashable | None:
     """Calls with equal keys may be stacked (``axis``: where the call's examples lie, from
-    the layout); None: this call runs on its own. Its rule must have a ``config``, take one
-    tensor argument and one output gradient, with the examples along dimension 0."""
+    the layout; ``sums``: its rule adds batch sums too); None: this call runs on its own. Its
+    rule must have a ``config``, take one tensor argument and one output gradient, with the
+    examples along dimension 0."""
     entry, x = call.entry, call.main_input
     g = call.grads[0] if len(call.grads) == 1 else None
     if (entry.config is None or entry.example_axis is not None or axis != 0
             or list(call.inputs) != [call.main] or not isinstance(x, Tensor) or g is None
-            or max(x.numel(), g.numel()) > STACK_NUMEL):
+            or max(x.numel(), g.numel()) > (SUMS_STACK_NUMEL if sums else STACK_NUMEL)):
         return None
     return (type(call.module), entry.config(call.module), x.shape, x.dtype, x.device, g.shape,
             g.dtype, call.outputs[0].dtype)
