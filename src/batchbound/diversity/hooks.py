@@ -509,7 +509,7 @@ class HooksPass:
         claimed = self.plan.claims[call.prefix].values()
         own = all(self._contributions.get(k, 1) == 1 for k in claimed)
         key = stacking.stack_key(call, self.layout[call.key].axis,
-                                 sums=any(k in self.rule_sums for k in claimed)) if own else None
+                                 sums=not self.rule_sums.isdisjoint(claimed)) if own else None
         if key is None:
             self._run(call)
             return
