@@ -261,7 +261,7 @@ class HooksPass:
         feeding = self.rows.feeding_moves() if self.rows is not None else set()
         for call in self.recorder.calls:
             reason = self._call_reason(call, users)
-            if reason is None and any(o.node in feeding for o in call.outputs):
+            if reason is None and feeding and any(o.node in feeding for o in call.outputs):
                 reason = (f"its output's rows are then moved by the data (by "
                           f"{self.rows.moved_by}), so they stop being the examples' own")
             if reason:

@@ -53,16 +53,20 @@ from batchbound.diversity.precision import LOW_PRECISION, Casts, GradientPrecisi
 
 _INDEX_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
                            torch.int64})
-_KINDS: dict[Any, tuple[bool, bool, bool]] = {}  # op -> (dynamic shape, pointwise, random)
+# By the op's id: an OpOverload's __hash__ is Python, one more call per operation of every
+# forward; the ops are kept in _HELD so that no id is reused.
+_KINDS: dict[int, tuple[bool, bool, bool]] = {}  # id(op) -> (dynamic shape, pointwise, random)
+_HELD: list[Any] = []
 
 
 def _kind(func: Any) -> tuple[bool, bool, bool]:
-    kind = _KINDS.get(func)
+    kind = _KINDS.get(id(func))
     if kind is None:
         tags = set(getattr(func, "tags", ()))
-        kind = _KINDS[func] = (torch.Tag.dynamic_output_shape in tags,
-                               torch.Tag.pointwise in tags,
-                               torch.Tag.nondeterministic_seeded in tags)
+        kind = _KINDS[id(func)] = (torch.Tag.dynamic_output_shape in tags,
+                                   torch.Tag.pointwise in tags,
+                                   torch.Tag.nondeterministic_seeded in tags)
+        _HELD.append(func)
     return kind
 
 
@@ -164,7 +168,7 @@ class RowTracker(TorchDispatchMode):
                     if isinstance(arg, Tensor) and arg.dtype is not dtype and arg.requires_grad:
                         self._seen.see(out, (*args, *kwargs.values()))
                         break
-            kind = _KINDS.get(func) or _kind(func)
+            kind = _KINDS.get(id(func)) or _kind(func)
             if not (kind[0] or kind[2] or self.positions or self.marked
                     or out.dtype in _INDEX_DTYPES):
                 # The common case, decided without collecting the inputs: an activation
@@ -175,7 +179,7 @@ class RowTracker(TorchDispatchMode):
                     if isinstance(arg, Tensor) and id(arg) not in clean:
                         return out
         inputs = _tensors(kwargs.values(), _tensors(args, [])) if kwargs else _tensors(args, [])
-        dynamic, pointwise, random = _KINDS.get(func) or _kind(func)
+        dynamic, pointwise, random = _KINDS.get(id(func)) or _kind(func)
         clean = not random and all(id(t) in self.clean for t in inputs)
         if (not (dynamic or random or clean or self.positions or self.marked)
                 and isinstance(out, Tensor) and out.dtype not in _INDEX_DTYPES):
@@ -211,6 +215,8 @@ class RowTracker(TorchDispatchMode):
         return id(t) in self.marked or (t._base is not None and id(t._base) in self.marked)
 
     def reads_marked(self, values: Any) -> bool:
+        if not self.marked:  # the common case, read for every call: nothing moved
+            return False
         return any(self.is_marked(t) for t in _tensors(values, []))
 
     def feeding_moves(self) -> set[Node]:
