@@ -7,7 +7,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PIP    := $(BIN)/python -m pip install --disable-pip-version-check -q $(FIND_LINKS) -c constraints.txt
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-slow test-gpu lint bench bench-ops clean
+.PHONY: install demo test test-slow test-gpu lint bench bench-ops bench-host clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -53,3 +53,8 @@ clean:
 # the torch profiler on CPU: the deterministic stand-in for their GPU cost (docs/benchmarks.md).
 bench-ops: install
 	$(BIN)/python benchmarks/ops.py
+
+# The host's time per step of watch and measure() on CPU, in milliseconds, on a model whose
+# arithmetic is small: what a GPU step waits on where the host bounds it (docs/benchmarks.md).
+bench-host: install
+	$(BIN)/python benchmarks/host.py
