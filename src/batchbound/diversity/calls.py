@@ -79,18 +79,10 @@ def _signature(module: nn.Module) -> inspect.Signature:
     return signature
 
 
-_FIRST: dict[type, str] = {}
-
-
 def first_argument(module: nn.Module) -> str:
-    """The name of ``forward``'s first argument after self (per type: read for every
-    recorded call)."""
-    kind = type(module)
-    first = _FIRST.get(kind)
-    if first is None:
-        names = list(_signature(module).parameters)
-        first = _FIRST[kind] = names[1] if len(names) > 1 else ""
-    return first
+    """The name of ``forward``'s first argument after self."""
+    names = list(_signature(module).parameters)
+    return names[1] if len(names) > 1 else ""
 
 
 def _positional(module: nn.Module) -> list[str] | None:

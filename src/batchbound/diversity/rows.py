@@ -53,20 +53,16 @@ from batchbound.diversity.precision import LOW_PRECISION, Casts, GradientPrecisi
 
 _INDEX_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
                            torch.int64})
-# By the op's id: an OpOverload's __hash__ is Python, one more call per operation of every
-# forward; the ops are kept in _HELD so that no id is reused.
-_KINDS: dict[int, tuple[bool, bool, bool]] = {}  # id(op) -> (dynamic shape, pointwise, random)
-_HELD: list[Any] = []
+_KINDS: dict[Any, tuple[bool, bool, bool]] = {}  # op -> (dynamic shape, pointwise, random)
 
 
 def _kind(func: Any) -> tuple[bool, bool, bool]:
-    kind = _KINDS.get(id(func))
+    kind = _KINDS.get(func)
     if kind is None:
         tags = set(getattr(func, "tags", ()))
-        kind = _KINDS[id(func)] = (torch.Tag.dynamic_output_shape in tags,
-                                   torch.Tag.pointwise in tags,
-                                   torch.Tag.nondeterministic_seeded in tags)
-        _HELD.append(func)
+        kind = _KINDS[func] = (torch.Tag.dynamic_output_shape in tags,
+                               torch.Tag.pointwise in tags,
+                               torch.Tag.nondeterministic_seeded in tags)
     return kind
 
 
@@ -168,7 +164,7 @@ class RowTracker(TorchDispatchMode):
                     if isinstance(arg, Tensor) and arg.dtype is not dtype and arg.requires_grad:
                         self._seen.see(out, (*args, *kwargs.values()))
                         break
-            kind = _KINDS.get(id(func)) or _kind(func)
+            kind = _KINDS.get(func) or _kind(func)
             if not (kind[0] or kind[2] or self.positions or self.marked
                     or out.dtype in _INDEX_DTYPES):
                 # The common case, decided without collecting the inputs: an activation
@@ -179,7 +175,7 @@ class RowTracker(TorchDispatchMode):
                     if isinstance(arg, Tensor) and id(arg) not in clean:
                         return out
         inputs = _tensors(kwargs.values(), _tensors(args, [])) if kwargs else _tensors(args, [])
-        dynamic, pointwise, random = _KINDS.get(id(func)) or _kind(func)
+        dynamic, pointwise, random = _KINDS.get(func) or _kind(func)
         clean = not random and all(id(t) in self.clean for t in inputs)
         if (not (dynamic or random or clean or self.positions or self.marked)
                 and isinstance(out, Tensor) and out.dtype not in _INDEX_DTYPES):

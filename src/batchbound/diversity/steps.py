@@ -458,7 +458,7 @@ def _walk(model: nn.Module) -> tuple[tuple, list[Tensor]]:
     waits on the host's Python (docs/benchmarks.md)."""
     modules, tensors, buffers = [], [], []
     seen: set[int] = set()
-    for name, module in _named_modules(model):
+    for name, module in model.named_modules():
         modules.append((name, id(module), type(module)))
         for key, p in module._parameters.items():
             if p is not None and id(p) not in seen:
@@ -470,25 +470,6 @@ def _walk(model: nn.Module) -> tuple[tuple, list[Tensor]]:
                 seen.add(id(b))
                 buffers.append(b)
     return (tuple(modules), tuple(tensors)), buffers
-
-
-def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``model.named_modules()`` (pre-order, a shared module once, where first met) without
-    its chain of nested generators: one resumption per module and level of depth, every
-    step, was most of what ``_walk`` cost."""
-    found: list[tuple[str, nn.Module]] = []
-    met: set[int] = set()
-    stack: list[tuple[str, nn.Module]] = [("", model)]
-    while stack:
-        name, module = stack.pop()
-        if id(module) in met:
-            continue
-        met.add(id(module))
-        found.append((name, module))
-        children = [(f"{name}.{key}" if name else key, child)
-                    for key, child in module._modules.items() if child is not None]
-        stack.extend(reversed(children))
-    return found
 
 
 class _Watched:
