@@ -7,6 +7,7 @@
   tokens, dropout, an RNN/GRU/LSTM, a decoder on (T, n, H), tied weights optional.
 - ``LSTMLanguageModel``: a batch-first character LSTM LM.
 - ``MaskedEncoderClassifier``: nn.TransformerEncoder given a key padding mask.
+- ``lenet5``: LeNet-5 as an nn.Sequential (padded first convolution, max pooling).
 - ``resnet``: torchvision's BasicBlock and Bottleneck with downsample shortcuts.
 - ``SwitchMoE``: Switch Transformer's top-1 routing of tokens into ``nn.Linear`` experts, and
   ``ExpertChoiceMoE``, where each expert picks its top tokens (an expert holds exactly n rows
@@ -173,6 +174,13 @@ class MaskedEncoderClassifier(nn.Module):
 
 
 # torchvision.models.resnet, abridged (torchvision itself cannot be installed here)
+def lenet5() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 5),
+        nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(400, 120), nn.ReLU(),
+        nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, 10))
+
+
 def conv3x3(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(in_planes, out_planes, kernel_size=3, stride=stride, padding=1, bias=False)
 

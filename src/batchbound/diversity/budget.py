@@ -1,77 +1,155 @@
 """How many examples a chunk of ``measure`` may hold for its work to fit a memory budget.
 
-A chunk's peak is set by what its forward saves for the backward pass (activations, which
-grow with the examples), the output gradients the backward then holds beside them, and the
-layer rules' per-example forms (sums over positions, Gram matrices), plus what does not grow
-with the chunk: the parameters, autograd's gradient sum and measure's float64 totals.
+A chunk's work is measured, not estimated: ``measure``'s own pass (moving the chunk to the
+device, the forward, the backward, the layer rules' per-example forms, the exact fallback
+where one runs, and whatever the device's kernels allocate inside, such as a bfloat16
+convolution's float32 copies in its backward) is run on the data's first examples, and the
+bytes the device allocates above its start are read at their peak (``peak_bytes``). A pass's
+peak is not a line through small chunks: kernels and the rules change method with the size
+(a bfloat16 MLP's passes take 6 KB an example at 4–8 examples and 14 KB at 1 024), so the
+chunk is searched for on measured peaks:
 
-The per-example part is measured, not guessed: the bytes of the tensors the forward saves
-for backward (``torch.autograd.graph.saved_tensors_hooks``, each storage once, the
-parameters left out), at two chunk sizes k and 2k on the first examples, so that anything
-the model saves whatever the batch cancels. The chunk is then
+    room = TARGET · (budget − kept),    c = b + (room − peak(b)) / slope,
 
-    chunk = (budget − fixed) / (per_example · PER_EXAMPLE_FACTOR),
-
-with ``fixed`` = the parameters' bytes × ``FIXED_FACTOR`` (the weights, their gradient sum,
-measure's float64 totals and block) and ``PER_EXAMPLE_FACTOR`` covering output gradients and
-the rules' forms beside the saved activations. The factors are conservative estimates,
-checked on a GPU by benchmarks/gpu.py, which prints the peak against the budget.
+``kept`` being what ``measure`` holds beside the chunks for the whole run (each parameter's
+running sum in its norm dtype and the float64 totals, ``kept_bytes``) and the slope the
+secant through the two measured sizes nearest the room (first 4 and 8 examples). Each
+candidate c is measured itself, up to ``ROUNDS`` times; the answer is the largest size whose
+measured peak fitted the room. So the chunk returned has fitted the budget on the data's
+first examples; a later chunk that holds more (longer padded sequences) can take more.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from batchbound.diversity.calls import Inputs, call_model
-from batchbound.diversity.losses import PerExampleLoss
+from batchbound.diversity.stats import norm_dtype
 from batchbound.errors import BatchboundError
 
-PER_EXAMPLE_FACTOR = 3.0
-FIXED_FACTOR = 5.0  # weights + autograd's gradient sum + float64 totals (2×) + the block
-MEASURED_EXAMPLES = 2  # the per-example bytes: the forward on this many examples, then twice
+PROBE_EXAMPLES = 4  # the first line: passes on this many examples and twice as many
+ROUNDS = 4  # candidate chunks measured at most
+CLOSE = 0.9  # a measured peak this close to the room ends the search
+# The room is this much of the budget: a pass's peak varies a little between chunks of one
+# size (the order of allocations and releases, a kernel's scratch space).
+TARGET = 0.95
 
 
-def saved_bytes(model: nn.Module, x: Tensor | Inputs, y: Tensor | Inputs,
-                loss_fn: PerExampleLoss) -> int:
-    """Bytes of the distinct storages the forward and the loss save for backward, the
-    model's parameters and buffers excluded (no backward runs)."""
-    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    seen: dict[int, int] = {}
-
-    def pack(t: Tensor) -> Any:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in own:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss_fn(call_model(model, x), y).sum()  # Inputs: model(*args, **kwargs), a dict's
-    return sum(seen.values())
+def kept_bytes(params: dict[str, nn.Parameter]) -> int:
+    """What ``measure`` keeps for the whole run, outside any chunk's pass: a running sum per
+    parameter in its norm dtype, and the float64 totals they are added into."""
+    return sum(p.numel() * (norm_dtype(p.dtype).itemsize + 8) for p in params.values())
 
 
-def chunk_for_budget(model: nn.Module, x: Tensor | Inputs, y: Tensor | Inputs,
-                     loss_fn: PerExampleLoss, budget: int, most: int) -> int:
-    """The largest chunk (at most ``most``) whose estimated peak fits ``budget`` bytes, from
-    the first examples of (x, y) (module docstring). Refuses a budget the model's fixed part
-    alone exceeds, or that cannot hold one example."""
+def peak_bytes(device: torch.device, run: Callable[[], object]) -> int:
+    """The most bytes ``device`` holds allocated above its start while ``run()`` runs: CUDA's
+    caching allocator's peak (its peak statistics are reset for it), on CPU the allocation
+    events of ``torch.profiler``, in order."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run()
+        torch.cuda.synchronize(device)
+        return max(torch.cuda.max_memory_allocated(device) - start, 0)
+    if device.type != "cpu":
+        raise BatchboundError(
+            f"memory_budget is measured on CPU and CUDA devices, not on {device.type}; "
+            "give chunk_size instead")
+    if torch.autograd._profiler_enabled():
+        raise BatchboundError(
+            "memory_budget measures measure()'s allocations with torch.profiler on CPU, and a "
+            "profiler is running already; call measure outside it, or give chunk_size instead")
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _stderr_silenced():
+        prof.start()
+    try:
+        run()
+    finally:
+        with _stderr_silenced():
+            prof.stop()
+    events = [e for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()  # negative for a release
+        peak = max(peak, live)
+    return peak
+
+
+@contextmanager
+def _stderr_silenced() -> Iterator[None]:
+    """The process's stderr (file descriptor 2) sent to /dev/null: some torch builds log a
+    line there from C++ each time a profiler starts and stops, which says nothing to a user
+    of ``measure``."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def chunk_for_budget(run: Callable[[int], object], examples: int, device: torch.device,
+                     params: dict[str, nn.Parameter], budget: int, most: int) -> int:
+    """The largest chunk (at most ``most`` and ``examples``) whose measured peak fitted
+    ``budget`` bytes, from ``run(k)``, measure's pass on the first k of ``examples`` examples
+    (module docstring). Refuses a budget that what ``measure`` keeps alone exceeds, or that
+    cannot hold one example's pass."""
     if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
         raise BatchboundError(f"memory_budget must be a positive number of bytes, got {budget!r}")
-    fixed = FIXED_FACTOR * sum(p.numel() * p.element_size() for p in model.parameters())
-    k = min(MEASURED_EXAMPLES, x.shape[0] // 2)
-    if k >= 1:
-        small = saved_bytes(model, x[:k], y[:k], loss_fn)
-        large = saved_bytes(model, x[: 2 * k], y[: 2 * k], loss_fn)
-        per_example = max(large - small, 0) / k
-    else:  # one example: take all it saves as its own
-        per_example = saved_bytes(model, x[:1], y[:1], loss_fn)
-    per_example = max(per_example * PER_EXAMPLE_FACTOR, 1.0)
-    room = budget - fixed
-    if room < per_example:
-        raise BatchboundError(
-            f"memory_budget {budget / 2**20:.1f} MiB cannot hold measure()'s work: about "
-            f"{fixed / 2**20:.1f} MiB for the parameters, their gradient sum and the float64 "
-            f"totals, and {per_example / 2**20:.2f} MiB per example; raise the budget")
-    return max(1, min(most, int(room // per_example)))
+    kept = kept_bytes(params)
+    room = TARGET * (budget - kept)
+    cap = min(most, examples)
+    peaks: dict[int, int] = {}
+
+    def measure_at(k: int) -> None:
+        peaks[k] = peak_bytes(device, lambda: run(k))
+
+    k = min(PROBE_EXAMPLES, max(cap // 2, 1))
+    run(k)  # the first pass checks the model (kept for the rest), unmeasured
+    measure_at(k)
+    if 2 * k <= cap:
+        measure_at(2 * k)
+    for _ in range(ROUNDS):
+        lower = max((c for c, p in peaks.items() if p <= room), default=0)  # fits
+        upper = min((c for c, p in peaks.items() if p > room), default=cap + 1)  # does not
+        if lower == cap or (lower and peaks[lower] >= CLOSE * room) or upper - lower < 2:
+            break
+        a, b = _secant(sorted(peaks), lower, upper)
+        slope = max((peaks[b] - peaks.get(a, 0)) / (b - a), 1.0)
+        candidate = int(b + (room - peaks[b]) / slope)
+        measure_at(min(max(candidate, lower + 1), upper - 1))
+    best = max((c for c, p in peaks.items() if p <= room), default=0)
+    if best == 0:
+        if 1 not in peaks:
+            measure_at(1)
+        if peaks[1] > room:
+            raise BatchboundError(
+                f"memory_budget {budget / 2**20:.1f} MiB cannot hold measure()'s work: "
+                f"{kept / 2**20:.1f} MiB for the gradient sums and the float64 totals, and "
+                f"{peaks[1] / 2**20:.2f} MiB for a chunk of one example; raise the budget")
+        best = 1
+    return best
+
+
+def _secant(sizes: list[int], lower: int, upper: int) -> tuple[int, int]:
+    """The two measured sizes the next candidate is read off (``a`` may be 0, the origin):
+    the largest fit and the smallest miss where both are known, else the two largest fits
+    (growing), else the two smallest misses (shrinking)."""
+    if lower and upper in sizes:
+        return lower, upper
+    if lower:
+        below = [c for c in sizes if c <= lower]
+        return (below[-2] if len(below) > 1 else 0), lower
+    return 0, sizes[0]  # every size measured missed: scale the smallest down

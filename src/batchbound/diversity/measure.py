@@ -22,7 +22,7 @@ from torch.utils.data import Dataset as TorchDataset
 
 from batchbound import kernels
 from batchbound.data.dataset import Dataset
-from batchbound.diversity.budget import MEASURED_EXAMPLES, chunk_for_budget
+from batchbound.diversity.budget import chunk_for_budget
 from batchbound.diversity.calls import Inputs, dict_batch
 from batchbound.diversity.distributed import all_reduce_sum, world_size
 from batchbound.diversity.losses import PerExampleLoss, loss_name, resolve_loss
@@ -174,8 +174,9 @@ def measure(
 
     ``chunk_size``: the most examples per chunk (one forward and backward each).
     ``memory_budget``: bytes the work may take; the chunk is then made smaller where needed,
-    from what the model's forward saves per example (diversity/budget.py); the report's
-    ``extra["chunk_size"]`` says which chunk was used.
+    from measure's own pass measured on the data's first examples at two sizes (the device's
+    allocations at their peak: diversity/budget.py); the report's ``extra["chunk_size"]``
+    says which chunk was used.
 
     Under torch.distributed each rank passes its own shard; every rank gets the global report.
     """
@@ -194,7 +195,8 @@ def measure(
         if work is not model:  # a float64 copy
             params = trainable_parameters(work)
         if memory_budget is not None:
-            chunk_size = _budget_chunk(work, data, loss_fn, memory_budget, chunk_size)
+            chunk_size = _budget_chunk(work, data, loss_fn, engine, memory_budget,
+                                           chunk_size)
             chunks, n_known, _ = data_chunks(data, chunk_size)
         totals = _accumulate(work, _tensor_targets(chunks) if named else chunks, n_known,
                              loss_fn, engine, progress)
@@ -242,18 +244,29 @@ def _tensor_targets(chunks: Iterator[tuple[Any, Any]]) -> Iterator[tuple[Any, An
         yield x, y
 
 
-def _budget_chunk(work: nn.Module, data: Data, loss_fn: PerExampleLoss, budget: int,
-                  most: int) -> int:
-    """The chunk ``memory_budget`` allows, from what the forward saves on the data's first
-    examples."""
-    first, _, _ = data_chunks(data, 2 * MEASURED_EXAMPLES)
-    x, y = next(first)
+def _budget_chunk(work: nn.Module, data: Data, loss_fn: PerExampleLoss, engine: str,
+                  budget: int, most: int) -> int:
+    """The chunk ``memory_budget`` allows, from measure's own pass measured on the data's
+    first chunk (diversity/budget.py)."""
+    first, _, _ = data_chunks(data, most)
+    x, y = next(first)  # moved to the device inside each pass, as _accumulate's chunks are
     device, dtype = _device_dtype(work)
+    stats_of = PreparedStats(work, loss_fn, engine)
+    block = _zeros_like_each(stats_of.params)  # as _accumulate's: the rules add into it
+
+    def run(k: int) -> None:
+        stats_of(*_on_device(x[:k], y[:k], device, dtype), into=block)
+
+    return chunk_for_budget(run, x.shape[0], device, stats_of.params, budget, most)
+
+
+def _on_device(x: Any, y: Any, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+    """A chunk on the model's device, its floating tensors in the model's dtype."""
     x = x.to(device, dtype) if isinstance(x, Inputs) else x.to(
         device=device, dtype=dtype if x.dtype.is_floating_point else None)
     y = y.to(device, dtype) if isinstance(y, Inputs) else y.to(
         device=device, dtype=dtype if y.dtype.is_floating_point else None)
-    return chunk_for_budget(work, x, y, loss_fn, budget, most)
+    return x, y
 
 
 def _device_dtype(work: nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -297,10 +310,7 @@ def _accumulate(
     shown = progress and sys.stderr.isatty()  # a bar that erases itself says nothing to a log
     with tqdm(total=n_known, unit="ex", file=sys.stderr, disable=not shown, leave=False) as bar:
         for x, y in chunks:
-            x = x.to(device, dtype) if isinstance(x, Inputs) else x.to(
-                device=device, dtype=dtype if x.dtype.is_floating_point else None)
-            y = y.to(device, dtype) if isinstance(y, Inputs) else y.to(
-                device=device, dtype=dtype if y.dtype.is_floating_point else None)
+            x, y = _on_device(x, y, device, dtype)
             if chunks_in_block == BLOCK:  # full, and more to come: into float64
                 grad_sum, chunks_in_block = _flush(grad_sum, list(block.values())), 0
             stats = stats_of(x, y, offset=seen, into=block)
