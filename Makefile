@@ -7,7 +7,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PIP    := $(BIN)/python -m pip install --disable-pip-version-check -q $(FIND_LINKS) -c constraints.txt
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-slow test-gpu lint bench bench-ops bench-host clean
+.PHONY: install demo test test-slow test-gpu lint bench bench-ops bench-host bench-budget clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -58,3 +58,7 @@ bench-ops: install
 # arithmetic is small: what a GPU step waits on where the host bounds it (docs/benchmarks.md).
 bench-host: install
 	$(BIN)/python benchmarks/host.py
+
+# measure(memory_budget=...)'s whole run against its budget, CPU peaks (docs/benchmarks.md).
+bench-budget: install
+	$(BIN)/python benchmarks/budget.py

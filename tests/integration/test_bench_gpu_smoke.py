@@ -1,5 +1,6 @@
 """benchmarks/gpu.py runs every path on CPU (--device cpu --smoke): the table a GPU run
-prints comes from the same code; benchmarks/host.py (the host-time proxy) runs every step."""
+prints comes from the same code; benchmarks/host.py (the host-time proxy) runs every step;
+benchmarks/budget.py holds measure() under its memory budget."""
 
 from __future__ import annotations
 
@@ -35,3 +36,12 @@ def test_host_benchmark_runs_every_step() -> None:
     rows = json.loads(done.stdout)
     assert [r["step"] for r in rows] == ["plain", "watch", "watch:norms", "empty mode", "measure"]
     assert all(r["ms"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_budget_benchmark_row_is_within_its_budget() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "budget.py"), "--cases", "lenet",
+         "--precisions", "bf16"], capture_output=True, text=True, timeout=300, check=True)
+    row = done.stdout.strip().splitlines()[-1].strip("|").split("|")
+    assert row[0].strip() == "LeNet-5" and 0.5 < float(row[-1]) <= 1.0
