@@ -13,7 +13,7 @@ chunk is searched for on measured peaks:
 
 ``kept`` being what ``measure`` holds beside the chunks for the whole run (each parameter's
 running sum in its norm dtype and the float64 totals, ``kept_bytes``) and the slope the
-secant through the two measured sizes nearest the room (first 4 and 8 examples). Each
+secant through the two measured sizes nearest the room (first 2 and 4 examples). Each
 candidate c is measured itself, up to ``ROUNDS`` times; the answer is the largest size whose
 measured peak fitted the room. So the chunk returned has fitted the budget on the data's
 first examples; a later chunk that holds more (longer padded sequences) can take more.
@@ -32,12 +32,18 @@ from torch import nn
 from batchbound.diversity.stats import norm_dtype
 from batchbound.errors import BatchboundError
 
-PROBE_EXAMPLES = 4  # the first line: passes on this many examples and twice as many
+PROBE_EXAMPLES = 2  # the first line: passes on this many examples and twice as many
 ROUNDS = 4  # candidate chunks measured at most
 CLOSE = 0.9  # a measured peak this close to the room ends the search
 # The room is this much of the budget: a pass's peak varies a little between chunks of one
 # size (the order of allocations and releases, a kernel's scratch space).
 TARGET = 0.95
+
+
+def check_budget(budget: object) -> None:
+    """Refuse a ``memory_budget`` that is not a positive whole number of bytes."""
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+        raise BatchboundError(f"memory_budget must be a positive number of bytes, got {budget!r}")
 
 
 def kept_bytes(params: dict[str, nn.Parameter]) -> int:
@@ -106,10 +112,14 @@ def chunk_for_budget(run: Callable[[int], object], examples: int, device: torch.
     ``budget`` bytes, from ``run(k)``, measure's pass on the first k of ``examples`` examples
     (module docstring). Refuses a budget that what ``measure`` keeps alone exceeds, or that
     cannot hold one example's pass."""
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-        raise BatchboundError(f"memory_budget must be a positive number of bytes, got {budget!r}")
+    check_budget(budget)
     kept = kept_bytes(params)
     room = TARGET * (budget - kept)
+    if room <= 0:
+        raise BatchboundError(
+            f"memory_budget {budget / 2**20:.1f} MiB cannot hold measure()'s work: "
+            f"{kept / 2**20:.1f} MiB for the gradient sums and the float64 totals alone; "
+            "raise the budget")
     cap = min(most, examples)
     peaks: dict[int, int] = {}
 

@@ -22,7 +22,7 @@ from torch.utils.data import Dataset as TorchDataset
 
 from batchbound import kernels
 from batchbound.data.dataset import Dataset
-from batchbound.diversity.budget import chunk_for_budget
+from batchbound.diversity.budget import check_budget, chunk_for_budget
 from batchbound.diversity.calls import Inputs, dict_batch
 from batchbound.diversity.distributed import all_reduce_sum, world_size
 from batchbound.diversity.losses import PerExampleLoss, loss_name, resolve_loss
@@ -184,6 +184,8 @@ def measure(
         raise BatchboundError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     if engine not in ENGINES:
         raise BatchboundError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
+    if memory_budget is not None:
+        check_budget(memory_budget)
     params = trainable_parameters(model)  # raises for a model with nothing to measure
     chunks, n_known, task = data_chunks(data, chunk_size)
     loss_fn = resolve_loss(loss, task)
