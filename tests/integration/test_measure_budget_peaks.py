@@ -1,11 +1,11 @@
 """``measure(memory_budget=...)`` holds its whole run under the budget, on models whose passes
 are not a fixed multiple of what their forward saves: a LeNet-5 under bfloat16 autocast (the
 CPU's bfloat16 convolution backward copies to float32 inside: the old estimate, 3 × the saved
-tensors, ran 1.12–1.17 × over its budget), an MLP whose per-example bytes more than double past small
-chunks, and a Hugging Face GPT-2 built from its config, fed dict batches. The budget is 1.5 ×
-a plain forward and backward's peak, as benchmarks/gpu.py sets it (1 × for the LeNet-5, where
-measure's whole batch fits 1.5 ×); peaks are read as
-``measure`` reads them (``budget.peak_bytes``: the CPU's allocations, by torch.profiler)."""
+tensors, ran 1.12–1.17 × over its budget), an MLP whose per-example bytes more than double
+past small chunks, and a Hugging Face GPT-2 built from its config, fed dict batches. The
+budget is 1.5 × a plain forward and backward's peak, as benchmarks/gpu.py sets it (1 × for
+the LeNet-5, where measure's whole batch fits 1.5 ×); peaks are read as ``measure`` reads
+them (``budget.peak_bytes``: the CPU's allocations, by torch.profiler)."""
 
 from __future__ import annotations
 
