@@ -21,8 +21,10 @@ first examples; a later chunk that holds more (longer padded sequences) can take
 
 from __future__ import annotations
 
+import numbers
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -33,17 +35,27 @@ from batchbound.diversity.stats import norm_dtype
 from batchbound.errors import BatchboundError
 
 PROBE_EXAMPLES = 2  # the first line: passes on this many examples and twice as many
-ROUNDS = 4  # candidate chunks measured at most
+ROUNDS = 10  # candidate chunks measured at most (each at most twice the largest fit)
 CLOSE = 0.9  # a measured peak this close to the room ends the search
 # The room is this much of the budget: a pass's peak varies a little between chunks of one
 # size (the order of allocations and releases, a kernel's scratch space).
 TARGET = 0.95
 
 
-def check_budget(budget: object) -> None:
-    """Refuse a ``memory_budget`` that is not a positive whole number of bytes."""
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+def check_budget(budget: object) -> int:
+    """``memory_budget`` as an int (a numpy integer too), refusing anything but a positive
+    whole number of bytes."""
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget <= 0:
         raise BatchboundError(f"memory_budget must be a positive number of bytes, got {budget!r}")
+    return int(budget)
+
+
+def size(nbytes: float) -> str:
+    """Bytes as a person reads them: 512 B, 37.5 KiB, 1.2 MiB, 3.0 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def kept_bytes(params: dict[str, nn.Parameter]) -> int:
@@ -107,27 +119,31 @@ def _stderr_silenced() -> Iterator[None]:
 
 
 def chunk_for_budget(run: Callable[[int], object], examples: int, device: torch.device,
-                     params: dict[str, nn.Parameter], budget: int, most: int) -> int:
+                     kept: int, budget: int, most: int) -> int:
     """The largest chunk (at most ``most`` and ``examples``) whose measured peak fitted
-    ``budget`` bytes, from ``run(k)``, measure's pass on the first k of ``examples`` examples
-    (module docstring). Refuses a budget that what ``measure`` keeps alone exceeds, or that
-    cannot hold one example's pass."""
-    check_budget(budget)
-    kept = kept_bytes(params)
+    ``budget`` bytes beside the ``kept`` bytes measure holds for the whole run, from
+    ``run(k)``, measure's pass on the first k of ``examples`` examples (module docstring).
+    Refuses a budget that ``kept`` alone exceeds, or that cannot hold one example's pass."""
+    budget = check_budget(budget)
     room = TARGET * (budget - kept)
     if room <= 0:
         raise BatchboundError(
-            f"memory_budget {budget / 2**20:.1f} MiB cannot hold measure()'s work: "
-            f"{kept / 2**20:.1f} MiB for the gradient sums and the float64 totals alone; "
-            "raise the budget")
+            f"memory_budget {size(budget)} cannot hold measure()'s work: {size(kept)} for "
+            "the gradient sums, the float64 totals and the data or model copies it holds "
+            "alone; raise the budget")
     cap = min(most, examples)
     peaks: dict[int, int] = {}
 
+    def quiet(k: int) -> None:  # a warning of the model's shows in the real run, once
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run(k)
+
     def measure_at(k: int) -> None:
-        peaks[k] = peak_bytes(device, lambda: run(k))
+        peaks[k] = peak_bytes(device, lambda: quiet(k))
 
     k = min(PROBE_EXAMPLES, max(cap // 2, 1))
-    run(k)  # the first pass checks the model (kept for the rest), unmeasured
+    quiet(k)  # the first pass checks the model (kept for the rest), unmeasured
     measure_at(k)
     if 2 * k <= cap:
         measure_at(2 * k)
@@ -139,6 +155,8 @@ def chunk_for_budget(run: Callable[[int], object], examples: int, device: torch.
         a, b = _secant(sorted(peaks), lower, upper)
         slope = max((peaks[b] - peaks.get(a, 0)) / (b - a), 1.0)
         candidate = int(b + (room - peaks[b]) / slope)
+        if lower:  # at most double the largest fit: a pass's bytes per example can grow
+            candidate = min(candidate, 2 * lower)  # with its size, past what a line foresees
         measure_at(min(max(candidate, lower + 1), upper - 1))
     best = max((c for c, p in peaks.items() if p <= room), default=0)
     if best == 0:
@@ -146,9 +164,9 @@ def chunk_for_budget(run: Callable[[int], object], examples: int, device: torch.
             measure_at(1)
         if peaks[1] > room:
             raise BatchboundError(
-                f"memory_budget {budget / 2**20:.1f} MiB cannot hold measure()'s work: "
-                f"{kept / 2**20:.1f} MiB for the gradient sums and the float64 totals, and "
-                f"{peaks[1] / 2**20:.2f} MiB for a chunk of one example; raise the budget")
+                f"memory_budget {size(budget)} cannot hold measure()'s work: {size(kept)} "
+                f"held for the whole run and {size(peaks[1])} for a chunk of one example; "
+                "raise the budget")
         best = 1
     return best
 

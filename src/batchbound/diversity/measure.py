@@ -22,8 +22,8 @@ from torch.utils.data import Dataset as TorchDataset
 
 from batchbound import kernels
 from batchbound.data.dataset import Dataset
-from batchbound.diversity.budget import check_budget, chunk_for_budget
-from batchbound.diversity.calls import Inputs, dict_batch
+from batchbound.diversity.budget import check_budget, chunk_for_budget, kept_bytes
+from batchbound.diversity.calls import Inputs, dict_batch, flatten
 from batchbound.diversity.distributed import all_reduce_sum, world_size
 from batchbound.diversity.losses import PerExampleLoss, loss_name, resolve_loss
 from batchbound.diversity.precision import LOW_PRECISION, autocast_dtypes, lowest, statement
@@ -185,7 +185,7 @@ def measure(
     if engine not in ENGINES:
         raise BatchboundError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
     if memory_budget is not None:
-        check_budget(memory_budget)
+        memory_budget = check_budget(memory_budget)
     params = trainable_parameters(model)  # raises for a model with nothing to measure
     chunks, n_known, task = data_chunks(data, chunk_size)
     loss_fn = resolve_loss(loss, task)
@@ -198,7 +198,7 @@ def measure(
             params = trainable_parameters(work)
         if memory_budget is not None:
             chunk_size = _budget_chunk(work, data, loss_fn, engine, memory_budget,
-                                           chunk_size)
+                                           chunk_size, copied=work is not model)
             chunks, n_known, _ = data_chunks(data, chunk_size)
         totals = _accumulate(work, _tensor_targets(chunks) if named else chunks, n_known,
                              loss_fn, engine, progress)
@@ -247,19 +247,34 @@ def _tensor_targets(chunks: Iterator[tuple[Any, Any]]) -> Iterator[tuple[Any, An
 
 
 def _budget_chunk(work: nn.Module, data: Data, loss_fn: PerExampleLoss, engine: str,
-                  budget: int, most: int) -> int:
+                  budget: int, most: int, copied: bool) -> int:
     """The chunk ``memory_budget`` allows, from measure's own pass measured on the data's
-    first chunk (diversity/budget.py)."""
+    first chunk (diversity/budget.py), beside what the run holds throughout: the running
+    sums, a ``dtype`` copy of the model (``copied``) and a batch the data's loader made (all
+    of it, while its chunks run)."""
     first, _, _ = data_chunks(data, most)
     x, y = next(first)  # moved to the device inside each pass, as _accumulate's chunks are
     device, dtype = _device_dtype(work)
     stats_of = PreparedStats(work, loss_fn, engine)
     block = _zeros_like_each(stats_of.params)  # as _accumulate's: the rules add into it
+    kept = kept_bytes(stats_of.params)
+    if copied:
+        kept += _storage_bytes([*work.parameters(), *work.buffers()], device)
+    if isinstance(data, (DataLoader, TorchDataset)) and not isinstance(data, Dataset):
+        kept += _storage_bytes(flatten([[v.args, v.kwargs] if isinstance(v, Inputs) else v
+                                        for v in (x, y)]), device)
 
     def run(k: int) -> None:
         stats_of(*_on_device(x[:k], y[:k], device, dtype), into=block)
 
-    return chunk_for_budget(run, x.shape[0], device, stats_of.params, budget, most)
+    return chunk_for_budget(run, x.shape[0], device, kept, budget, most)
+
+
+def _storage_bytes(values: list[Any], device: torch.device) -> int:
+    """Bytes of the distinct storages under the tensors among ``values`` on ``device``."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in values if isinstance(t, Tensor) and t.device == device}
+    return sum(storages.values())
 
 
 def _on_device(x: Any, y: Any, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
