@@ -3,6 +3,8 @@ peak, the numbers do not depend on it, and a budget that cannot hold the work is
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -140,3 +142,34 @@ def test_a_budget_inside_a_running_profiler_is_refused() -> None:
     model, x, y = problem()
     with torch.profiler.profile(), pytest.raises(BatchboundError, match="profiler is running"):
         measure(model, (x, y), "cross_entropy", memory_budget=200_000)
+
+
+def test_a_later_chunk_of_longer_examples_is_warned_of() -> None:
+    """The chunk is fitted on the first chunk; a later batch padded longer can take more
+    memory: said once, and not for data of one length."""
+    torch.manual_seed(0)
+
+    class Tokens(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = nn.Embedding(50, 16), nn.Linear(16, 3)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.embed(ids).mean(dim=1))
+
+    def padded(lengths: list[int]) -> torch.utils.data.DataLoader:
+        """Batches of 16, each padded to its longest (batch_size=None: as they are)."""
+        ids = [torch.randint(0, 50, (n,)) for n in lengths]
+        return torch.utils.data.DataLoader(
+            [(torch.nn.utils.rnn.pad_sequence(ids[i : i + 16], batch_first=True),
+              torch.zeros(len(ids[i : i + 16]), dtype=torch.long))
+             for i in range(0, len(ids), 16)], batch_size=None)
+
+    model = Tokens()
+    with pytest.warns(UserWarning, match="a chunk holds longer examples") as seen:
+        measure(model, padded([4] * 16 + [9] * 16 + [12] * 16), "cross_entropy",
+                memory_budget=10**8)
+    assert sum("longer examples" in str(w.message) for w in seen) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        measure(model, padded([6] * 48), "cross_entropy", memory_budget=10**8)

@@ -22,7 +22,7 @@ from torch.utils.data import Dataset as TorchDataset
 
 from batchbound import kernels
 from batchbound.data.dataset import Dataset
-from batchbound.diversity.budget import check_budget, chunk_for_budget, kept_bytes
+from batchbound.diversity.budget import check_budget, chunk_for_budget, kept_bytes, size
 from batchbound.diversity.calls import Inputs, dict_batch, flatten
 from batchbound.diversity.distributed import all_reduce_sum, world_size
 from batchbound.diversity.losses import PerExampleLoss, loss_name, resolve_loss
@@ -197,9 +197,10 @@ def measure(
         if work is not model:  # a float64 copy
             params = trainable_parameters(work)
         if memory_budget is not None:
-            chunk_size = _budget_chunk(work, data, loss_fn, engine, memory_budget,
-                                           chunk_size, copied=work is not model)
+            chunk_size, width = _budget_chunk(work, data, loss_fn, engine, memory_budget,
+                                              chunk_size, copied=work is not model)
             chunks, n_known, _ = data_chunks(data, chunk_size)
+            chunks = _within_fit(chunks, width, memory_budget)
         totals = _accumulate(work, _tensor_targets(chunks) if named else chunks, n_known,
                              loss_fn, engine, progress)
     dtype = next(iter(params.values())).dtype
@@ -247,11 +248,11 @@ def _tensor_targets(chunks: Iterator[tuple[Any, Any]]) -> Iterator[tuple[Any, An
 
 
 def _budget_chunk(work: nn.Module, data: Data, loss_fn: PerExampleLoss, engine: str,
-                  budget: int, most: int, copied: bool) -> int:
+                  budget: int, most: int, copied: bool) -> tuple[int, float]:
     """The chunk ``memory_budget`` allows, from measure's own pass measured on the data's
     first chunk (diversity/budget.py), beside what the run holds throughout: the running
     sums, a ``dtype`` copy of the model (``copied``) and a batch the data's loader made (all
-    of it, while its chunks run)."""
+    of it, while its chunks run); and the numbers an example held in that first chunk."""
     first, _, _ = data_chunks(data, most)
     x, y = next(first)  # moved to the device inside each pass, as _accumulate's chunks are
     device, dtype = _device_dtype(work)
@@ -267,7 +268,29 @@ def _budget_chunk(work: nn.Module, data: Data, loss_fn: PerExampleLoss, engine: 
     def run(k: int) -> None:
         stats_of(*_on_device(x[:k], y[:k], device, dtype), into=block)
 
-    return chunk_for_budget(run, x.shape[0], device, kept, budget, most)
+    return chunk_for_budget(run, x.shape[0], device, kept, budget, most), _example_size(x)
+
+
+def _example_size(x: Tensor | Inputs) -> float:
+    """Numbers per example in a chunk's inputs (a padded sequence's grow with its length)."""
+    values = flatten([x.args, x.kwargs]) if isinstance(x, Inputs) else [x]
+    return sum(t.numel() for t in values if isinstance(t, Tensor)) / max(x.shape[0], 1)
+
+
+def _within_fit(chunks: Iterator[tuple[Any, Any]], width: float, budget: int
+                ) -> Iterator[tuple[Any, Any]]:
+    """The chunks, with a warning (once) at the first whose examples hold more numbers than
+    those the budget's chunk was fitted on: longer padded sequences take more memory."""
+    warned = False
+    for x, y in chunks:
+        if not warned and _example_size(x) > width:
+            warnings.warn(
+                f"batchbound: memory_budget {size(budget)}: a chunk holds longer examples "
+                f"({_example_size(x):.0f} input numbers each) than the first chunk the chunk "
+                f"size was fitted on ({width:.0f}); its peak can exceed the budget (sort or "
+                "pad the data to its longest first to fit on that)", stacklevel=3)
+            warned = True
+        yield x, y
 
 
 def _storage_bytes(values: list[Any], device: torch.device) -> int:
