@@ -12,11 +12,14 @@ chunk is searched for on measured peaks:
     room = TARGET · (budget − kept),    c = b + (room − peak(b)) / slope,
 
 ``kept`` being what ``measure`` holds beside the chunks for the whole run (each parameter's
-running sum in its norm dtype and the float64 totals, ``kept_bytes``) and the slope the
-secant through the two measured sizes nearest the room (first 2 and 4 examples). Each
-candidate c is measured itself, up to ``ROUNDS`` times; the answer is the largest size whose
-measured peak fitted the room. So the chunk returned has fitted the budget on the data's
-first examples; a later chunk that holds more (longer padded sequences) can take more.
+running sum in its norm dtype and the float64 totals, ``kept_bytes``; a ``dtype`` copy of the
+model and a loader's batch, counted by the caller) and the slope the secant through the two
+measured sizes nearest the room (first 2 and 4 examples). Each candidate c is measured
+itself, up to ``ROUNDS`` times, and is at most twice the largest size that fitted, so that no
+pass of the search runs far past the room where bytes per example grow with the size; the
+answer is the largest size whose measured peak fitted the room. So the chunk returned has
+fitted the budget on the data's first examples; a later chunk that holds more (longer padded
+sequences) can take more, which ``measure`` warns of.
 """
 
 from __future__ import annotations

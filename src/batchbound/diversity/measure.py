@@ -174,9 +174,9 @@ def measure(
 
     ``chunk_size``: the most examples per chunk (one forward and backward each).
     ``memory_budget``: bytes the work may take; the chunk is then made smaller where needed,
-    from measure's own pass measured on the data's first examples at two sizes (the device's
-    allocations at their peak: diversity/budget.py); the report's ``extra["chunk_size"]``
-    says which chunk was used.
+    from measure's own pass measured on the data's first examples at a few sizes (the
+    device's allocations at their peak: diversity/budget.py); the report's
+    ``extra["chunk_size"]`` says which chunk was used.
 
     Under torch.distributed each rank passes its own shard; every rank gets the global report.
     """
@@ -261,9 +261,8 @@ def _budget_chunk(work: nn.Module, data: Data, loss_fn: PerExampleLoss, engine: 
     kept = kept_bytes(stats_of.params)
     if copied:
         kept += _storage_bytes([*work.parameters(), *work.buffers()], device)
-    if isinstance(data, (DataLoader, TorchDataset)) and not isinstance(data, Dataset):
-        kept += _storage_bytes(flatten([[v.args, v.kwargs] if isinstance(v, Inputs) else v
-                                        for v in (x, y)]), device)
+    if isinstance(data, (DataLoader, TorchDataset)):  # a batch made for this run
+        kept += _storage_bytes([*_tensors_of(x), *_tensors_of(y)], device)
 
     def run(k: int) -> None:
         stats_of(*_on_device(x[:k], y[:k], device, dtype), into=block)
@@ -271,10 +270,15 @@ def _budget_chunk(work: nn.Module, data: Data, loss_fn: PerExampleLoss, engine: 
     return chunk_for_budget(run, x.shape[0], device, kept, budget, most), _example_size(x)
 
 
+def _tensors_of(v: Tensor | Inputs) -> list[Tensor]:
+    """The tensors of a chunk's inputs or targets."""
+    values = flatten([v.args, v.kwargs]) if isinstance(v, Inputs) else [v]
+    return [t for t in values if isinstance(t, Tensor)]
+
+
 def _example_size(x: Tensor | Inputs) -> float:
     """Numbers per example in a chunk's inputs (a padded sequence's grow with its length)."""
-    values = flatten([x.args, x.kwargs]) if isinstance(x, Inputs) else [x]
-    return sum(t.numel() for t in values if isinstance(t, Tensor)) / max(x.shape[0], 1)
+    return sum(t.numel() for t in _tensors_of(x)) / max(x.shape[0], 1)
 
 
 def _within_fit(chunks: Iterator[tuple[Any, Any]], width: float, budget: int
@@ -293,10 +297,10 @@ def _within_fit(chunks: Iterator[tuple[Any, Any]], width: float, budget: int
         yield x, y
 
 
-def _storage_bytes(values: list[Any], device: torch.device) -> int:
-    """Bytes of the distinct storages under the tensors among ``values`` on ``device``."""
+def _storage_bytes(tensors: list[Tensor], device: torch.device) -> int:
+    """Bytes of the distinct storages under ``tensors`` on ``device``."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in values if isinstance(t, Tensor) and t.device == device}
+                for t in tensors if t.device == device}
     return sum(storages.values())
 
 
