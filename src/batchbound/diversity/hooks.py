@@ -31,7 +31,7 @@ user's ``.grad`` fields are never touched, gives Σ_i g_i and hence T.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -56,7 +56,7 @@ from batchbound.diversity.graph import (
 )
 from batchbound.diversity.losses import PerExampleLoss, check_losses
 from batchbound.diversity.precision import lowest
-from batchbound.diversity.rows import RowTracker
+from batchbound.diversity.rows import UNTRACKED_CHANGE, RowChecks, RowTracker, chunk_key
 from batchbound.diversity.rules import (
     DEFER_NUMEL,
     Call,
@@ -235,15 +235,31 @@ class HooksPass:
         self.defer_budget = DEFER_BUDGET
         self._broadcasts: dict[tuple[str, int], _Broadcast] = {}
         self._handles: list[RemovableHandle] = []
-        self.rows: RowTracker | None = None  # set by ``forward`` (or by watch around its own)
+        self.rows: RowTracker | None = None  # set by ``start_rows``: None, untracked
+        # which chunks are tracked (None: every one), and this chunk's key among them
+        self.row_checks: RowChecks | None = None
+        self._row_key: Hashable = None
 
     # -------------------------------------------------------------------- phases
 
     def forward(self, model: nn.Module, x: Tensor | Inputs) -> Any:
         given = (x.args, x.kwargs) if isinstance(x, Inputs) else (x,)
-        self.rows = RowTracker(given, model.buffers()) if self.layout is not None else None
-        with self.recorder, self.recorder.recording(), self.rows or nullcontext():
+        rows = self.start_rows(model, given, model.buffers)
+        with self.recorder, self.recorder.recording(), rows or nullcontext():
             return call_model(model, x)
+
+    def start_rows(self, model: nn.Module, given: Any,
+                   fixed: Callable[[], Iterable[Tensor]]) -> RowTracker | None:
+        """The row tracker for this forward (``given``: the model's arguments, ``fixed``: its
+        buffers), or None where ``row_checks`` leaves the chunk untracked; not entered."""
+        if self.layout is None:  # the probe: the rules do not run
+            self.rows = None
+        elif self.row_checks is None:
+            self.rows = RowTracker(given, fixed())
+        else:
+            self._row_key = chunk_key(given, model.training)
+            self.rows = self.row_checks.tracker(self._row_key, given, fixed)
+        return self.rows
 
     def attach(self, roots: Sequence[Node], outputs: Sequence[Node] = ()) -> None:
         """Read the graph and hook the calls, between the forward and the backward pass.
@@ -252,6 +268,8 @@ class HooksPass:
         if self.layout is None:
             self._attach_probe(users)
             return
+        if self.row_checks is not None:
+            self._check_rows(nodes)
         if outputs:
             self.loss_uses = loss_users(roots[0], outputs, self._ids)
             for name in self.loss_uses:
@@ -297,6 +315,18 @@ class HooksPass:
                 self._hook_call(call)
                 if self.own_sums:
                     self._own_sums(call, contributing)
+
+    def _check_rows(self, nodes: list[Node]) -> None:
+        """A tracked chunk noted for the untracked; an untracked chunk that ran otherwise
+        leaves every parameter to the exact fallback (``rows.RowChecks``)."""
+        assert self.row_checks is not None
+        calls = tuple((c.key, tuple((o.shape, o.dtype) for o in c.outputs))
+                      for c in self.recorder.calls)
+        if self.rows is not None:
+            self.row_checks.tracked(self._row_key, calls, self.rows)
+        elif not self.row_checks.same(self._row_key, calls, tuple(map(type, nodes))):
+            for name in self.params:
+                self.reasons.setdefault(name, UNTRACKED_CHANGE)
 
     def _own_sums(self, call: CallRecord, contributing: dict[str, list[CallRecord]]) -> None:
         """The parameters of ``call`` (its only contributing call) whose batch gradient its
@@ -632,7 +662,8 @@ class HooksPass:
     def precision(self) -> torch.dtype:
         """The lowest precision this pass computed in: the parameters', or lower where
         autocast or a cast in the forward made low-precision tensors."""
-        seen = self.rows.lowest if self.rows is not None else None
+        seen = (self.rows.lowest if self.rows is not None else
+                self.row_checks.lowest(self._row_key) if self.row_checks is not None else None)
         outputs = (o.dtype for c in self.recorder.calls for o in c.outputs)
         return lowest(self._dtype(None), seen, *outputs)  # type: ignore[arg-type]
 
@@ -839,14 +870,17 @@ def hooks_stats(
     offset: int = 0,
     into: dict[str, Tensor] | None = None,
     kinds: OutputKinds | None = None,
+    row_checks: RowChecks | None = None,
 ) -> HooksResult:
     """One chunk through the hooks engine. ``layout`` comes from ``rule_check.py``; ``excluded``
     parameters are left to the caller from the start (with their reasons). ``into``: running
     sums (each parameter's shape, ``norm_dtype``, contiguous) that the rules add the batch
     sums they compute themselves to (``own_sums``); those parameters are then left out of
-    ``grad_sum``, which holds the others as usual. ``kinds``: see ``check_outputs_read``."""
+    ``grad_sum``, which holds the others as usual. ``kinds``: see ``check_outputs_read``.
+    ``row_checks``: which chunks the row tracker sees (None: this one)."""
     n = x.shape[0]
     run = HooksPass(plan, params, layout, n, excluded)
+    run.row_checks = row_checks
     run.own_sums = True  # autograd is asked here, for what the rules do not sum themselves
     run.into = into
     try:

@@ -32,6 +32,7 @@ from batchbound.diversity.hooks import HookPlan, Layout, OutputKinds, hooks_stat
 from batchbound.diversity.losses import PerExampleLoss, check_losses, resolve_loss
 from batchbound.diversity.outputs import RandomState, replayed_rows
 from batchbound.diversity.precision import GradientPrecision, autocast_dtypes, lowest
+from batchbound.diversity.rows import RowChecks
 from batchbound.diversity.rule_check import (
     COUPLED,
     INTERACTING,
@@ -116,6 +117,9 @@ class PreparedStats:
         # per train/eval mode of the modules: whether two forward passes agree (no dropout)
         self._deterministic: dict[tuple[bool, ...], bool] = {}
         self._structure = structure_of(model, self.params, loss, engine)
+        # the chunks the row tracker sees: all under engine='hooks', which refuses rather
+        # than fall back where an untracked chunk ran differently
+        self.row_checks = RowChecks() if engine == "auto" else None
         if engine in ("auto", "hooks"):
             cached = _CHECKS.get(model)
             if cached is not None and cached[0] == self._structure:
@@ -226,7 +230,7 @@ class PreparedStats:
         result = hooks_stats(self.model, x, y, self.loss_fn, self.plan, self.params,
                              self.layout, excluded=excluded, offset=offset,
                              into=into if self.checked is not None else None,
-                             kinds=self.kinds)
+                             kinds=self.kinds, row_checks=self.row_checks)
         self.precision = lowest(self.precision, result.precision)
         if self.checked is None:  # the first chunk, in eval mode: check it against the loop
             self._checked(check_rows(self.model, x, y, self.loss_fn, self.params,

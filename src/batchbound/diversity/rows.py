@@ -1,4 +1,4 @@
-"""Which example each row belongs to: rows selected or moved by the data, on every chunk.
+"""Which example each row belongs to: rows selected or moved by the data.
 
 A layer rule reads row r of its call (along the example axis) as example r. The probe
 (``rule_check.py``) shows that the axis follows the batch size; it cannot show that the rows stay
@@ -31,11 +31,16 @@ examples' values, also one made outside the forward's operations (``.data``, ``d
 rows without any index; it makes an example's loss depend on the others, which the first
 chunk's check against the per-example loop refuses. Nothing here is a list of models or
 layers: it follows torch's own tags, dtypes and the data flow of the chunk at hand.
+
+``RowChecks`` decides which chunks the tracker sees: the first of each kind of input, and
+every one from a chunk where the data chose rows, a shape or a Python branch; a later chunk
+that runs untracked is compared with its tracked like after its forward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -113,6 +118,9 @@ class RowTracker(TorchDispatchMode):
         self.marked: dict[int, Tensor] = {}  # rows may belong to other examples
         self.sources: list[Node] = []  # autograd nodes of what row-moving operations read
         self.moved_by: str | None = None
+        # a shape or a Python value (``item()``, ``bool()``) from the examples' values: later
+        # chunks may run other operations (``RowChecks``)
+        self.data_shaped = False
         # The lowest floating precision the backward runs in below the parameters' (autocast,
         # a cast inside the forward such as LlamaRMSNorm's float32): what the stated
         # precision and the self-check's tolerance must allow.
@@ -153,6 +161,13 @@ class RowTracker(TorchDispatchMode):
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if out is not None and not isinstance(out, (Tensor, tuple, list)):
+            # a number or a bool for Python to branch on (``item()``, ``bool()``): from the
+            # examples' values, later chunks may take another branch
+            inputs = _tensors(kwargs.values(), _tensors(args, []))
+            if not all(id(t) in self.clean for t in inputs):
+                self.data_shaped = True
+            return out
         if isinstance(out, Tensor):
             dtype = out.dtype
             if dtype in _BELOW_FLOAT64:
@@ -177,6 +192,8 @@ class RowTracker(TorchDispatchMode):
         inputs = _tensors(kwargs.values(), _tensors(args, [])) if kwargs else _tensors(args, [])
         dynamic, pointwise, random = _KINDS.get(func) or _kind(func)
         clean = not random and all(id(t) in self.clean for t in inputs)
+        if dynamic and not clean:  # a shape from the examples' values
+            self.data_shaped = True
         if (not (dynamic or random or clean or self.positions or self.marked)
                 and isinstance(out, Tensor) and out.dtype not in _INDEX_DTYPES):
             return out  # the common case: an activation from activations; nothing chosen
@@ -226,3 +243,116 @@ class RowTracker(TorchDispatchMode):
             seen.add(node)
             stack.extend(child for child, _ in node.next_functions if child is not None)
         return seen
+
+
+# ---------------------------------------------------------------- which chunks are tracked
+# The tracker costs a Python call for every ATen operation of the forward: on a small model
+# most of the hooks engine's host time (GPT-2's structure at width 32: a watched step +169 %
+# over a plain one with it; benchmarks/host.py). What it decides follows from the operations
+# and the data flow of the forward, so a chunk that runs the same operations on the same kind
+# of inputs as a tracked chunk, with nothing in them chosen by the data, is decided alike.
+
+KNOWN_KEYS = 64  # input keys remembered per model (each holds one graph's node types)
+
+
+def chunk_key(given: Any, training: bool) -> Hashable:
+    """What a forward's operations may depend on besides the data's values: every tensor
+    argument's shape, dtype and device, the other arguments (a flag, ``use_cache=False``),
+    the model's train flag and autocast's state."""
+    leaves: list[Hashable] = []
+    _leaves(given, leaves)
+    autocast = tuple(torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d)
+                     for d in ("cpu", "cuda"))
+    return (tuple(leaves), training, autocast)
+
+
+def _leaves(value: Any, into: list[Hashable]) -> None:
+    if isinstance(value, Tensor):
+        into.append((value.shape, value.dtype, value.device, value.requires_grad))
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _leaves(item, into)
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            into.append(name)
+            _leaves(item, into)
+    elif value is None or isinstance(value, (bool, int, float, str)):
+        into.append(value)
+    else:
+        into.append(type(value))
+
+
+@dataclass
+class _Tracked:
+    calls: Hashable  # the layers' calls and their outputs' shapes and dtypes
+    seen: GradientPrecision  # the tracker's, filled by its backward (holds no tensors)
+    low: torch.dtype | None
+    graph: tuple[type, ...] | None = None  # the first untracked chunk's node types
+
+    @property
+    def lowest(self) -> torch.dtype | None:
+        return self.low or self.seen.dtype
+
+
+class RowChecks:
+    """Which chunks of one model the row tracker watches, and what an untracked one is owed.
+
+    A chunk is tracked when no chunk with its ``chunk_key`` was, and every chunk is from the
+    first tracked one on which anything could make chunks run differently unseen: a row moved
+    by the data, or a shape or a Python value (``item()``, ``bool()``) from the examples'
+    values. Otherwise a chunk runs untracked, and after its forward ``same`` compares it
+    with its key's tracked chunk: the layers' calls with their outputs' shapes and dtypes,
+    and, from the first untracked chunk on, the type of every node of the autograd graph
+    (the tracker itself changes some: under a dispatch mode torch makes a reshape a view).
+    The same program on the same kind of inputs, with no shape or branch taken from the
+    examples' values, chose no rows where its tracked like chose none. A chunk that differs
+    (Python control flow on state no operation shows: a counter, Python's ``random``) leaves
+    its parameters to the exact fallback, and every later chunk is tracked. Not seen: such
+    state changing, between the tracked chunk and the first untracked one, only operations
+    off the gradient's path that move rows (``x[perm]`` on the raw inputs)."""
+
+    def __init__(self) -> None:
+        self.always = False
+        self._known: dict[Hashable, _Tracked] = {}
+
+    def tracker(self, key: Hashable, given: Any, fixed: Callable[[], Iterable[Tensor]]
+                ) -> RowTracker | None:
+        """A tracker for a chunk with this key, or None: it runs untracked (``same`` after)."""
+        if self.always or key not in self._known:
+            return RowTracker(given, fixed())
+        return None
+
+    def tracked(self, key: Hashable, calls: Hashable, rows: RowTracker) -> None:
+        """After a tracked chunk's forward: what its untracked like are compared with."""
+        if rows.moved_by is not None or rows.data_shaped:
+            self._differ()
+            return
+        if len(self._known) >= KNOWN_KEYS:
+            self._known.clear()
+        self._known[key] = _Tracked(calls, rows._seen, rows._low)
+
+    def same(self, key: Hashable, calls: Hashable, graph: tuple[type, ...]) -> bool:
+        """Whether an untracked chunk ran its tracked like's program; if not, every later
+        chunk is tracked."""
+        known = self._known.get(key)
+        if known is not None and known.calls == calls:
+            if known.graph is None:
+                known.graph = graph
+            if known.graph == graph:
+                return True
+        self._differ()
+        return False
+
+    def lowest(self, key: Hashable) -> torch.dtype | None:
+        """The precision the tracked chunk of this key observed (``RowTracker.lowest``)."""
+        known = self._known.get(key)
+        return known.lowest if known is not None else None
+
+    def _differ(self) -> None:
+        self.always = True
+        self._known.clear()
+
+
+UNTRACKED_CHANGE = ("the model ran operations other than on the chunk whose rows were checked "
+                    "(control flow on state no operation shows: a counter, Python's random), "
+                    "so which example each row holds is unchecked here")

@@ -45,7 +45,7 @@ from batchbound.diversity.outputs import (
 from batchbound.diversity.precision import LOW_PRECISION, RANK, GradientPrecision, lowest, statement
 from batchbound.diversity.precision import name as dtype_name
 from batchbound.diversity.prepared import PreparedStats, describe
-from batchbound.diversity.rows import RowTracker
+from batchbound.diversity.rows import RowChecks, RowTracker
 from batchbound.diversity.rule_check import (
     COUPLED,
     INTERACTING,
@@ -427,6 +427,7 @@ class _Planned:
     # Outputs without the examples' axis that are no sum or mean of the examples' own
     coupling: dict[int, tuple[int, ...]] = field(default_factory=dict)
     fixed: frozenset[int] = frozenset()  # outputs with no examples' axis (``output_kinds``)
+    row_checks: RowChecks = field(default_factory=RowChecks)  # the steps the tracker sees
 
 
 # One plan per model and subset: a loop that alternates watch(subset="all") and
@@ -556,8 +557,10 @@ class _Watched:
         # the probe above kept the random state: this is the one the user's forward draws from
         self.random = RandomState(sorted({p.device.index or 0 for p in self.params.values()
                                           if p.device.type == "cuda"}), self.buffers)
-        self._rows = self.run.rows = RowTracker((args, kwargs), self.buffers)
-        self._rows.__enter__()
+        self.run.row_checks = self.planned.row_checks
+        self._rows = self.run.start_rows(model, (args, kwargs), lambda: self.buffers)
+        if self._rows is not None:
+            self._rows.__enter__()
 
     def _check(self, x: Tensor | Inputs, layout: Layout) -> None:
         """Once per model: the rules beside the per-example loop on a few examples, with a

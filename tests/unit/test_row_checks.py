@@ -1,0 +1,249 @@
+"""Which chunks the row tracker sees (``rows.RowChecks``): the first of each kind of input,
+every one where the data chose rows, shapes or branches, and none of a steady model's later
+chunks, whose numbers are then the fully tracked run's. A chunk that ran otherwise than its
+tracked like is left to the exact fallback, and tracking resumes."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from outside_models import SwitchMoE
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+import batchbound.diversity.rows as rows
+from batchbound.diversity import OnlineDiversity, measure, watch
+from batchbound.diversity.rows import UNTRACKED_CHANGE, RowChecks, RowTracker, chunk_key
+
+N = 64
+
+
+@contextmanager
+def counted() -> Iterator[list[int]]:
+    """The number of row trackers made inside."""
+    made = [0]
+    original = rows.RowTracker
+
+    class Counted(original):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            made[0] += 1
+            super().__init__(*args, **kwargs)
+
+    rows.RowTracker = Counted  # type: ignore[misc]
+    try:
+        yield made
+    finally:
+        rows.RowTracker = original  # type: ignore[misc]
+
+
+def always_tracked(self: RowChecks, key: object, given: object, fixed) -> RowTracker:
+    return RowTracker(given, fixed())
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 3)).double()
+
+
+def data(n: int = N) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(n, 6, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, (n,), generator=g))
+
+
+def ce(out: Tensor, y: Tensor) -> Tensor:
+    return nn.functional.cross_entropy(out, y, reduction="none")
+
+
+def test_a_steady_model_is_tracked_on_its_first_chunk_only() -> None:
+    x, y = data()
+    with counted() as made:
+        report = measure(mlp(), (x, y), ce, chunk_size=8)
+    assert made[0] == 1
+    loop = measure(mlp(), (x, y), ce, chunk_size=8, engine="loop")
+    assert pytest.approx(loop.S, rel=1e-12) == report.S
+    assert pytest.approx(loop.T, rel=1e-12) == report.T
+
+
+def test_untracked_and_tracked_runs_agree_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    x, y = data()
+    untracked = measure(mlp(), (x, y), ce, chunk_size=8)
+    monkeypatch.setattr(RowChecks, "tracker", always_tracked)
+    tracked = measure(mlp(), (x, y), ce, chunk_size=8)
+    assert (untracked.S, untracked.T, untracked.loss) == (tracked.S, tracked.T, tracked.loss)
+
+
+def test_a_chunk_of_another_shape_is_tracked() -> None:
+    x, y = data(60)  # 8 chunks of 7 and one of 4
+    with counted() as made:
+        measure(mlp(), (x, y), ce, chunk_size=7)
+    assert made[0] == 2
+
+
+def test_rows_chosen_by_the_data_keep_every_chunk_tracked() -> None:
+    torch.manual_seed(0)
+    model = SwitchMoE().double()
+    x = torch.randn(24, 5, 8, dtype=torch.float64)
+    y = torch.randint(0, 4, (24,))
+    with counted() as made, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the routed experts' exact fallback
+        measure(model, (x, y), ce, chunk_size=4)
+    assert made[0] == 6
+
+
+def test_a_branch_on_the_examples_values_keeps_every_chunk_tracked() -> None:
+    class Branching(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(6, 3), nn.Linear(6, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            # bool(): a Python branch on a value of the weights (as the examples', unseen
+            # by the autograd graph), which may change between chunks
+            return self.a(x) if bool(self.a.weight.sum() > -1e9) else self.b(x)
+
+    torch.manual_seed(0)
+    x, y = data()
+    with counted() as made, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        measure(Branching().double(), (x, y), ce, chunk_size=8)
+    assert made[0] == 8
+
+
+def test_a_branch_on_the_ids_alone_does_not() -> None:
+    class PackedCheck(nn.Module):
+        """Hugging Face's check for packed sequences: a bool read back from the position ids,
+        which come from the integer inputs, not from the examples' values."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(20, 8), nn.Linear(8, 3)
+
+        def forward(self, ids: Tensor) -> Tensor:
+            positions = torch.arange(ids.shape[1]).expand_as(ids)
+            packed = not bool((positions[:, -1] == 0).all())
+            return self.head(self.emb(ids).mean(1) if packed else self.emb(ids).sum(1))
+
+    torch.manual_seed(0)
+    ids = torch.randint(1, 20, (32, 5))
+    y = torch.randint(0, 3, (32,))
+    with counted() as made:
+        measure(PackedCheck().double(), (ids, y), ce, chunk_size=8)
+    assert made[0] == 1
+
+
+class Drifting(nn.Module):
+    """Once ``drift`` is set, sorts its hidden rows by value and back: per example the same,
+    but rows chosen by the data, on state no operation shows (a Python attribute)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.drift = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.fc(x))
+        if self.drift:
+            order = h[:, 0].argsort()
+            h = h[order][order.argsort()]
+        return self.head(h)
+
+
+class Drives(Dataset):
+    """The examples, setting the model drifting from example ``start`` on (a DataLoader
+    reads them chunk by chunk, as measure runs)."""
+
+    def __init__(self, model: Drifting, start: int) -> None:
+        self.model, self.start = model, start
+        self.x, self.y = data(32)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        if i >= self.start:
+            self.model.drift = True
+        return self.x[i], self.y[i]
+
+
+def drifting_run(engine: str = "auto") -> tuple[float, float, list[str]]:
+    torch.manual_seed(0)
+    model = Drifting().double()
+    loader = DataLoader(Drives(model, start=16), batch_size=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = measure(model, loader, ce, engine=engine)
+    return report.S, report.T, [str(w.message) for w in caught]
+
+
+def test_a_chunk_that_ran_otherwise_is_left_to_the_exact_fallback() -> None:
+    S, T, said = drifting_run()
+    assert any(UNTRACKED_CHANGE in s for s in said)  # the third chunk, untracked
+    loop_S, loop_T, _ = drifting_run("loop")
+    assert pytest.approx(loop_S, rel=1e-10) == S
+    assert pytest.approx(loop_T, rel=1e-10) == T
+
+
+def test_the_key_follows_shapes_flags_and_autocast() -> None:
+    x = torch.zeros(4, 3)
+    base = chunk_key(((x,), {"flag": True}), training=False)
+    assert base == chunk_key(((torch.ones(4, 3),), {"flag": True}), training=False)
+    assert base != chunk_key(((torch.zeros(5, 3),), {"flag": True}), training=False)
+    assert base != chunk_key(((x,), {"flag": False}), training=False)
+    assert base != chunk_key(((x,), {"flag": True}), training=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert base != chunk_key(((x,), {"flag": True}), training=False)
+
+
+def watched_steps(model: nn.Module, steps: int, autocast: bool = False) -> OnlineDiversity:
+    monitor = OnlineDiversity()
+    x, y = data(16)
+    if autocast:
+        x = x.float()
+    for k in range(steps):
+        model.zero_grad(set_to_none=True)
+        with watch(model, monitor, reduction="sum"):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = model(x[:8] if k % 2 else x[8:])
+            ce(out.float(), y[:8] if k % 2 else y[8:]).sum().backward()
+    return monitor
+
+
+def test_watch_tracks_its_first_step_only_and_keeps_the_numbers() -> None:
+    with counted() as made:
+        monitor = watched_steps(mlp(), 5)
+    assert made[0] == 1
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RowChecks, "tracker", always_tracked)
+        tracked = watched_steps(mlp(), 5)
+    assert monitor.to_dict() == tracked.to_dict()
+
+
+def test_watch_states_the_tracked_steps_precision_on_untracked_ones() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    with counted() as made, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the bfloat16 statement
+        monitor = watched_steps(model, 4, autocast=True)
+    assert made[0] == 1
+    assert monitor.precision.startswith("bfloat16")
+
+
+def test_watch_leaves_a_step_that_ran_otherwise_to_the_fallback() -> None:
+    torch.manual_seed(0)
+    model = Drifting().double()
+    monitor, x, y = OnlineDiversity(), *data(8)
+    said: list[str] = []
+    for k in range(4):
+        model.drift = k >= 2  # set between steps, by nothing the tracker sees
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with watch(model, monitor, reduction="sum"):
+                ce(model(x), y).sum().backward()
+        said += [str(w.message) for w in caught]
+    assert any(UNTRACKED_CHANGE in s for s in said)
