@@ -13,7 +13,9 @@ time is nearly all dispatch and Python. Interleaved rounds, medians, one thread:
   nothing but call each operation: what torch's Python dispatch alone costs a tracker that
   sees every operation of the forward, as ``watch``'s row tracker (diversity/rows.py) does.
 - ``measure``: ``measure()`` of the same batch as one chunk, called again on the same model
-  (its checks are kept from the first call), as ``benchmarks/gpu.py`` times it.
+  (its checks are kept from the first call), as ``benchmarks/gpu.py`` times it;
+- ``..., bf16``: the forward under ``torch.autocast("cpu", dtype=torch.bfloat16)``, as GPU
+  users train (its extra against the plain bf16 step).
 
 The ratios are the host's, not a GPU step's: where the GPU's own work is longer than the
 host's, a step's wall time is the GPU's.
@@ -60,13 +62,17 @@ def steps(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Callable[[], None
     monitor = OnlineDiversity()
     none = contextlib.nullcontext
 
+    def bf16() -> contextlib.AbstractContextManager:
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
     def step(block: Callable[[], Any], forward: Callable[[], Any] = none) -> Callable[[], None]:
         def run() -> None:
             model.zero_grad(set_to_none=True)
             with block():
                 with forward():
                     logits = model(input_ids=x).logits
-                F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+                logits = logits.float().reshape(-1, logits.shape[-1])
+                F.cross_entropy(logits, y.reshape(-1)).backward()
 
         return run
 
@@ -76,6 +82,9 @@ def steps(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Callable[[], None
         "watch:norms": step(lambda: watch(model, monitor, subset="norms")),
         "empty mode": step(none, EmptyMode),
         "measure": lambda: measure(model, (x, y), token_loss, chunk_size=x.shape[0]),
+        "plain, bf16": step(none, bf16),
+        "watch, bf16": step(lambda: watch(model, monitor), bf16),
+        "watch:norms, bf16": step(lambda: watch(model, monitor, subset="norms"), bf16),
     }
 
 
@@ -108,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             run()
             times[name].append(time.perf_counter() - start)
     ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
-    rows = [{"step": name, "ms": round(v, 2), "extra": round(100 * (v / ms["plain"] - 1))}
+    rows = [{"step": name, "ms": round(v, 2),
+             "extra": round(100 * (v / ms["plain, bf16" if "bf16" in name else "plain"] - 1))}
             for name, v in ms.items()]
     if args.json:
         print(json.dumps(rows, indent=2))

@@ -34,7 +34,8 @@ def test_host_benchmark_runs_every_step() -> None:
         [sys.executable, str(ROOT / "benchmarks" / "host.py"), "--layers", "1", "--repeats",
          "1", "--json"], capture_output=True, text=True, timeout=300, check=True)
     rows = json.loads(done.stdout)
-    assert [r["step"] for r in rows] == ["plain", "watch", "watch:norms", "empty mode", "measure"]
+    assert [r["step"] for r in rows] == ["plain", "watch", "watch:norms", "empty mode", "measure",
+                                         "plain, bf16", "watch, bf16", "watch:norms, bf16"]
     assert all(r["ms"] > 0 for r in rows)
 
 
