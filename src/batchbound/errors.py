@@ -7,6 +7,11 @@ message says what happened and what was kept, and nothing already saved is lost 
 1, as for a failed run).
 """
 
+import contextlib
+import os
+import sys
+import warnings
+
 
 class BatchboundError(ValueError):
     """Bad input: an unknown name, a malformed spec, a shape that does not fit."""
@@ -24,3 +29,17 @@ class FaultError(BatchboundError):
 class NonFiniteLossError(BatchboundError):
     """An example's loss is inf or NaN. Bad input for ``measure``; for the trainer, after the
     first step, it means the run diverged."""
+
+
+def warn(message: str) -> None:
+    """``warnings.warn`` attributed to the user's line: the first frame outside batchbound
+    (and outside ``contextlib``, which runs a ``with watch(...)`` block's end), wherever in
+    the package the warning is raised and whichever entry point was called."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INSIDE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level + 1)
+
+
+_INSIDE = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+           os.path.dirname(os.path.abspath(contextlib.__file__)) + os.sep + "contextlib")

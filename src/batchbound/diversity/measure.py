@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import sys
 import time
-import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -35,7 +34,7 @@ from batchbound.diversity.stats import (
     norm_dtype,
     trainable_parameters,
 )
-from batchbound.errors import BatchboundError
+from batchbound.errors import BatchboundError, warn
 
 Data = Dataset | TorchDataset | DataLoader | tuple[Tensor, Tensor] | Mapping[str, Any]
 
@@ -212,8 +211,8 @@ def measure(
         used = lowest(used, *autocast_dtypes())  # dispatch mode: may round unseen inside
     if used in LOW_PRECISION:
         extra["precision"] = statement(used, dtype)
-        warnings.warn(f"batchbound: {statement(used, dtype)}; dtype=torch.float64 measures a "
-                      "float64 copy (outside autocast)", stacklevel=2)
+        warn(f"batchbound: {statement(used, dtype)}; dtype=torch.float64 measures a "
+             "float64 copy (outside autocast)")
     names = list(params)
     reduced = all_reduce_sum([count, loss_sum, *per_param, *grad_sum])
     n = round(float(reduced[0]))
@@ -288,11 +287,11 @@ def _within_fit(chunks: Iterator[tuple[Any, Any]], width: float, budget: int
     warned = False
     for x, y in chunks:
         if not warned and _example_size(x) > width:
-            warnings.warn(
+            warn(
                 f"batchbound: memory_budget {size(budget)}: a chunk holds longer examples "
                 f"({_example_size(x):.0f} input numbers each) than the first chunk the chunk "
                 f"size was fitted on ({width:.0f}); its peak can exceed the budget (sort or "
-                "pad the data to its longest first to fit on that)", stacklevel=3)
+                "pad the data to its longest first to fit on that)")
             warned = True
         yield x, y
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 import weakref
 
 import torch
@@ -56,7 +55,7 @@ from batchbound.diversity.stats import (
     norm_dtype,
     trainable_parameters,
 )
-from batchbound.errors import BatchboundError
+from batchbound.errors import BatchboundError, warn
 
 # The check of a model (its calls' example axes and the rules' agreement with the loop)
 # depends on its structure and the loss, not on its weights: kept per model, so that
@@ -336,10 +335,9 @@ class PreparedStats:
         cost = f"{seconds:.2g} s on this chunk"
         if others:
             cost += f", {seconds / others:.1f}× the {others:.2g} s of everything else"
-        warnings.warn(
+        warn(
             f"batchbound: computing exact per-example gradients by {how} ({cost}) for the "
-            f"parameters no layer rule can take: {key}",
-            stacklevel=5,  # _warn, _hooks, _stats, __call__: its caller
+            f"parameters no layer rule can take: {key}"
         )
 
     def _one_example(self, x: Tensor, y: Tensor, offset: int) -> PerExampleStats:
@@ -433,11 +431,11 @@ def per_example_gradients(
             # this every step)
             grads, outside = vmap_gradients(model, x, y, loss_fn, names)
             if outside:
-                warnings.warn(
+                warn(
                     "batchbound: torch.func cannot see parameters used outside their modules' "
                     f"attributes, by the loss itself or through a closure or plain list "
                     f"({', '.join(sorted(outside))}); materialising per-example gradients with "
-                    "the per-example loop instead (exact, slower)", stacklevel=2)
+                    "the per-example loop instead (exact, slower)")
                 return loop_gradients(model, x, y, loss_fn, names)
             key = structure_of(model, params, loss_fn, "vmap")
             if _VMAP_CHECKED.get(model) != key:  # once per model: a training step calls this
@@ -445,8 +443,8 @@ def per_example_gradients(
                 _VMAP_CHECKED[model] = key
             return grads
         except VmapUnsupported as exc:
-            warnings.warn(f"batchbound: {exc}; materialising per-example gradients with the "
-                          "per-example loop instead (exact, slower)", stacklevel=2)
+            warn(f"batchbound: {exc}; materialising per-example gradients with the "
+                 "per-example loop instead (exact, slower)")
             return loop_gradients(model, x, y, loss_fn, names)
 
 

@@ -8,7 +8,6 @@ exact, or the step raises BatchboundError naming the parameter and the reason.
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -65,7 +64,7 @@ from batchbound.diversity.stats import (
     trainable_parameters,
 )
 from batchbound.diversity.subsets import monitored_parameters
-from batchbound.errors import BatchboundError
+from batchbound.errors import BatchboundError, warn
 
 # Checked once per model (the probe runs the model at two batch sizes): model -> state.
 _PREPARED: weakref.WeakKeyDictionary[nn.Module, dict[tuple, PreparedStats]] = (
@@ -181,9 +180,8 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     if run.precision == torch.float16 and not _finite(delta, run.sq_norms):
         # float16 overflow: a GradScaler skips this step's update too, and lowers its scale
         _state_precision(monitor, planned, run.precision)
-        warnings.warn("batchbound: watch(): this float16 step's gradients overflowed (inf or "
-                      "NaN); the monitor skips it, as a GradScaler skips the optimizer step",
-                      stacklevel=3)
+        warn("batchbound: watch(): this float16 step's gradients overflowed (inf or "
+             "NaN); the monitor skips it, as a GradScaler skips the optimizer step")
         return
     # the forward's lowest precision on the gradient's path, and the loss's written after it
     precision = watched.loss_precision(run.precision)
@@ -289,7 +287,7 @@ def _state_precision(monitor: OnlineDiversity, planned: _Planned, used: torch.dt
         "parameters)")
     if used in LOW_PRECISION and used not in planned.warned:
         planned.warned.add(used)
-        warnings.warn(f"batchbound: watch(): {statement(used, parameters)}", stacklevel=4)
+        warn(f"batchbound: watch(): {statement(used, parameters)}")
 
 
 def _refuse(reasons: dict[str, str]) -> None:
@@ -682,9 +680,9 @@ class _Watched:
         key = describe({k: reasons[k] for k in names})
         if key not in self.planned.warned:
             self.planned.warned.add(key)
-            warnings.warn(f"batchbound: watch(): computing exact per-example gradients by "
-                          f"{method} ({seconds:.2g} s on this step) for the parameters no layer "
-                          f"rule can take: {key}", stacklevel=4)
+            warn(f"batchbound: watch(): computing exact per-example gradients by "
+                 f"{method} ({seconds:.2g} s on this step) for the parameters no layer "
+                 f"rule can take: {key}")
         return sq
 
 
