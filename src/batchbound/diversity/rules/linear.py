@@ -24,7 +24,7 @@ def _affine(layer: nn.Module, a: Tensor, b: Tensor, transposed: bool) -> dict[st
     n = a.shape[0]
     grads: dict[str, PerExampleGrad] = {}
     if a.dim() == 2:  # one position: ‖g_i‖² = ‖a_i‖²‖b_i‖², the bias's is ‖b_i‖²
-        a, b = a.to(norm_dtype(a.dtype)), b.to(norm_dtype(b.dtype))
+        a, b = _in_norm_dtype(a), _in_norm_dtype(b)
         b_sq = row_sq_norms(b)
         if trainable(layer, "weight"):
             u, v = (a, b) if transposed else (b, a)
@@ -41,6 +41,11 @@ def _affine(layer: nn.Module, a: Tensor, b: Tensor, transposed: bool) -> dict[st
     if trainable(layer, "bias"):
         grads["bias"] = Dense(b.sum(dim=1, dtype=norm_dtype(b.dtype)))
     return grads
+
+
+def _in_norm_dtype(t: Tensor) -> Tensor:
+    dtype = norm_dtype(t.dtype)
+    return t if t.dtype == dtype else t.to(dtype)  # no call where it is already (host time)
 
 
 def _own_sums(layer: nn.Module, x: Tensor, out_shape: torch.Size) -> tuple[str, ...]:
