@@ -41,9 +41,20 @@ def test_empty_data(empty: object) -> None:
 def test_non_finite_loss_names_the_example() -> None:
     x, y = data(10)
     x[7, 2] = float("nan")
-    for engine in ("hooks", "vmap", "loop"):
+    for engine in ("hooks", "auto", "vmap", "loop"):
         with pytest.raises(BatchboundError, match="example 7 is not finite"):
             measure(model(), (x, y), "cross_entropy", chunk_size=3, engine=engine)
+
+
+@pytest.mark.parametrize("bad", [3, 40, 77, 99])  # in the first chunk, later blocks, the last
+def test_a_non_finite_loss_read_later_is_still_named(bad: int) -> None:
+    # after the first chunk the losses' check is read once a block of chunks (no host read
+    # per chunk): the first example not finite is still the one named
+    x, y = data(100)
+    x[bad, 0] = float("inf")
+    x[min(bad + 5, 99), 1] = float("nan")  # a later one, in the same block or the next
+    with pytest.raises(BatchboundError, match=f"example {bad} is not finite"):
+        measure(model(), (x, y), "cross_entropy", chunk_size=2)
 
 
 @pytest.mark.parametrize(

@@ -77,6 +77,28 @@ def test_watch_steps_do_not_sync(subset: str, autocast: bool, vocab: int) -> Non
     assert monitor.steps == 6
 
 
+def test_measure_reads_the_device_once_a_block_of_chunks_not_once_a_chunk() -> None:
+    # on a GPU a read per chunk makes the host wait for each chunk's work before issuing
+    # the next one; the losses' finiteness is read at the end of each block of chunks
+    from batchbound.diversity import measure
+    from batchbound.diversity.measure import BLOCK
+
+    model = tiny_model()
+    x, y = tokens(4 * BLOCK * 2, 0, 11)
+
+    def reads(n: int) -> int:
+        with host_syncs() as syncs:
+            measure(model, (x[:n], y[:n]), _token_loss, chunk_size=2)
+        return sum(syncs.values())
+
+    reads(4)  # the model's checks, once
+    assert reads(2 * BLOCK * 2) - reads(2) <= 2  # 2·BLOCK more chunks: two blocks' reads
+
+
+def _token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1)
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_callback_bookkeeping_does_not_sync(fused: bool) -> None:
     """What both DiversityCallbacks run per micro-batch and per optimizer step."""

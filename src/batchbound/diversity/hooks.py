@@ -54,7 +54,12 @@ from batchbound.diversity.graph import (
     region,
     walk,
 )
-from batchbound.diversity.losses import PerExampleLoss, check_losses
+from batchbound.diversity.losses import (
+    DeferredFinite,
+    PerExampleLoss,
+    check_losses,
+    check_shape,
+)
 from batchbound.diversity.precision import lowest
 from batchbound.diversity.rows import UNTRACKED_CHANGE, RowChecks, RowTracker, chunk_key
 from batchbound.diversity.rules import (
@@ -871,13 +876,15 @@ def hooks_stats(
     into: dict[str, Tensor] | None = None,
     kinds: OutputKinds | None = None,
     row_checks: RowChecks | None = None,
+    finite: DeferredFinite | None = None,
 ) -> HooksResult:
     """One chunk through the hooks engine. ``layout`` comes from ``rule_check.py``; ``excluded``
     parameters are left to the caller from the start (with their reasons). ``into``: running
     sums (each parameter's shape, ``norm_dtype``, contiguous) that the rules add the batch
     sums they compute themselves to (``own_sums``); those parameters are then left out of
     ``grad_sum``, which holds the others as usual. ``kinds``: see ``check_outputs_read``.
-    ``row_checks``: which chunks the row tracker sees (None: this one)."""
+    ``row_checks``: which chunks the row tracker sees (None: this one); ``finite``: where the
+    losses' finiteness is checked later (None: now)."""
     n = x.shape[0]
     run = HooksPass(plan, params, layout, n, excluded)
     run.row_checks = row_checks
@@ -887,7 +894,11 @@ def hooks_stats(
         outputs = run.forward(model, x)
         with run.rows.loss_casts() if run.rows is not None else nullcontext():
             losses = loss_fn(outputs, y)
-        check_losses(losses, n, offset)
+        if finite is None:
+            check_losses(losses, n, offset)
+        else:
+            check_shape(losses, n)
+            finite.add(losses, offset)
         total = losses.sum()
         check_outputs_read(total, outputs, n, kinds)
         run.attach([total.grad_fn], output_nodes(outputs))

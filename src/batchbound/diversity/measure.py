@@ -24,7 +24,7 @@ from batchbound.data.dataset import Dataset
 from batchbound.diversity.budget import check_budget, chunk_for_budget, kept_bytes, size
 from batchbound.diversity.calls import Inputs, dict_batch, flatten
 from batchbound.diversity.distributed import all_reduce_sum, world_size
-from batchbound.diversity.losses import PerExampleLoss, loss_name, resolve_loss
+from batchbound.diversity.losses import DeferredFinite, PerExampleLoss, loss_name, resolve_loss
 from batchbound.diversity.precision import LOW_PRECISION, autocast_dtypes, lowest, statement
 from batchbound.diversity.prepared import PreparedStats
 from batchbound.diversity.report import DiversityReport
@@ -264,7 +264,12 @@ def _budget_chunk(work: nn.Module, data: Data, loss_fn: PerExampleLoss, engine: 
         kept += _storage_bytes([*_tensors_of(x), *_tensors_of(y)], device)
 
     def run(k: int) -> None:
+        # as in the run: the losses of a block's earlier chunks, held for their check
+        held = [(torch.empty(k, dtype=dtype, device=device), torch.empty((), dtype=torch.bool,
+                                                                         device=device))
+                for _ in range(BLOCK - 1)]
         stats_of(*_on_device(x[:k], y[:k], device, dtype), into=block)
+        del held
 
     return chunk_for_budget(run, x.shape[0], device, kept, budget, most), _example_size(x)
 
@@ -341,6 +346,7 @@ def _accumulate(
     from tqdm.auto import tqdm
 
     stats_of = PreparedStats(work, loss_fn, engine)
+    stats_of.finite = finite = DeferredFinite()  # read once a block, not once a chunk
     params = stats_of.params
     first = next(iter(params.values()))
     device, acc = first.device, torch.float64
@@ -355,6 +361,7 @@ def _accumulate(
         for x, y in chunks:
             x, y = _on_device(x, y, device, dtype)
             if chunks_in_block == BLOCK:  # full, and more to come: into float64
+                finite.check()
                 grad_sum, chunks_in_block = _flush(grad_sum, list(block.values())), 0
             stats = stats_of(x, y, offset=seen, into=block)
             per_param += torch.stack([stats.sq_norms[k] for k in params]).sum(dim=1, dtype=acc)
@@ -363,6 +370,7 @@ def _accumulate(
             seen += stats.n
             fallback.update(stats.fallback)
             bar.update(stats.n)
+    finite.check()
     grad_sum = _flush(grad_sum, list(block.values()), last=True)
     count = torch.tensor(float(seen), dtype=acc, device=device)
     return (count, loss_sum, list(per_param.unbind()), grad_sum, sorted(fallback),

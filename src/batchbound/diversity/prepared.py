@@ -28,7 +28,12 @@ from batchbound.diversity.engines import (
     vmap_stats,
 )
 from batchbound.diversity.hooks import HookPlan, Layout, OutputKinds, hooks_stats, plan_hooks
-from batchbound.diversity.losses import PerExampleLoss, check_losses, resolve_loss
+from batchbound.diversity.losses import (
+    DeferredFinite,
+    PerExampleLoss,
+    check_losses,
+    resolve_loss,
+)
 from batchbound.diversity.outputs import RandomState, replayed_rows
 from batchbound.diversity.precision import GradientPrecision, autocast_dtypes, lowest
 from batchbound.diversity.rows import RowChecks
@@ -119,6 +124,8 @@ class PreparedStats:
         # the chunks the row tracker sees: all under engine='hooks', which refuses rather
         # than fall back where an untracked chunk ran differently
         self.row_checks = RowChecks() if engine == "auto" else None
+        # where a checked model's losses are checked finite (None: on each chunk, on the host)
+        self.finite: DeferredFinite | None = None
         if engine in ("auto", "hooks"):
             cached = _CHECKS.get(model)
             if cached is not None and cached[0] == self._structure:
@@ -229,7 +236,8 @@ class PreparedStats:
         result = hooks_stats(self.model, x, y, self.loss_fn, self.plan, self.params,
                              self.layout, excluded=excluded, offset=offset,
                              into=into if self.checked is not None else None,
-                             kinds=self.kinds, row_checks=self.row_checks)
+                             kinds=self.kinds, row_checks=self.row_checks,
+                             finite=self.finite if self.checked is not None else None)
         self.precision = lowest(self.precision, result.precision)
         if self.checked is None:  # the first chunk, in eval mode: check it against the loop
             self._checked(check_rows(self.model, x, y, self.loss_fn, self.params,
