@@ -6,7 +6,7 @@ tracked like is left to the exact fallback, and tracking resumes."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
@@ -40,8 +40,9 @@ def counted() -> Iterator[list[int]]:
         rows.RowTracker = original  # type: ignore[misc]
 
 
-def always_tracked(self: RowChecks, key: object, given: object, fixed) -> RowTracker:
-    return RowTracker(given, fixed())
+def always_tracked(self: RowChecks, key: object, given: object, fixed: Callable,
+                   weights: Callable) -> RowTracker:
+    return RowTracker(given, fixed(), weights())
 
 
 def mlp() -> nn.Module:
@@ -138,29 +139,60 @@ def test_a_branch_on_the_ids_alone_does_not() -> None:
 
 
 class Drifting(nn.Module):
-    """Once ``drift`` is set, sorts its hidden rows by value and back: per example the same,
-    but rows chosen by the data, on state no operation shows (a Python attribute)."""
+    """Once ``drift`` is set, routes its tokens through ``fc2`` sorted by a value across the
+    batch and puts them back (a mixture of experts' dispatch): the layers' calls and their
+    shapes are the same either way; the state that switches it is no operation's."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.fc, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.fc, self.fc2, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.drift = False
+
+    def forward(self, x: Tensor) -> Tensor:  # (n, T, 6)
+        h = torch.tanh(self.fc(x))
+        n, t, d = h.shape
+        if self.drift:
+            flat = h.reshape(n * t, d)
+            order = flat[:, 0].argsort()
+            out = self.fc2(flat[order].reshape(n, t, d)).reshape(n * t, d)
+            h = out[order.argsort()].reshape(n, t, d)
+        else:
+            h = self.fc2(h)
+        return self.head(torch.tanh(h).mean(1))
+
+
+class WarmRouted(nn.Module):
+    """A router's warm-up: tokens in a fixed order (``arange``) until ``warm`` is set, then
+    sorted by a value; both through ``index_select``, so the autograd graph is the same."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.expert, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
         self.drift = False
 
     def forward(self, x: Tensor) -> Tensor:
         h = torch.tanh(self.fc(x))
-        if self.drift:
-            order = h[:, 0].argsort()
-            h = h[order][order.argsort()]
-        return self.head(h)
+        n, t, d = h.shape
+        flat = h.reshape(n * t, d)
+        order = flat[:, 0].argsort() if self.drift else torch.arange(n * t)
+        out = self.expert(flat.index_select(0, order).reshape(n, t, d)).reshape(n * t, d)
+        return self.head(torch.tanh(out.index_select(0, order.argsort()).reshape(n, t, d))
+                         .mean(1))
+
+
+def tokens_data(n: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(n, 5, 6, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, (n,), generator=g))
 
 
 class Drives(Dataset):
     """The examples, setting the model drifting from example ``start`` on (a DataLoader
     reads them chunk by chunk, as measure runs)."""
 
-    def __init__(self, model: Drifting, start: int) -> None:
+    def __init__(self, model: nn.Module, start: int) -> None:
         self.model, self.start = model, start
-        self.x, self.y = data(32)
+        self.x, self.y = tokens_data(32)
 
     def __len__(self) -> int:
         return len(self.y)
@@ -171,22 +203,60 @@ class Drives(Dataset):
         return self.x[i], self.y[i]
 
 
-def drifting_run(engine: str = "auto") -> tuple[float, float, list[str]]:
+def drifting_run(model: type[nn.Module], start: int, engine: str = "auto"
+                 ) -> tuple[float, float, list[str]]:
     torch.manual_seed(0)
-    model = Drifting().double()
-    loader = DataLoader(Drives(model, start=16), batch_size=8)
+    net = model().double()
+    loader = DataLoader(Drives(net, start=start), batch_size=8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = measure(model, loader, ce, engine=engine)
+        report = measure(net, loader, ce, engine=engine)
     return report.S, report.T, [str(w.message) for w in caught]
 
 
-def test_a_chunk_that_ran_otherwise_is_left_to_the_exact_fallback() -> None:
-    S, T, said = drifting_run()
-    assert any(UNTRACKED_CHANGE in s for s in said)  # the third chunk, untracked
-    loop_S, loop_T, _ = drifting_run("loop")
+@pytest.mark.parametrize("start", [8, 16])  # the first untracked chunk, or the next
+def test_a_chunk_that_ran_otherwise_is_left_to_the_exact_fallback(start: int) -> None:
+    S, T, said = drifting_run(Drifting, start)
+    assert any(UNTRACKED_CHANGE in s for s in said)
+    loop_S, loop_T, _ = drifting_run(Drifting, start, "loop")
     assert pytest.approx(loop_S, rel=1e-10) == S
     assert pytest.approx(loop_T, rel=1e-10) == T
+
+
+def test_positions_read_beside_the_examples_values_keep_every_chunk_tracked() -> None:
+    # the warm-up's arange and the later argsort make the same graph: only a tracker sees
+    # which one chose the rows, so a model that indexes its activations is always tracked
+    with counted() as made:
+        S, T, _ = drifting_run(WarmRouted, 16)
+    assert made[0] == 4
+    loop_S, loop_T, _ = drifting_run(WarmRouted, 16, "loop")
+    assert pytest.approx(loop_S, rel=1e-10) == S
+    assert pytest.approx(loop_T, rel=1e-10) == T
+
+
+def test_a_models_keyword_ids_choose_nothing() -> None:
+    class Keyed(nn.Module):  # called as model(**batch), Hugging Face's way
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(20, 8), nn.Linear(8, 3)
+
+        def forward(self, input_ids: Tensor, attention_mask: Tensor,
+                    labels: Tensor | None = None) -> Tensor:
+            if bool(attention_mask.all()):  # a read of the mask: the ids', not the values'
+                return self.head(self.emb(input_ids).mean(1))
+            return self.head((self.emb(input_ids) * attention_mask[..., None]).sum(1))
+
+    torch.manual_seed(0)
+    ids = torch.randint(1, 20, (32, 5))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "labels": torch.randint(0, 3, (32,))}
+
+    def loss(outputs: Tensor, batch: dict) -> Tensor:
+        return ce(outputs, batch["labels"])
+
+    with counted() as made:
+        measure(Keyed().double(), batch, loss, chunk_size=8)
+    assert made[0] == 1
 
 
 def test_the_key_follows_shapes_flags_and_autocast() -> None:
@@ -234,16 +304,28 @@ def test_watch_states_the_tracked_steps_precision_on_untracked_ones() -> None:
     assert monitor.precision.startswith("bfloat16")
 
 
-def test_watch_leaves_a_step_that_ran_otherwise_to_the_fallback() -> None:
-    torch.manual_seed(0)
-    model = Drifting().double()
-    monitor, x, y = OnlineDiversity(), *data(8)
-    said: list[str] = []
-    for k in range(4):
-        model.drift = k >= 2  # set between steps, by nothing the tracker sees
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            with watch(model, monitor, reduction="sum"):
-                ce(model(x), y).sum().backward()
-        said += [str(w.message) for w in caught]
+@pytest.mark.parametrize("first", [1, 2])  # the first untracked step, or the next
+def test_watch_leaves_a_step_that_ran_otherwise_to_the_fallback(first: int) -> None:
+    def steps(tracked: bool) -> tuple[list, list[str]]:
+        torch.manual_seed(0)
+        model, monitor = Drifting().double(), OnlineDiversity()
+        x, y = tokens_data(8)
+        values, said = [], []
+        with pytest.MonkeyPatch.context() as patch:
+            if tracked:
+                patch.setattr(RowChecks, "tracker", always_tracked)
+            for k in range(4):
+                model.drift = k >= first  # set between steps, by nothing the tracker sees
+                model.zero_grad(set_to_none=True)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    with watch(model, monitor, reduction="sum"):
+                        ce(model(x), y).sum().backward()
+                said += [str(w.message) for w in caught]
+                values += monitor.last
+        return values, said
+
+    values, said = steps(tracked=False)
     assert any(UNTRACKED_CHANGE in s for s in said)
+    tracked, _ = steps(tracked=True)
+    assert values == pytest.approx(tracked, rel=1e-12)

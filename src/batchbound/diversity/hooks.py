@@ -61,7 +61,13 @@ from batchbound.diversity.losses import (
     check_shape,
 )
 from batchbound.diversity.precision import lowest
-from batchbound.diversity.rows import UNTRACKED_CHANGE, RowChecks, RowTracker, chunk_key
+from batchbound.diversity.rows import (
+    UNTRACKED_CHANGE,
+    RowChecks,
+    RowTracker,
+    chunk_key,
+    graph_structure,
+)
 from batchbound.diversity.rules import (
     DEFER_NUMEL,
     Call,
@@ -263,7 +269,7 @@ class HooksPass:
             self.rows = RowTracker(given, fixed())
         else:
             self._row_key = chunk_key(given, model.training)
-            self.rows = self.row_checks.tracker(self._row_key, given, fixed)
+            self.rows = self.row_checks.tracker(self._row_key, given, fixed, model.parameters)
         return self.rows
 
     def attach(self, roots: Sequence[Node], outputs: Sequence[Node] = ()) -> None:
@@ -327,9 +333,10 @@ class HooksPass:
         assert self.row_checks is not None
         calls = tuple((c.key, tuple((o.shape, o.dtype) for o in c.outputs))
                       for c in self.recorder.calls)
+        graph = graph_structure(nodes)
         if self.rows is not None:
-            self.row_checks.tracked(self._row_key, calls, self.rows)
-        elif not self.row_checks.same(self._row_key, calls, tuple(map(type, nodes))):
+            self.row_checks.tracked(self._row_key, calls, graph, self.rows)
+        elif not self.row_checks.same(self._row_key, calls, graph):
             for name in self.params:
                 self.reasons.setdefault(name, UNTRACKED_CHANGE)
 

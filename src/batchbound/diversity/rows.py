@@ -61,6 +61,10 @@ _INDEX_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, tor
 _KINDS: dict[Any, tuple[bool, bool, bool]] = {}  # op -> (dynamic shape, pointwise, random)
 
 
+def _name(func: Any) -> str:
+    return str(func.overloadpacket.__name__)
+
+
 def _kind(func: Any) -> tuple[bool, bool, bool]:
     kind = _KINDS.get(func)
     if kind is None:
@@ -72,10 +76,10 @@ def _kind(func: Any) -> tuple[bool, bool, bool]:
 
 
 def _tensors(values: Any, into: list[Tensor]) -> list[Tensor]:
-    for value in values:
+    for value in values.values() if isinstance(values, dict) else values:
         if isinstance(value, Tensor):
             into.append(value)
-        elif isinstance(value, (tuple, list)):
+        elif isinstance(value, (tuple, list, dict)):  # a model's keyword arguments too
             _tensors(value, into)
     return into
 
@@ -110,7 +114,8 @@ class RowTracker(TorchDispatchMode):
     are held until it is dropped (one chunk): small index tensors, and the activations
     downstream of a move."""
 
-    def __init__(self, inputs: Any = (), fixed: Iterable[Tensor] = ()) -> None:
+    def __init__(self, inputs: Any = (), fixed: Iterable[Tensor] = (),
+                 weights: Iterable[Tensor] = ()) -> None:
         super().__init__()
         # By id, holding the tensor (so no id is reused while noted):
         self.clean: dict[int, Tensor] = {}  # from no example's values: ids, buffers, constants
@@ -118,9 +123,15 @@ class RowTracker(TorchDispatchMode):
         self.marked: dict[int, Tensor] = {}  # rows may belong to other examples
         self.sources: list[Node] = []  # autograd nodes of what row-moving operations read
         self.moved_by: str | None = None
-        # a shape or a Python value (``item()``, ``bool()``) from the examples' values: later
-        # chunks may run other operations (``RowChecks``)
-        self.data_shaped = False
+        # ``weights``, and what is computed from them and clean tensors alone (autocast's
+        # casts of them): not the examples' values, for ``unsteady`` only
+        self.weights: dict[int, Tensor] = {id(t): t for t in weights}
+        # Why a later chunk may choose rows where this one did not, unseen by any check but
+        # this tracker's (``RowChecks``): a row moved by the data, a shape or a Python value
+        # (``item()``, ``bool()``) from the examples' values, or integer or boolean positions
+        # read beside the examples' values by an operation that is not pointwise, where
+        # Python state could choose them from the data on another chunk; None: none of these.
+        self.unsteady: str | None = None
         # The lowest floating precision the backward runs in below the parameters' (autocast,
         # a cast inside the forward such as LlamaRMSNorm's float32): what the stated
         # precision and the self-check's tolerance must allow.
@@ -166,7 +177,7 @@ class RowTracker(TorchDispatchMode):
             # examples' values, later chunks may take another branch
             inputs = _tensors(kwargs.values(), _tensors(args, []))
             if not all(id(t) in self.clean for t in inputs):
-                self.data_shaped = True
+                self.unsteady = self.unsteady or f"a Python value read by {_name(func)}"
             return out
         if isinstance(out, Tensor):
             dtype = out.dtype
@@ -185,15 +196,28 @@ class RowTracker(TorchDispatchMode):
                 # The common case, decided without collecting the inputs: an activation
                 # from an activation (one top-level input not known clean makes the output
                 # not clean either; nothing is marked, chosen or drawn).
-                clean = self.clean
+                clean, weights = self.clean, self.weights
+                index = valued = weighted = False
                 for arg in args:
-                    if isinstance(arg, Tensor) and id(arg) not in clean:
-                        return out
+                    if isinstance(arg, Tensor):
+                        if id(arg) in clean:
+                            index = index or arg.dtype in _INDEX_DTYPES
+                        elif id(arg) in weights:
+                            weighted = True
+                        else:
+                            valued = True
+                if valued:
+                    if index and not kind[1]:
+                        self.unsteady = self.unsteady or f"positions read by {_name(func)}"
+                    return out
+                if weighted:
+                    weights[id(out)] = out
+                    return out
         inputs = _tensors(kwargs.values(), _tensors(args, [])) if kwargs else _tensors(args, [])
         dynamic, pointwise, random = _KINDS.get(func) or _kind(func)
         clean = not random and all(id(t) in self.clean for t in inputs)
-        if dynamic and not clean:  # a shape from the examples' values
-            self.data_shaped = True
+        if not clean and self.unsteady is None:
+            self._note_unsteady(func, inputs, dynamic, pointwise)
         if (not (dynamic or random or clean or self.positions or self.marked)
                 and isinstance(out, Tensor) and out.dtype not in _INDEX_DTYPES):
             return out  # the common case: an activation from activations; nothing chosen
@@ -202,7 +226,8 @@ class RowTracker(TorchDispatchMode):
         indexes = not pointwise and any(positions) and any(valued)
         moves = indexes or (dynamic and _selects(func, args, kwargs, inputs))
         if moves:
-            self.moved_by = self.moved_by or str(func.overloadpacket.__name__)
+            self.moved_by = self.moved_by or _name(func)
+            self.unsteady = self.unsteady or f"rows moved by {self.moved_by}"
             self.sources.extend(t.grad_fn for t in inputs if t.grad_fn is not None)
         outputs = _tensors(out if isinstance(out, (tuple, list)) else (out,), [])
         if not isinstance(out, Tensor):  # several results (native_layer_norm, split)
@@ -218,6 +243,15 @@ class RowTracker(TorchDispatchMode):
             elif chosen and t.dtype in _INDEX_DTYPES:
                 self.positions[id(t)] = t
         return out
+
+    def _note_unsteady(self, func: Any, inputs: list[Tensor], dynamic: bool,
+                       pointwise: bool) -> None:
+        valued = [id(t) not in self.clean and id(t) not in self.weights for t in inputs]
+        if dynamic and any(valued):
+            self.unsteady = f"a shape from the examples' values ({_name(func)})"
+        elif not pointwise and any(valued) and any(
+                t.dtype in _INDEX_DTYPES for t, v in zip(inputs, valued, strict=True) if not v):
+            self.unsteady = f"positions read by {_name(func)}"
 
     def _mark(self, t: Tensor) -> None:
         self.marked[id(t)] = t
@@ -285,61 +319,79 @@ def _leaves(value: Any, into: list[Hashable]) -> None:
 @dataclass
 class _Tracked:
     calls: Hashable  # the layers' calls and their outputs' shapes and dtypes
+    graph: tuple[object, ...]  # its autograd graph's node types (``graph_structure``)
     seen: GradientPrecision  # the tracker's, filled by its backward (holds no tensors)
     low: torch.dtype | None
-    graph: tuple[type, ...] | None = None  # the first untracked chunk's node types
 
     @property
     def lowest(self) -> torch.dtype | None:
         return self.low or self.seen.dtype
 
 
+# Under any dispatch mode torch makes a reshape of a tensor a ``view`` where it would make
+# it a ``_reshape_alias`` (the same view, by sizes and strides): one node type for both.
+_VIEWS = frozenset({"ViewBackward0", "ReshapeAliasBackward0"})
+_CANONICAL: dict[type, object] = {}
+
+
+def graph_structure(nodes: Iterable[Node]) -> tuple[object, ...]:
+    """The node types of an autograd graph in ``graph.walk``'s order, the two forms of a
+    reshape's view as one."""
+    out = []
+    for kind in map(type, nodes):
+        canonical = _CANONICAL.get(kind)
+        if canonical is None:
+            canonical = _CANONICAL[kind] = "view" if kind.__name__ in _VIEWS else kind
+        out.append(canonical)
+    return tuple(out)
+
+
 class RowChecks:
     """Which chunks of one model the row tracker watches, and what an untracked one is owed.
 
     A chunk is tracked when no chunk with its ``chunk_key`` was, and every chunk is from the
-    first tracked one on which anything could make chunks run differently unseen: a row moved
-    by the data, or a shape or a Python value (``item()``, ``bool()``) from the examples'
-    values. Otherwise a chunk runs untracked, and after its forward ``same`` compares it
-    with its key's tracked chunk: the layers' calls with their outputs' shapes and dtypes,
-    and, from the first untracked chunk on, the type of every node of the autograd graph
-    (the tracker itself changes some: under a dispatch mode torch makes a reshape a view).
-    The same program on the same kind of inputs, with no shape or branch taken from the
-    examples' values, chose no rows where its tracked like chose none. A chunk that differs
-    (Python control flow on state no operation shows: a counter, Python's ``random``) leaves
-    its parameters to the exact fallback, and every later chunk is tracked. Not seen: such
-    state changing, between the tracked chunk and the first untracked one, only operations
-    off the gradient's path that move rows (``x[perm]`` on the raw inputs)."""
+    first tracked one that was ``unsteady`` (``RowTracker``): a row moved by the data, a
+    shape or a Python value from the examples' values, or positions (integer or boolean
+    tensors, from the data or not) read beside the examples' values by an operation that is
+    not pointwise, where state the tracker does not see (a counter, Python's ``random``)
+    could choose them from the data on another chunk without changing the graph. Otherwise
+    a later chunk runs untracked, and after its forward ``same`` compares it with its
+    key's tracked chunk: the layers' calls with their outputs' shapes and dtypes, and the
+    type of every node of the autograd graph, in order. Any difference (such state adding
+    a sort of the rows) leaves that chunk's parameters to the exact fallback, and every
+    later chunk is tracked. So an untracked chunk ran, on the gradient's path, the tracked
+    chunk's operations, none of which reads positions beside the examples' values. Not
+    seen: such state starting, on a later chunk, to move the rows of a tensor that needs no
+    gradient (``x[perm]`` of the raw inputs, with ``perm`` from ``tolist()`` of the data)."""
 
     def __init__(self) -> None:
         self.always = False
         self._known: dict[Hashable, _Tracked] = {}
 
-    def tracker(self, key: Hashable, given: Any, fixed: Callable[[], Iterable[Tensor]]
-                ) -> RowTracker | None:
-        """A tracker for a chunk with this key, or None: it runs untracked (``same`` after)."""
+    def tracker(self, key: Hashable, given: Any, fixed: Callable[[], Iterable[Tensor]],
+                weights: Callable[[], Iterable[Tensor]]) -> RowTracker | None:
+        """A tracker for a chunk with this key (``fixed``: the model's buffers, ``weights``:
+        its parameters), or None: it runs untracked (``same`` after its forward)."""
         if self.always or key not in self._known:
-            return RowTracker(given, fixed())
+            return RowTracker(given, fixed(), weights())
         return None
 
-    def tracked(self, key: Hashable, calls: Hashable, rows: RowTracker) -> None:
+    def tracked(self, key: Hashable, calls: Hashable, graph: tuple[object, ...],
+                rows: RowTracker) -> None:
         """After a tracked chunk's forward: what its untracked like are compared with."""
-        if rows.moved_by is not None or rows.data_shaped:
+        if rows.unsteady is not None:
             self._differ()
             return
         if len(self._known) >= KNOWN_KEYS:
             self._known.clear()
-        self._known[key] = _Tracked(calls, rows._seen, rows._low)
+        self._known[key] = _Tracked(calls, graph, rows._seen, rows._low)
 
-    def same(self, key: Hashable, calls: Hashable, graph: tuple[type, ...]) -> bool:
+    def same(self, key: Hashable, calls: Hashable, graph: tuple[object, ...]) -> bool:
         """Whether an untracked chunk ran its tracked like's program; if not, every later
         chunk is tracked."""
         known = self._known.get(key)
-        if known is not None and known.calls == calls:
-            if known.graph is None:
-                known.graph = graph
-            if known.graph == graph:
-                return True
+        if known is not None and known.calls == calls and known.graph == graph:
+            return True
         self._differ()
         return False
 
