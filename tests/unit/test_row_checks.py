@@ -180,10 +180,57 @@ class WarmRouted(nn.Module):
                          .mean(1))
 
 
+class WarmRoutedIds(WarmRouted):
+    """The warm-up on an embedding of token ids: everything after it is the examples' values
+    too, not the weights' (a tracker once counted an embedding's output as a weight's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 6)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return super().forward(self.emb(ids))
+
+
+class HeldOrder(WarmRouted):
+    """The warm-up's order held as a plain tensor attribute, made outside the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order = torch.arange(40)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.fc(x))
+        n, t, d = h.shape
+        flat = h.reshape(n * t, d)
+        order = flat[:, 0].argsort() if self.drift else self.order[: n * t]
+        out = self.expert(flat.index_select(0, order).reshape(n, t, d)).reshape(n * t, d)
+        return self.head(torch.tanh(out.index_select(0, order.argsort()).reshape(n, t, d))
+                         .mean(1))
+
+
 def tokens_data(n: int) -> tuple[Tensor, Tensor]:
     g = torch.Generator().manual_seed(1)
     return (torch.randn(n, 5, 6, generator=g, dtype=torch.float64),
             torch.randint(0, 3, (n,), generator=g))
+
+
+class Ids(Dataset):
+    """Token ids, setting the model drifting from example ``start`` on."""
+
+    def __init__(self, model: nn.Module, start: int) -> None:
+        self.model, self.start = model, start
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randint(0, 20, (32, 5), generator=g)
+        self.y = torch.randint(0, 3, (32,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        if i >= self.start:
+            self.model.drift = True
+        return self.x[i], self.y[i]
 
 
 class Drives(Dataset):
@@ -207,7 +254,8 @@ def drifting_run(model: type[nn.Module], start: int, engine: str = "auto"
                  ) -> tuple[float, float, list[str]]:
     torch.manual_seed(0)
     net = model().double()
-    loader = DataLoader(Drives(net, start=start), batch_size=8)
+    data = Ids(net, start) if model is WarmRoutedIds else Drives(net, start=start)
+    loader = DataLoader(data, batch_size=8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = measure(net, loader, ce, engine=engine)
@@ -223,15 +271,30 @@ def test_a_chunk_that_ran_otherwise_is_left_to_the_exact_fallback(start: int) ->
     assert pytest.approx(loop_T, rel=1e-10) == T
 
 
-def test_positions_read_beside_the_examples_values_keep_every_chunk_tracked() -> None:
+@pytest.mark.parametrize("model", [WarmRouted, WarmRoutedIds, HeldOrder])
+def test_positions_read_beside_the_examples_values_keep_every_chunk_tracked(
+        model: type[nn.Module]) -> None:
     # the warm-up's arange and the later argsort make the same graph: only a tracker sees
     # which one chose the rows, so a model that indexes its activations is always tracked
     with counted() as made:
-        S, T, _ = drifting_run(WarmRouted, 16)
+        S, T, _ = drifting_run(model, 16)
     assert made[0] == 4
-    loop_S, loop_T, _ = drifting_run(WarmRouted, 16, "loop")
+    loop_S, loop_T, _ = drifting_run(model, 16, "loop")
     assert pytest.approx(loop_S, rel=1e-10) == S
     assert pytest.approx(loop_T, rel=1e-10) == T
+
+
+@pytest.mark.parametrize("read", ["tolist", "numpy"])
+def test_values_read_into_python_without_an_operation_make_a_chunk_unsteady(read: str) -> None:
+    # tolist() and numpy() copy no ATen operation's result: Python could branch on the
+    # examples' values unseen, so the tracker notes them (a read of the ids is not such)
+    x, ids = torch.randn(4, 3), torch.randint(0, 5, (4, 3))
+    for tensor, unsteady in ((ids, False), (x, True)):
+        rows = RowTracker((x, ids))
+        with rows:
+            getattr((tensor + 1).detach(), read)()
+        assert (rows.unsteady is not None) == unsteady, rows.unsteady
+    assert read not in torch.Tensor.__dict__  # the wrapped methods are put back
 
 
 def test_a_models_keyword_ids_choose_nothing() -> None:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -108,6 +108,48 @@ def _selects(func: Any, args: tuple, kwargs: dict, inputs: list[Tensor]) -> bool
     return found
 
 
+class _HostReads:
+    """While trackers are active, a tensor's values read into Python without an ATen
+    operation (``tolist()``, ``numpy()``), which Python may branch on, make each active
+    tracker's chunk unsteady where the tensor is not clean for it. The three methods are
+    wrapped only meanwhile: a ``TorchFunctionMode`` would see them too, at a Python call for
+    every function of the forward (GPT-2's structure: +50 % on a tracked chunk's host time)."""
+
+    NAMES = ("tolist", "numpy", "__array__")
+    active: ClassVar[list[RowTracker]] = []
+    _saved: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def enter(cls, rows: RowTracker) -> None:
+        if not cls.active:
+            for name in cls.NAMES:
+                cls._saved[name] = Tensor.__dict__.get(name)
+                setattr(Tensor, name, cls._reading(name, getattr(Tensor, name)))
+        cls.active.append(rows)
+
+    @classmethod
+    def exit(cls, rows: RowTracker) -> None:
+        if rows in cls.active:
+            cls.active.remove(rows)
+        if not cls.active:
+            for name, own in cls._saved.items():
+                if own is None:
+                    delattr(Tensor, name)  # TensorBase's, found again
+                else:
+                    setattr(Tensor, name, own)
+            cls._saved.clear()
+
+    @classmethod
+    def _reading(cls, name: str, method: Callable) -> Callable:
+        def read(self: Tensor, *args: Any, **kwargs: Any) -> Any:
+            for rows in cls.active:
+                if id(self) not in rows.clean and rows.unsteady is None:
+                    rows.unsteady = f"a Python value read by {name}"
+            return method(self, *args, **kwargs)
+
+        return read
+
+
 class RowTracker(TorchDispatchMode):
     """See the module docstring. ``inputs``: the model's arguments (the examples), ``fixed``:
     its buffers; ``moved_by``: the first row-moving operation, by name. The tensors it notes
@@ -123,8 +165,10 @@ class RowTracker(TorchDispatchMode):
         self.marked: dict[int, Tensor] = {}  # rows may belong to other examples
         self.sources: list[Node] = []  # autograd nodes of what row-moving operations read
         self.moved_by: str | None = None
-        # ``weights``, and what is computed from them and clean tensors alone (autocast's
-        # casts of them): not the examples' values, for ``unsteady`` only
+        # Of the clean, what comes from no input of the model either (buffers, ``arange``);
+        # ``weights``, and what is computed from them and constants alone (autocast's casts
+        # of them, not an embedding of the ids): not the examples' values, for ``unsteady``
+        self.constant: dict[int, Tensor] = {}
         self.weights: dict[int, Tensor] = {id(t): t for t in weights}
         # Why a later chunk may choose rows where this one did not, unseen by any check but
         # this tracker's (``RowChecks``): a row moved by the data, a shape or a Python value
@@ -143,7 +187,7 @@ class RowTracker(TorchDispatchMode):
             if not t.is_floating_point():  # token ids, masks: positions, not values
                 self.clean[id(t)] = t
         for t in fixed:
-            self.clean[id(t)] = t
+            self.clean[id(t)] = self.constant[id(t)] = t
 
     @property
     def lowest(self) -> torch.dtype | None:
@@ -152,8 +196,13 @@ class RowTracker(TorchDispatchMode):
         ``precision.GradientPrecision``)."""
         return self._low or self._seen.dtype
 
+    def __enter__(self) -> RowTracker:
+        _HostReads.enter(self)
+        return super().__enter__()
+
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
+        _HostReads.exit(self)
         self._seen.arm()  # the forward's end: its lowered results have their nodes now
 
     def loss_casts(self) -> Casts:
@@ -197,21 +246,23 @@ class RowTracker(TorchDispatchMode):
                 # from an activation (one top-level input not known clean makes the output
                 # not clean either; nothing is marked, chosen or drawn).
                 clean, weights = self.clean, self.weights
-                index = valued = weighted = False
+                index = unclean = valued = weighted = inputs_of_model = False
                 for arg in args:
                     if isinstance(arg, Tensor):
+                        index = index or arg.dtype in _INDEX_DTYPES
                         if id(arg) in clean:
-                            index = index or arg.dtype in _INDEX_DTYPES
-                        elif id(arg) in weights:
+                            inputs_of_model = inputs_of_model or id(arg) not in self.constant
+                            continue
+                        unclean = True
+                        if id(arg) in weights:
                             weighted = True
-                        else:
+                        elif arg.is_floating_point():
                             valued = True
-                if valued:
-                    if index and not kind[1]:
+                if unclean:
+                    if valued and index and not kind[1]:
                         self.unsteady = self.unsteady or f"positions read by {_name(func)}"
-                    return out
-                if weighted:
-                    weights[id(out)] = out
+                    elif weighted and not (valued or inputs_of_model):
+                        weights[id(out)] = out
                     return out
         inputs = _tensors(kwargs.values(), _tensors(args, [])) if kwargs else _tensors(args, [])
         dynamic, pointwise, random = _KINDS.get(func) or _kind(func)
@@ -237,20 +288,24 @@ class RowTracker(TorchDispatchMode):
             for t in outputs:
                 self._mark(t)
         chosen = random or any(positions) or any(valued)
+        constant = clean and all(id(t) in self.constant for t in inputs)
         for t in outputs:
             if clean:
                 self.clean[id(t)] = t
+                if constant:
+                    self.constant[id(t)] = t
             elif chosen and t.dtype in _INDEX_DTYPES:
                 self.positions[id(t)] = t
         return out
 
     def _note_unsteady(self, func: Any, inputs: list[Tensor], dynamic: bool,
                        pointwise: bool) -> None:
-        valued = [id(t) not in self.clean and id(t) not in self.weights for t in inputs]
-        if dynamic and any(valued):
+        """``unsteady``'s shapes and positions, for an operation on something not clean."""
+        if dynamic:
             self.unsteady = f"a shape from the examples' values ({_name(func)})"
-        elif not pointwise and any(valued) and any(
-                t.dtype in _INDEX_DTYPES for t, v in zip(inputs, valued, strict=True) if not v):
+        elif not pointwise and any(t.dtype in _INDEX_DTYPES for t in inputs) and any(
+                t.is_floating_point() and id(t) not in self.clean and id(t) not in self.weights
+                for t in inputs):
             self.unsteady = f"positions read by {_name(func)}"
 
     def _mark(self, t: Tensor) -> None:
