@@ -16,9 +16,11 @@ position says. An operation *moves rows* when
   whether the shape really needs the values (``x[idx]`` with integer indices does not), or
 - it is not pointwise and reads an integer or boolean tensor computed from the examples'
   floating-point values or drawn at random (``argmax``, ``topk``'s indices, ``h > 0``,
-  ``randperm``) beside a tensor of such values: it uses data as positions into that tensor
-  (``index_select``, ``gather``, ``index_put``, ``scatter``, an embedding of data-chosen
-  indices), where a pointwise ``where`` or ``masked_fill`` only masks.
+  ``randperm``), or a tensor computed from such positions alone (a one-hot matrix of them
+  cast to float), beside a tensor of such values: it uses data as positions into that
+  tensor (``index_select``, ``gather``, ``index_put``, ``scatter``, an embedding of
+  data-chosen indices, a product with that one-hot matrix), where a pointwise ``where`` or
+  ``masked_fill`` only masks.
 
 Its outputs are marked, and so is everything computed from a marked tensor afterwards. The
 hooks engine refuses every call that reads a marked tensor, and every call whose output
@@ -259,6 +261,9 @@ class RowTracker(TorchDispatchMode):
                         elif arg.is_floating_point():
                             valued = True
                 if unclean:
+                    if id(out) in clean:  # written in place from the examples' values
+                        del clean[id(out)]
+                        self.constant.pop(id(out), None)
                     if valued and index and not kind[1]:
                         self.unsteady = self.unsteady or f"positions read by {_name(func)}"
                     elif weighted and not (valued or inputs_of_model):
@@ -273,7 +278,8 @@ class RowTracker(TorchDispatchMode):
                 and isinstance(out, Tensor) and out.dtype not in _INDEX_DTYPES):
             return out  # the common case: an activation from activations; nothing chosen
         positions = [id(t) in self.positions for t in inputs]
-        valued = [self._valued(t) for t in inputs]
+        # a position cast to a float (a one-hot dispatch matrix) is still a position
+        valued = [self._valued(t) and not p for t, p in zip(inputs, positions, strict=True)]
         indexes = not pointwise and any(positions) and any(valued)
         moves = indexes or (dynamic and _selects(func, args, kwargs, inputs))
         if moves:
@@ -288,13 +294,17 @@ class RowTracker(TorchDispatchMode):
             for t in outputs:
                 self._mark(t)
         chosen = random or any(positions) or any(valued)
+        of_positions = any(positions) and not (random or any(valued))
         constant = clean and all(id(t) in self.constant for t in inputs)
         for t in outputs:
             if clean:
                 self.clean[id(t)] = t
                 if constant:
                     self.constant[id(t)] = t
-            elif chosen and t.dtype in _INDEX_DTYPES:
+                continue
+            self.clean.pop(id(t), None)  # a clean tensor written in place (``scatter_``)
+            self.constant.pop(id(t), None)
+            if (chosen and t.dtype in _INDEX_DTYPES) or of_positions:
                 self.positions[id(t)] = t
         return out
 
