@@ -215,31 +215,15 @@ def tokens_data(n: int) -> tuple[Tensor, Tensor]:
             torch.randint(0, 3, (n,), generator=g))
 
 
-class Ids(Dataset):
-    """Token ids, setting the model drifting from example ``start`` on."""
-
-    def __init__(self, model: nn.Module, start: int) -> None:
-        self.model, self.start = model, start
-        g = torch.Generator().manual_seed(1)
-        self.x = torch.randint(0, 20, (32, 5), generator=g)
-        self.y = torch.randint(0, 3, (32,), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
-        if i >= self.start:
-            self.model.drift = True
-        return self.x[i], self.y[i]
-
-
 class Drives(Dataset):
-    """The examples, setting the model drifting from example ``start`` on (a DataLoader
-    reads them chunk by chunk, as measure runs)."""
+    """Examples (``tokens_data``, or token ids where ``ids``) that set the model drifting
+    from example ``start`` on: a DataLoader reads them chunk by chunk, as measure runs."""
 
-    def __init__(self, model: nn.Module, start: int) -> None:
+    def __init__(self, model: nn.Module, start: int, ids: bool = False) -> None:
         self.model, self.start = model, start
         self.x, self.y = tokens_data(32)
+        if ids:
+            self.x = torch.randint(0, 20, (32, 5), generator=torch.Generator().manual_seed(1))
 
     def __len__(self) -> int:
         return len(self.y)
@@ -254,7 +238,7 @@ def drifting_run(model: type[nn.Module], start: int, engine: str = "auto"
                  ) -> tuple[float, float, list[str]]:
     torch.manual_seed(0)
     net = model().double()
-    data = Ids(net, start) if model is WarmRoutedIds else Drives(net, start=start)
+    data = Drives(net, start, ids=model is WarmRoutedIds)
     loader = DataLoader(data, batch_size=8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
