@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from batchbound.diversity.calls import Inputs, call_model
+from batchbound.diversity.collector import collector_paused
 from batchbound.diversity.engines import (
     VmapUnsupported,
     fallback_sq_norms,
@@ -143,7 +144,8 @@ class PreparedStats:
         the chunk's Σ_i g_i is added to them instead of returned (``grad_sum`` is then
         empty); the layer rules that compute a batch sum themselves add it in their own
         kernel (``Outer.add_total_to``), with no temporary and no separate addition."""
-        stats = self._stats(x, y, offset, into)
+        with collector_paused():  # the chunk's bookkeeping, freed at its end (collector.py)
+            stats = self._stats(x, y, offset, into)
         if into is not None and stats.grad_sum:
             names = list(stats.grad_sum)
             torch._foreach_add_([into[k] for k in names], [stats.grad_sum[k] for k in names])

@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from batchbound.diversity.calls import Inputs, flatten
+from batchbound.diversity.collector import collector_paused
 from batchbound.diversity.graph import Node, loss_users
 from batchbound.diversity.hooks import (
     HookPlan,
@@ -155,6 +156,12 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     """
     if reduction not in ("mean", "sum"):
         raise BatchboundError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    with collector_paused():  # the step's bookkeeping, freed at its end (collector.py)
+        yield from _watched_step(model, monitor, reduction, subset)
+
+
+def _watched_step(model: nn.Module, monitor: OnlineDiversity, reduction: str,
+                  subset: str) -> Iterator[None]:
     planned, buffers = _planned(model, subset)
     params = planned.params
     check_model_mode(model, planned.batch_norms)

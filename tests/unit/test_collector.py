@@ -1,0 +1,112 @@
+"""The cyclic garbage collector is held off over a watched step and a measured chunk
+(diversity/collector.py): their bookkeeping is freed by reference counting before any
+collection walks it, and the caller's collector state is what it was afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import batchbound.diversity.prepared as prepared
+import batchbound.diversity.steps as steps
+from batchbound.diversity import OnlineDiversity, PreparedStats, watch
+from batchbound.diversity.collector import collector_paused
+
+
+@contextlib.contextmanager
+def collections(threshold: int = 10) -> Iterator[list[int]]:
+    """The generations collected inside the block, with the young generation's threshold
+    lowered so that a few dozen containers alive at once start a collection."""
+    started: list[int] = []
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(info["generation"])
+
+    old = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(threshold, *old[1:])
+    gc.callbacks.append(seen)
+    try:
+        yield started
+    finally:
+        gc.callbacks.remove(seen)
+        gc.set_threshold(*old)
+
+
+def deep_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(12):
+        layers += [nn.Linear(8, 8), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(8, 3))
+
+
+def test_the_state_is_restored_also_after_an_error():
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), collector_paused():
+        assert not gc.isenabled()
+        raise RuntimeError("inside")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused(), collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the caller's choice stays
+    finally:
+        gc.enable()
+
+
+def states_inside(model: nn.Module) -> list[bool]:
+    """Whether the collector was on, at the model's forward and at its backward."""
+    seen: list[bool] = []
+
+    def forward(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        seen.append(gc.isenabled())
+        output.register_hook(lambda grad: seen.append(gc.isenabled()))
+
+    model.register_forward_hook(forward)
+    return seen
+
+
+def test_a_watched_step_runs_with_the_collector_off(monkeypatch):
+    model, monitor = deep_mlp(), OnlineDiversity()
+    x, y = torch.randn(16, 8), torch.randint(3, (16,))
+
+    def step() -> None:
+        model.zero_grad()
+        with watch(model, monitor):
+            F.cross_entropy(model(x), y).backward()
+
+    step()  # the first step plans and checks the model
+    seen = states_inside(model)
+    with collections() as started:
+        step()
+        paused = len(started)
+        assert seen == [False, False] and gc.isenabled()
+        monkeypatch.setattr(steps, "collector_paused", contextlib.nullcontext)
+        step()
+        unpaused = len(started) - paused
+    assert paused <= 2 < unpaused  # as the block starts and as it ends, not in between
+
+
+def test_a_measured_chunk_runs_with_the_collector_off(monkeypatch):
+    model = deep_mlp().eval()
+    x, y = torch.randn(64, 8), torch.randint(3, (64,))
+    stats_of = PreparedStats(model, "cross_entropy")
+    stats_of(x, y)  # the first chunk probes and checks the model
+    seen = states_inside(model)
+    with collections() as started:
+        stats_of(x, y)
+        paused = len(started)
+        assert seen == [False, False] and gc.isenabled()
+        monkeypatch.setattr(prepared, "collector_paused", contextlib.nullcontext)
+        stats_of(x, y)
+        unpaused = len(started) - paused
+    assert paused <= 2 < unpaused
