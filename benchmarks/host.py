@@ -4,7 +4,8 @@ On an H100 GPT-2 small's step under ``watch`` was bound by the host (docs/benchm
 time Python and torch's dispatcher take to issue the step, not the GPU's work. This script
 times that host work on CPU: GPT-2 small's structure (12 layers, its modules and calls) at
 width 32, context 8 and batch 4, where the arithmetic is a small part of a step and its wall
-time is nearly all dispatch and Python. Interleaved rounds, medians, one thread:
+time is nearly all dispatch and Python. Interleaved rounds, medians and means (a rare full
+garbage collection of the process's heap moves the mean, not the median), one thread:
 
 - ``plain``: the bare forward and backward (``loss.backward()``);
 - ``watch`` / ``watch:norms``: the same step inside ``watch(model, monitor)`` (all layers, and
@@ -117,17 +118,25 @@ def main(argv: list[str] | None = None) -> int:
             run()
             times[name].append(time.perf_counter() - start)
     ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
-    rows = [{"step": name, "ms": round(v, 2),
-             "extra": round(100 * (v / ms["plain, bf16" if "bf16" in name else "plain"] - 1))}
-            for name, v in ms.items()]
+    mean = {name: 1e3 * statistics.fmean(t) for name, t in times.items()}
+
+    def plain(name: str) -> str:
+        return "plain, bf16" if "bf16" in name else "plain"
+
+    rows = [{"step": name, "ms": round(ms[name], 2),
+             "extra": round(100 * (ms[name] / ms[plain(name)] - 1)),
+             "mean ms": round(mean[name], 2),
+             "mean extra": round(100 * (mean[name] / mean[plain(name)] - 1))}
+            for name in ms]
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     print(f"GPT-2 structure, {args.layers} layers at width {args.width}, batch 4 × 8 tokens; "
           f"torch {torch.__version__}, 1 thread, median of {args.repeats} interleaved rounds")
-    print("| step | ms | extra |\n|---|---|---|")
+    print("| step | ms | extra | mean ms | mean extra |\n|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['step']} | {row['ms']:.2f} | {row['extra']:+d} % |")
+        print(f"| {row['step']} | {row['ms']:.2f} | {row['extra']:+d} % | "
+              f"{row['mean ms']:.2f} | {row['mean extra']:+d} % |")
     return 0
 
 
