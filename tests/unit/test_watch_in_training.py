@@ -288,6 +288,28 @@ def test_user_forward_hook_that_changes_a_layer_output() -> None:
     watch_exact(late, (x,), {}, ce, y)
 
 
+def test_user_forward_hook_that_hooks_the_output_gradient() -> None:
+    """A gradient logger (a forward hook that registers a hook on the layer's output): the
+    checks' own forward passes run with gradients on, as training does, so it does not fail
+    there (it raised torch's 'cannot register a hook on a tensor that doesn't require
+    gradient' from the determinism check's no_grad forward)."""
+    torch.manual_seed(14)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    logged: list[float] = []
+
+    def log_gradient(module: nn.Module, args: tuple, out: Tensor) -> None:
+        out.register_hook(lambda g: logged.append(float(g.norm())))
+
+    model[1].register_forward_hook(log_gradient)
+    x, y = torch.randn(6, 6, dtype=torch.float64), torch.randint(0, 3, (6,))
+    for _ in range(2):
+        model.zero_grad()
+        watch_exact(model, (x,), {}, ce, y)
+    assert logged
+    reference = measure(copy.deepcopy(model), (x, y), "cross_entropy", engine="loop")
+    assert measure(model, (x, y), "cross_entropy").S == pytest.approx(reference.S, rel=1e-9)
+
+
 def test_non_reentrant_checkpoint_around_layer_norm() -> None:
     torch.manual_seed(12)
     x, y = torch.randn(6, 5, 8, dtype=torch.float64), torch.randint(0, 3, (6, 5))

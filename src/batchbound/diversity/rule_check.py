@@ -334,10 +334,9 @@ def padded_output(model: nn.Module, x: Tensor, fixed: frozenset[int] = frozenset
     xs = examples(x[rows], size)
 
     def shapes(inputs: Tensor) -> list[tuple[int, ...]]:
-        return [tuple(t.shape) for t in flatten(call_model(model, inputs))
-                if isinstance(t, Tensor)]
+        return [tuple(t.shape) for t in _leaves(model, inputs)]
 
-    with torch.no_grad(), buffers_kept(model), torch.random.fork_rng(devices=[]):
+    with buffers_kept(model), torch.random.fork_rng(devices=[]):
         mode = nullcontext() if deterministic(model, xs) else eval_mode(model)
         with mode:
             whole = shapes(xs)
@@ -371,18 +370,15 @@ def coupling_outputs(model: nn.Module, x: Tensor, fixed: frozenset[int] = frozen
     rows, size = spread_rows(x.shape[0])
     xs = examples(x[rows], size)
 
-    def leaves(inputs: Tensor) -> list[Tensor]:
-        return [t for t in flatten(call_model(model, inputs)) if isinstance(t, Tensor)]
-
-    with torch.no_grad(), buffers_kept(model), torch.random.fork_rng(devices=[]):
+    with buffers_kept(model), torch.random.fork_rng(devices=[]):
         mode = nullcontext() if deterministic(model, xs) else eval_mode(model)
         with mode:
-            whole = leaves(xs)
+            whole = _leaves(model, xs)
             batchless = {k: t for k, t in enumerate(whole) if t.is_floating_point()
                          and (size not in t.shape or k in fixed)}  # (T, n, V) holds them
             if not batchless:
                 return {}
-            alone = [leaves(xs[i : i + 1]) for i in range(size)]
+            alone = [_leaves(model, xs[i : i + 1]) for i in range(size)]
     found = {}
     for k, value in batchless.items():
         each = [a[k] if k < len(a) and a[k].shape == value.shape else None for a in alone]
@@ -401,11 +397,18 @@ def coupling_outputs(model: nn.Module, x: Tensor, fixed: frozenset[int] = frozen
 def deterministic(model: nn.Module, x: Tensor) -> bool:
     """Whether two forward passes under different random seeds give the same outputs."""
     outputs = []
-    with torch.no_grad():
-        for seed in (1, 2):
-            torch.manual_seed(seed)
-            outputs.append([t for t in flatten(call_model(model, x)) if isinstance(t, Tensor)])
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        outputs.append(_leaves(model, x))
     return all(torch.equal(a, b) for a, b in zip(*outputs, strict=True))
+
+
+def _leaves(model: nn.Module, x: Tensor) -> list[Tensor]:
+    """The model's tensor outputs on ``x``, detached. The forward runs with gradients on, as
+    when the model trains (a user's hook that hooks its outputs' gradients, a gradient
+    logger, fails under no_grad); its graph is freed with the outputs it detaches."""
+    with torch.enable_grad():
+        return [t.detach() for t in flatten(call_model(model, x)) if isinstance(t, Tensor)]
 
 
 @contextmanager
