@@ -168,6 +168,12 @@ def _watched_step(model: nn.Module, monitor: OnlineDiversity, reduction: str,
     before = _grad_copies(params)
     with _Watched(model, planned, before, buffers) as watched:
         yield
+    if watched.single:  # a loader's last, short batch: the training goes on
+        if "single" not in planned.warned:
+            planned.warned.add("single")
+            warn("batchbound: watch(): a batch of one example leaves the monitor as it was "
+                 "(per-example estimates need two); its step is the optimizer's as usual")
+        return
     run = watched.finish()
     if run is None or not (run.backward_seen or (watched.outputs and watched.outputs.grads)):
         raise BatchboundError("watch() saw no backward pass through the model; call the model "
@@ -491,6 +497,7 @@ class _Watched:
         self.run: HooksPass | None = None
         self.calls = 0
         self.inputs: Tensor | Inputs | None = None  # the examples of the watched call
+        self.single = False  # a batch of one: nothing to read (``_watched_step``)
         self.outputs: OutputGrads | None = None  # for the fallback, when it is needed
         self.autocast: list[tuple[str, torch.dtype]] = []  # active at the model's call
         self.random: RandomState | None = None  # torch's random state as the forward began
@@ -534,6 +541,9 @@ class _Watched:
         if x is None:
             raise BatchboundError("watch() needs a tensor of examples among the model's "
                                   "arguments (the examples along its first dimension)")
+        if x.shape[0] < 2:
+            self.single = True
+            return
         self.inputs, self.autocast = x, autocast_state()
         layout = self.planned.layout
         if layout is None:
