@@ -4,10 +4,13 @@ the layer rules alone, and through ``measure``, ``watch`` and ``monitored_step``
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from outside_models import (
     BatchCentered,
     ContrastiveTowers,
@@ -257,6 +260,49 @@ def test_batch_centering_in_the_forward_is_refused() -> None:
             measure(BatchCentered().double(), (x, y), "cross_entropy", engine=engine)
 
 
+class LateBatchCentered(nn.Module):
+    """Centred per example, then, from its ``after``-th call on (a flag or a counter), on the
+    batch: the same operations with another dimension, so the graph's node types are the
+    same and only the mean's saved dimension tells the chunks apart."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 7), nn.Linear(7, 3)
+        self.calls, self.after = 0, after
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        h = self.a(x)
+        return self.b(torch.tanh(h - h.mean(0 if self.calls > self.after else -1,
+                                            keepdim=True)))
+
+
+def test_batch_centering_switched_on_after_the_first_chunk_is_refused() -> None:
+    """The first chunk, which the per-example loop checks, is centred per example; later
+    ones on the batch. Its S came back, from the rules or from the fallback computing each
+    example alone, without a word."""
+    torch.manual_seed(13)
+    x, y = torch.randn(64, 5, dtype=torch.float64), torch.randint(0, 3, (64,))
+    model = LateBatchCentered(after=10**9).double()
+    exact = measure(copy.deepcopy(model), (x, y), "cross_entropy", chunk_size=8)
+    assert exact.S > 0  # a steady model measures
+    model.after = model.calls + 12  # past the first call's checks and first chunks
+    with pytest.raises(BatchboundError,
+                       match=r"on the chunk from example \d+, the examples interact"):
+        measure(model, (x, y), "cross_entropy", chunk_size=8)
+    torch.manual_seed(13)
+    late, monitor = LateBatchCentered(after=10**9).double(), OnlineDiversity()
+    for step in range(3):
+        if step == 2:
+            late.after = late.calls  # from this step's forward on
+        late.zero_grad()
+        with pytest.raises(BatchboundError, match="examples that interact in this step") if (
+                step == 2) else contextlib.nullcontext(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with watch(late, monitor):
+                F.cross_entropy(late(x[:8]), y[:8]).backward()
+
+
 def test_contrastive_loss_over_the_batch_is_refused() -> None:
     """Each example alone has a 1×1 similarity matrix and zero loss: S = T = 0 and Δ = NaN
     came back before, after a warning."""
@@ -291,3 +337,49 @@ def test_low_precision_models_state_their_precision(dtype: torch.dtype, name: st
     roundoff = torch.finfo(dtype).eps / 2
     assert pytest.approx(exact.S, rel=4 * roundoff) == got.S
     assert pytest.approx(exact.T, rel=4 * roundoff) == got.T
+
+
+# -------------------------------- what an outside review saw leak as torch's or Python's errors
+
+
+def test_uninitialised_lazy_layers_are_named() -> None:
+    model = nn.Sequential(nn.LazyLinear(8), nn.Tanh(), nn.LazyLinear(3))
+    x, y = torch.randn(16, 5), torch.randint(0, 3, (16,))
+    with pytest.raises(BatchboundError, match=r"lazy parameters not yet initialised \(0\.weight"):
+        measure(model, (x, y), "cross_entropy")
+    model(x)  # their shapes exist now
+    assert measure(model, (x, y), "cross_entropy").S > 0
+
+
+def test_a_float64_copy_of_a_model_deepcopy_cannot_copy_is_refused() -> None:
+    """torch.nn.utils.weight_norm (the old one) keeps a computed weight deepcopy refuses."""
+    model = nn.Sequential(nn.utils.weight_norm(nn.Linear(5, 7)), nn.Tanh(), nn.Linear(7, 3))
+    model(torch.randn(2, 5))
+    x, y = torch.randn(16, 5), torch.randint(0, 3, (16,))
+    with pytest.raises(BatchboundError, match=r"dtype=torch.float64 .* copy.deepcopy cannot"):
+        measure(model, (x, y), "cross_entropy", dtype=torch.float64)
+
+
+class SqueezedRegression(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.tanh(self.a(x))).squeeze()  # (n,), and a number on one example
+
+
+@pytest.mark.parametrize("engine", ["auto", "hooks", "vmap", "loop"])
+def test_mse_on_a_squeezed_output_takes_one_example_as_one(engine: str) -> None:
+    """The checks run single examples, whose squeezed output is a number: mse read its
+    first dimension (IndexError)."""
+    torch.manual_seed(15)
+    model = SqueezedRegression().double()
+    x, y = torch.randn(24, 8, dtype=torch.float64), torch.randn(24, dtype=torch.float64)
+    S = 0.0
+    for i in range(24):
+        model.zero_grad()
+        ((model(x[i : i + 1]) - y[i]) ** 2).backward()
+        S += sum(float(p.grad.square().sum()) for p in model.parameters())
+    got = measure(model, (x, y), "mse", chunk_size=8, engine=engine).S
+    assert got == pytest.approx(S, rel=1e-9)

@@ -78,6 +78,11 @@ def mse(outputs: Tensor, targets: Tensor) -> Tensor:
     ``targets`` has the outputs' shape; (n,) targets are accepted for (n, 1) outputs.
     """
     _one_tensor(outputs, "mse")
+    if outputs.dim() == 0:  # an (n,) output squeezed (``.squeeze()``) on one example
+        if targets.numel() != 1:
+            raise BatchboundError(f"mse needs outputs with the examples along dimension 0, got "
+                                  f"a single number for targets {tuple(targets.shape)}")
+        outputs = outputs.reshape(1)
     n = outputs.shape[0]
     if targets.shape != outputs.shape:
         if targets.dim() == 1 and tuple(outputs.shape) == (n, 1) and targets.shape[0] == n:

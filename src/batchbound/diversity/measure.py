@@ -127,7 +127,13 @@ def measuring(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[nn
     work = model
     if dtype is not None and dtype != _model_dtype(model):
         _no_parameter_hooks(model, dtype)
-        work = copy.deepcopy(model).to(dtype)
+        try:
+            work = copy.deepcopy(model).to(dtype)
+        except Exception as exc:  # any: the user's model, named in one line
+            raise BatchboundError(
+                f"dtype={dtype} measures a copy of the model, and copy.deepcopy cannot copy "
+                f"this one ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                "); measure it in its own dtype, or convert it yourself") from exc
     with eval_mode(work):
         yield work
 

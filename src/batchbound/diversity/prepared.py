@@ -263,7 +263,9 @@ class PreparedStats:
                                  tolerance(lowest(self.precision, *autocast_dtypes())))
             self._methods = "replay"
         else:
-            sq, sums, _ = self._fallback(x, y, names, offset, result.loss_uses)
+            sq, sums, alone = self._fallback(x, y, names, offset, result.loss_uses)
+            _check_alone(result.losses, alone, lowest(self.precision, *autocast_dtypes()),
+                         offset)
         self._warn(result.reasons, time.perf_counter() - start, rules_seconds)
         result.sq_norms.update(sq)
         result.grad_sum.update(sums)
@@ -365,6 +367,16 @@ class PreparedStats:
             norm = torch.linalg.vector_norm(g, dtype=norm_dtype(g.dtype))
             sq_norms[name] = norm.square().reshape(1)
         return PerExampleStats(losses.detach(), sq_norms, grad_sum)
+
+
+def _check_alone(together: Tensor, alone: Tensor, dtype: torch.dtype, offset: int) -> None:
+    """The fallback's per-example losses, each example run alone, against the chunk's own:
+    examples that interact on this chunk (a flag or counter that switched a statistic of
+    the batch on after the first chunk, which the per-example loop checked) are refused,
+    not measured alone."""
+    scale = float(alone.abs().max()) + 1e-30
+    if float((together - alone).abs().max()) > tolerance(dtype) * scale:
+        raise BatchboundError(f"on the chunk from example {offset}, {COUPLED}")
 
 
 def _replayed(model: nn.Module, x: Tensor | Inputs, y: Tensor, loss_fn: PerExampleLoss,

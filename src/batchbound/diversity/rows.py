@@ -399,16 +399,58 @@ _VIEWS = frozenset({"ViewBackward0", "ReshapeAliasBackward0"})
 _CANONICAL: dict[type, object] = {}
 
 
+# Per node type, the saved arguments that are no tensors (dims, sizes, scalars, flags),
+# read from the first node of the type; strides are left out (a layout, not a value).
+_ARGUMENTS: dict[type, tuple[str, ...]] = {}
+
+
 def graph_structure(nodes: Iterable[Node]) -> tuple[object, ...]:
-    """The node types of an autograd graph in ``graph.walk``'s order, the two forms of a
-    reshape's view as one."""
-    out = []
-    for kind in map(type, nodes):
+    """Each node of an autograd graph in ``graph.walk``'s order: its type (the two forms of
+    a reshape's view as one) and the arguments its operation saved that are no tensors, so
+    that ``h - h.mean(0)`` in place of ``h - h.mean(-1)`` (the batch's mean, the examples
+    coupled) is another structure."""
+    out: list[object] = []
+    for node in nodes:
+        kind = type(node)
         canonical = _CANONICAL.get(kind)
         if canonical is None:
             canonical = _CANONICAL[kind] = "view" if kind.__name__ in _VIEWS else kind
-        out.append(canonical)
+            _ARGUMENTS[kind] = _plain_arguments(node)
+        names = _ARGUMENTS[kind]
+        out.append((canonical, *(_plain(getattr(node, k)) for k in names)) if names
+                   else canonical)
     return tuple(out)
+
+
+def _plain_arguments(node: Node) -> tuple[str, ...]:
+    names = []
+    for name in dir(node):
+        if not name.startswith("_saved_") or name.endswith("_strides"):
+            continue
+        try:
+            value = getattr(node, name)
+        except RuntimeError:  # a saved tensor already freed
+            continue
+        if value is not None and not _holds_tensors(value):
+            names.append(name)
+    return tuple(names)
+
+
+def _holds_tensors(value: object) -> bool:
+    return isinstance(value, Tensor) or (isinstance(value, (tuple, list)) and any(
+        isinstance(v, Tensor) for v in value))
+
+
+def _plain(value: object) -> object:
+    """A saved argument as a comparable value (a tensor where a node of the same type held
+    none: its place only)."""
+    if isinstance(value, Tensor):
+        return Tensor
+    if isinstance(value, list):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, tuple) and any(isinstance(v, Tensor) for v in value):
+        return tuple(_plain(v) for v in value)
+    return value
 
 
 class RowChecks:

@@ -62,6 +62,12 @@ class PerExampleStats:
 def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """Named parameters with requires_grad, in ``named_parameters`` order (tied ones once)."""
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    lazy = [name for name, p in params.items() if isinstance(p, nn.UninitializedParameter)]
+    if lazy:
+        raise BatchboundError(
+            f"{type(model).__name__} has lazy parameters not yet initialised ({', '.join(lazy)}): "
+            "their shapes exist after the first forward pass; run the model once on a batch "
+            "before measuring it")
     if not params:
         raise BatchboundError(
             f"{type(model).__name__} has no trainable parameters (none with requires_grad); "

@@ -687,8 +687,10 @@ class _Watched:
         scale = {k: float(torch.linalg.vector_norm(delta[k])) + float(sq[k].sum()) ** 0.5
                  for k in names}  # the floor only below it (step_norm)
         wrong = {k: "its gradient in this step is not the sum of the per-example gradients "
-                    "read off the model's outputs (a regulariser in the loss, or a loss that "
-                    "is not a sum over the examples?)"
+                    "read off the model's outputs (a regulariser in the loss, a loss that "
+                    "is not a sum over the examples, or examples that interact in this "
+                    "step: a statistic of the batch switched on after the first step, "
+                    "which the per-example loop checked?)"
                  for k in names
                  if float(torch.linalg.vector_norm(sums[k].to(delta[k].dtype) - delta[k]))
                  > rtol * scale[k] + (floor if scale[k] <= floor else 0.0) + 1e-30}
