@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, ClassVar
 
 import torch
@@ -399,9 +400,10 @@ _VIEWS = frozenset({"ViewBackward0", "ReshapeAliasBackward0"})
 _CANONICAL: dict[type, object] = {}
 
 
-# Per node type, the saved arguments that are no tensors (dims, sizes, scalars, flags),
-# read from the first node of the type; strides are left out (a layout, not a value).
-_ARGUMENTS: dict[type, tuple[str, ...]] = {}
+# Per node type, a getter of the saved arguments that are no tensors (dims, sizes, scalars,
+# flags), found on the first node of the type (a node type's arguments keep their kinds);
+# strides are left out (a layout, not a value). None: the type saves none.
+_ARGUMENTS: dict[type, Callable[[Node], object] | None] = {}
 
 
 def graph_structure(nodes: Iterable[Node]) -> tuple[object, ...]:
@@ -415,10 +417,10 @@ def graph_structure(nodes: Iterable[Node]) -> tuple[object, ...]:
         canonical = _CANONICAL.get(kind)
         if canonical is None:
             canonical = _CANONICAL[kind] = "view" if kind.__name__ in _VIEWS else kind
-            _ARGUMENTS[kind] = _plain_arguments(node)
-        names = _ARGUMENTS[kind]
-        out.append((canonical, *(_plain(getattr(node, k)) for k in names)) if names
-                   else canonical)
+            names = _plain_arguments(node)
+            _ARGUMENTS[kind] = attrgetter(*names) if names else None
+        arguments = _ARGUMENTS[kind]
+        out.append(canonical if arguments is None else (canonical, arguments(node)))
     return tuple(out)
 
 
@@ -431,26 +433,10 @@ def _plain_arguments(node: Node) -> tuple[str, ...]:
             value = getattr(node, name)
         except RuntimeError:  # a saved tensor already freed
             continue
-        if value is not None and not _holds_tensors(value):
+        if value is not None and not isinstance(value, Tensor) and not (
+                isinstance(value, (tuple, list)) and any(isinstance(v, Tensor) for v in value)):
             names.append(name)
     return tuple(names)
-
-
-def _holds_tensors(value: object) -> bool:
-    return isinstance(value, Tensor) or (isinstance(value, (tuple, list)) and any(
-        isinstance(v, Tensor) for v in value))
-
-
-def _plain(value: object) -> object:
-    """A saved argument as a comparable value (a tensor where a node of the same type held
-    none: its place only)."""
-    if isinstance(value, Tensor):
-        return Tensor
-    if isinstance(value, list):
-        return tuple(_plain(v) for v in value)
-    if isinstance(value, tuple) and any(isinstance(v, Tensor) for v in value):
-        return tuple(_plain(v) for v in value)
-    return value
 
 
 class RowChecks:
