@@ -79,6 +79,35 @@ def test_untracked_and_tracked_runs_agree_bit_for_bit(monkeypatch: pytest.Monkey
     assert (untracked.S, untracked.T, untracked.loss) == (tracked.S, tracked.T, tracked.loss)
 
 
+def test_a_float_a_schedule_changes_on_every_step_is_the_same_program() -> None:
+    """An exponent the training loop anneals from step to step (a float the power's node
+    saves) combines no other entries: the later steps are the first one's program (no
+    fallback, no warning, no tracker), while the dimensions and sizes an operation saves
+    are compared (tests/unit/test_outside_models.py: ``h.mean(0)`` for ``h.mean(-1)`` is
+    refused)."""
+
+    class Annealed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(6, 16), nn.Linear(16, 3)
+            self.gamma = 1.0
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.b(torch.sigmoid(self.a(x)) ** self.gamma)
+
+    x, y = data()
+    torch.manual_seed(0)
+    model, monitor = Annealed().double(), OnlineDiversity()
+    with counted() as made, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(4):
+            model.gamma = 1.0 + 0.1 * step
+            model.zero_grad()
+            with watch(model, monitor):
+                nn.functional.cross_entropy(model(x[:8]), y[:8]).backward()
+    assert made[0] == 1
+
+
 def test_a_chunk_of_another_shape_is_tracked() -> None:
     x, y = data(60)  # 8 chunks of 7 and one of 4
     with counted() as made:

@@ -400,15 +400,18 @@ _VIEWS = frozenset({"ViewBackward0", "ReshapeAliasBackward0"})
 _CANONICAL: dict[type, object] = {}
 
 
-# Per node type, a getter of the saved arguments that are no tensors (dims, sizes, scalars,
-# flags), found on the first node of the type (a node type's arguments keep their kinds);
-# strides are left out (a layout, not a value). None: the type saves none.
+# Per node type, a getter of the saved arguments that say which entries an operation
+# combines: integers, flags and names, alone or in tuples (dims, sizes, split sizes),
+# found on the first node of the type (a node type's arguments keep their kinds). Left
+# out: tensors (a Python number in an operation is one), floats (a scale, an exponent a
+# schedule anneals: no other entries combined) and strides (a layout). None: the type
+# saves none of them.
 _ARGUMENTS: dict[type, Callable[[Node], object] | None] = {}
 
 
 def graph_structure(nodes: Iterable[Node]) -> tuple[object, ...]:
     """Each node of an autograd graph in ``graph.walk``'s order: its type (the two forms of
-    a reshape's view as one) and the arguments its operation saved that are no tensors, so
+    a reshape's view as one) and the saved arguments that say which entries it combines, so
     that ``h - h.mean(0)`` in place of ``h - h.mean(-1)`` (the batch's mean, the examples
     coupled) is another structure."""
     out: list[object] = []
@@ -433,10 +436,14 @@ def _plain_arguments(node: Node) -> tuple[str, ...]:
             value = getattr(node, name)
         except RuntimeError:  # a saved tensor already freed
             continue
-        if value is not None and not isinstance(value, Tensor) and not (
-                isinstance(value, (tuple, list)) and any(isinstance(v, Tensor) for v in value)):
+        if _structural(value) or (isinstance(value, (tuple, list)) and value
+                                  and all(_structural(v) for v in value)):
             names.append(name)
     return tuple(names)
+
+
+def _structural(value: object) -> bool:
+    return isinstance(value, (int, str)) and not isinstance(value, Tensor)  # bool is an int
 
 
 class RowChecks:
