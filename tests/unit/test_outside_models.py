@@ -303,6 +303,31 @@ def test_batch_centering_switched_on_after_the_first_chunk_is_refused() -> None:
                 F.cross_entropy(late(x[:8]), y[:8]).backward()
 
 
+def label_pulled(out: Tensor, y: Tensor) -> Tensor:
+    """A supervised-contrastive-style term: each example's cross-entropy plus its distance
+    to the mean of the other examples in the chunk that share its label (zero where none
+    does, so a chunk whose labels all differ is each example's own)."""
+    same = (y[:, None] == y[None, :]).to(out.dtype) - torch.eye(len(y), dtype=out.dtype)
+    others = same @ out / same.sum(1, keepdim=True).clamp(min=1)
+    pull = (out - others).square().sum(1) * (same.sum(1) > 0)
+    return F.cross_entropy(out, y, reduction="none") + pull
+
+
+def test_a_loss_coupling_examples_of_one_label_is_refused_wherever_they_sit() -> None:
+    """The first chunk's labels repeat on rows 3 and 5 only, which the per-example loop's
+    check (first, middle and last rows) does not run: S came back 15 % off. The loss is now
+    also computed on halves of the first chunk, three ways."""
+    torch.manual_seed(2)
+    x, y = torch.randn(32, 5, dtype=torch.float64), torch.randint(0, 10, (32,))
+    y[:8] = torch.tensor([3, 6, 7, 8, 9, 8, 0, 4])
+    model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 10)).double()
+    with pytest.raises(BatchboundError, match="the loss of a part of the chunk's examples"):
+        measure(model, (x, y), label_pulled, chunk_size=8)
+    y[:8] = torch.arange(8)  # no label shared in the first chunk: nothing to see there
+    assert measure(model, (x, y), lambda out, t: F.cross_entropy(out, t, reduction="none"),
+                   chunk_size=8).S > 0
+
+
 def test_contrastive_loss_over_the_batch_is_refused() -> None:
     """Each example alone has a 1×1 similarity matrix and zero loss: S = T = 0 and Δ = NaN
     came back before, after a warning."""

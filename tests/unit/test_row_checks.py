@@ -108,6 +108,26 @@ def test_a_float_a_schedule_changes_on_every_step_is_the_same_program() -> None:
     assert made[0] == 1
 
 
+def test_the_signature_keeps_integers_and_the_kind_of_a_float() -> None:
+    """Which node type was seen first (an integer exponent or a float one) changes nothing:
+    integers count by value (a dimension), floats by kind."""
+    from batchbound.diversity.graph import walk
+
+    def signature(f: Callable[[Tensor], Tensor]) -> tuple[object, ...]:
+        x = torch.randn(4, 3, requires_grad=True)
+        return rows.graph_structure(walk([f(x).sum().grad_fn])[0])
+
+    for first in (2, 0.5):
+        rows._CANONICAL.clear()
+        rows._ARGUMENTS.clear()
+        signature(lambda x, e=first: x.abs() ** e)
+        assert signature(lambda x: x.abs() ** 0.5) == signature(lambda x: x.abs() ** 0.7)
+        assert signature(lambda x: x.abs() ** 2) != signature(lambda x: x.abs() ** 3)
+        assert signature(lambda x: x.abs() ** 2) != signature(lambda x: x.abs() ** 0.5)
+        assert signature(lambda x: x.mean(0)) != signature(lambda x: x.mean(-1))
+        assert signature(lambda x: x.softmax(0)) != signature(lambda x: x.softmax(1))
+
+
 def test_a_chunk_of_another_shape_is_tracked() -> None:
     x, y = data(60)  # 8 chunks of 7 and one of 4
     with counted() as made:

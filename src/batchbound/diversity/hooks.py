@@ -59,6 +59,7 @@ from batchbound.diversity.losses import (
     PerExampleLoss,
     check_losses,
     check_shape,
+    split_gap,
 )
 from batchbound.diversity.precision import lowest
 from batchbound.diversity.rows import (
@@ -867,6 +868,7 @@ class HooksResult:
     reasons: dict[str, str]  # parameter -> why the rules could not compute it
     loss_uses: set[str] = field(default_factory=set)  # of those, the loss's own: loop only
     precision: torch.dtype = torch.float32  # the lowest the forward computed in
+    loss_gap: float | None = None  # with ``split_loss``: ``losses.split_gap``
 
 
 def hooks_stats(
@@ -884,6 +886,7 @@ def hooks_stats(
     kinds: OutputKinds | None = None,
     row_checks: RowChecks | None = None,
     finite: DeferredFinite | None = None,
+    split_loss: bool = False,
 ) -> HooksResult:
     """One chunk through the hooks engine. ``layout`` comes from ``rule_check.py``; ``excluded``
     parameters are left to the caller from the start (with their reasons). ``into``: running
@@ -891,7 +894,8 @@ def hooks_stats(
     sums they compute themselves to (``own_sums``); those parameters are then left out of
     ``grad_sum``, which holds the others as usual. ``kinds``: see ``check_outputs_read``.
     ``row_checks``: which chunks the row tracker sees (None: this one); ``finite``: where the
-    losses' finiteness is checked later (None: now)."""
+    losses' finiteness is checked later (None: now); ``split_loss``: the loss also computed on
+    halves of the chunk (``losses.split_gap``), for a user's loss on its first chunk."""
     n = x.shape[0]
     run = HooksPass(plan, params, layout, n, excluded)
     run.row_checks = row_checks
@@ -908,6 +912,7 @@ def hooks_stats(
             finite.add(losses, offset)
         total = losses.sum()
         check_outputs_read(total, outputs, n, kinds)
+        gap = split_gap(loss_fn, outputs, y, losses) if split_loss else None
         run.attach([total.grad_fn], output_nodes(outputs))
         wanted = [k for k in params if k not in run.reasons and k not in run.rule_sums]
         edges = run.capture_edges()
@@ -933,7 +938,7 @@ def hooks_stats(
     grad_sum = {name: grad_sum[name] for name in params if name in grad_sum}
     sq_norms = {k: v for k, v in run.sq_norms.items() if k in grad_sum or k in run.added}
     return HooksResult(losses.detach(), sq_norms, grad_sum, run.reasons, run.loss_uses,
-                       run.precision)
+                       run.precision, gap)
 
 
 def batch_output(k: int, shape: tuple[int, ...], n: int,

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_map
 
 from batchbound.diversity.calls import batch_of
 from batchbound.errors import BatchboundError, NonFiniteLossError
@@ -182,6 +183,43 @@ def _checked(fn: PerExampleLoss) -> PerExampleLoss:
     per_example.__name__ = getattr(fn, "__name__", "custom")
     per_example.__wrapped__ = fn  # type: ignore[attr-defined]  # the user's loss, for cache keys
     return per_example
+
+
+def split_gap(loss_fn: PerExampleLoss, outputs: Any, targets: Any, losses: Tensor
+              ) -> float | None:
+    """How far a user's loss on part of a chunk's examples is from its value on the whole
+    chunk, relative to the largest loss: 0 for a loss of each example's own outputs, more
+    where the examples' losses pull on each other (a supervised contrastive loss over the
+    examples that share a label, wherever they sit in the chunk). The chunk is split in
+    halves three ways (first and second, even and odd, a fixed shuffle), so two examples
+    coupled in it share a half in all three one time in eight. The model is not run again.
+    None where the check cannot run: fewer than 4 examples, an output no pytree splits (a
+    plain dataclass), or the loss failing on a part."""
+    n = losses.shape[0]
+    leaves = tree_flatten(outputs)[0]
+    if n < 4 or not all(isinstance(t, (Tensor, int, float, str)) or t is None for t in leaves):
+        return None
+    shuffled = torch.zeros(n, dtype=torch.bool)
+    shuffled[torch.randperm(n, generator=torch.Generator().manual_seed(n))[: n // 2]] = True
+    first = torch.arange(n) < n // 2
+    scale = float(losses.detach().abs().max()) + 1e-30
+    gap = 0.0
+    with torch.no_grad():
+        for part in (first, torch.arange(n) % 2 == 0, shuffled):
+            for mask in (part, ~part):
+                rows = mask.nonzero().squeeze(1).to(losses.device)
+
+                def take(t: Any, rows: Tensor = rows) -> Any:
+                    return t[rows] if isinstance(t, Tensor) and t.dim() and t.shape[0] == n else t
+
+                try:
+                    alone = loss_fn(tree_map(take, outputs), targets[rows])
+                except Exception:  # any: the user's loss on a part it was not written for
+                    return None
+                if not isinstance(alone, Tensor) or alone.shape != rows.shape:
+                    return None
+                gap = max(gap, float((alone - losses.detach()[rows]).abs().max()) / scale)
+    return gap
 
 
 def loss_name(loss: PerExampleLoss) -> str:

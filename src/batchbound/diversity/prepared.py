@@ -121,6 +121,7 @@ class PreparedStats:
         self._methods = ""
         # per train/eval mode of the modules: whether two forward passes agree (no dropout)
         self._deterministic: dict[tuple[bool, ...], bool] = {}
+        self._loss_split = False  # a user's loss checked on parts of a chunk (split_gap)
         self._structure = structure_of(model, self.params, loss, engine)
         # the chunks the row tracker sees: all under engine='hooks', which refuses rather
         # than fall back where an untracked chunk ran differently
@@ -235,12 +236,20 @@ class PreparedStats:
         random = (RandomState(sorted({p.device.index or 0 for p in self.params.values()
                                       if p.device.type == "cuda"}), self.model.buffers())
                   if any(m.training for m in self.model.modules()) else None)
+        # a user's loss, on the first chunk: named ones are each example's own by construction
+        split_loss = not self._loss_split and hasattr(self.loss_fn, "__wrapped__")
         result = hooks_stats(self.model, x, y, self.loss_fn, self.plan, self.params,
                              self.layout, excluded=excluded, offset=offset,
                              into=into if self.checked is not None else None,
                              kinds=self.kinds, row_checks=self.row_checks,
-                             finite=self.finite if self.checked is not None else None)
+                             finite=self.finite if self.checked is not None else None,
+                             split_loss=split_loss)
         self.precision = lowest(self.precision, result.precision)
+        if (result.loss_gap is not None
+                and result.loss_gap > tolerance(lowest(self.precision, *autocast_dtypes()))):
+            raise BatchboundError(f"the loss of a part of the chunk's examples is not their "
+                                  f"loss in the whole chunk: {COUPLED}")
+        self._loss_split = self._loss_split or (split_loss and x.shape[0] >= 4)
         if self.checked is None:  # the first chunk, in eval mode: check it against the loop
             self._checked(check_rows(self.model, x, y, self.loss_fn, self.params,
                                      result.sq_norms, result.losses, result.precision))

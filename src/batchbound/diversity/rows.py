@@ -400,13 +400,14 @@ _VIEWS = frozenset({"ViewBackward0", "ReshapeAliasBackward0"})
 _CANONICAL: dict[type, object] = {}
 
 
-# Per node type, a getter of the saved arguments that say which entries an operation
-# combines: integers, flags and names, alone or in tuples (dims, sizes, split sizes),
-# found on the first node of the type (a node type's arguments keep their kinds). Left
-# out: tensors (a Python number in an operation is one), floats (a scale, an exponent a
-# schedule anneals: no other entries combined) and strides (a layout). None: the type
-# saves none of them.
-_ARGUMENTS: dict[type, Callable[[Node], object] | None] = {}
+# Per node type: a getter of the saved arguments that say which entries an operation
+# combines (integers, flags and names, alone or in tuples: dims, sizes, split sizes),
+# found on the first node of the type, and which of them are single numbers. A single
+# number may be an integer on one node and a float on another of the same type (``x ** 2``,
+# ``x ** 0.5``): a float counts by its kind only (a scale, an exponent a schedule anneals
+# combine no other entries). Left out: tensors (a Python number in an operation is one) and
+# strides (a layout). None: the type saves none of them.
+_ARGUMENTS: dict[type, tuple[Callable[[Node], Any], tuple[int, ...], bool] | None] = {}
 
 
 def graph_structure(nodes: Iterable[Node]) -> tuple[object, ...]:
@@ -420,15 +421,25 @@ def graph_structure(nodes: Iterable[Node]) -> tuple[object, ...]:
         canonical = _CANONICAL.get(kind)
         if canonical is None:
             canonical = _CANONICAL[kind] = "view" if kind.__name__ in _VIEWS else kind
-            names = _plain_arguments(node)
-            _ARGUMENTS[kind] = attrgetter(*names) if names else None
+            _ARGUMENTS[kind] = _arguments_of(node)
         arguments = _ARGUMENTS[kind]
-        out.append(canonical if arguments is None else (canonical, arguments(node)))
+        if arguments is None:
+            out.append(canonical)
+            continue
+        read, numbers, single = arguments
+        values = read(node)
+        if single:
+            values = (values,)
+        for k in numbers:
+            if type(values[k]) is float:  # its kind only
+                values = tuple(float if type(v) is float else v for v in values)
+                break
+        out.append((canonical, values))
     return tuple(out)
 
 
-def _plain_arguments(node: Node) -> tuple[str, ...]:
-    names = []
+def _arguments_of(node: Node) -> tuple[Callable[[Node], Any], tuple[int, ...], bool] | None:
+    names, numbers = [], []
     for name in dir(node):
         if not name.startswith("_saved_") or name.endswith("_strides"):
             continue
@@ -436,14 +447,16 @@ def _plain_arguments(node: Node) -> tuple[str, ...]:
             value = getattr(node, name)
         except RuntimeError:  # a saved tensor already freed
             continue
-        if _structural(value) or (isinstance(value, (tuple, list)) and value
-                                  and all(_structural(v) for v in value)):
-            names.append(name)
-    return tuple(names)
-
-
-def _structural(value: object) -> bool:
-    return isinstance(value, (int, str)) and not isinstance(value, Tensor)  # bool is an int
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            numbers.append(len(names))
+        elif not (isinstance(value, (bool, str)) or (
+                isinstance(value, (tuple, list)) and value
+                and all(isinstance(v, (int, str)) for v in value))):
+            continue
+        names.append(name)
+    if not names:
+        return None
+    return attrgetter(*names), tuple(numbers), len(names) == 1
 
 
 class RowChecks:
