@@ -408,3 +408,34 @@ def test_mse_on_a_squeezed_output_takes_one_example_as_one(engine: str) -> None:
         S += sum(float(p.grad.square().sum()) for p in model.parameters())
     got = measure(model, (x, y), "mse", chunk_size=8, engine=engine).S
     assert got == pytest.approx(S, rel=1e-9)
+
+
+class SharedMaskAttention(nn.Module):
+    """Called as ``model(ids, causal)``, the (T, T) mask shared by the batch."""
+
+    def __init__(self, vocab: int = 30, d: int = 16) -> None:
+        super().__init__()
+        self.e, self.q, self.o = nn.Embedding(vocab, d), nn.Linear(d, d), nn.Linear(d, 3)
+
+    def forward(self, ids: Tensor, causal: Tensor) -> Tensor:
+        h = self.e(ids)
+        a = (self.q(h) @ h.transpose(1, 2)).masked_fill(~causal, float("-inf")).softmax(-1)
+        return self.o((a @ h)[:, -1])
+
+
+def test_a_shared_argument_with_the_batchs_rows_is_named_when_the_split_fails() -> None:
+    """A (T, T) mask whose T equals the batch's size is split as if it held the examples;
+    the model's own error on the split came out as torch's RuntimeError."""
+    torch.manual_seed(16)
+    steps = 8
+    pairs = [(torch.randint(1, 30, (steps,)), int(torch.randint(0, 3, ()))) for _ in range(24)]
+
+    def collate(batch: list) -> tuple[tuple[Tensor, Tensor], Tensor]:
+        causal = torch.tril(torch.ones(steps, steps, dtype=torch.bool))
+        return (torch.stack([t for t, _ in batch]), causal), torch.tensor([c for _, c in batch])
+
+    loader = torch.utils.data.DataLoader(pairs, batch_size=steps, collate_fn=collate)
+    with pytest.raises(BatchboundError, match=r"splits by example every tensor whose first "
+                                              r"dimension is the batch's 8, here argument 0, "
+                                              r"argument 1"):
+        measure(SharedMaskAttention(), loader, "cross_entropy")

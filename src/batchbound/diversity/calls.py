@@ -214,6 +214,22 @@ class CallRecorder:
         return hook
 
 
+def split_failure(x: Inputs, exc: Exception) -> str:
+    """Why the model failed on a few examples split from a call of several arguments: every
+    tensor whose first dimension is the batch's n is split, so a tensor the whole batch
+    shares (position ids of length n) is split too."""
+    split = [name for name, value in [*((f"argument {i}", a) for i, a in enumerate(x.args)),
+                                      *x.kwargs.items()]
+             if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == x.n]
+    said = " ".join(str(exc).split())
+    return (f"the model raised on a few examples split from this call ({type(exc).__name__}: "
+            f"{said}); batchbound splits by example every tensor whose first dimension is the "
+            f"batch's {x.n}, here {', '.join(split)}: a tensor the whole batch shares must "
+            f"not have {x.n} rows (give it a leading dimension of 1), and the examples must "
+            "lie along that dimension, not inside one flat tensor (EmbeddingBag's offsets, "
+            "indices into the flattened batch such as sampled negatives)")
+
+
 class Inputs:
     """A model called with several arguments, ``model(*args, **kwargs)`` (a FiLM
     ``model(img, cond)``, a Hugging Face ``model(input_ids, attention_mask=..., labels=...)``),

@@ -17,7 +17,7 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from batchbound.diversity.calls import Inputs, call_model
+from batchbound.diversity.calls import Inputs, call_model, split_failure
 from batchbound.diversity.collector import collector_paused
 from batchbound.diversity.engines import (
     VmapUnsupported,
@@ -212,6 +212,10 @@ class PreparedStats:
             with torch.no_grad():  # an error of the user's data: say it in their shapes
                 check_losses(self.loss_fn(call_model(self.model, x), y), x.shape[0], offset)
             raise
+        except Exception as exc:  # any: a tensor the batch shares, split as the examples
+            if not isinstance(x, Inputs):
+                raise
+            raise BatchboundError(split_failure(x, exc)) from exc
 
     def _checked(self, reasons: dict[str, str]) -> None:
         if INTERACTING in reasons.values():

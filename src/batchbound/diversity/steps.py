@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from batchbound.diversity.calls import Inputs, flatten
+from batchbound.diversity.calls import Inputs, flatten, split_failure
 from batchbound.diversity.collector import collector_paused
 from batchbound.diversity.graph import Node, loss_users
 from batchbound.diversity.hooks import (
@@ -213,22 +213,6 @@ def _watched_step(model: nn.Module, monitor: OnlineDiversity, reduction: str,
     S_B, T_B = batch_sums(sq_norms, [run.totals.get(k, delta[k]) for k in params], held)
     _state_precision(monitor, planned, precision)
     monitor.defer_from_norms(S_B, T_B, b, scale=scale**2)  # no host sync in the step
-
-
-def _split_failure(x: Inputs, exc: Exception) -> str:
-    """Why the model failed on a few examples split from a call of several arguments: every
-    tensor whose first dimension is the batch's n is split, so a tensor the whole batch
-    shares (position ids of length n) is split too."""
-    split = [name for name, value in [*((f"argument {i}", a) for i, a in enumerate(x.args)),
-                                      *x.kwargs.items()]
-             if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == x.n]
-    said = " ".join(str(exc).split())
-    return (f"the model raised on a few examples split from this call ({type(exc).__name__}: "
-            f"{said}); watch splits by example every tensor whose first dimension is the "
-            f"batch's {x.n}, here {', '.join(split)}: a tensor the whole batch shares must "
-            f"not have {x.n} rows (give it a leading dimension of 1), and the examples must "
-            "lie along that dimension, not inside one flat tensor (EmbeddingBag's offsets, "
-            "indices into the flattened batch such as sampled negatives)")
 
 
 def batch_sums(sq_norms: dict[str, Tensor], sums: list[Tensor],
@@ -558,7 +542,7 @@ class _Watched:
                     except Exception as exc:  # any: named in the refusal
                         if not isinstance(x, Inputs):
                             raise
-                        raise BatchboundError(_split_failure(x, exc)) from exc
+                        raise BatchboundError(split_failure(x, exc)) from exc
                 self.planned.layout = layout
             finally:
                 self._inside = False
