@@ -457,3 +457,39 @@ def test_rows_moved_by_a_one_hot_matrix_of_data_chosen_positions_are_seen() -> N
                                    engine=engine))
     assert pytest.approx(reports[1].S, rel=1e-10) == reports[0].S  # was 8.8 % off
 
+
+
+def test_a_hugging_face_models_own_loss_does_not_track_every_step() -> None:
+    """Called with its labels, a Hugging Face model computes its loss inside the forward:
+    the negative log-likelihood reads the labels beside the logits. Its target picks a
+    class inside each row, never another row, so the steps stay steady (every one was
+    tracked), and the numbers are the per-example loop's."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50,
+                                     n_positions=8, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 50, (8, 8), generator=torch.Generator().manual_seed(3))
+    monitor = OnlineDiversity()
+    with counted() as made:
+        for _ in range(4):
+            model.zero_grad()
+            with watch(model, monitor):
+                model(input_ids=ids, labels=ids).loss.backward()
+    assert made[0] == 1
+
+    def loss(out: object, batch: dict) -> Tensor:
+        logits = out.logits[:, :-1]  # type: ignore[attr-defined]
+        return nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"][:, 1:],
+                                           reduction="none").mean(1)
+
+    batch = {"input_ids": torch.randint(0, 50, (32, 8), generator=torch.Generator()
+                                        .manual_seed(4))}
+    batch["labels"] = batch["input_ids"]
+    with counted() as made:
+        report = measure(model, batch, loss, chunk_size=8)
+    assert made[0] == 1
+    exact = measure(model, batch, loss, chunk_size=8, engine="loop")
+    assert pytest.approx(exact.S, rel=1e-5) == report.S
+    assert pytest.approx(exact.T, rel=1e-5) == report.T

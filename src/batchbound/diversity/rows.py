@@ -62,6 +62,12 @@ from batchbound.diversity.precision import LOW_PRECISION, Casts, GradientPrecisi
 _INDEX_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
                            torch.int64})
 _KINDS: dict[Any, tuple[bool, bool, bool]] = {}  # op -> (dynamic shape, pointwise, random)
+# Operations whose integer operand picks an entry inside each row, never another row, so
+# they count as pointwise along the examples: the negative log-likelihood's target picks
+# row n's class, out[n, …] = −in[n, target[n, …], …], whatever chose the targets (a Hugging
+# Face model's own loss when it is called with its labels, inside the forward).
+_WITHIN_ROWS = frozenset({torch.ops.aten.nll_loss_forward.default,
+                          torch.ops.aten.nll_loss2d_forward.default})
 
 
 def _name(func: Any) -> str:
@@ -73,7 +79,7 @@ def _kind(func: Any) -> tuple[bool, bool, bool]:
     if kind is None:
         tags = set(getattr(func, "tags", ()))
         kind = _KINDS[func] = (torch.Tag.dynamic_output_shape in tags,
-                               torch.Tag.pointwise in tags,
+                               torch.Tag.pointwise in tags or func in _WITHIN_ROWS,
                                torch.Tag.nondeterministic_seeded in tags)
     return kind
 
