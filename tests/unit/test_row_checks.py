@@ -493,3 +493,39 @@ def test_a_hugging_face_models_own_loss_does_not_track_every_step() -> None:
     exact = measure(model, batch, loss, chunk_size=8, engine="loop")
     assert pytest.approx(exact.S, rel=1e-5) == report.S
     assert pytest.approx(exact.T, rel=1e-5) == report.T
+
+
+class SkipsAFullMask(nn.Module):
+    """As transformers does: an attention mask without padding is dropped, and the
+    forward runs another program (no multiplication by the mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        h = torch.tanh(self.fc(x))
+        if not bool(mask.all()):  # of the integer inputs: no example's values
+            h = h * mask[..., None]
+        return self.head(h.sum(1))
+
+
+def test_a_second_program_is_learned_not_tracked_for_good() -> None:
+    """Chunks with padding and without, in turn: the first chunk without runs another
+    program (the exact fallback, a warning); the next of its kind is tracked and its
+    program remembered; every later chunk of either kind runs untracked."""
+    x, y = tokens_data(48)
+    mask = torch.ones(48, 5, dtype=torch.long)
+    for chunk in (0, 3, 5):  # padded chunks: 1st, 4th and 6th of 8
+        mask[chunk * 8 : chunk * 8 + 8, 3:] = 0
+    pairs = [((x[i], mask[i]), y[i]) for i in range(48)]
+    torch.manual_seed(0)
+    model = SkipsAFullMask().double()
+    with counted() as made, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = measure(model, DataLoader(pairs, batch_size=8), ce)
+    assert made[0] == 2  # the first chunk, and the third (after the second ran otherwise)
+    assert sum(UNTRACKED_CHANGE in str(w.message) for w in caught) == 1
+    exact = measure(model, DataLoader(pairs, batch_size=8), ce, engine="loop")
+    assert pytest.approx(exact.S, rel=1e-12) == report.S
+    assert pytest.approx(exact.T, rel=1e-12) == report.T

@@ -57,7 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from batchbound.diversity.graph import Node, is_accumulator
-from batchbound.diversity.precision import LOW_PRECISION, Casts, GradientPrecision
+from batchbound.diversity.precision import LOW_PRECISION, Casts, GradientPrecision, lowest
 
 _INDEX_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
                            torch.int64})
@@ -358,7 +358,8 @@ class RowTracker(TorchDispatchMode):
 # and the data flow of the forward, so a chunk that runs the same operations on the same kind
 # of inputs as a tracked chunk, with nothing in them chosen by the data, is decided alike.
 
-KNOWN_KEYS = 64  # input keys remembered per model (each holds one graph's node types)
+KNOWN_KEYS = 64  # input keys remembered per model (each holds its programs' signatures)
+PROGRAMS = 4  # programs remembered per key (a mask skipped where a chunk has no padding)
 
 
 def chunk_key(given: Any, training: bool) -> Hashable:
@@ -474,56 +475,70 @@ class RowChecks:
     tensors, from the data or not) read beside the examples' values by an operation that is
     not pointwise, where state the tracker does not see (a counter, Python's ``random``)
     could choose them from the data on another chunk without changing the graph. Otherwise
-    a later chunk runs untracked, and after its forward ``same`` compares it with its
-    key's tracked chunk: the layers' calls with their outputs' shapes and dtypes, and the
-    type of every node of the autograd graph, in order. Any difference (such state adding
-    a sort of the rows) leaves that chunk's parameters to the exact fallback, and every
-    later chunk is tracked. So an untracked chunk ran, on the gradient's path, the tracked
-    chunk's operations, none of which reads positions beside the examples' values. Not
-    seen: such state starting, on a later chunk, to move the rows of a tensor that needs no
-    gradient (``x[perm]`` of the raw inputs, with ``perm`` from ``tolist()`` of the data)."""
+    a later chunk runs untracked, and after its forward ``same`` compares it with the
+    programs its key's tracked chunks ran: the layers' calls with their outputs' shapes and
+    dtypes, and every node of the autograd graph in order (``graph_structure``). A chunk
+    that ran none of them (such state adding a sort of the rows; a library skipping an
+    attention mask without padding) leaves its parameters to the exact fallback, and the
+    key's next chunk is tracked: its program, if steady, is one more of the key's (up to
+    ``PROGRAMS``; past them every chunk is tracked). So an untracked chunk ran, on the
+    gradient's path, the operations of a tracked chunk, none of which reads positions
+    beside the examples' values. Not seen: such state starting, on a later chunk, to move
+    the rows of a tensor that needs no gradient (``x[perm]`` of the raw inputs, with
+    ``perm`` from ``tolist()`` of the data)."""
 
     def __init__(self) -> None:
         self.always = False
-        self._known: dict[Hashable, _Tracked] = {}
+        self._known: dict[Hashable, list[_Tracked]] = {}
+        self._again: set[Hashable] = set()  # keys whose next chunk is tracked
 
     def tracker(self, key: Hashable, given: Any, fixed: Callable[[], Iterable[Tensor]],
                 weights: Callable[[], Iterable[Tensor]]) -> RowTracker | None:
         """A tracker for a chunk with this key (``fixed``: the model's buffers, ``weights``:
         its parameters), or None: it runs untracked (``same`` after its forward)."""
-        if self.always or key not in self._known:
+        if self.always or key not in self._known or key in self._again:
             return RowTracker(given, fixed(), weights())
         return None
 
     def tracked(self, key: Hashable, calls: Hashable, graph: tuple[object, ...],
                 rows: RowTracker) -> None:
-        """After a tracked chunk's forward: what its untracked like are compared with."""
+        """After a tracked chunk's forward: a program its untracked like are compared with."""
         if rows.unsteady is not None:
             self._differ()
             return
-        if len(self._known) >= KNOWN_KEYS:
+        self._again.discard(key)
+        programs = self._known.get(key, [])
+        if any(p.calls == calls and p.graph == graph for p in programs):
+            return
+        if len(programs) >= PROGRAMS:
+            self._differ()
+            return
+        if key not in self._known and len(self._known) >= KNOWN_KEYS:
             self._known.clear()
-        self._known[key] = _Tracked(calls, graph, rows._seen, rows._low)
+        self._known.setdefault(key, []).append(_Tracked(calls, graph, rows._seen, rows._low))
 
     def same(self, key: Hashable, calls: Hashable, graph: tuple[object, ...]) -> bool:
-        """Whether an untracked chunk ran its tracked like's program; if not, every later
-        chunk is tracked."""
-        known = self._known.get(key)
-        if known is not None and known.calls == calls and known.graph == graph:
+        """Whether an untracked chunk ran one of its key's tracked programs; if not, the key's
+        next chunk is tracked."""
+        if any(p.calls == calls and p.graph == graph for p in self._known.get(key, ())):
             return True
-        self._differ()
+        self._again.add(key)
         return False
 
     def lowest(self, key: Hashable) -> torch.dtype | None:
-        """The precision the tracked chunk of this key observed (``RowTracker.lowest``)."""
-        known = self._known.get(key)
-        return known.lowest if known is not None else None
+        """The lowest precision the tracked chunks of this key observed
+        (``RowTracker.lowest``)."""
+        seen = [p.lowest for p in self._known.get(key, ()) if p.lowest is not None]
+        return lowest(*seen) if seen else None
 
     def _differ(self) -> None:
         self.always = True
         self._known.clear()
+        self._again.clear()
 
 
-UNTRACKED_CHANGE = ("the model ran operations other than on the chunk whose rows were checked "
-                    "(control flow on state no operation shows: a counter, Python's random), "
-                    "so which example each row holds is unchecked here")
+UNTRACKED_CHANGE = ("the model ran operations other than on the chunks whose rows were checked "
+                    "(control flow on state no operation shows: a counter, Python's random, "
+                    "a library's own branch, as transformers skipping an attention mask "
+                    "without padding), so which example each row holds is unchecked here; "
+                    "the next chunk of this shape is checked, and its operations remembered")
