@@ -510,21 +510,30 @@ class SkipsAFullMask(nn.Module):
         return self.head(h.sum(1))
 
 
-def test_a_second_program_is_learned_not_tracked_for_good() -> None:
-    """Chunks with padding and without, in turn: the first chunk without runs another
-    program (the exact fallback, a warning); the next of its kind is tracked and its
-    program remembered; every later chunk of either kind runs untracked."""
+@pytest.mark.parametrize(("padded", "trackers"), [((0, 3, 5), 2), ((0, 2, 4), 3)])
+def test_a_second_program_is_learned_not_tracked_for_good(
+        padded: tuple[int, ...], trackers: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks with padding and without: the first chunk without runs another program (the
+    exact fallback, a warning); chunks are tracked until one runs it again, and it is
+    remembered; every later chunk of either kind runs untracked. Padded in turn (the
+    second row), a tracked padded chunk does not end the wait: that padding-free chunks
+    went to the fallback every other chunk."""
     x, y = tokens_data(48)
     mask = torch.ones(48, 5, dtype=torch.long)
-    for chunk in (0, 3, 5):  # padded chunks: 1st, 4th and 6th of 8
+    for chunk in padded:  # of the 6 chunks
         mask[chunk * 8 : chunk * 8 + 8, 3:] = 0
     pairs = [((x[i], mask[i]), y[i]) for i in range(48)]
     torch.manual_seed(0)
     model = SkipsAFullMask().double()
+    compared: list[bool] = []
+    same = RowChecks.same
+    monkeypatch.setattr(RowChecks, "same", lambda self, *args: compared.append(
+        same(self, *args)) or compared[-1])
     with counted() as made, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = measure(model, DataLoader(pairs, batch_size=8), ce)
-    assert made[0] == 2  # the first chunk, and the third (after the second ran otherwise)
+    assert made[0] == trackers
+    assert compared.count(False) == 1  # one chunk to the fallback
     assert sum(UNTRACKED_CHANGE in str(w.message) for w in caught) == 1
     exact = measure(model, DataLoader(pairs, batch_size=8), ce, engine="loop")
     assert pytest.approx(exact.S, rel=1e-12) == report.S

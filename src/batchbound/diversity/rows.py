@@ -480,8 +480,9 @@ class RowChecks:
     dtypes, and every node of the autograd graph in order (``graph_structure``). A chunk
     that ran none of them (such state adding a sort of the rows; a library skipping an
     attention mask without padding) leaves its parameters to the exact fallback, and the
-    key's next chunk is tracked: its program, if steady, is one more of the key's (up to
-    ``PROGRAMS``; past them every chunk is tracked). So an untracked chunk ran, on the
+    key's chunks are tracked until one runs a program not yet known: that program, if
+    steady, is one more of the key's (up to ``PROGRAMS``; past them every chunk is
+    tracked). So an untracked chunk ran, on the
     gradient's path, the operations of a tracked chunk, none of which reads positions
     beside the examples' values. Not seen: such state starting, on a later chunk, to move
     the rows of a tensor that needs no gradient (``x[perm]`` of the raw inputs, with
@@ -506,20 +507,20 @@ class RowChecks:
         if rows.unsteady is not None:
             self._differ()
             return
-        self._again.discard(key)
         programs = self._known.get(key, [])
         if any(p.calls == calls and p.graph == graph for p in programs):
-            return
+            return  # a known one: still waiting for the new one, if any
         if len(programs) >= PROGRAMS:
             self._differ()
             return
         if key not in self._known and len(self._known) >= KNOWN_KEYS:
             self._known.clear()
         self._known.setdefault(key, []).append(_Tracked(calls, graph, rows._seen, rows._low))
+        self._again.discard(key)
 
     def same(self, key: Hashable, calls: Hashable, graph: tuple[object, ...]) -> bool:
         """Whether an untracked chunk ran one of its key's tracked programs; if not, the key's
-        next chunk is tracked."""
+        chunks are tracked until one runs a new program."""
         if any(p.calls == calls and p.graph == graph for p in self._known.get(key, ())):
             return True
         self._again.add(key)
@@ -541,4 +542,5 @@ UNTRACKED_CHANGE = ("the model ran operations other than on the chunks whose row
                     "(control flow on state no operation shows: a counter, Python's random, "
                     "a library's own branch, as transformers skipping an attention mask "
                     "without padding), so which example each row holds is unchecked here; "
-                    "the next chunk of this shape is checked, and its operations remembered")
+                    "the next chunk of this shape that runs them is checked, and they are "
+                    "remembered")
