@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -326,6 +327,31 @@ def test_a_loss_coupling_examples_of_one_label_is_refused_wherever_they_sit() ->
     y[:8] = torch.arange(8)  # no label shared in the first chunk: nothing to see there
     assert measure(model, (x, y), lambda out, t: F.cross_entropy(out, t, reduction="none"),
                    chunk_size=8).S > 0
+
+
+def test_a_coupled_loss_is_seen_beside_a_hugging_face_models_cache() -> None:
+    """A causal LM in eval mode returns its keys' and values' cache beside the logits: the
+    split of the loss passes it whole (it skipped the check before)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50,
+                                     n_positions=8)
+    torch.manual_seed(17)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 50, (16, 8))
+
+    def token_loss(out: Any, y: Tensor) -> Tensor:
+        return F.cross_entropy(out.logits.transpose(1, 2), y, reduction="none").mean(1)
+
+    def pulled(out: Any, y: Tensor) -> Tensor:
+        """Plus the mean loss of the other sequences that start with the same token."""
+        losses = token_loss(out, y)
+        same = (y[:, :1] == y[:, :1].T).to(losses.dtype) - torch.eye(len(y))
+        return losses + same @ losses / same.sum(1).clamp(min=1)
+
+    ids[:8, 0] = torch.tensor([1, 2, 3, 4, 5, 4, 6, 7])  # rows 3 and 5: not the loop's rows
+    assert measure(model, (ids, ids), token_loss, chunk_size=8).S > 0
+    with pytest.raises(BatchboundError, match="the loss of a part of the chunk's examples"):
+        measure(model, (ids, ids), pulled, chunk_size=8)
 
 
 def test_contrastive_loss_over_the_batch_is_refused() -> None:

@@ -8,6 +8,7 @@ do not change Δ or B; they only change S, T and M2.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -196,8 +197,7 @@ def split_gap(loss_fn: PerExampleLoss, outputs: Any, targets: Any, losses: Tenso
     None where the check cannot run: fewer than 4 examples, an output no pytree splits (a
     plain dataclass), or the loss failing on a part."""
     n = losses.shape[0]
-    leaves = tree_flatten(outputs)[0]
-    if n < 4 or not all(isinstance(t, (Tensor, int, float, str)) or t is None for t in leaves):
+    if n < 4 or not all(_splits(t) for t in tree_flatten(outputs)[0]):
         return None
     shuffled = torch.zeros(n, dtype=torch.bool)
     shuffled[torch.randperm(n, generator=torch.Generator().manual_seed(n))[: n // 2]] = True
@@ -220,6 +220,16 @@ def split_gap(loss_fn: PerExampleLoss, outputs: Any, targets: Any, losses: Tenso
                     return None
                 gap = max(gap, float((alone - losses.detach()[rows]).abs().max()) / scale)
     return gap
+
+
+def _splits(leaf: object) -> bool:
+    """A leaf of a model's outputs that ``split_gap`` can split or pass whole: a tensor, a
+    number, or a Hugging Face model's cache of keys and values (no loss reads it); not an
+    object that may hold the examples unsplit (a dataclass no pytree knows)."""
+    if leaf is None or isinstance(leaf, (Tensor, int, float, str)):
+        return True
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    return cache_utils is not None and isinstance(leaf, cache_utils.Cache)
 
 
 def loss_name(loss: PerExampleLoss) -> str:
