@@ -45,6 +45,7 @@ from batchbound.diversity.rule_check import (
     check_rows,
     deterministic,
     disagreements,
+    losses_differ,
     output_kinds,
     probe_layout,
     rng_kept,
@@ -387,8 +388,7 @@ def _check_alone(together: Tensor, alone: Tensor, dtype: torch.dtype, offset: in
     examples that interact on this chunk (a flag or counter that switched a statistic of
     the batch on after the first chunk, which the per-example loop checked) are refused,
     not measured alone."""
-    scale = float(alone.abs().max()) + 1e-30
-    if float((together - alone).abs().max()) > tolerance(dtype) * scale:
+    if losses_differ(together, alone, dtype):
         raise BatchboundError(f"on the chunk from example {offset}, {COUPLED}")
 
 

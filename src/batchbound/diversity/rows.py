@@ -482,16 +482,15 @@ class RowChecks:
     attention mask without padding) leaves its parameters to the exact fallback, and the
     key's chunks are tracked until one runs a program not yet known: that program, if
     steady, is one more of the key's (up to ``PROGRAMS``; past them every chunk is
-    tracked). So an untracked chunk ran, on the
-    gradient's path, the operations of a tracked chunk, none of which reads positions
-    beside the examples' values. Not seen: such state starting, on a later chunk, to move
-    the rows of a tensor that needs no gradient (``x[perm]`` of the raw inputs, with
-    ``perm`` from ``tolist()`` of the data)."""
+    tracked). So an untracked chunk ran, on the gradient's path, the operations of a
+    tracked chunk, none of which reads positions beside the examples' values. Not seen:
+    such state starting, on a later chunk, to move the rows of a tensor that needs no
+    gradient (``x[perm]`` of the raw inputs, with ``perm`` from ``tolist()`` of the data)."""
 
     def __init__(self) -> None:
         self.always = False
         self._known: dict[Hashable, list[_Tracked]] = {}
-        self._again: set[Hashable] = set()  # keys whose next chunk is tracked
+        self._again: set[Hashable] = set()  # keys tracked until a new program runs
 
     def tracker(self, key: Hashable, given: Any, fixed: Callable[[], Iterable[Tensor]],
                 weights: Callable[[], Iterable[Tensor]]) -> RowTracker | None:

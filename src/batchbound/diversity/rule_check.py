@@ -253,6 +253,13 @@ def tolerance(dtype: torch.dtype) -> float:
     return 5e-2
 
 
+def losses_differ(together: Tensor, alone: Tensor, dtype: torch.dtype) -> bool:
+    """Whether the examples' losses in a batch differ from their losses each run alone by
+    more than ``dtype``'s rounding allows: the examples interact."""
+    scale = float(alone.abs().max()) + 1e-30
+    return float((together - alone).abs().max()) > tolerance(dtype) * scale
+
+
 def disagreements(
     fast_sq: dict[str, Tensor],
     fast_losses: Tensor,
@@ -267,8 +274,7 @@ def disagreements(
     (``slow_*``); every parameter when the examples' losses differ (they interact)."""
     rtol = tolerance(dtype)
     count = int(slow_losses.shape[0])
-    scale = float(slow_losses.abs().max()) + 1e-30
-    if float((fast_losses - slow_losses).abs().max()) > rtol * scale:
+    if losses_differ(fast_losses, slow_losses, dtype):
         return dict.fromkeys(slow_sq, INTERACTING)
     per_example = torch.stack(list(slow_sq.values())).sum(dim=0)
     floor = float(per_example.max()) * rtol + 1e-300
