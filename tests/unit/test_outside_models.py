@@ -322,7 +322,7 @@ def test_a_loss_coupling_examples_of_one_label_is_refused_wherever_they_sit() ->
     x, y = torch.randn(32, 5, dtype=torch.float64), torch.randint(0, 10, (32,))
     y[:8] = torch.tensor([3, 6, 7, 8, 9, 8, 0, 4])
     model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 10)).double()
-    with pytest.raises(BatchboundError, match="the loss of a part of the chunk's examples"):
+    with pytest.raises(BatchboundError, match="the loss of a part of its examples"):
         measure(model, (x, y), label_pulled, chunk_size=8)
     y[:8] = torch.arange(8)  # no label shared in the first chunk: nothing to see there
     assert measure(model, (x, y), lambda out, t: F.cross_entropy(out, t, reduction="none"),
@@ -350,7 +350,7 @@ def test_a_coupled_loss_is_seen_beside_a_hugging_face_models_cache() -> None:
 
     ids[:8, 0] = torch.tensor([1, 2, 3, 4, 5, 4, 6, 7])  # rows 3 and 5: not the loop's rows
     assert measure(model, (ids, ids), token_loss, chunk_size=8).S > 0
-    with pytest.raises(BatchboundError, match="the loss of a part of the chunk's examples"):
+    with pytest.raises(BatchboundError, match="the loss of a part of its examples"):
         measure(model, (ids, ids), pulled, chunk_size=8)
 
 

@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from batchbound.diversity.calls import batch_of
+from batchbound.diversity.pairing import OpShapes, pairing
 from batchbound.errors import BatchboundError, NonFiniteLossError
 from batchbound.spec import did_you_mean
 
@@ -192,34 +193,65 @@ def split_gap(loss_fn: PerExampleLoss, outputs: Any, targets: Any, losses: Tenso
     chunk, relative to the largest loss: 0 for a loss of each example's own outputs, more
     where the examples' losses pull on each other (a supervised contrastive loss over the
     examples that share a label, wherever they sit in the chunk). The chunk is split in
-    halves three ways (first and second, even and odd, a fixed shuffle), so two examples
-    coupled in it share a half in all three one time in eight. The model is not run again.
+    halves by each bit of the examples' positions (``bit_halves``), so any two examples
+    coupled in it fall in different halves at least once. The model is not run again.
     None where the check cannot run: fewer than 4 examples, an output no pytree splits (a
     plain dataclass), or the loss failing on a part."""
     n = losses.shape[0]
     if n < 4 or not all(_splits(t) for t in tree_flatten(outputs)[0]):
         return None
-    shuffled = torch.zeros(n, dtype=torch.bool)
-    shuffled[torch.randperm(n, generator=torch.Generator().manual_seed(n))[: n // 2]] = True
-    first = torch.arange(n) < n // 2
     scale = float(losses.detach().abs().max()) + 1e-30
     gap = 0.0
     with torch.no_grad():
-        for part in (first, torch.arange(n) % 2 == 0, shuffled):
-            for mask in (part, ~part):
-                rows = mask.nonzero().squeeze(1).to(losses.device)
+        for rows in bit_halves(n, losses.device):
 
-                def take(t: Any, rows: Tensor = rows) -> Any:
-                    return t[rows] if isinstance(t, Tensor) and t.dim() and t.shape[0] == n else t
+            def take(t: Any, rows: Tensor = rows) -> Any:
+                return t[rows] if isinstance(t, Tensor) and t.dim() and t.shape[0] == n else t
 
-                try:
-                    alone = loss_fn(tree_map(take, outputs), targets[rows])
-                except Exception:  # any: the user's loss on a part it was not written for
-                    return None
-                if not isinstance(alone, Tensor) or alone.shape != rows.shape:
-                    return None
-                gap = max(gap, float((alone - losses.detach()[rows]).abs().max()) / scale)
+            try:
+                alone = loss_fn(tree_map(take, outputs), targets[rows])
+            except Exception:  # any: the user's loss on a part it was not written for
+                return None
+            if not isinstance(alone, Tensor) or alone.shape != rows.shape:
+                return None
+            gap = max(gap, float((alone - losses.detach()[rows]).abs().max()) / scale)
     return gap
+
+
+def loss_pairing(loss_fn: PerExampleLoss, outputs: Any, targets: Any, n: int) -> str:
+    """Why a user's loss may pair the chunk's examples (``pairing.py``): it makes a tensor
+    with two dimensions that follow the number of examples, on the first 2 and 3 of them (a
+    mask of the examples that share a label); "" where it does not, or cannot run on so
+    few. Such a loss is split on every chunk (``split_gap``), not on the first alone: a
+    chunk whose labels all differ pairs none."""
+    if n < 3 or not all(_splits(t) for t in tree_flatten(outputs)[0]):
+        return ""
+    shapes = []
+    with torch.no_grad():
+        for count in (2, 3):
+            def take(t: Any, count: int = count) -> Any:
+                return t[:count] if isinstance(t, Tensor) and t.dim() and t.shape[0] == n else t
+
+            recorded = OpShapes()
+            try:
+                with recorded:
+                    loss_fn(tree_map(take, outputs), targets[:count])
+            except Exception:  # any: the user's loss on a part it was not written for
+                return ""
+            shapes.append(recorded.shapes)
+    said = pairing(shapes[0], shapes[1], (2, 3))
+    return said.replace("its forward pass", "the loss", 1)
+
+
+def bit_halves(n: int, device: torch.device | str = "cpu") -> list[Tensor]:
+    """The positions 0..n-1 split in two by each bit of their binary index, both halves of
+    each split (2·⌈log₂ n⌉ parts): any two positions fall in different parts of some split."""
+    index = torch.arange(n, device=device)
+    parts = []
+    for bit in range(max(1, (n - 1).bit_length())):
+        ones = (index >> bit) & 1 == 1
+        parts += [index[ones], index[~ones]]
+    return parts
 
 
 def _splits(leaf: object) -> bool:

@@ -32,6 +32,7 @@ from batchbound.diversity.hooks import HookPlan, Layout, OutputKinds, hooks_stat
 from batchbound.diversity.losses import (
     DeferredFinite,
     PerExampleLoss,
+    bit_halves,
     check_losses,
     resolve_loss,
 )
@@ -123,6 +124,7 @@ class PreparedStats:
         # per train/eval mode of the modules: whether two forward passes agree (no dropout)
         self._deterministic: dict[tuple[bool, ...], bool] = {}
         self._loss_split = False  # a user's loss checked on parts of a chunk (split_gap)
+        self._loss_pairs = ""  # why it is checked on every chunk (losses.loss_pairing)
         self._structure = structure_of(model, self.params, loss, engine)
         # the chunks the row tracker sees: all under engine='hooks', which refuses rather
         # than fall back where an untracked chunk ran differently
@@ -198,6 +200,25 @@ class PreparedStats:
                                          self.kinds))
             return self._hooks(x, y, offset, into)
 
+    def _check_apart(self, x: Tensor | Inputs, y: Tensor, losses: Tensor, offset: int,
+                     pairs: str) -> None:
+        """Every chunk of a forward that pairs its examples (``pairing.py``): their losses
+        with the chunk run in halves, split by each bit of their positions, against their
+        losses in the whole chunk; the first chunk's check cannot speak for the others,
+        whose data may pair them where its did not."""
+        if not self._repeats(x):
+            raise BatchboundError(
+                f"{pairs}, and it gives other outputs on each call in this mode (dropout?): "
+                "whether the examples of a chunk interact cannot be checked by running them "
+                "apart; measure in eval mode")
+        dtype = lowest(self.precision, *autocast_dtypes())
+        with torch.no_grad(), buffers_kept(self.model), rng_kept(self.params):
+            for rows in bit_halves(x.shape[0], losses.device):
+                apart = self.loss_fn(call_model(self.model, x[rows]), y[rows])
+                if losses_differ(losses[rows], apart, dtype):
+                    raise BatchboundError(f"on the chunk from example {offset}, {pairs}, "
+                                          f"and its data paired them: {COUPLED}")
+
     def _saw(self, seen: GradientPrecision) -> None:
         """The loop's or vmap's observed precision into ``precision``, as a hooks pass's."""
         # every trainable parameter's dtype: a float32 layer beside float64 ones, fed from
@@ -241,8 +262,10 @@ class PreparedStats:
         random = (RandomState(sorted({p.device.index or 0 for p in self.params.values()
                                       if p.device.type == "cuda"}), self.model.buffers())
                   if any(m.training for m in self.model.modules()) else None)
-        # a user's loss, on the first chunk: named ones are each example's own by construction
-        split_loss = not self._loss_split and hasattr(self.loss_fn, "__wrapped__")
+        # a user's loss, on the first chunk, and on every one where it pairs the examples
+        # (``losses.loss_pairing``): named ones are each example's own by construction
+        split_loss = (not self._loss_split or bool(self._loss_pairs)) and hasattr(
+            self.loss_fn, "__wrapped__")
         result = hooks_stats(self.model, x, y, self.loss_fn, self.plan, self.params,
                              self.layout, excluded=excluded, offset=offset,
                              into=into if self.checked is not None else None,
@@ -252,9 +275,12 @@ class PreparedStats:
         self.precision = lowest(self.precision, result.precision)
         if (result.loss_gap is not None
                 and result.loss_gap > tolerance(lowest(self.precision, *autocast_dtypes()))):
-            raise BatchboundError(f"the loss of a part of the chunk's examples is not their "
-                                  f"loss in the whole chunk: {COUPLED}")
-        self._loss_split = self._loss_split or (split_loss and x.shape[0] >= 4)
+            raise BatchboundError(f"on the chunk from example {offset}, the loss of a part of "
+                                  f"its examples is not their loss in the whole chunk: {COUPLED}")
+        if split_loss and x.shape[0] >= 4 and not self._loss_split:
+            self._loss_split, self._loss_pairs = True, result.loss_pairs
+        if self.kinds is not None and self.kinds.pairs and x.shape[0] > 1:
+            self._check_apart(x, y, result.losses, offset, self.kinds.pairs)
         if self.checked is None:  # the first chunk, in eval mode: check it against the loop
             self._checked(check_rows(self.model, x, y, self.loss_fn, self.params,
                                      result.sq_norms, result.losses, result.precision))

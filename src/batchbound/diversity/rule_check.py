@@ -41,6 +41,7 @@ from batchbound.diversity.hooks import (
     output_sum,
 )
 from batchbound.diversity.losses import PerExampleLoss
+from batchbound.diversity.pairing import OpShapes, pairing
 from batchbound.diversity.precision import autocast_dtypes, lowest
 from batchbound.diversity.stats import eval_mode, gradients
 from batchbound.errors import BatchboundError
@@ -138,12 +139,13 @@ def output_kinds(model: nn.Module, x: Tensor, params: dict[str, nn.Parameter]) -
 
 def _kinds_at(model: nn.Module, x: Tensor, params: dict[str, nn.Parameter],
               sizes: tuple[int, int]) -> OutputKinds:
-    shapes, alone = [], []
+    shapes, alone, ops = [], [], []
     with rng_kept(params), buffers_kept(model):
         for count in sizes:
             flow = _OfParameters(model)
+            ops.append(OpShapes())
             try:
-                with flow:
+                with flow, ops[-1]:
                     outputs = [t.detach() for t in flatten(call_model(model, examples(x, count)))
                                if isinstance(t, Tensor)]
             except Exception as exc:  # any: the user's model, named in one line
@@ -164,7 +166,7 @@ def _kinds_at(model: nn.Module, x: Tensor, params: dict[str, nn.Parameter],
     parameters = frozenset(k for k in fixed if alone[0][k] is not None
                            and alone[1][k] is not None
                            and torch.equal(alone[0][k], alone[1][k]))  # type: ignore[arg-type]
-    return OutputKinds(fixed, parameters)
+    return OutputKinds(fixed, parameters, pairing(ops[0].shapes, ops[1].shapes, sizes))
 
 
 def probe_layout(

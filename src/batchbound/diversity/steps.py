@@ -569,6 +569,11 @@ class _Watched:
         y = torch.zeros(x.shape[0], device=x.device)
         # n experts' loads at a batch of n: no output of the examples, whatever its size
         kinds = output_kinds(self.model, x, self.params)
+        if kinds.pairs:  # measure() runs each chunk apart instead (pairing.py)
+            raise BatchboundError(
+                f"watch(): {kinds.pairs}: whether they interact depends on each step's data, "
+                "which watch cannot check without running the model again on parts of every "
+                "batch; measure() checks each chunk")
         fixed = self.planned.fixed = kinds.fixed
         reasons = self_check(self.model, x, y, functools.partial(_stand_in_loss, fixed=fixed),
                              self.plan, self.params, layout, self.plan.static_reasons(), kinds)

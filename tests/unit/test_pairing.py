@@ -1,0 +1,178 @@
+"""Examples the forward pairs only where the data says so (pairing.py): seen by shape at two
+batch sizes, then every chunk checked by value, apart; exact where no chunk pairs them."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import loop_gradients
+from torch import Tensor, nn
+
+from batchbound.diversity import OnlineDiversity, measure, per_example_stats, watch
+from batchbound.diversity.losses import bit_halves, split_gap
+from batchbound.diversity.rule_check import output_kinds
+from batchbound.errors import BatchboundError
+
+D, CLASSES = 6, 3
+
+
+class GroupAttention(nn.Module):
+    """Each example attends to the examples of its group in the batch (the group id is the
+    input's last column): alone where every group differs, paired where two share one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
+        self.out = nn.Linear(D, CLASSES)
+
+    def forward(self, inp: Tensor) -> Tensor:
+        x, group = inp[:, :-1], inp[:, -1]
+        scores = (self.q(x) @ self.k(x).T).masked_fill(group[:, None] != group[None, :],
+                                                        float("-inf"))
+        return self.out(torch.tanh(scores.softmax(-1) @ self.v(x)) + x)
+
+
+class NearestNeighbour(nn.Module):
+    """Adds the nearest other example of the batch within a radius that the data sets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, CLASSES)
+
+    def forward(self, inp: Tensor) -> Tensor:
+        x, radius = inp[:, :-1], inp[:, -1]
+        h = self.a(x)
+        far = torch.cdist(h, h) > radius[:, None]
+        near = (~far).to(h.dtype) - torch.eye(len(h), dtype=h.dtype)
+        return self.b(torch.tanh(h + near.clamp(min=0) @ h))
+
+
+def grouped(n: int, shared_from: int, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Examples whose groups all differ before ``shared_from``, and repeat from there on."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, D, generator=g, dtype=torch.float64)
+    group = torch.arange(n, dtype=torch.float64)
+    group[shared_from:] = torch.randint(0, 4, (n - shared_from,), generator=g).double()
+    return torch.cat([x, group[:, None]], 1), torch.randint(0, CLASSES, (n,), generator=g)
+
+
+def sums(model: nn.Module, x: Tensor, y: Tensor) -> tuple[float, float]:
+    """S and T of the float64 per-example loop, each example alone."""
+    g = loop_gradients(model, x, y, lambda o, t: F.cross_entropy(o, t, reduction="none"))
+    return float(g.square().sum()), float(g.sum(0).square().sum())
+
+
+@pytest.mark.parametrize("model", [GroupAttention(), NearestNeighbour()],
+                         ids=["group attention", "nearest neighbour"])
+def test_a_forward_that_pairs_examples_is_seen_by_shape(model: nn.Module) -> None:
+    x, _ = grouped(8, 8)
+    pairs = output_kinds(model.double(), x, dict(model.named_parameters())).pairs
+    assert "pairs the examples" in pairs and "(3, 3)" in pairs
+
+
+@pytest.mark.parametrize("build", [
+    lambda: nn.Sequential(nn.Linear(D + 1, 8), nn.ReLU(), nn.Linear(8, CLASSES)),
+    # attention over each example's own positions, with as many positions as probe examples
+    lambda: nn.TransformerEncoderLayer(D + 1, 1, 8, dropout=0.0, batch_first=True),
+], ids=["mlp", "attention within examples"])
+def test_a_forward_that_keeps_examples_apart_pairs_none(build: Callable[[], nn.Module]) -> None:
+    model = build().double()
+    x = torch.randn(8, 3, D + 1, dtype=torch.float64) if isinstance(
+        model, nn.TransformerEncoderLayer) else torch.randn(8, D + 1, dtype=torch.float64)
+    assert output_kinds(model, x, dict(model.named_parameters())).pairs == ""
+
+
+@pytest.mark.parametrize("engine", ["auto", "hooks"])
+def test_examples_paired_after_the_first_chunk_are_refused(engine: str) -> None:
+    """The first chunk's groups all differ, so the check against the per-example loop saw
+    examples alone; S came back 1.5 % off the in-batch value, T 5.8 % off alone, silently."""
+    torch.manual_seed(0)
+    model = GroupAttention().double()
+    x, y = grouped(48, 16)
+    with pytest.raises(BatchboundError, match=r"on the chunk from example (16|24|32|40), its "
+                       r"forward pass pairs the examples \(mm .*and its data paired them: the "
+                       r"examples interact"):
+        measure(model, (x, y), "cross_entropy", chunk_size=8, engine=engine)
+
+
+def test_a_pairing_forward_whose_data_pairs_nothing_is_exact() -> None:
+    torch.manual_seed(1)
+    model = GroupAttention().double()
+    x, y = grouped(24, 24)  # every group differs in every chunk
+    got = measure(copy.deepcopy(model), (x, y), "cross_entropy", chunk_size=8)
+    S, T = sums(model, x, y)
+    assert abs(got.S - S) <= 1e-9 * S and abs(got.T - T) <= 1e-9 * S
+
+
+def test_a_random_pairing_forward_is_refused_in_train_mode() -> None:
+    """Dropout draws other masks on the halves: no check by value (measure runs in eval
+    mode; a training step's per_example_stats does not)."""
+    model = nn.Sequential(nn.Dropout(0.1), GroupAttention()).double().train()
+    x, y = grouped(8, 8)
+    with pytest.raises(BatchboundError, match=r"pairs the examples .*other outputs on each "
+                                              r"call in this mode \(dropout\?\).*eval mode"):
+        per_example_stats(model, x, y, "cross_entropy")
+
+
+def test_watch_refuses_a_forward_that_pairs_examples() -> None:
+    model = GroupAttention().double()
+    x, y = grouped(8, 8)
+    with (pytest.raises(BatchboundError, match=r"watch\(\): its forward pass pairs the "
+                                               r"examples.*measure\(\) checks each chunk"),
+          warnings.catch_warnings(), watch(model, OnlineDiversity())):
+        warnings.simplefilter("ignore")
+        F.cross_entropy(model(x), y).backward()
+
+
+def test_bit_halves_part_every_two_positions() -> None:
+    for n in (2, 3, 5, 8, 13, 64):
+        parts = bit_halves(n)
+        assert len(parts) == 2 * max(1, (n - 1).bit_length())
+        for i, j in itertools.combinations(range(n), 2):
+            assert any((part == i).any() and not (part == j).any() for part in parts)
+
+
+def test_the_loss_split_sees_any_two_coupled_examples() -> None:
+    """A loss that couples one pair of a chunk's examples is seen wherever the pair sits
+    (three fixed splits left one pair in eight together in every part)."""
+    out = torch.randn(8, 3, dtype=torch.float64)
+    y = torch.stack([torch.randint(0, 3, (8,)), torch.arange(8)], 1)  # class, example id
+    for i, j in itertools.combinations(range(8), 2):
+        def coupled(o: Tensor, t: Tensor, i: int = i, j: int = j) -> Tensor:
+            own = F.cross_entropy(o, t[:, 0], reduction="none")
+            pair = (t[:, 1] == i) | (t[:, 1] == j)
+            return own + pair.to(o.dtype) * o[pair, 0].prod() if int(pair.sum()) == 2 else own
+        gap = split_gap(coupled, out, y, coupled(out, y))
+        assert gap is not None and gap > 0, (i, j)
+
+
+def label_pulled(out: Tensor, y: Tensor) -> Tensor:
+    """Cross-entropy plus a pull towards the other examples of the chunk with its label (a
+    supervised contrastive term): each example's own where the labels all differ."""
+    same = (y[:, None] == y[None, :]).to(out.dtype) - torch.eye(len(y), dtype=out.dtype)
+    others = same @ out / same.sum(1, keepdim=True).clamp(min=1)
+    pull = (out - others).square().sum(1) * (same.sum(1) > 0)
+    return F.cross_entropy(out, y, reduction="none") + pull
+
+
+def test_a_loss_that_pairs_examples_is_split_on_every_chunk() -> None:
+    """100 classes in chunks of 8: the first chunk's labels all differ three times in four.
+    The loss was split on the first chunk only, and S came back without a word."""
+    torch.manual_seed(3)
+    x, y = torch.randn(32, 5, dtype=torch.float64), torch.randint(0, 100, (32,))
+    y[:8], y[20] = torch.arange(8), y[17]  # labels shared in the third chunk only
+    model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 100)).double()
+    with pytest.raises(BatchboundError, match=r"on the chunk from example 16, the loss of a "
+                                              r"part of its examples is not their loss"):
+        measure(model, (x, y), label_pulled, chunk_size=8)
+    y = torch.arange(32)  # no label shared in any chunk: each example's own loss
+    got = measure(copy.deepcopy(model), (x, y), label_pulled, chunk_size=8)
+    g = loop_gradients(model, x, y, label_pulled)
+    S = float(g.square().sum())
+    assert abs(got.S - S) <= 1e-9 * S
