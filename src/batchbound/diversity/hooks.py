@@ -59,7 +59,7 @@ from batchbound.diversity.losses import (
     PerExampleLoss,
     check_losses,
     check_shape,
-    loss_pairing,
+    loss_joining,
     split_gap,
 )
 from batchbound.diversity.precision import lowest
@@ -115,12 +115,14 @@ class OutputKinds(NamedTuple):
     """The model's tensor outputs (positions in ``flatten``'s order) whose shape is the same
     at 2 and at 3 examples (``fixed``: no dimension of the examples, whatever their size),
     and of those, the ones computed from the parameters alone (``parameters``: a learned
-    temperature), from ``rule_check.output_kinds``; ``pairs``: why the forward may pair
-    the examples (``pairing.py``), "" where it does not."""
+    temperature), from ``rule_check.output_kinds``; ``joins``: why the forward may join
+    the examples where the data says so (``pairing.py``), "" where it does not, and
+    ``paired``: by a tensor that pairs them."""
 
     fixed: frozenset[int] = frozenset()
     parameters: frozenset[int] = frozenset()
-    pairs: str = ""
+    joins: str = ""
+    paired: bool = False
 
 
 @dataclass
@@ -872,7 +874,7 @@ class HooksResult:
     loss_uses: set[str] = field(default_factory=set)  # of those, the loss's own: loop only
     precision: torch.dtype = torch.float32  # the lowest the forward computed in
     loss_gap: float | None = None  # with ``split_loss``: ``losses.split_gap``
-    loss_pairs: str = ""  # with ``split_loss``: ``losses.loss_pairing``
+    loss_joins: str = ""  # with ``split_loss``: ``losses.loss_joining``
 
 
 def hooks_stats(
@@ -917,7 +919,7 @@ def hooks_stats(
         total = losses.sum()
         check_outputs_read(total, outputs, n, kinds)
         gap = split_gap(loss_fn, outputs, y, losses) if split_loss else None
-        pairs = loss_pairing(loss_fn, outputs, y, n) if split_loss else ""
+        joins = loss_joining(loss_fn, outputs, y, n).why if split_loss else ""
         run.attach([total.grad_fn], output_nodes(outputs))
         wanted = [k for k in params if k not in run.reasons and k not in run.rule_sums]
         edges = run.capture_edges()
@@ -943,7 +945,7 @@ def hooks_stats(
     grad_sum = {name: grad_sum[name] for name in params if name in grad_sum}
     sq_norms = {k: v for k, v in run.sq_norms.items() if k in grad_sum or k in run.added}
     return HooksResult(losses.detach(), sq_norms, grad_sum, run.reasons, run.loss_uses,
-                       run.precision, gap, pairs)
+                       run.precision, gap, joins)
 
 
 def batch_output(k: int, shape: tuple[int, ...], n: int,

@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from batchbound.diversity.calls import batch_of
-from batchbound.diversity.pairing import OpShapes, pairing
+from batchbound.diversity.pairing import Joined, OpShapes, joining
 from batchbound.errors import BatchboundError, NonFiniteLossError
 from batchbound.spec import did_you_mean
 
@@ -218,29 +218,31 @@ def split_gap(loss_fn: PerExampleLoss, outputs: Any, targets: Any, losses: Tenso
     return gap
 
 
-def loss_pairing(loss_fn: PerExampleLoss, outputs: Any, targets: Any, n: int) -> str:
-    """Why a user's loss may pair the chunk's examples (``pairing.py``): it makes a tensor
-    with two dimensions that follow the number of examples, on the first 2 and 3 of them (a
-    mask of the examples that share a label); "" where it does not, or cannot run on so
-    few. Such a loss is split on every chunk (``split_gap``), not on the first alone: a
-    chunk whose labels all differ pairs none."""
+def loss_joining(loss_fn: PerExampleLoss, outputs: Any, targets: Any, n: int
+                 ) -> Joined:
+    """Why a user's loss may join the chunk's examples (``pairing.py``), read on the first 2
+    and 3 of them: a tensor that pairs them (a mask of the examples sharing a label), or a
+    quantity of the batch that flows back into them (a mean of each label's examples); none
+    where it cannot run on so few. Such a loss is split on every chunk (``split_gap``), not
+    on the first alone: a chunk whose labels all differ joins none."""
     if n < 3 or not all(_splits(t) for t in tree_flatten(outputs)[0]):
-        return ""
-    shapes = []
+        return Joined()
+    runs = []
     with torch.no_grad():
         for count in (2, 3):
             def take(t: Any, count: int = count) -> Any:
                 return t[:count] if isinstance(t, Tensor) and t.dim() and t.shape[0] == n else t
 
-            recorded = OpShapes()
+            part, wanted = tree_map(take, outputs), targets[:count]
+            recorded = OpShapes(t for t in tree_flatten((part, wanted))[0]
+                                if isinstance(t, Tensor) and t.dim() and t.shape[0] == count)
             try:
                 with recorded:
-                    loss_fn(tree_map(take, outputs), targets[:count])
+                    loss_fn(part, wanted)
             except Exception:  # any: the user's loss on a part it was not written for
-                return ""
-            shapes.append(recorded.shapes)
-    said = pairing(shapes[0], shapes[1], (2, 3))
-    return said.replace("its forward pass", "the loss", 1)
+                return Joined()
+            runs.append(recorded.ops)
+    return joining(runs[0], runs[1], (2, 3), what="the loss")
 
 
 def bit_halves(n: int, device: torch.device | str = "cpu") -> list[Tensor]:

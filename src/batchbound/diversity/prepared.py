@@ -124,7 +124,7 @@ class PreparedStats:
         # per train/eval mode of the modules: whether two forward passes agree (no dropout)
         self._deterministic: dict[tuple[bool, ...], bool] = {}
         self._loss_split = False  # a user's loss checked on parts of a chunk (split_gap)
-        self._loss_pairs = ""  # why it is checked on every chunk (losses.loss_pairing)
+        self._loss_joins = ""  # why it is checked on every chunk (losses.loss_joining)
         self._structure = structure_of(model, self.params, loss, engine)
         # the chunks the row tracker sees: all under engine='hooks', which refuses rather
         # than fall back where an untracked chunk ran differently
@@ -201,14 +201,14 @@ class PreparedStats:
             return self._hooks(x, y, offset, into)
 
     def _check_apart(self, x: Tensor | Inputs, y: Tensor, losses: Tensor, offset: int,
-                     pairs: str) -> None:
-        """Every chunk of a forward that pairs its examples (``pairing.py``): their losses
-        with the chunk run in halves, split by each bit of their positions, against their
-        losses in the whole chunk; the first chunk's check cannot speak for the others,
-        whose data may pair them where its did not."""
+                     joins: str) -> None:
+        """Every chunk of a forward that may join its examples (``pairing.py``): their
+        losses with the chunk run in halves, split by each bit of their positions, against
+        their losses in the whole chunk; the first chunk's check cannot speak for the
+        others, whose data may join them where its did not."""
         if not self._repeats(x):
             raise BatchboundError(
-                f"{pairs}, and it gives other outputs on each call in this mode (dropout?): "
+                f"{joins}, and it gives other outputs on each call in this mode (dropout?): "
                 "whether the examples of a chunk interact cannot be checked by running them "
                 "apart; measure in eval mode")
         dtype = lowest(self.precision, *autocast_dtypes())
@@ -216,8 +216,10 @@ class PreparedStats:
             for rows in bit_halves(x.shape[0], losses.device):
                 apart = self.loss_fn(call_model(self.model, x[rows]), y[rows])
                 if losses_differ(losses[rows], apart, dtype):
-                    raise BatchboundError(f"on the chunk from example {offset}, {pairs}, "
-                                          f"and its data paired them: {COUPLED}")
+                    raise BatchboundError(
+                        f"on the chunk from example {offset}, {INTERACTING}: {joins}, and on "
+                        "this chunk the data joined them, so per-example gradients, S, T and "
+                        "Δ are not defined there")
 
     def _saw(self, seen: GradientPrecision) -> None:
         """The loop's or vmap's observed precision into ``precision``, as a hooks pass's."""
@@ -262,9 +264,9 @@ class PreparedStats:
         random = (RandomState(sorted({p.device.index or 0 for p in self.params.values()
                                       if p.device.type == "cuda"}), self.model.buffers())
                   if any(m.training for m in self.model.modules()) else None)
-        # a user's loss, on the first chunk, and on every one where it pairs the examples
-        # (``losses.loss_pairing``): named ones are each example's own by construction
-        split_loss = (not self._loss_split or bool(self._loss_pairs)) and hasattr(
+        # a user's loss, on the first chunk, and on every one where it may join the examples
+        # (``losses.loss_joining``): named ones are each example's own by construction
+        split_loss = (not self._loss_split or bool(self._loss_joins)) and hasattr(
             self.loss_fn, "__wrapped__")
         result = hooks_stats(self.model, x, y, self.loss_fn, self.plan, self.params,
                              self.layout, excluded=excluded, offset=offset,
@@ -275,17 +277,20 @@ class PreparedStats:
         self.precision = lowest(self.precision, result.precision)
         if (result.loss_gap is not None
                 and result.loss_gap > tolerance(lowest(self.precision, *autocast_dtypes()))):
+            joins = result.loss_joins or self._loss_joins
+            why = f" ({joins})" if joins else ""
             raise BatchboundError(f"on the chunk from example {offset}, the loss of a part of "
-                                  f"its examples is not their loss in the whole chunk: {COUPLED}")
+                                  f"its examples is not their loss in the whole chunk{why}: "
+                                  f"{COUPLED}")
         if split_loss and x.shape[0] >= 4 and not self._loss_split:
-            self._loss_split, self._loss_pairs = True, result.loss_pairs
-        if self.kinds is not None and self.kinds.pairs and x.shape[0] > 1:
-            self._check_apart(x, y, result.losses, offset, self.kinds.pairs)
+            self._loss_split, self._loss_joins = True, result.loss_joins
         if self.checked is None:  # the first chunk, in eval mode: check it against the loop
             self._checked(check_rows(self.model, x, y, self.loss_fn, self.params,
                                      result.sq_norms, result.losses, result.precision))
             if self.checked:
                 return self(x, y, offset)
+        if self.kinds is not None and self.kinds.joins and x.shape[0] > 1:
+            self._check_apart(x, y, result.losses, offset, self.kinds.joins)
         if not result.reasons:
             sq_norms = {name: result.sq_norms[name] for name in self.params}
             return PerExampleStats(result.losses, sq_norms, result.grad_sum)

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from batchbound.diversity.calls import call_model, flatten
+from batchbound.diversity.calls import Inputs, call_model, flatten
 from batchbound.diversity.engines import loop_sq_norms
 from batchbound.diversity.hooks import (
     CallLayout,
@@ -41,7 +41,7 @@ from batchbound.diversity.hooks import (
     output_sum,
 )
 from batchbound.diversity.losses import PerExampleLoss
-from batchbound.diversity.pairing import OpShapes, pairing
+from batchbound.diversity.pairing import OpShapes, joining, storage
 from batchbound.diversity.precision import autocast_dtypes, lowest
 from batchbound.diversity.stats import eval_mode, gradients
 from batchbound.errors import BatchboundError
@@ -88,7 +88,7 @@ class _OfParameters(TorchDispatchMode):
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.clean = {_storage(t) for t in (*model.parameters(), *model.buffers())}
+        self.clean = {storage(t) for t in (*model.parameters(), *model.buffers())}
         self.host = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
@@ -97,24 +97,17 @@ class _OfParameters(TorchDispatchMode):
         inputs = [t for t in flatten((args, kwargs)) if isinstance(t, Tensor)]
         leaves = flatten(out)
         written = [t for t in leaves if isinstance(t, Tensor)]
-        if not self.host and all(_storage(t) in self.clean for t in inputs):
-            self.clean.update(_storage(t) for t in written)
+        if not self.host and all(storage(t) in self.clean for t in inputs):
+            self.clean.update(storage(t) for t in written)
         else:
             self.host |= any(not isinstance(t, Tensor) and t is not None for t in leaves)
             if func._schema.is_mutable:  # in place, also into an argument it does not return
                 written += inputs
-            self.clean.difference_update(_storage(t) for t in written)
+            self.clean.difference_update(storage(t) for t in written)
         return out
 
     def alone(self, t: Tensor) -> bool:
-        return not self.host and _storage(t) in self.clean
-
-
-def _storage(t: Tensor) -> int:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # sparse: no storage, marked by the tensor
-        return id(t)
+        return not self.host and storage(t) in self.clean
 
 
 def output_kinds(model: nn.Module, x: Tensor, params: dict[str, nn.Parameter]) -> OutputKinds:
@@ -143,10 +136,13 @@ def _kinds_at(model: nn.Module, x: Tensor, params: dict[str, nn.Parameter],
     with rng_kept(params), buffers_kept(model):
         for count in sizes:
             flow = _OfParameters(model)
-            ops.append(OpShapes())
+            part = examples(x, count)
+            ops.append(OpShapes(t for t in flatten(
+                (part.args, part.kwargs) if isinstance(part, Inputs) else part)
+                if isinstance(t, Tensor) and t.dim() and t.shape[0] == count))
             try:
                 with flow, ops[-1]:
-                    outputs = [t.detach() for t in flatten(call_model(model, examples(x, count)))
+                    outputs = [t.detach() for t in flatten(call_model(model, part))
                                if isinstance(t, Tensor)]
             except Exception as exc:  # any: the user's model, named in one line
                 said = " ".join(str(exc).split())
@@ -166,7 +162,7 @@ def _kinds_at(model: nn.Module, x: Tensor, params: dict[str, nn.Parameter],
     parameters = frozenset(k for k in fixed if alone[0][k] is not None
                            and alone[1][k] is not None
                            and torch.equal(alone[0][k], alone[1][k]))  # type: ignore[arg-type]
-    return OutputKinds(fixed, parameters, pairing(ops[0].shapes, ops[1].shapes, sizes))
+    return OutputKinds(fixed, parameters, *joining(ops[0].ops, ops[1].ops, sizes))
 
 
 def probe_layout(

@@ -569,16 +569,16 @@ class _Watched:
         y = torch.zeros(x.shape[0], device=x.device)
         # n experts' loads at a batch of n: no output of the examples, whatever its size
         kinds = output_kinds(self.model, x, self.params)
-        if kinds.pairs:  # measure() runs each chunk apart instead (pairing.py)
-            raise BatchboundError(
-                f"watch(): {kinds.pairs}: whether they interact depends on each step's data, "
-                "which watch cannot check without running the model again on parts of every "
-                "batch; measure() checks each chunk")
         fixed = self.planned.fixed = kinds.fixed
         reasons = self_check(self.model, x, y, functools.partial(_stand_in_loss, fixed=fixed),
                              self.plan, self.params, layout, self.plan.static_reasons(), kinds)
         if INTERACTING in reasons.values():  # or a padding that follows the batch, named
             raise BatchboundError(f"watch(): {padded_output(self.model, x, fixed) or COUPLED}")
+        if kinds.paired:  # measure() runs each chunk apart instead (pairing.py)
+            raise BatchboundError(
+                f"watch(): {kinds.joins}: whether they interact depends on each step's data, "
+                "which watch cannot check without running the model again on parts of every "
+                "batch; measure() checks each chunk")
         self.planned.checked = reasons
         # the stand-in reads the outputs with the examples' axis only: the others apart
         self.planned.coupling = coupling_outputs(self.model, x, fixed)
