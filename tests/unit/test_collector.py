@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -110,3 +111,50 @@ def test_a_measured_chunk_runs_with_the_collector_off(monkeypatch):
         stats_of(x, y)
         unpaused = len(started) - paused
     assert paused <= 2 < unpaused
+
+
+def test_measure_sets_the_heap_before_it_aside_and_back():
+    """gc.freeze over measure(): a full collection inside walks only what it made; the
+    heap is the collector's again after it, and cyclic garbage made inside is collected."""
+    from batchbound.diversity import measure
+
+    class Cycle:
+        pass
+
+    frozen: list[int] = []
+    made: list[weakref.ref] = []
+    model = deep_mlp()
+    real = prepared.PreparedStats.__call__
+
+    def call(self, *args, **kwargs):
+        frozen.append(gc.get_freeze_count())
+        cycle = Cycle()
+        cycle.me = cycle  # garbage only the collector frees
+        made.append(weakref.ref(cycle))
+        return real(self, *args, **kwargs)
+
+    assert gc.get_freeze_count() == 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(prepared.PreparedStats, "__call__", call)
+        measure(model, (torch.randn(32, 8), torch.randint(0, 3, (32,))), "cross_entropy",
+                chunk_size=8)
+    assert frozen and min(frozen) > 1000  # the process's objects, set aside
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert made and all(ref() is None for ref in made)
+
+
+def test_a_callers_frozen_heap_stays_frozen():
+    from batchbound.diversity.collector import heap_frozen
+
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        with heap_frozen():
+            assert gc.get_freeze_count() == before
+        assert gc.get_freeze_count() == before
+    finally:
+        gc.unfreeze()
+    with pytest.raises(RuntimeError), heap_frozen():
+        raise RuntimeError("inside")
+    assert gc.get_freeze_count() == 0

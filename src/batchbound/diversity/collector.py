@@ -9,6 +9,12 @@ steps with transformers imported, 379 000 objects: 1.5 ms a step on average, on 
 structure at width 32). Held off, they are freed before any collection sees them; whatever
 cyclic garbage the step leaves is collected after it, as usual (benchmarks/host.py and
 docs/benchmarks.md measure the difference).
+
+Between ``measure``'s chunks the collector runs, and the objects alive there (a chunk's
+tensors and records) are promoted until a full collection walks the process's heap: one
+of 100–150 ms every ten calls of ``measure`` on the MLP of ``benchmarks/diversity.py``
+(transformers imported). ``heap_frozen`` sets the heap that was there before the call
+aside for its duration (``gc.freeze``), so a full collection walks only what the call made.
 """
 
 from __future__ import annotations
@@ -30,3 +36,19 @@ def collector_paused() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+@contextmanager
+def heap_frozen() -> Iterator[None]:
+    """The objects alive before the block left out of the collector's walks until it ends
+    (``gc.freeze``, undone by ``gc.unfreeze``); nothing is left out of a collection after
+    it. A caller who froze objects itself keeps them frozen: the block then changes
+    nothing."""
+    if gc.get_freeze_count() or not gc.isenabled():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

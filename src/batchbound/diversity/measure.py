@@ -23,6 +23,7 @@ from batchbound import kernels
 from batchbound.data.dataset import Dataset
 from batchbound.diversity.budget import check_budget, chunk_for_budget, kept_bytes, size
 from batchbound.diversity.calls import Inputs, dict_batch, flatten
+from batchbound.diversity.collector import heap_frozen
 from batchbound.diversity.distributed import all_reduce_sum, world_size
 from batchbound.diversity.losses import DeferredFinite, PerExampleLoss, loss_name, resolve_loss
 from batchbound.diversity.precision import LOW_PRECISION, autocast_dtypes, lowest, statement
@@ -198,7 +199,7 @@ def measure(
 
     start = time.perf_counter()
     # one thread (or $BATCHBOUND_THREADS): S and T's last bits do not follow the cores
-    with kernels.computing_threads(), measuring(model, dtype) as work:
+    with kernels.computing_threads(), heap_frozen(), measuring(model, dtype) as work:
         if work is not model:  # a float64 copy
             params = trainable_parameters(work)
         if memory_budget is not None:
