@@ -282,3 +282,17 @@ def test_a_loss_that_pairs_examples_is_split_on_every_chunk() -> None:
     g = loop_gradients(model, x, y, label_pulled)
     S = float(g.square().sum())
     assert abs(got.S - S) <= 1e-9 * S
+
+
+def test_a_random_packed_lstm_is_measured_in_train_mode() -> None:
+    """Dropout draws other masks on halves, so no chunk can be checked apart: a quantity of
+    the batch flowing back (packed sequences' last steps) is left to the first chunk's
+    check, as before, where a tensor pairing the examples is refused."""
+    torch.manual_seed(5)
+    model = PackedLSTM().double().train()
+    model.out = nn.Sequential(nn.Dropout(0.2), model.out)
+    x = Inputs((torch.randn(8, 5, D, dtype=torch.float64), torch.randint(1, 6, (8,))), {}, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the LSTM's weights go to the exact fallback
+        stats = per_example_stats(model, x, torch.randint(0, CLASSES, (8,)), "cross_entropy")
+    assert stats.S > 0

@@ -201,12 +201,18 @@ class PreparedStats:
             return self._hooks(x, y, offset, into)
 
     def _check_apart(self, x: Tensor | Inputs, y: Tensor, losses: Tensor, offset: int,
-                     joins: str) -> None:
+                     kinds: OutputKinds) -> None:
         """Every chunk of a forward that may join its examples (``pairing.py``): their
         losses with the chunk run in halves, split by each bit of their positions, against
         their losses in the whole chunk; the first chunk's check cannot speak for the
-        others, whose data may join them where its did not."""
+        others, whose data may join them where its did not. A forward that draws other
+        random numbers on every call cannot be checked so: refused where it pairs the
+        examples, left to the first chunk's check where a quantity of the batch flows back
+        (packed sequences show it, and are measured in train mode as before)."""
+        joins = kinds.joins
         if not self._repeats(x):
+            if not kinds.paired:
+                return
             raise BatchboundError(
                 f"{joins}, and it gives other outputs on each call in this mode (dropout?): "
                 "whether the examples of a chunk interact cannot be checked by running them "
@@ -290,7 +296,7 @@ class PreparedStats:
             if self.checked:
                 return self(x, y, offset)
         if self.kinds is not None and self.kinds.joins and x.shape[0] > 1:
-            self._check_apart(x, y, result.losses, offset, self.kinds.joins)
+            self._check_apart(x, y, result.losses, offset, self.kinds)
         if not result.reasons:
             sq_norms = {name: result.sq_norms[name] for name in self.params}
             return PerExampleStats(result.losses, sq_norms, result.grad_sum)
