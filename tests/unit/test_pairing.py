@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from reference import loop_gradients
 from torch import Tensor, nn
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM
 
 from batchbound.diversity import OnlineDiversity, measure, per_example_stats, watch
 from batchbound.diversity.calls import Inputs
@@ -109,6 +109,43 @@ class PackedLSTM(nn.Module):
         return self.out(self.lstm(packed)[1][0][-1])
 
 
+class FrozenEncoderProbe(nn.Module):
+    """A frozen nn.TransformerEncoder under a trainable linear probe: in eval mode with a
+    padding mask torch runs it on nested tensors, whose shapes cannot be read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True),
+                                         1, enable_nested_tensor=True)
+        self.enc.requires_grad_(False)
+        self.head = nn.Linear(8, CLASSES)
+
+    def forward(self, x: Tensor, pad: Tensor) -> Tensor:
+        h = self.enc(x, src_key_padding_mask=pad)
+        keep = (~pad).to(h.dtype)[..., None]
+        return self.head((h * keep).sum(1) / keep.sum(1))
+
+
+class TrimmedCausal(nn.Module):
+    """Trims the padding to the chunk's longest sequence (lengths 3, 6, 8: (2, 6, d) then
+    (3, 8, d) at the probe's sizes), a causal mask from ``ones_like`` of one score matrix,
+    and one example's row kept for a printout: each example on its own throughout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.qk, self.out = nn.Embedding(30, 8), nn.Linear(8, 8), nn.Linear(8, CLASSES)
+        self.sample: Tensor | None = None
+
+    def forward(self, ids: Tensor, lengths: Tensor) -> Tensor:
+        h = self.emb(ids[:, : int(lengths.max())])
+        self.sample = h[0].detach()
+        scores = self.qk(h) @ h.transpose(1, 2)
+        causal = torch.ones_like(scores[0]).tril().bool()
+        h = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ h
+        mask = torch.arange(h.shape[1]) < lengths[:, None]
+        return self.out((h * mask[..., None]).sum(1) / lengths[:, None])
+
+
 def grouped(n: int, shared_from: int, seed: int = 0) -> tuple[Tensor, Tensor]:
     """Examples whose groups all differ before ``shared_from``, and repeat from there on."""
     g = torch.Generator().manual_seed(seed)
@@ -143,15 +180,29 @@ def test_a_forward_that_joins_examples_is_seen_by_shape(model: nn.Module, said: 
     lambda: nn.TransformerEncoderLayer(D + 1, 1, 8, dropout=0.0, batch_first=True),
     lambda: GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=8, n_layer=1, n_head=2,
                                        n_positions=8)),
-], ids=["mlp", "attention within examples", "gpt-2 with padding"])
+    lambda: FrozenEncoderProbe(),
+    lambda: TrimmedCausal(),
+    lambda: MixtralForCausalLM(MixtralConfig(
+        vocab_size=50, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+        num_experts_per_tok=2)),
+], ids=["mlp", "attention within examples", "gpt-2 with padding", "frozen encoder",
+        "trimmed causal", "mixtral"])
 def test_a_forward_that_keeps_examples_apart_joins_none(build: Callable[[], nn.Module]) -> None:
-    model = build().double().eval()
+    model = build().eval()
+    model = model if isinstance(model, MixtralForCausalLM) else model.double()  # float32 alone
     g = torch.Generator().manual_seed(0)
     x: Tensor | Inputs = {
         nn.TransformerEncoderLayer: lambda: torch.randn(8, 3, D + 1, dtype=torch.float64),
         GPT2LMHeadModel: lambda: Inputs((torch.randint(0, 50, (8, 6), generator=g),), {
             "attention_mask": (torch.arange(6) < torch.tensor([6, 4, 5, 6, 2, 6, 3, 6])[:, None]
                                ).long()}, 8),
+        FrozenEncoderProbe: lambda: Inputs((torch.randn(8, 5, 8, dtype=torch.float64),
+                                            torch.arange(5) >= torch.tensor(
+                                                [5, 3, 5, 2, 4, 5, 1, 5])[:, None]), {}, 8),
+        TrimmedCausal: lambda: Inputs((torch.randint(0, 30, (8, 8), generator=g),
+                                       torch.tensor([3, 6, 8, 2, 6, 4, 7, 1])), {}, 8),
+        MixtralForCausalLM: lambda: torch.randint(0, 50, (8, 6), generator=g),
     }.get(type(model), lambda: torch.randn(8, D + 1, dtype=torch.float64))()
     assert output_kinds(model, x, dict(model.named_parameters())).joins == ""
 

@@ -30,11 +30,11 @@ sequence with no mask tensor): the first chunk's check holds alone there (docs/d
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from difflib import SequenceMatcher
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -48,14 +48,46 @@ class Op:
     func: Any
     shapes: list[tuple[int, ...]]  # its tensor outputs'
     reads: set[int] = field(default_factory=set)  # the operations that wrote its inputs
+    integral: bool = False  # its outputs are integers or booleans (counts, positions)
 
 
 def storage(t: Tensor) -> int:
     """A tensor's storage, by address: what views and in-place writes share."""
     try:
         return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # sparse: no storage, known by the tensor
+    except (RuntimeError, NotImplementedError):  # sparse, nested: no storage, by the tensor
         return id(t)
+
+
+def _key(t: Tensor) -> Hashable:
+    """A tensor by the memory it reads: its storage, offset, shape and strides (a view of
+    one example's row, ``x[0]``, is not ``x``)."""
+    try:
+        return storage(t), t.storage_offset(), tuple(t.shape), t.stride()
+    except (RuntimeError, NotImplementedError):  # nested or sparse: by the tensor itself
+        return id(t)
+
+
+UNKNOWN = (-1,)  # the shape of a nested tensor, whose rows differ in size
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    try:
+        return tuple(t.shape)
+    except (RuntimeError, NotImplementedError):
+        return UNKNOWN
+
+
+def _filled(t: Tensor) -> bool:
+    try:
+        return t.numel() > 0
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+# Factories that read an argument's dtype, device or shape, never its values
+_METADATA = ("new_", "empty_like", "zeros_like", "ones_like", "full_like", "rand_like",
+             "randn_like", "randint_like")
 
 
 class OpShapes(TorchDispatchMode):
@@ -65,22 +97,24 @@ class OpShapes(TorchDispatchMode):
     def __init__(self, given: Iterable[Tensor] = ()) -> None:
         super().__init__()
         self.ops: list[Op] = []
-        self._writer = {storage(t): GIVEN for t in given}
+        self._writer: dict[Hashable, int] = {_key(t): GIVEN for t in given}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         inputs = [t for t in flatten((args, kwargs)) if isinstance(t, Tensor)]
         written = [t for t in flatten(out) if isinstance(t, Tensor)]
-        # a new_* factory reads its argument's dtype and device, never its values
-        reads = set() if func.overloadpacket.__name__.startswith("new_") else {
-            self._writer[s] for s in map(storage, inputs) if s in self._writer}
-        self.ops.append(Op(func, [tuple(t.shape) for t in written], reads))
+        name = func.overloadpacket.__name__
+        reads = set() if name.startswith(_METADATA) else {
+            self._writer[k] for k in map(_key, inputs) if k in self._writer}
+        integral = bool(written) and not any(
+            t.is_floating_point() or t.is_complex() for t in written)
+        self.ops.append(Op(func, [_shape(t) for t in written], reads, integral))
         if func._schema.is_mutable:  # in place, also into an argument it does not return
             written += inputs
         for t in written:
-            if t.numel():  # every empty tensor's storage is at address 0
-                self._writer[storage(t)] = len(self.ops) - 1
+            if _filled(t):  # every empty tensor's storage is at address 0
+                self._writer[_key(t)] = len(self.ops) - 1
         return out
 
 
@@ -90,32 +124,40 @@ class Joined(NamedTuple):
 
 
 def joining(small: list[Op], large: list[Op], sizes: tuple[int, int],
-            what: str = "its forward pass") -> Joined:
-    """Why the forward may join its examples (the module docstring).
-    The two runs' operations are matched in order (``_matched``: where the path differs
-    with the batch size, experts that get no token, the longest common run of them); an
-    operation with no counterpart changes with the batch where what it reads does."""
+            what: str = "its forward pass", third: list[Op] | None = None) -> Joined:
+    """Why the forward may join its examples (the module docstring). The two runs'
+    operations are matched in order (``_matched``); an operation with no counterpart
+    changes with the batch where what it reads does. Integers of the batch (a count per
+    expert, offsets) read by an operation that is not pointwise choose rows, which the row
+    tracker follows (``rows.py``): not counted here."""
     lo, hi = sizes
     matched = _matched(small, large)
+    further = _matched(large, third) if third is not None else {}
     changes: list[bool] = []
     batch: list[bool] = []  # a quantity of the whole batch
     for i, op in enumerate(small):
         read_changing = any(j == GIVEN or changes[j] for j in op.reads)
-        other = matched.get(i)
-        if other is None:
+        k = matched.get(i)
+        if k is None:
             changes.append(read_changing)
             batch.append(False)
             continue
+        other = large[k]
         name = op.func.overloadpacket.__name__
-        for s, t in zip(op.shapes, other.shapes, strict=False):
-            grows = len(s) == len(t) and sum(
-                _follows(a, b, lo, hi) for a, b in zip(s, t, strict=True)) >= 2
-            if grows:
+        beyond = third[further[k]].shapes if third is not None and k in further else None
+        for m, (s, t) in enumerate(zip(op.shapes, other.shapes, strict=False)):
+            # at a third size, one more example: the same growth again (a length the data
+            # sets, the longest of the examples', seldom grows so)
+            if _pairs(s, t, lo, hi) and (beyond is None or (
+                    m < len(beyond) and _pairs(t, beyond[m], hi, hi + 1)
+                    and all(u - v == v - w for u, v, w in zip(beyond[m], t, s, strict=True)))):
                 return Joined(f"{what} pairs the examples ({name} makes a tensor of shape "
                               f"{t} at {hi} examples, {s} at {lo}: two of its dimensions "
-                              "grow with the batch)", paired=True)
-        changed = op.shapes != other.shapes
-        fed = [j for j in op.reads if j != GIVEN and batch[j]]
+                              "grow with the batch alike)", paired=True)
+        changed = op.shapes != other.shapes or UNKNOWN in op.shapes
+        pointwise = _pointwise(op.func)
+        fed = [j for j in op.reads if j != GIVEN and batch[j]
+               and not (small[j].integral and not pointwise)]
         if changed and fed:
             source = small[fed[0]]
             return Joined(f"{what} feeds a quantity of the whole batch back into the "
@@ -129,19 +171,42 @@ def joining(small: list[Op], large: list[Op], sizes: tuple[int, int],
     return Joined()
 
 
-def _matched(small: list[Op], large: list[Op]) -> dict[int, Op]:
-    """Each operation of the small run (by index) with its counterpart in the large one:
-    position by position where both ran the same operations, else the blocks of the
-    longest common subsequence of operations (``difflib``)."""
+def _pointwise(func: Any) -> bool:
+    """Whether an operation is pointwise: it reads an integer as a value, not a position."""
+    return torch.Tag.pointwise in getattr(func, "tags", ())
+
+
+def _matched(small: list[Op], large: list[Op], window: int = 64) -> dict[int, int]:
+    """Each operation of the small run with its counterpart in the large one (by index):
+    in order, and where the paths part (an expert that gets no token at one size), from the
+    nearest place where three operations in a row agree again, within ``window`` of each
+    (linear in the number of operations)."""
     a, b = [op.func for op in small], [op.func for op in large]
-    if a == b:
-        return dict(enumerate(large))
-    blocks = SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks()
-    return {block.a + k: large[block.b + k] for block in blocks for k in range(block.size)}
+    matched: dict[int, int] = {}
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i] is b[j]:
+            matched[i] = j
+            i, j = i + 1, j + 1
+            continue
+        found = min(((p, q) for p in range(window) for q in range(window)
+                     if a[i + p: i + p + 3] == b[j + q: j + q + 3] != []),
+                    key=sum, default=None)
+        if found is None:
+            break
+        i, j = i + found[0], j + found[1]
+    return matched
 
 
-def _follows(s: int, t: int, lo: int, hi: int) -> bool:
-    """A size that grows with the batch, a·n + c with a ≥ 1 and c ≥ 0 (n, n + 1 with a
-    null key, 2n for two views, n·T for a packed sequence)."""
-    a = (t - s) // (hi - lo)
-    return t - s == a * (hi - lo) and a >= 1 and s - a * lo >= 0
+def _pairs(s: tuple[int, ...], t: tuple[int, ...], lo: int, hi: int) -> bool:
+    """Two dimensions that grow with the batch alike, as a·n + c with one slope a ≥ 1 and
+    intercepts within a of each other: n × n, n × (n + 1) with a null key, 2n × 2n for two
+    views, (n·T) × (n·T) for a packed sequence; not (n, L) for L the longest of the
+    examples' own lengths, which grows with the data."""
+    if len(s) != len(t):
+        return False
+    grown = [((t[d] - s[d]) // (hi - lo), s[d]) for d in range(len(s))
+             if t[d] > s[d] and (t[d] - s[d]) % (hi - lo) == 0]
+    growth = [(a, size - a * lo) for a, size in grown if size - a * lo >= 0]
+    return any(a1 == a2 and abs(c1 - c2) <= a1 for k, (a1, c1) in enumerate(growth)
+               for a2, c2 in growth[k + 1:])

@@ -41,7 +41,7 @@ from batchbound.diversity.hooks import (
     output_sum,
 )
 from batchbound.diversity.losses import PerExampleLoss
-from batchbound.diversity.pairing import OpShapes, joining, storage
+from batchbound.diversity.pairing import Op, OpShapes, joining, storage
 from batchbound.diversity.precision import autocast_dtypes, lowest
 from batchbound.diversity.stats import eval_mode, gradients
 from batchbound.errors import BatchboundError
@@ -137,9 +137,7 @@ def _kinds_at(model: nn.Module, x: Tensor, params: dict[str, nn.Parameter],
         for count in sizes:
             flow = _OfParameters(model)
             part = examples(x, count)
-            ops.append(OpShapes(t for t in flatten(
-                (part.args, part.kwargs) if isinstance(part, Inputs) else part)
-                if isinstance(t, Tensor) and t.dim() and t.shape[0] == count))
+            ops.append(_recorder(part, count))
             try:
                 with flow, ops[-1]:
                     outputs = [t.detach() for t in flatten(call_model(model, part))
@@ -152,6 +150,7 @@ def _kinds_at(model: nn.Module, x: Tensor, params: dict[str, nn.Parameter],
                     "sizes: let it run on any number of examples") from exc
             shapes.append([tuple(t.shape) for t in outputs])
             alone.append([t if flow.alone(t) else None for t in outputs])
+        third = _ops_at(model, x, sizes[1] + 1)
     small, large = shapes
     if len(small) != len(large):
         raise BatchboundError(f"the model returns {len(small)} tensors at {sizes[0]} "
@@ -162,7 +161,28 @@ def _kinds_at(model: nn.Module, x: Tensor, params: dict[str, nn.Parameter],
     parameters = frozenset(k for k in fixed if alone[0][k] is not None
                            and alone[1][k] is not None
                            and torch.equal(alone[0][k], alone[1][k]))  # type: ignore[arg-type]
-    return OutputKinds(fixed, parameters, *joining(ops[0].ops, ops[1].ops, sizes))
+    return OutputKinds(fixed, parameters, *joining(ops[0].ops, ops[1].ops, sizes,
+                                                   third=third))
+
+
+def _recorder(part: Tensor | Inputs, count: int) -> OpShapes:
+    """``pairing.OpShapes`` for a forward on ``part``, its tensors of examples given."""
+    return OpShapes(t for t in flatten((part.args, part.kwargs) if isinstance(part, Inputs)
+                                       else part)
+                    if isinstance(t, Tensor) and t.dim() and t.shape[0] == count)
+
+
+def _ops_at(model: nn.Module, x: Tensor, count: int) -> list[Op] | None:
+    """The forward's operations at a third batch size (``pairing.joining``); None where
+    the model does not run there."""
+    part = examples(x, count)
+    recorded = _recorder(part, count)
+    try:
+        with recorded:
+            call_model(model, part)
+    except Exception:  # any: the two sizes above decide alone
+        return None
+    return recorded.ops
 
 
 def probe_layout(
