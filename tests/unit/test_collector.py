@@ -150,9 +150,10 @@ def test_a_callers_frozen_heap_stays_frozen():
     gc.freeze()
     try:
         before = gc.get_freeze_count()
+        young = [[] for _ in range(1000)]  # not frozen: heap_frozen would freeze them too
         with heap_frozen():
-            assert gc.get_freeze_count() == before
-        assert gc.get_freeze_count() == before
+            assert 0 < gc.get_freeze_count() <= before  # frozen objects may be freed
+        assert 0 < gc.get_freeze_count() <= before and young
     finally:
         gc.unfreeze()
     with pytest.raises(RuntimeError), heap_frozen():

@@ -6,16 +6,18 @@ switches on later: attention among the examples of one group, ``(q @ k.T).masked
 group[:, None] != group[None, :], -inf)``, has every example alone on a chunk whose groups
 all differ, and joins them on the next; so does ``h + flag[:, None] * h.mean(0)`` for a
 flag in the data. Such a forward leaves one of two marks in its operations' shapes, read at
-2 and at 3 examples (``OpShapes``, over the two small forward passes that
-``rule_check.output_kinds`` runs anyway):
+2 and at 3 examples (``OpShapes``, over the small forward passes that
+``rule_check.output_kinds`` runs anyway, and one more at 4):
 
-- a tensor that *pairs* the examples: two or more of its dimensions change with the batch
-  size (an n × n score, an n × (n + 1) one with a null key, the (n·T) × (n·T) mask of
-  packed documents, a 2n × 2n one of two views), or
+- a tensor that *pairs* the examples: two of its dimensions grow with the batch alike (an
+  n × n score, an n × (n + 1) one with a null key, the (n·T) × (n·T) mask of packed
+  documents, a 2n × 2n one of two views), and again by as much at 4 examples (not a length
+  the data sets, padding trimmed to the longest sequence), or
 - a *quantity of the batch* flowing back into the examples: an operation whose output does
   not change with the batch size although what it reads does (a mean over the examples, one
   example's row, a sum into groups) feeds, directly or through others like it, an operation
-  whose output does change.
+  whose output does change. Integers of the batch read by an operation that is not
+  pointwise (a count per expert as offsets) choose rows: the row tracker's (``rows.py``).
 
 ``joining`` names the first of either. A chunk of such a model is then checked by value
 (``prepared.PreparedStats``): its examples' losses, the model run on halves of the chunk
