@@ -19,6 +19,9 @@ flag in the data. Such a forward leaves one of two marks in its operations' shap
   whose output does change. Integers of the batch read by an operation that is not
   pointwise (a count per expert as offsets) choose rows: the row tracker's (``rows.py``).
 
+A fused attention kernel pairs every two positions of its sequences without a tensor of the
+pairs: one whose sequences grow with the batch attends across the examples.
+
 ``joining`` names the first of either. A chunk of such a model is then checked by value
 (``prepared.PreparedStats``): its examples' losses, the model run on halves of the chunk
 split by each bit of the examples' positions (any two examples fall in different halves
@@ -26,8 +29,8 @@ once), against their losses in the whole chunk. A user's loss is read the same w
 (``losses.loss_joining``).
 
 Not seen: an operation that mixes the examples along the one axis they lie on, keeping its
-shape (a ``cumsum`` or sort along the examples, attention over a batch laid out as one
-sequence with no mask tensor): the first chunk's check holds alone there (docs/diversity.md).
+shape (a ``cumsum`` or sort along the examples): the first chunk's check holds alone there
+(docs/diversity.md).
 """
 
 from __future__ import annotations
@@ -150,12 +153,19 @@ def joining(small: list[Op], large: list[Op], sizes: tuple[int, int],
         for m, (s, t) in enumerate(zip(op.shapes, other.shapes, strict=False)):
             # at a third size, one more example: the same growth again (a length the data
             # sets, the longest of the examples', seldom grows so)
-            if _pairs(s, t, lo, hi) and (beyond is None or (
-                    m < len(beyond) and _pairs(t, beyond[m], hi, hi + 1)
-                    and all(u - v == v - w for u, v, w in zip(beyond[m], t, s, strict=True)))):
+            again = beyond is None or (m < len(beyond) and len(beyond[m]) == len(t) and all(
+                u - v == v - w for u, v, w in zip(beyond[m], t, s, strict=True)))
+            if _pairs(s, t, lo, hi) and again:
                 return Joined(f"{what} pairs the examples ({name} makes a tensor of shape "
                               f"{t} at {hi} examples, {s} at {lo}: two of its dimensions "
                               "grow with the batch alike)", paired=True)
+            # a fused attention pairs every two positions of its sequences, dimension -2,
+            # with no tensor of the pairs to see: over the examples where that grows
+            if ("scaled_dot_product" in name and m == 0 and len(s) == len(t) >= 2
+                    and _grown(s[-2], t[-2], lo, hi) is not None and again):
+                return Joined(f"{what} attends across the examples ({name} over sequences "
+                              f"of {t[-2]} positions at {hi} examples, {s[-2]} at {lo})",
+                              paired=True)
         changed = op.shapes != other.shapes or UNKNOWN in op.shapes
         pointwise = _pointwise(op.func)
         fed = [j for j in op.reads if j != GIVEN and batch[j]
@@ -200,6 +210,14 @@ def _matched(small: list[Op], large: list[Op], window: int = 64) -> dict[int, in
     return matched
 
 
+def _grown(s: int, t: int, lo: int, hi: int) -> tuple[int, int] | None:
+    """(a, c) for a size that grows with the batch as a·n + c, a ≥ 1 and c ≥ 0, else None."""
+    a = (t - s) // (hi - lo)
+    if t - s != a * (hi - lo) or a < 1 or s - a * lo < 0:
+        return None
+    return a, s - a * lo
+
+
 def _pairs(s: tuple[int, ...], t: tuple[int, ...], lo: int, hi: int) -> bool:
     """Two dimensions that grow with the batch alike, as a·n + c with one slope a ≥ 1 and
     intercepts within a of each other: n × n, n × (n + 1) with a null key, 2n × 2n for two
@@ -207,8 +225,6 @@ def _pairs(s: tuple[int, ...], t: tuple[int, ...], lo: int, hi: int) -> bool:
     examples' own lengths, which grows with the data."""
     if len(s) != len(t):
         return False
-    grown = [((t[d] - s[d]) // (hi - lo), s[d]) for d in range(len(s))
-             if t[d] > s[d] and (t[d] - s[d]) % (hi - lo) == 0]
-    growth = [(a, size - a * lo) for a, size in grown if size - a * lo >= 0]
+    growth = [g for g in (_grown(a, b, lo, hi) for a, b in zip(s, t, strict=True)) if g]
     return any(a1 == a2 and abs(c1 - c2) <= a1 for k, (a1, c1) in enumerate(growth)
                for a2, c2 in growth[k + 1:])
