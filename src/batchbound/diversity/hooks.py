@@ -893,6 +893,7 @@ def hooks_stats(
     row_checks: RowChecks | None = None,
     finite: DeferredFinite | None = None,
     split_loss: bool = False,
+    read_loss: bool = False,
 ) -> HooksResult:
     """One chunk through the hooks engine. ``layout`` comes from ``rule_check.py``; ``excluded``
     parameters are left to the caller from the start (with their reasons). ``into``: running
@@ -901,7 +902,8 @@ def hooks_stats(
     ``grad_sum``, which holds the others as usual. ``kinds``: see ``check_outputs_read``.
     ``row_checks``: which chunks the row tracker sees (None: this one); ``finite``: where the
     losses' finiteness is checked later (None: now); ``split_loss``: the loss also computed on
-    halves of the chunk (``losses.split_gap``), for a user's loss on its first chunk."""
+    halves of the chunk (``losses.split_gap``), for a user's loss; ``read_loss``: whether
+    its operations join the examples, too (``losses.loss_joining``), on its first chunk."""
     n = x.shape[0]
     run = HooksPass(plan, params, layout, n, excluded)
     run.row_checks = row_checks
@@ -919,7 +921,7 @@ def hooks_stats(
         total = losses.sum()
         check_outputs_read(total, outputs, n, kinds)
         gap = split_gap(loss_fn, outputs, y, losses) if split_loss else None
-        joins = loss_joining(loss_fn, outputs, y, n).why if split_loss else ""
+        joins = loss_joining(loss_fn, outputs, y, n).why if read_loss else ""
         run.attach([total.grad_fn], output_nodes(outputs))
         wanted = [k for k in params if k not in run.reasons and k not in run.rule_sums]
         edges = run.capture_edges()

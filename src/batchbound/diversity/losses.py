@@ -204,12 +204,8 @@ def split_gap(loss_fn: PerExampleLoss, outputs: Any, targets: Any, losses: Tenso
     gap = 0.0
     with torch.no_grad():
         for rows in bit_halves(n, losses.device):
-
-            def take(t: Any, rows: Tensor = rows) -> Any:
-                return t[rows] if isinstance(t, Tensor) and t.dim() and t.shape[0] == n else t
-
             try:
-                alone = loss_fn(tree_map(take, outputs), targets[rows])
+                alone = loss_fn(_rows(outputs, rows, n), targets[rows])
             except Exception:  # any: the user's loss on a part it was not written for
                 return None
             if not isinstance(alone, Tensor) or alone.shape != rows.shape:
@@ -230,12 +226,8 @@ def loss_joining(loss_fn: PerExampleLoss, outputs: Any, targets: Any, n: int
     runs = []
     with torch.no_grad():
         for count in (2, 3):
-            def take(t: Any, count: int = count) -> Any:
-                return t[:count] if isinstance(t, Tensor) and t.dim() and t.shape[0] == n else t
-
-            part, wanted = tree_map(take, outputs), targets[:count]
-            recorded = OpShapes(t for t in tree_flatten((part, wanted))[0]
-                                if isinstance(t, Tensor) and t.dim() and t.shape[0] == count)
+            part, wanted = _rows(outputs, slice(count), n), targets[:count]
+            recorded = OpShapes((part, wanted), count)
             try:
                 with recorded:
                     loss_fn(part, wanted)
@@ -243,6 +235,13 @@ def loss_joining(loss_fn: PerExampleLoss, outputs: Any, targets: Any, n: int
                 return Joined()
             runs.append(recorded.ops)
     return joining(runs[0], runs[1], (2, 3), what="the loss")
+
+
+def _rows(outputs: Any, index: Any, n: int) -> Any:
+    """The model's outputs at rows ``index`` of the chunk's ``n`` examples (any pytree, a
+    Hugging Face ``ModelOutput`` too); what has no dimension of n rows, whole."""
+    return tree_map(lambda t: t[index] if isinstance(t, Tensor) and t.dim() and t.shape[0] == n
+                    else t, outputs)
 
 
 def bit_halves(n: int, device: torch.device | str = "cpu") -> list[Tensor]:

@@ -35,13 +35,14 @@ shape (a ``cumsum`` or sort along the examples): the first chunk's check holds a
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from batchbound.diversity.calls import flatten
 
@@ -99,10 +100,14 @@ class OpShapes(TorchDispatchMode):
     """Records each ATen operation of a forward pass: its tensor outputs' shapes and which
     recorded operations (or ``GIVEN``, the ``given`` tensors) wrote the tensors it reads."""
 
-    def __init__(self, given: Iterable[Tensor] = ()) -> None:
+    def __init__(self, given: Any = (), count: int = 0) -> None:
+        """``given``: what the forward is called with; its tensors with ``count`` rows are
+        the examples'."""
         super().__init__()
         self.ops: list[Op] = []
-        self._writer: dict[Hashable, int] = {_key(t): GIVEN for t in given}
+        self._writer: dict[Hashable, int] = {
+            _key(t): GIVEN for t in tree_flatten(given)[0]
+            if isinstance(t, Tensor) and t.dim() and t.shape[0] == count}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
@@ -201,11 +206,11 @@ def _matched(small: list[Op], large: list[Op], window: int = 64) -> dict[int, in
             matched[i] = j
             i, j = i + 1, j + 1
             continue
-        found = min(((p, q) for p in range(window) for q in range(window)
-                     if a[i + p: i + p + 3] == b[j + q: j + q + 3] != []),
-                    key=sum, default=None)
+        found = next(((p, d - p) for d in range(1, 2 * window - 1)
+                      for p in range(max(0, d - window + 1), min(d, window - 1) + 1)
+                      if a[i + p: i + p + 3] == b[j + d - p: j + d - p + 3] != []), None)
         if found is None:
-            break
+            break  # the rest unmatched: each changes where what it reads does
         i, j = i + found[0], j + found[1]
     return matched
 

@@ -279,7 +279,8 @@ class PreparedStats:
                              into=into if self.checked is not None else None,
                              kinds=self.kinds, row_checks=self.row_checks,
                              finite=self.finite if self.checked is not None else None,
-                             split_loss=split_loss)
+                             split_loss=split_loss,
+                             read_loss=split_loss and not self._loss_split)
         self.precision = lowest(self.precision, result.precision)
         if (result.loss_gap is not None
                 and result.loss_gap > tolerance(lowest(self.precision, *autocast_dtypes()))):

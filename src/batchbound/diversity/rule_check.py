@@ -137,7 +137,7 @@ def _kinds_at(model: nn.Module, x: Tensor, params: dict[str, nn.Parameter],
         for count in sizes:
             flow = _OfParameters(model)
             part = examples(x, count)
-            ops.append(_recorder(part, count))
+            ops.append(OpShapes(_arguments(part), count))
             try:
                 with flow, ops[-1]:
                     outputs = [t.detach() for t in flatten(call_model(model, part))
@@ -165,18 +165,15 @@ def _kinds_at(model: nn.Module, x: Tensor, params: dict[str, nn.Parameter],
                                                    third=third))
 
 
-def _recorder(part: Tensor | Inputs, count: int) -> OpShapes:
-    """``pairing.OpShapes`` for a forward on ``part``, its tensors of examples given."""
-    return OpShapes(t for t in flatten((part.args, part.kwargs) if isinstance(part, Inputs)
-                                       else part)
-                    if isinstance(t, Tensor) and t.dim() and t.shape[0] == count)
+def _arguments(part: Tensor | Inputs) -> Any:
+    return (part.args, part.kwargs) if isinstance(part, Inputs) else part
 
 
 def _ops_at(model: nn.Module, x: Tensor, count: int) -> list[Op] | None:
     """The forward's operations at a third batch size (``pairing.joining``); None where
     the model does not run there."""
     part = examples(x, count)
-    recorded = _recorder(part, count)
+    recorded = OpShapes(_arguments(part), count)
     try:
         with recorded:
             call_model(model, part)
