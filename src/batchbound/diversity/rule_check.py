@@ -137,7 +137,7 @@ def _kinds_at(model: nn.Module, x: Tensor, params: dict[str, nn.Parameter],
         for count in sizes:
             flow = _OfParameters(model)
             part = examples(x, count)
-            ops.append(OpShapes(_arguments(part), count))
+            ops.append(OpShapes(_arguments(part), count, rows=True))
             try:
                 with flow, ops[-1]:
                     outputs = [t.detach() for t in flatten(call_model(model, part))
