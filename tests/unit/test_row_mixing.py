@@ -99,9 +99,29 @@ class FeatureSoftmax(nn.Module):
         return h.sort(1).values.flatten(1)
 
 
-def test_a_dimension_the_size_of_the_batch_by_chance_mixes_nothing() -> None:
+class CausalHead(nn.Module):
+    """Attention over 3 steps masked by a fixed lower triangle, and the last unpadded step
+    found as Hugging Face's sequence classifiers do (``(arange(T) * mask).argmax(-1)``):
+    integers of the steps' length, broadcast along the steps, not the examples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.out = nn.Linear(D, D), nn.Linear(D, CLASSES)
+        self.register_buffer("tril", torch.tril(torch.ones(3, 3)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.view(len(x), 3, D)
+        w = (self.q(h) @ h.transpose(1, 2)).masked_fill(self.tril == 0, float("-inf"))
+        h = w.softmax(-1) @ h
+        last = (torch.arange(3) * (h[..., 0] > -9).int()).argmax(-1)
+        return self.out(h[torch.arange(len(x)), last] * torch.tensor([1, 0, 1, 1, 0]))
+
+
+@pytest.mark.parametrize("model", [FeatureSoftmax(), CausalHead()],
+                         ids=["feature softmax", "causal head"])
+def test_a_dimension_the_size_of_the_batch_by_chance_mixes_nothing(model: nn.Module) -> None:
     x = torch.randn(8, 3 * D, dtype=torch.float64)
-    assert output_kinds(FeatureSoftmax().double(), x, {}).joins == ""
+    assert output_kinds(model.double(), x, {}).joins == ""
 
 
 def test_a_mixing_forward_is_refused_where_it_cannot_be_checked() -> None:

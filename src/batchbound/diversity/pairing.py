@@ -32,9 +32,9 @@ split by each bit of the examples' positions (any two examples fall in different
 once), against their losses in the whole chunk. A user's loss is read the same way
 (``losses.loss_joining``).
 
-Not seen: a mix along a dimension holding more than one row per example (packed tokens), or
-written in place into a view of the batch (``h[1:] += h[:-1]``): the first chunk's check
-holds alone there (docs/diversity.md).
+Not seen: a mix through a tensor whose examples' dimension is not n (a shift by padding,
+``cat([zeros, h[:-1]])``; packed tokens, n·T), or written in place into a view of the
+batch: the first chunk's check holds alone there (docs/diversity.md).
 """
 
 from __future__ import annotations
@@ -170,23 +170,33 @@ def _mixes(func: Any, leaves: list[Any], spec: Any, derived: list[bool], shaped:
     """The (output, dimension, of values) along which the operation mixes rows: every dimension
     of ``count`` that an output and an argument read from the examples (``derived``) share,
     the operation run again on each row alone of those arguments, of those made in their
-    shape (``zeros_like``) and of the integers laid along them (fixed positions: ``arange(n)
-    // 2`` to sum pairs into), the others (weights) whole,
-    and that row of the output compared. A row that cannot run alone (a size given in full:
-    ``view``) says nothing; positions computed from the examples (indices that choose rows,
-    the row tracker's) leave the dimension unread. Numbers of the examples' rows kept apart
-    agree to rounding; mixed, they differ by the other rows' values."""
+    shape (``zeros_like``) and, where it is not pointwise, of the integers laid along them
+    (fixed positions: ``arange(n) // 2`` to sum pairs into), the others (weights) whole, and
+    that row of the output compared. A pointwise operation's arguments line up with its
+    output from the right, as they broadcast. A row that cannot run alone (a size given in
+    full: ``view``) says nothing; positions computed from the examples (indices that choose
+    rows, the row tracker's) leave the dimension unread. Numbers of the examples' rows kept
+    apart agree to rounding; mixed, they differ by the other rows' values."""
     found: set[tuple[int, int, bool]] = set()
+    pointwise = _pointwise(func)
     shapes = [_shape(t) if isinstance(t, Tensor) else () for t in leaves]
-    dims = {d for t in outputs for d, size in enumerate(_shape(t)) if size == count} & {
-        d for shape, mine in zip(shapes, derived, strict=True) if mine
-        for d, size in enumerate(shape) if size == count}
+    rank = len(_shape(outputs[0])) if outputs else 0
+
+    def lined(shape: tuple[int, ...], d: int) -> int | None:
+        """The argument's dimension that output dimension ``d`` reads, where it has
+        ``count`` rows."""
+        e = d - (rank - len(shape)) if pointwise else d
+        return e if 0 <= e < len(shape) and shape[e] == count else None
+
+    dims = {d for t in outputs for d, size in enumerate(_shape(t)) if size == count}
     for d in sorted(dims):  # a nested tensor's UNKNOWN shape has no dimension of ``count``
-        along = [len(shape) > d and shape[d] == count for shape in shapes]
-        cut = [on and (laid or not _values(t))
-               for t, on, laid in zip(leaves, along, shaped, strict=True)]
-        if any(mine and not on and not _values(t)
-               for t, on, mine in zip(leaves, along, derived, strict=True)):
+        along = [lined(shape, d) for shape in shapes]
+        if not any(e is not None and mine for e, mine in zip(along, derived, strict=True)):
+            continue
+        cut = [e if e is not None and (laid or not (pointwise or _values(t))) else None
+               for t, e, laid in zip(leaves, along, shaped, strict=True)]
+        if not pointwise and any(mine and e is None and not _values(t)
+                                 for t, e, mine in zip(leaves, along, derived, strict=True)):
             continue  # positions from the examples, read whole
         with _disable_current_modes():  # the modes below this one see the real ops alone
             found |= _mixed_along(func, leaves, spec, cut, outputs, count, d)
@@ -197,15 +207,15 @@ def _values(t: Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
-def _mixed_along(func: Any, leaves: list[Any], spec: Any, cut: list[bool],
+def _mixed_along(func: Any, leaves: list[Any], spec: Any, cut: list[int | None],
                  outputs: list[Tensor], count: int, d: int) -> set[tuple[int, int, bool]]:
     found: set[tuple[int, int, bool]] = set()
     mutable = func._schema.is_mutable
     for i in range(count):
         try:
-            alone = [t.narrow(d, i, 1).clone() if split
+            alone = [t.narrow(e, i, 1).clone() if e is not None
                      else t.clone() if mutable and isinstance(t, Tensor) else t
-                     for t, split in zip(leaves, cut, strict=True)]
+                     for t, e in zip(leaves, cut, strict=True)]
             args, kwargs = tree_unflatten(alone, spec)
             got = [t for t in flatten(func(*args, **kwargs)) if isinstance(t, Tensor)]
         except Exception:  # any: a row that cannot run alone says nothing
