@@ -227,7 +227,7 @@ def loss_joining(loss_fn: PerExampleLoss, outputs: Any, targets: Any, n: int
     with torch.no_grad():
         for count in (2, 3):
             part, wanted = _rows(outputs, slice(count), n), targets[:count]
-            recorded = OpShapes((part, wanted), count, rows=True)
+            recorded = OpShapes((part, wanted), count, replay_rows=True)
             try:
                 with recorded:
                     loss_fn(part, wanted)

@@ -20,8 +20,8 @@ flag in the data. Such a forward leaves one of two marks in its operations' shap
   pointwise (a count per expert as offsets) choose rows: the row tracker's (``rows.py``);
 - an operation that *mixes the rows* along the examples' own dimension and keeps its shape
   (a ``cumsum``, a sort, a softmax over the examples): each operation that reads the
-  examples is run again on each example's row alone (``_mixes``), and that row of its
-  output compared; counted along a dimension that is the batch's size at every size.
+  examples is run again on each example's row alone (``rowwise.py``); counted along a
+  dimension that is the batch's size at every size, where seen at two of them.
 
 A fused attention kernel pairs every two positions of its sequences without a tensor of the
 pairs: one whose sequences grow with the batch attends across the examples.
@@ -45,10 +45,11 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from batchbound.diversity.calls import flatten
+from batchbound.diversity.rowwise import Mix, mixes
 
 GIVEN = -1  # what the examples' own tensors were written by, in ``Op.reads``
 
@@ -59,11 +60,11 @@ class Op:
     shapes: list[tuple[int, ...]]  # its tensor outputs'
     reads: set[int] = field(default_factory=set)  # the operations that wrote its inputs
     integral: bool = False  # its outputs are integers or booleans (counts, positions)
-    derived: bool = False  # it reads the examples' tensors, directly or through others
-    # (output, dimension, of values) along which its rows of one example change when that
-    # example is run alone (``_mixes``): the examples lie on that dimension where it grows
-    # as n; of values where that output is floating (not integers: positions, counts)
-    mixes: frozenset[tuple[int, int, bool]] = frozenset()
+    derived: bool = False  # it reads the examples' values, directly or through others
+    # its outputs are made in the forward from the examples or from nothing, reading no
+    # values the model holds (weights): ``zeros_like``, ``arange``, ``x[:, 0] > 0``
+    inside: bool = False
+    mixes: frozenset[Mix] = frozenset()  # where it mixes rows (``rowwise.py``)
 
 
 def storage(t: Tensor) -> int:
@@ -109,31 +110,29 @@ class OpShapes(TorchDispatchMode):
     """Records each ATen operation of a forward pass: its tensor outputs' shapes and which
     recorded operations (or ``GIVEN``, the ``given`` tensors) wrote the tensors it reads."""
 
-    def __init__(self, given: Any = (), count: int = 0, rows: bool = False) -> None:
+    def __init__(self, given: Any = (), count: int = 0, replay_rows: bool = False) -> None:
         """``given``: what the forward is called with; its tensors with ``count`` rows are
-        the examples'. ``rows``: each operation reading them is also run on each example's
-        rows alone (``_mixes``)."""
+        the examples'. ``replay_rows``: each operation reading them is also run on each
+        example's row alone (``rowwise.mixes``)."""
         super().__init__()
         self.ops: list[Op] = []
-        self.count, self.rows = count, rows
+        self.count, self.replay_rows = count, replay_rows
         self._writer: dict[Hashable, int] = {
             _key(t): GIVEN for t in tree_flatten(given)[0]
             if isinstance(t, Tensor) and t.dim() and t.shape[0] == count}
-        self._shaped: set[Hashable] = set()  # made in the examples' shape (``zeros_like``)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         leaves, spec = tree_flatten((args, kwargs))
         name = func.overloadpacket.__name__
-        factory = name.startswith(_METADATA)
-        derived = [isinstance(t, Tensor) and self._derived(t) for t in leaves]
-        shaped = [isinstance(t, Tensor) and (mine or _key(t) in self._shaped)
-                  for t, mine in zip(leaves, derived, strict=True)]
-        derived = [mine and not factory for mine in derived]
-        test = self.rows and any(derived) and _replayable(func)
-        if test and func._schema.is_mutable:  # its arguments as they were, to run it again
-            leaves = [t.clone() if isinstance(t, Tensor) else t for t in leaves]
+        factory = name.startswith(_METADATA)  # reads no values
+        inside = [isinstance(t, Tensor) and self._inside(t) for t in leaves]
+        from_examples = [isinstance(t, Tensor) and not factory and self._derived(t)
+                         for t in leaves]
+        replay = self.replay_rows and any(from_examples)
+        before = ([t.clone() if isinstance(t, Tensor) else t for t in leaves]
+                  if replay and func._schema.is_mutable else leaves)  # to run it again
         out = func(*args, **kwargs)
         inputs = [t for t in flatten((args, kwargs)) if isinstance(t, Tensor)]
         written = [t for t in flatten(out) if isinstance(t, Tensor)]
@@ -141,113 +140,26 @@ class OpShapes(TorchDispatchMode):
             self._writer[k] for k in map(_key, inputs) if k in self._writer}
         integral = bool(written) and not any(
             t.is_floating_point() or t.is_complex() for t in written)
-        mixes = (_mixes(func, leaves, spec, derived, shaped, written, self.count) if test
+        mixed = (mixes(func, before, spec, from_examples, inside, self.count) if replay
                  else frozenset())
-        self.ops.append(Op(func, [_shape(t) for t in written], reads, integral, any(derived),
-                           mixes))
+        made_inside = factory or all(m for t, m in zip(leaves, inside, strict=True)
+                                     if isinstance(t, Tensor))
+        self.ops.append(Op(func, [_shape(t) for t in written], reads, integral,
+                           any(from_examples), made_inside, mixed))
         if func._schema.is_mutable:  # in place, also into an argument it does not return
             written += inputs
         for t in written:
             if _filled(t):  # every empty tensor's storage is at address 0
                 self._writer[_key(t)] = len(self.ops) - 1
-                if factory and any(shaped):
-                    self._shaped.add(_key(t))
         return out
 
     def _derived(self, t: Tensor) -> bool:
         k = self._writer.get(_key(t))
         return k is not None and (k == GIVEN or self.ops[k].derived)
 
-
-def _replayable(func: Any) -> bool:
-    """Whether running an operation again gives what it gave: not one that draws random
-    numbers (dropout), which would differ by its draws."""
-    return torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ())
-
-
-def _mixes(func: Any, leaves: list[Any], spec: Any, derived: list[bool], shaped: list[bool],
-           outputs: list[Tensor], count: int) -> frozenset[tuple[int, int, bool]]:
-    """The (output, dimension, of values) along which the operation mixes rows: every dimension
-    of ``count`` that an output and an argument read from the examples (``derived``) share,
-    the operation run again on each row alone of those arguments, of those made in their
-    shape (``zeros_like``) and, where it is not pointwise, of the integers laid along them
-    (fixed positions: ``arange(n) // 2`` to sum pairs into), the others (weights) whole, and
-    that row of the output compared. A pointwise operation's arguments line up with its
-    output from the right, as they broadcast. A row that cannot run alone (a size given in
-    full: ``view``) says nothing; positions computed from the examples (indices that choose
-    rows, the row tracker's) leave the dimension unread. Numbers of the examples' rows kept
-    apart agree to rounding; mixed, they differ by the other rows' values."""
-    found: set[tuple[int, int, bool]] = set()
-    pointwise = _pointwise(func)
-    shapes = [_shape(t) if isinstance(t, Tensor) else () for t in leaves]
-    rank = len(_shape(outputs[0])) if outputs else 0
-
-    def lined(shape: tuple[int, ...], d: int) -> int | None:
-        """The argument's dimension that output dimension ``d`` reads, where it has
-        ``count`` rows."""
-        e = d - (rank - len(shape)) if pointwise else d
-        return e if 0 <= e < len(shape) and shape[e] == count else None
-
-    dims = {d for t in outputs for d, size in enumerate(_shape(t)) if size == count}
-    for d in sorted(dims):  # a nested tensor's UNKNOWN shape has no dimension of ``count``
-        along = [lined(shape, d) for shape in shapes]
-        if not any(e is not None and mine for e, mine in zip(along, derived, strict=True)):
-            continue
-        cut = [e if e is not None and (laid or not (pointwise or _values(t))) else None
-               for t, e, laid in zip(leaves, along, shaped, strict=True)]
-        if not pointwise and any(mine and e is None and not _values(t)
-                                 for t, e, mine in zip(leaves, along, derived, strict=True)):
-            continue  # positions from the examples, read whole
-        with _disable_current_modes():  # the modes below this one see the real ops alone
-            found |= _mixed_along(func, leaves, spec, cut, outputs, count, d)
-    return frozenset(found)
-
-
-def _values(t: Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
-
-
-def _mixed_along(func: Any, leaves: list[Any], spec: Any, cut: list[int | None],
-                 outputs: list[Tensor], count: int, d: int) -> set[tuple[int, int, bool]]:
-    found: set[tuple[int, int, bool]] = set()
-    mutable = func._schema.is_mutable
-    for i in range(count):
-        try:
-            alone = [t.narrow(e, i, 1).clone() if e is not None
-                     else t.clone() if mutable and isinstance(t, Tensor) else t
-                     for t, e in zip(leaves, cut, strict=True)]
-            args, kwargs = tree_unflatten(alone, spec)
-            got = [t for t in flatten(func(*args, **kwargs)) if isinstance(t, Tensor)]
-        except Exception:  # any: a row that cannot run alone says nothing
-            continue
-        if len(got) != len(outputs):
-            continue
-        for m, (whole, part) in enumerate(zip(outputs, got, strict=True)):
-            if len(_shape(whole)) > d and whole.shape[d] == count and _differ(
-                    whole.narrow(d, i, 1), part):
-                found.add((m, d, _values(whole)))
-    return found
-
-
-def _differ(whole: Tensor, alone: Tensor) -> bool:
-    """Whether one row computed alone is not its row in the batch, beyond rounding
-    (√ε of the row's largest magnitude); None-like shapes or dtypes say nothing."""
-    if whole.shape != alone.shape or whole.dtype != alone.dtype:
-        return False
-    if not (whole.is_floating_point() or whole.is_complex()):
-        return not torch.equal(whole, alone)
-    wide = torch.complex128 if whole.is_complex() else torch.float64
-    a, b = whole.to(wide), alone.to(wide)
-    finite = torch.isfinite(a)
-    if not torch.equal(finite, torch.isfinite(b)):
-        return True
-    if not torch.equal(a[~finite].nan_to_num(), b[~finite].nan_to_num()):
-        return True  # +inf where -inf
-    a, b = a[finite], b[finite]
-    if a.numel() == 0:
-        return False
-    tolerance = torch.finfo(whole.dtype).eps ** 0.5 * float(a.abs().max())
-    return bool(((a - b).abs() > tolerance).any())
+    def _inside(self, t: Tensor) -> bool:
+        k = self._writer.get(_key(t))
+        return k is not None and (k == GIVEN or self.ops[k].inside)
 
 
 class Joined(NamedTuple):
@@ -273,7 +185,7 @@ def joining(small: list[Op], large: list[Op], sizes: tuple[int, int],
         # what it read at either size: one size's views can share their memory (at 2
         # examples ``h[:1]`` is ``h[:-1]``), and a tensor is known by its memory
         reads = op.reads if k is None else op.reads | {
-            back[j] for j in large[k].reads if j in back and back[j] < i}
+            back.get(j, j) for j in large[k].reads if j == GIVEN or back.get(j, i) < i}
         read_changing = any(j == GIVEN or changes[j] for j in reads)
         if k is None:
             changes.append(read_changing)
@@ -281,7 +193,12 @@ def joining(small: list[Op], large: list[Op], sizes: tuple[int, int],
             continue
         other = large[k]
         name = op.func.overloadpacket.__name__
-        beyond = third[further[k]].shapes if third is not None and k in further else None
+        last = third[further[k]] if third is not None and k in further else None
+        beyond = last.shapes if last is not None else None
+        # where it mixes rows at two of the sizes: a dimension of another length equals
+        # the batch's at one size alone (a sequence of 3 steps at 3 examples)
+        runs = [run.mixes for run in (op, other, last) if run is not None]
+        mixing = {mix for mix in set().union(*runs) if sum(mix in r for r in runs) >= 2}
         for m, (s, t) in enumerate(zip(op.shapes, other.shapes, strict=False)):
             # at a third size, one more example: the same growth again (a length the data
             # sets, the longest of the examples', seldom grows so)
@@ -298,17 +215,14 @@ def joining(small: list[Op], large: list[Op], sizes: tuple[int, int],
                 return Joined(f"{what} attends across the examples ({name} over sequences "
                               f"of {t[-2]} positions at {hi} examples, {s[-2]} at {lo})",
                               paired=True)
-            # the examples' own dimension, n at every size, along which it mixes rows:
-            # their values pair them; integers (lengths sorted to pack sequences) are
-            # positions, whose moves of rows the row tracker follows, checked by value
-            mixed = sorted((not values, d) for mine, d, values in op.mixes | other.mixes
-                           if mine == m and len(s) == len(t) > d and (s[d], t[d]) == (lo, hi)
-                           and again)
+            # the examples' own dimension, n at every size, along which it mixes rows
+            mixed = sorted(mix.dim for mix in mixing if mix.output == m and again
+                           and len(s) == len(t) > mix.dim and (s[mix.dim], t[mix.dim]) == (lo, hi))
             if mixed:
                 return Joined(f"{what} mixes the examples' rows ({name}, along dimension "
-                              f"{mixed[0][1]} of a tensor of shape {t} at {hi} examples: an "
+                              f"{mixed[0]} of a tensor of shape {t} at {hi} examples: an "
                               "example's row run alone differs from its row in the batch)",
-                              paired=not mixed[0][0])
+                              paired=True)
         changed = op.shapes != other.shapes or UNKNOWN in op.shapes
         pointwise = _pointwise(op.func)
         fed = [j for j in sorted(reads) if j != GIVEN and batch[j]

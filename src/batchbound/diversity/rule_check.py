@@ -137,7 +137,7 @@ def _kinds_at(model: nn.Module, x: Tensor, params: dict[str, nn.Parameter],
         for count in sizes:
             flow = _OfParameters(model)
             part = examples(x, count)
-            ops.append(OpShapes(_arguments(part), count, rows=True))
+            ops.append(OpShapes(_arguments(part), count, replay_rows=True))
             try:
                 with flow, ops[-1]:
                     outputs = [t.detach() for t in flatten(call_model(model, part))
@@ -173,7 +173,7 @@ def _ops_at(model: nn.Module, x: Tensor, count: int) -> list[Op] | None:
     """The forward's operations at a third batch size (``pairing.joining``); None where
     the model does not run there."""
     part = examples(x, count)
-    recorded = OpShapes(_arguments(part), count)
+    recorded = OpShapes(_arguments(part), count, replay_rows=True)
     try:
         with recorded:
             call_model(model, part)
