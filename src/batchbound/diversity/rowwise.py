@@ -90,7 +90,8 @@ def _mixes(func: Any, leaves: list[Any], spec: Any, from_examples: list[bool],
 def _stand_ins(leaves: list[Any], from_examples: list[bool]) -> list[Any]:
     """The arguments, with random numbers in place of the examples' floating values."""
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(t.shape, generator=g, dtype=t.dtype).to(t.device)
+    return [torch.randn(t.shape, generator=g, dtype=torch.float64 if t.dtype == torch.float64
+                        else torch.float32).to(t.device, t.dtype)
             if mine and _strided(t) and _values(t) else t
             for t, mine in zip(leaves, from_examples, strict=True)]
 
@@ -144,22 +145,27 @@ def _run(func: Any, leaves: list[Any], spec: Any) -> list[Tensor]:
 def _differ(whole: Tensor, alone: Tensor) -> bool:
     """Whether a row computed alone is not its row in the batch beyond rounding: element by
     element, by more than the tolerance of the larger of the two, or of the row's median
-    magnitude (a mask's -1e9 beside them sets no scale). Another shape or dtype: False."""
+    magnitude (a sum that cancels to near 0; a mask's -1e9 beside them sets no scale).
+    Another shape or dtype: False."""
     if whole.shape != alone.shape or whole.dtype != alone.dtype:
+        return False
+    if torch.equal(whole, alone):
         return False
     a = whole.to(torch.complex128 if whole.is_complex() else torch.float64)
     b = alone.to(a.dtype)
     finite = torch.isfinite(a)
-    if not torch.equal(finite, torch.isfinite(b)):
+    if not bool(finite.all()):
+        if not torch.equal(finite, torch.isfinite(b)) or not torch.equal(
+                a.masked_fill(finite, 0).nan_to_num(), b.masked_fill(finite, 0).nan_to_num()):
+            return True  # another infinity, or +inf where -inf
+        a, b = a.masked_fill(~finite, 0), b.masked_fill(~finite, 0)
+    elif not bool(torch.isfinite(b).all()):
         return True
-    if not torch.equal(a[~finite].nan_to_num(), b[~finite].nan_to_num()):
-        return True  # +inf where -inf
-    a, b = a[finite], b[finite]
-    if a.numel() == 0:
-        return False
     tolerance = max(torch.finfo(whole.dtype).eps ** 0.5, LEAST_TOLERANCE)
-    scale = torch.maximum(torch.maximum(a.abs(), b.abs()), a.abs().median())
-    return bool(((a - b).abs() > tolerance * scale).any())
+    gap, larger = (a - b).abs(), torch.maximum(a.abs(), b.abs())
+    if not bool((gap > tolerance * larger).any()):
+        return False
+    return bool((gap > tolerance * larger.clamp(min=float(a.abs().median()))).any())
 
 
 def _values(t: Any) -> bool:
