@@ -23,6 +23,7 @@ expert, sequences packed by length) moves rows by the data, which the row tracke
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, NamedTuple
 
@@ -89,11 +90,24 @@ def _mixes(func: Any, leaves: list[Any], spec: Any, from_examples: list[bool],
 
 def _stand_ins(leaves: list[Any], from_examples: list[bool]) -> list[Any]:
     """The arguments, with random numbers in place of the examples' floating values."""
-    g = torch.Generator().manual_seed(0)
-    return [torch.randn(t.shape, generator=g, dtype=torch.float64 if t.dtype == torch.float64
-                        else torch.float32).to(t.device, t.dtype)
+    return [_random(t.numel()).view(t.shape).to(t.device, t.dtype, copy=True)
             if mine and _strided(t) and _values(t) else t
             for t, mine in zip(leaves, from_examples, strict=True)]
+
+
+POOL = 65_521  # a prime: rows of any common length start at other places in it
+
+
+@functools.cache
+def _pool() -> Tensor:
+    return torch.randn(POOL, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+
+def _random(numel: int) -> Tensor:
+    """``numel`` standard normal numbers, the same on every call: drawn once (a draw per
+    operation cost 33 ms in a process that had run many others), repeated past ``POOL``."""
+    pool = _pool()
+    return pool.repeat(-(-numel // POOL))[:numel] if numel > POOL else pool[:numel]
 
 
 def _lined(shape: tuple[int, ...], d: int, rank: int, count: int, pointwise: bool
