@@ -43,13 +43,12 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from batchbound.diversity.calls import flatten
-from batchbound.diversity.rowwise import Mix, mixes
+from batchbound.diversity.rowwise import Mix, is_pointwise, mixes
 
 GIVEN = -1  # what the examples' own tensors were written by, in ``Op.reads``
 
@@ -224,7 +223,7 @@ def joining(small: list[Op], large: list[Op], sizes: tuple[int, int],
                               "example's row run alone differs from its row in the batch)",
                               paired=True)
         changed = op.shapes != other.shapes or UNKNOWN in op.shapes
-        pointwise = _pointwise(op.func)
+        pointwise = is_pointwise(op.func)
         fed = [j for j in sorted(reads) if j != GIVEN and batch[j]
                and not (small[j].integral and not pointwise)]
         if changed and fed:
@@ -238,11 +237,6 @@ def joining(small: list[Op], large: list[Op], sizes: tuple[int, int],
         batch.append(not changed and any(map(all, op.shapes)) and (read_changing or any(
             j != GIVEN and batch[j] for j in reads)))
     return Joined()
-
-
-def _pointwise(func: Any) -> bool:
-    """Whether an operation is pointwise: it reads an integer as a value, not a position."""
-    return torch.Tag.pointwise in getattr(func, "tags", ())
 
 
 def _matched(small: list[Op], large: list[Op], window: int = 64) -> dict[int, int]:

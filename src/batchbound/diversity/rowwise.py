@@ -67,7 +67,7 @@ def _mixes(func: Any, leaves: list[Any], spec: Any, from_examples: list[bool],
         whole = _run(func, standing, spec)
     except Exception:  # any: a dtype with no random numbers, an operation not on these
         return set()
-    pointwise = torch.Tag.pointwise in getattr(func, "tags", ())
+    pointwise = is_pointwise(func)
     shapes = [tuple(t.shape) if _strided(t) else () for t in standing]
     rank = len(whole[0].shape) if whole else 0
     if not pointwise and any(mine and not _values(t) for t, mine in zip(
@@ -86,6 +86,12 @@ def _mixes(func: Any, leaves: list[Any], spec: Any, from_examples: list[bool],
             continue  # a row alone may index past its end: a device-side assert on CUDA
         found |= _mixed_along(func, standing, spec, cut, whole, count, d)
     return found
+
+
+def is_pointwise(func: Any) -> bool:
+    """Whether an operation is pointwise: it reads an integer as a value, not a position,
+    and its arguments broadcast."""
+    return torch.Tag.pointwise in getattr(func, "tags", ())
 
 
 def _stand_ins(leaves: list[Any], from_examples: list[bool]) -> list[Any]:
