@@ -354,6 +354,33 @@ def test_a_loss_that_pairs_examples_is_split_on_every_chunk() -> None:
     assert abs(got.S - S) <= 1e-9 * S
 
 
+def test_the_first_chunks_loss_split_is_kept_with_the_models_check() -> None:
+    """A second ``measure`` of the same model and loss calls the loss once per chunk: its
+    first chunk's split (``split_gap``) spoke for every later chunk, of this call and the
+    next; a loss that may pair the examples is still split on every chunk of every call."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 32)).double()
+    x, y = torch.randn(32, 5, dtype=torch.float64), torch.randint(0, 32, (32,))
+    calls = []
+
+    def own(out: Tensor, t: Tensor) -> Tensor:
+        calls.append(len(t))
+        return F.cross_entropy(out, t, reduction="none")
+
+    first = measure(model, (x, y), own, chunk_size=8)
+    split = len(calls)
+    calls.clear()
+    again = measure(model, (x, y), own, chunk_size=8)
+    assert split > 4 and calls == [8, 8, 8, 8]
+    assert again.S == first.S and again.T == first.T
+    y = torch.arange(32)  # no label shared: measured, and the loss's check kept
+    measure(model, (x, y), label_pulled, chunk_size=8)
+    y[20] = y[17]  # shared in the third chunk, on the next call
+    with pytest.raises(BatchboundError, match=r"on the chunk from example 16, the loss of a "
+                                              r"part of its examples is not their loss"):
+        measure(model, (x, y), label_pulled, chunk_size=8)
+
+
 def test_a_random_packed_lstm_is_measured_in_train_mode() -> None:
     """Dropout draws other masks on halves, so no chunk can be checked apart: a quantity of
     the batch flowing back (packed sequences' last steps) is left to the first chunk's
