@@ -306,6 +306,60 @@ def test_watch_refuses_a_forward_that_pairs_examples() -> None:
         F.cross_entropy(model(x), y).backward()
 
 
+class GatedRow(GatedMean):
+    """Adds the first example's row to the examples the data flags: a row of the batch
+    broadcast over it, not a mean."""
+
+    def forward(self, inp: Tensor) -> Tensor:
+        h, flag = torch.tanh(self.a(inp[:, :-1])), (inp[:, -1] >= 100).to(inp.dtype)
+        return self.b(h + flag[:, None] * self.v(h)[0])
+
+
+class GatedMax(GatedMean):
+    def forward(self, inp: Tensor) -> Tensor:
+        h, flag = torch.tanh(self.a(inp[:, :-1])), (inp[:, -1] >= 100).to(inp.dtype)
+        return self.b(h + flag[:, None] * self.v(h).amax(0))
+
+
+GATED = [GatedMean, GatedSum, GatedRow, GatedMax]
+GATED_IDS = ["mean", "sum", "one example's row", "max"]
+
+
+def flagged_later(n: int) -> tuple[Tensor, Tensor]:
+    """No example flagged in the first 8, every other one after."""
+    x, y = grouped(n, n)
+    x[8:, -1] = torch.where(torch.arange(n - 8) % 2 == 0, 100.0, x[8:, -1])
+    return x, y
+
+
+@pytest.mark.parametrize("build", GATED, ids=GATED_IDS)
+def test_watch_refuses_a_quantity_of_the_batch_the_data_may_switch_on(build: type) -> None:
+    """The first step flags no example, so its check sees them apart; watch sees each step
+    once and cannot run a later one apart: refused at the first step. Before, each gave its
+    numbers for every step without a word (without the dropout, S on the first flagged step
+    was 58–427 times the per-example loop's)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(build(), nn.Dropout(0.1)).double().train()
+    x, y = flagged_later(16)
+    with (pytest.raises(BatchboundError, match=r"watch\(\): its forward pass feeds a quantity "
+                                               r"of the whole batch back.*measure\(\) checks"),
+          warnings.catch_warnings(), watch(model, OnlineDiversity())):
+        warnings.simplefilter("ignore")
+        F.cross_entropy(model(x[:8]), y[:8]).backward()
+
+
+@pytest.mark.parametrize("build", GATED, ids=GATED_IDS)
+def test_a_random_forward_feeding_back_a_batch_quantity_is_refused(build: type) -> None:
+    """Dropout draws other masks on the halves: a training step's chunk cannot be checked
+    by value, so such a forward is refused as a pairing one is."""
+    torch.manual_seed(0)
+    model = nn.Sequential(build(), nn.Dropout(0.1)).double().train()
+    x, y = flagged_later(8)
+    with pytest.raises(BatchboundError, match=r"feeds a quantity of the whole batch back.*"
+                                              r"other outputs on each call in this mode"):
+        per_example_stats(model, x, y, "cross_entropy")
+
+
 def test_bit_halves_part_every_two_positions() -> None:
     for n in (2, 3, 5, 8, 13, 64):
         parts = bit_halves(n)

@@ -116,13 +116,21 @@ class OutputKinds(NamedTuple):
     at 2 and at 3 examples (``fixed``: no dimension of the examples, whatever their size),
     and of those, the ones computed from the parameters alone (``parameters``: a learned
     temperature), from ``rule_check.output_kinds``; ``joins``: why the forward may join
-    the examples where the data says so (``pairing.py``), "" where it does not, and
-    ``paired``: by a tensor that pairs them."""
+    the examples where the data says so (``pairing.py``), "" where it does not,
+    ``paired``: by a tensor that pairs them, and ``reduced``: by a quantity of the batch
+    taken over the examples' own dimension (``pairing.Joined``)."""
 
     fixed: frozenset[int] = frozenset()
     parameters: frozenset[int] = frozenset()
     joins: str = ""
     paired: bool = False
+    reduced: bool = False
+
+    @property
+    def unchecked(self) -> bool:
+        """Whether the data may join the examples where a chunk's first check cannot speak
+        for the rest: anything but a quantity of the batch over lengths the data sets."""
+        return self.paired or self.reduced
 
 
 @dataclass

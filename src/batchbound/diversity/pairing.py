@@ -30,7 +30,11 @@ pairs: one whose sequences grow with the batch attends across the examples.
 (``prepared.PreparedStats``): its examples' losses, the model run on halves of the chunk
 split by each bit of the examples' positions (any two examples fall in different halves
 once), against their losses in the whole chunk. A user's loss is read the same way
-(``losses.loss_joining``).
+(``losses.loss_joining``). Where the forward cannot be rerun so (dropout in train mode;
+``watch``, which sees each step once), a model that pairs the examples, mixes their rows
+or feeds back a quantity taken over their own dimension (``Joined.reduced``: a mean of
+their rows, not the last steps of packed sequences, whose lengths the data sets) is
+refused.
 
 Not seen: a mix through a tensor whose examples' dimension is not n (a shift by padding,
 ``cat([zeros, h[:-1]])``; packed tokens, n·T), or written in place into a view of the
@@ -164,6 +168,10 @@ class OpShapes(TorchDispatchMode):
 class Joined(NamedTuple):
     why: str = ""  # "" where nothing joins the examples
     paired: bool = False  # by a tensor that pairs them (not a quantity of the batch)
+    # by a quantity of the batch that combines the examples' rows (a mean of them) or is
+    # broadcast over them (one example's row added to each): not one of some examples'
+    # rows put back among theirs (the last steps of packed sequences, a ``cat``)
+    reduced: bool = False
 
 
 def joining(small: list[Op], large: list[Op], sizes: tuple[int, int],
@@ -178,6 +186,7 @@ def joining(small: list[Op], large: list[Op], sizes: tuple[int, int],
     further = _matched(large, third) if third is not None else {}
     changes: list[bool] = []
     batch: list[bool] = []  # a quantity of the whole batch
+    over: list[bool] = []  # of those, one taken over the examples' own dimension
     back = {k: i for i, k in matched.items()}
     for i, op in enumerate(small):
         k = matched.get(i)
@@ -189,6 +198,7 @@ def joining(small: list[Op], large: list[Op], sizes: tuple[int, int],
         if k is None:
             changes.append(read_changing)
             batch.append(False)
+            over.append(False)
             continue
         other = large[k]
         name = op.func.overloadpacket.__name__
@@ -231,12 +241,36 @@ def joining(small: list[Op], large: list[Op], sizes: tuple[int, int],
             return Joined(f"{what} feeds a quantity of the whole batch back into the "
                           f"examples ({source.func.overloadpacket.__name__}'s output, of shape "
                           f"{source.shapes[0] if source.shapes else ()} whatever the batch "
-                          f"size, read by {name})")
+                          f"size, read by {name})",
+                          reduced=pointwise or any(over[j] for j in fed))
         changes.append(changed)
         # an empty output (an expert no token reached, at both sizes) holds nothing
         batch.append(not changed and any(map(all, op.shapes)) and (read_changing or any(
             j != GIVEN and batch[j] for j in reads)))
+        over.append(batch[-1] and (
+            any(j != GIVEN and batch[j] and over[j] for j in reads)
+            or (not _selects(op.func) and any(
+                j == GIVEN or _examples_rows(small[j], large, matched.get(j), lo, hi)
+                for j in reads))))
     return Joined()
+
+
+def _selects(func: Any) -> bool:
+    """Whether an operation only picks entries (a view, an index): rows it takes from the
+    examples stay one example's each (packed sequences' last steps). Any other operation
+    counts as combining them, the side that refuses."""
+    returns = func._schema.returns
+    return (bool(returns) and returns[0].alias_info is not None) or (
+        func.overloadpacket.__name__ in ("index", "index_select", "gather"))
+
+
+def _examples_rows(op: Op, large: list[Op], k: int | None, lo: int, hi: int) -> bool:
+    """Whether an output of ``op`` holds the examples along a dimension of its own: lo long
+    at the small size, hi at the large one (``k``: its counterpart there)."""
+    if k is None:
+        return False
+    return any(len(s) == len(t) and any((a, b) == (lo, hi) for a, b in zip(s, t, strict=True))
+               for s, t in zip(op.shapes, large[k].shapes, strict=False))
 
 
 def _matched(small: list[Op], large: list[Op], window: int = 64) -> dict[int, int]:

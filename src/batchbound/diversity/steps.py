@@ -574,7 +574,7 @@ class _Watched:
                              self.plan, self.params, layout, self.plan.static_reasons(), kinds)
         if INTERACTING in reasons.values():  # or a padding that follows the batch, named
             raise BatchboundError(f"watch(): {padded_output(self.model, x, fixed) or COUPLED}")
-        if kinds.paired:  # measure() runs each chunk apart instead (pairing.py)
+        if kinds.unchecked:  # measure() runs each chunk apart instead (pairing.py)
             raise BatchboundError(
                 f"watch(): {kinds.joins}: whether they interact depends on each step's data, "
                 "which watch cannot check without running the model again on parts of every "
