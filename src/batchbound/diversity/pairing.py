@@ -242,7 +242,7 @@ def joining(small: list[Op], large: list[Op], sizes: tuple[int, int],
                           f"examples ({source.func.overloadpacket.__name__}'s output, of shape "
                           f"{source.shapes[0] if source.shapes else ()} whatever the batch "
                           f"size, read by {name})",
-                          reduced=pointwise or any(over[j] for j in fed))
+                          reduced=pointwise or name in _BROADCASTS or any(over[j] for j in fed))
         changes.append(changed)
         # an empty output (an expert no token reached, at both sizes) holds nothing
         batch.append(not changed and any(map(all, op.shapes)) and (read_changing or any(
@@ -253,6 +253,10 @@ def joining(small: list[Op], large: list[Op], sizes: tuple[int, int],
                 j == GIVEN or _examples_rows(small[j], large, matched.get(j), lo, hi)
                 for j in reads))))
     return Joined()
+
+
+# Operations other than pointwise ones that lay one tensor over the examples as it is
+_BROADCASTS = ("expand", "repeat")
 
 
 def _selects(func: Any) -> bool:
