@@ -117,8 +117,8 @@ class OutputKinds(NamedTuple):
     and of those, the ones computed from the parameters alone (``parameters``: a learned
     temperature), from ``rule_check.output_kinds``; ``joins``: why the forward may join
     the examples where the data says so (``pairing.py``), "" where it does not,
-    ``paired``: by a tensor that pairs them, and ``reduced``: by a quantity of the batch
-    taken over the examples' own dimension (``pairing.Joined``)."""
+    ``paired``: by a tensor that pairs them (or mixes their rows), and ``reduced``: by a
+    quantity of the batch that combines their rows or is laid over them (``pairing.Joined``)."""
 
     fixed: frozenset[int] = frozenset()
     parameters: frozenset[int] = frozenset()
@@ -129,7 +129,8 @@ class OutputKinds(NamedTuple):
     @property
     def unchecked(self) -> bool:
         """Whether the data may join the examples where a chunk's first check cannot speak
-        for the rest: anything but a quantity of the batch over lengths the data sets."""
+        for the rest: every mark but a quantity of the batch made of some examples' rows
+        and put back among them (packed sequences' last steps)."""
         return self.paired or self.reduced
 
 

@@ -32,9 +32,9 @@ split by each bit of the examples' positions (any two examples fall in different
 once), against their losses in the whole chunk. A user's loss is read the same way
 (``losses.loss_joining``). Where the forward cannot be rerun so (dropout in train mode;
 ``watch``, which sees each step once), a model that pairs the examples, mixes their rows
-or feeds back a quantity taken over their own dimension (``Joined.reduced``: a mean of
-their rows, not the last steps of packed sequences, whose lengths the data sets) is
-refused.
+or feeds back a quantity of the batch that combines their rows or is laid over them
+(``Joined.reduced``: a mean of their rows, one example's row added to each; not the last
+steps of packed sequences, some examples' rows put back among theirs) is refused.
 
 Not seen: a mix through a tensor whose examples' dimension is not n (a shift by padding,
 ``cat([zeros, h[:-1]])``; packed tokens, n·T), or written in place into a view of the

@@ -225,10 +225,11 @@ class PreparedStats:
         their losses in the whole chunk; the first chunk's check cannot speak for the
         others, whose data may join them where its did not. A forward that draws other
         random numbers on every call cannot be checked so: refused where it pairs the
-        examples or feeds back a quantity taken over their own dimension (a mean of their
-        rows a flag in the data switches on), left to the first chunk's check where a
-        quantity of the batch over lengths the data sets flows back (packed sequences show
-        it, and are measured in train mode as before)."""
+        examples or feeds back a quantity of the batch that combines their rows or is laid
+        over them (``OutputKinds.unchecked``: a mean of their rows a flag in the data
+        switches on), left to the first chunk's check where some examples' rows are put
+        back among theirs (packed sequences show it, and are measured in train mode as
+        before)."""
         joins = kinds.joins
         if not self._repeats(x):
             if not kinds.unchecked:
