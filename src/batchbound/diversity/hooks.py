@@ -265,6 +265,8 @@ class HooksPass:
         # which chunks are tracked (None: every one), and this chunk's key among them
         self.row_checks: RowChecks | None = None
         self._row_key: Hashable = None
+        # what the forward ran (its layer calls, its graph's structure), read by ``attach``
+        self.program: tuple[Hashable, tuple[object, ...]] | None = None
 
     # -------------------------------------------------------------------- phases
 
@@ -294,8 +296,11 @@ class HooksPass:
         if self.layout is None:
             self._attach_probe(users)
             return
+        calls = tuple((c.key, tuple((o.shape, o.dtype) for o in c.outputs))
+                      for c in self.recorder.calls)
+        self.program = (calls, graph_structure(nodes))
         if self.row_checks is not None:
-            self._check_rows(nodes)
+            self._check_rows(*self.program)
         if outputs:
             self.loss_uses = loss_users(roots[0], outputs, self._ids)
             for name in self.loss_uses:
@@ -342,13 +347,10 @@ class HooksPass:
                 if self.own_sums:
                     self._own_sums(call, contributing)
 
-    def _check_rows(self, nodes: list[Node]) -> None:
+    def _check_rows(self, calls: Hashable, graph: tuple[object, ...]) -> None:
         """A tracked chunk noted for the untracked; an untracked chunk that ran otherwise
         leaves every parameter to the exact fallback (``rows.RowChecks``)."""
         assert self.row_checks is not None
-        calls = tuple((c.key, tuple((o.shape, o.dtype) for o in c.outputs))
-                      for c in self.recorder.calls)
-        graph = graph_structure(nodes)
         if self.rows is not None:
             self.row_checks.tracked(self._row_key, calls, graph, self.rows)
         elif not self.row_checks.same(self._row_key, calls, graph):
@@ -884,6 +886,7 @@ class HooksResult:
     precision: torch.dtype = torch.float32  # the lowest the forward computed in
     loss_gap: float | None = None  # with ``split_loss``: ``losses.split_gap``
     loss_joins: str = ""  # with ``split_loss``: ``losses.loss_joining``
+    program: Hashable = None  # what the forward ran (``HooksPass.program``)
 
 
 def hooks_stats(
@@ -956,7 +959,7 @@ def hooks_stats(
     grad_sum = {name: grad_sum[name] for name in params if name in grad_sum}
     sq_norms = {k: v for k, v in run.sq_norms.items() if k in grad_sum or k in run.added}
     return HooksResult(losses.detach(), sq_norms, grad_sum, run.reasons, run.loss_uses,
-                       run.precision, gap, joins)
+                       run.precision, gap, joins, run.program)
 
 
 def batch_output(k: int, shape: tuple[int, ...], n: int,

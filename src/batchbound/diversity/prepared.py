@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 import time
 import weakref
-from dataclasses import dataclass
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -39,7 +40,7 @@ from batchbound.diversity.losses import (
 )
 from batchbound.diversity.outputs import RandomState, replayed_rows
 from batchbound.diversity.precision import GradientPrecision, autocast_dtypes, lowest
-from batchbound.diversity.rows import RowChecks
+from batchbound.diversity.rows import KNOWN_KEYS, RowChecks, chunk_key
 from batchbound.diversity.rule_check import (
     COUPLED,
     INTERACTING,
@@ -84,9 +85,12 @@ class _Checked:
     kinds: OutputKinds | None
     loss_split: bool = False
     loss_joins: str = ""
+    # per chunk shape (``rows.chunk_key``), the programs its chunks ran and were checked in
+    programs: dict[Hashable, set[Hashable]] = field(default_factory=dict)
 
 
 _CHECKS: weakref.WeakKeyDictionary[nn.Module, _Checked] = weakref.WeakKeyDictionary()
+KNOWN_PROGRAMS = 16  # programs kept per chunk shape; past them each new one is checked
 
 
 # Models whose vmap gradients were checked against the loop (per_example_gradients).
@@ -142,6 +146,7 @@ class PreparedStats:
         self._loss_joins = ""  # why it is checked on every chunk (losses.loss_joining)
         self._structure = structure_of(model, self.params, loss, engine)
         self._entry: _Checked | None = None  # this model's in ``_CHECKS``, once checked
+        self._programs: dict[Hashable, set[Hashable]] = {}  # ``_check_program``'s
         # the chunks the row tracker sees: all under engine='hooks', which refuses rather
         # than fall back where an untracked chunk ran differently
         self.row_checks = RowChecks() if engine == "auto" else None
@@ -153,6 +158,7 @@ class PreparedStats:
                 self.plan, self.layout = cached.plan, cached.layout
                 self.checked, self.kinds = dict(cached.reasons), cached.kinds
                 self._loss_split, self._loss_joins = cached.loss_split, cached.loss_joins
+                self._programs = cached.programs
                 self._entry = cached
             else:
                 self.plan = plan_hooks(model, self.params)
@@ -238,15 +244,53 @@ class PreparedStats:
                 f"{joins}, and it gives other outputs on each call in this mode (dropout?): "
                 "whether the examples of a chunk interact cannot be checked by running them "
                 "apart; measure in eval mode")
+        if self._apart_differ(x, y, losses):
+            raise BatchboundError(
+                f"on the chunk from example {offset}, {INTERACTING}: {joins}, and on this "
+                "chunk the data joined them, so per-example gradients, S, T and Δ are not "
+                "defined there")
+
+    def _apart_differ(self, x: Tensor | Inputs, y: Tensor, losses: Tensor) -> bool:
+        """Whether the examples' losses with the chunk run in halves, split by each bit of
+        their positions (any two fall in different halves once), differ from theirs in the
+        whole chunk (a deterministic forward: ``_repeats``)."""
         dtype = lowest(self.precision, *autocast_dtypes())
         with torch.no_grad(), buffers_kept(self.model), rng_kept(self.params):
             for rows in bit_halves(x.shape[0], losses.device):
                 apart = self.loss_fn(call_model(self.model, x[rows]), y[rows])
                 if losses_differ(losses[rows], apart, dtype):
-                    raise BatchboundError(
-                        f"on the chunk from example {offset}, {INTERACTING}: {joins}, and on "
-                        "this chunk the data joined them, so per-example gradients, S, T and "
-                        "Δ are not defined there")
+                    return True
+        return False
+
+    def _check_program(self, x: Tensor | Inputs, y: Tensor, losses: Tensor, offset: int,
+                       program: Hashable) -> None:
+        """A chunk that ran other operations than the earlier chunks of its shape (its
+        layer calls and its graph's structure, ``HooksPass.program``): control flow on the
+        data's values (a Python branch, an offset from ``int(x.max())``) that the first
+        chunk's check did not see, and that may join the examples (``cat([h[:1], h[:-1]])``,
+        ``h.roll(k, 0)``). Checked by value, apart, where the forward repeats; each program
+        once (``KNOWN_PROGRAMS`` a shape). The first chunk of a shape is that shape's
+        reference: the model's first, checked against the loop, or, for a later shape
+        (the last, shorter chunk), one unchecked."""
+        given = (x.args, x.kwargs) if isinstance(x, Inputs) else (x,)
+        key = chunk_key(given, self.model.training)
+        known = self._programs.get(key)
+        if known is None:
+            if len(self._programs) < KNOWN_KEYS:
+                self._programs[key] = {program}
+            return
+        if program in known or not self._repeats(x):
+            return
+        if self._apart_differ(x, y, losses):
+            raise BatchboundError(
+                f"on the chunk from example {offset}, {INTERACTING}: its forward ran other "
+                "operations than on the earlier chunks of its shape (control flow on the "
+                "data's values: a Python branch, or an offset, on a value of the batch?), and "
+                "on this chunk its examples' losses with the chunk run in parts differ from "
+                "theirs in the whole chunk, so per-example gradients, S, T and Δ are not "
+                "defined there")
+        if len(known) < KNOWN_PROGRAMS:
+            known.add(program)
 
     def _saw(self, seen: GradientPrecision) -> None:
         """The loop's or vmap's observed precision into ``precision``, as a hooks pass's."""
@@ -276,7 +320,7 @@ class PreparedStats:
         assert self.plan is not None
         self._entry = _CHECKS[self.model] = _Checked(
             self._structure, self.plan, self.layout, dict(reasons), self.kinds,
-            self._loss_split, self._loss_joins)
+            self._loss_split, self._loss_joins, self._programs)
         if reasons and self.engine == "hooks":
             raise BatchboundError(f"engine='hooks' cannot compute these parameters' per-example "
                                   f"gradients exactly: {describe(reasons)}")
@@ -322,6 +366,8 @@ class PreparedStats:
                 return self(x, y, offset)
         if self.kinds is not None and self.kinds.joins and x.shape[0] > 1:
             self._check_apart(x, y, result.losses, offset, self.kinds)
+        elif x.shape[0] > 1 and result.program is not None:
+            self._check_program(x, y, result.losses, offset, result.program)
         if not result.reasons:
             sq_norms = {name: result.sq_norms[name] for name in self.params}
             return PerExampleStats(result.losses, sq_norms, result.grad_sum)
