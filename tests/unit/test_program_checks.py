@@ -109,3 +109,39 @@ def test_a_branch_that_keeps_the_examples_apart_is_exact_and_checked_once() -> N
     model.calls = 0
     measure(model, (x, y), "cross_entropy", chunk_size=8)
     assert model.calls == 6  # one forward a chunk: both programs known, nothing run apart
+
+
+def test_a_hugging_face_model_skipping_its_mask_is_checked_once_and_measured(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPT-2 drops its attention mask on a chunk without padding: the padded chunks run
+    another program, checked apart once (float32), not refused; none on the next call."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import batchbound.diversity.prepared as prepared
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2,
+                                       n_positions=16)).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 50, (24, 10), generator=g)
+    mask = torch.ones_like(ids)
+    mask[[9, 20], 6:] = 0  # padding in the second and third chunks only
+
+    def lm_loss(out: object, batch: dict) -> Tensor:
+        logits, labels = out.logits[:, :-1], batch["input_ids"][:, 1:]  # type: ignore[attr-defined]
+        per = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+        return (per * batch["attention_mask"][:, 1:]).sum(1)
+
+    checks = []
+    original = prepared.PreparedStats._apart_differ
+
+    def counted(self: prepared.PreparedStats, *args: object) -> bool:
+        checks.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(prepared.PreparedStats, "_apart_differ", counted)
+    batch = {"input_ids": ids, "attention_mask": mask}
+    first = measure(model, batch, lm_loss, chunk_size=8)
+    assert len(checks) == 1
+    again = measure(model, batch, lm_loss, chunk_size=8)
+    assert len(checks) == 1 and again.S == first.S
