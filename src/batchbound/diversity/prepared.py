@@ -269,7 +269,8 @@ class PreparedStats:
         data's values (a Python branch, an offset from ``int(x.max())``) that the first
         chunk's check did not see, and that may join the examples (``cat([h[:1], h[:-1]])``,
         ``h.roll(k, 0)``). Checked by value, apart, where the forward repeats; each program
-        once (``KNOWN_PROGRAMS`` a shape). The first chunk of a shape is that shape's
+        once (``KNOWN_PROGRAMS`` a shape, for the first ``KNOWN_KEYS`` shapes: past them a
+        new shape is not checked). The first chunk of a shape is that shape's
         reference: the model's first, checked against the loop, or, for a later shape
         (the last, shorter chunk), one unchecked."""
         given = (x.args, x.kwargs) if isinstance(x, Inputs) else (x,)
