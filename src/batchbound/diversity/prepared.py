@@ -269,16 +269,17 @@ class PreparedStats:
         data's values (a Python branch, an offset from ``int(x.max())``) that the first
         chunk's check did not see, and that may join the examples (``cat([h[:1], h[:-1]])``,
         ``h.roll(k, 0)``). Checked by value, apart, where the forward repeats; each program
-        once (``KNOWN_PROGRAMS`` a shape, for the first ``KNOWN_KEYS`` shapes: past them a
-        new shape is not checked). The first chunk of a shape is that shape's
-        reference: the model's first, checked against the loop, or, for a later shape
-        (the last, shorter chunk), one unchecked."""
+        once (``KNOWN_PROGRAMS`` a shape, for the last ``KNOWN_KEYS`` shapes seen). The
+        first chunk of a shape (or of one forgotten) is that shape's reference: the
+        model's first, checked against the loop, or, for a later shape (the last, shorter
+        chunk), one unchecked."""
         given = (x.args, x.kwargs) if isinstance(x, Inputs) else (x,)
         key = chunk_key(given, self.model.training)
         known = self._programs.get(key)
         if known is None:
-            if len(self._programs) < KNOWN_KEYS:
-                self._programs[key] = {program}
+            if len(self._programs) >= KNOWN_KEYS:  # the oldest shape's, for this one's
+                del self._programs[next(iter(self._programs))]
+            self._programs[key] = {program}
             return
         if program in known or not self._repeats(x):
             return
