@@ -69,24 +69,31 @@ from batchbound.errors import BatchboundError, warn
 
 
 @dataclass
+class _Seen:
+    """What a model's chunks showed, which speaks for the later chunks of every call as it
+    does for those of one: a user's loss split on its first chunk (``split_gap``,
+    ``loss_joining``: 1.9 ms of a 15 ms chunk of the benchmarks' MLP), and the programs each
+    chunk shape ran and was checked in (``_check_program``)."""
+
+    loss_split: bool = False  # a user's loss checked on parts of a chunk (split_gap)
+    loss_joins: str = ""  # why it is checked on every chunk (losses.loss_joining)
+    programs: dict[Hashable, set[Hashable]] = field(default_factory=dict)  # by chunk_key
+
+
+@dataclass
 class _Checked:
     """The check of a model (its calls' example axes and the rules' agreement with the loop),
     which depends on its structure and the loss, not on its weights: kept per model, so that
     measuring the same model again (every half epoch in a study, each ``measure`` call) does
     not redo it. Kept with it: the outputs' kinds (``output_kinds``: two more forward passes)
-    and what a user's loss showed on its first chunk split (``split_gap``, ``loss_joining``:
-    1.9 ms of a 15 ms chunk of the benchmarks' MLP), which speaks for the later chunks of
-    every call as it does for those of one."""
+    and what its chunks showed (``_Seen``)."""
 
     structure: tuple
     plan: HookPlan
     layout: Layout
     reasons: dict[str, str]
     kinds: OutputKinds | None
-    loss_split: bool = False
-    loss_joins: str = ""
-    # per chunk shape (``rows.chunk_key``), the programs its chunks ran and were checked in
-    programs: dict[Hashable, set[Hashable]] = field(default_factory=dict)
+    seen: _Seen
 
 
 _CHECKS: weakref.WeakKeyDictionary[nn.Module, _Checked] = weakref.WeakKeyDictionary()
@@ -142,11 +149,8 @@ class PreparedStats:
         self._methods = ""
         # per train/eval mode of the modules: whether two forward passes agree (no dropout)
         self._deterministic: dict[tuple[bool, ...], bool] = {}
-        self._loss_split = False  # a user's loss checked on parts of a chunk (split_gap)
-        self._loss_joins = ""  # why it is checked on every chunk (losses.loss_joining)
         self._structure = structure_of(model, self.params, loss, engine)
-        self._entry: _Checked | None = None  # this model's in ``_CHECKS``, once checked
-        self._programs: dict[Hashable, set[Hashable]] = {}  # ``_check_program``'s
+        self.seen = _Seen()  # the cached check's, where there is one
         # the chunks the row tracker sees: all under engine='hooks', which refuses rather
         # than fall back where an untracked chunk ran differently
         self.row_checks = RowChecks() if engine == "auto" else None
@@ -157,9 +161,7 @@ class PreparedStats:
             if cached is not None and cached.structure == self._structure:
                 self.plan, self.layout = cached.plan, cached.layout
                 self.checked, self.kinds = dict(cached.reasons), cached.kinds
-                self._loss_split, self._loss_joins = cached.loss_split, cached.loss_joins
-                self._programs = cached.programs
-                self._entry = cached
+                self.seen = cached.seen
             else:
                 self.plan = plan_hooks(model, self.params)
 
@@ -275,11 +277,12 @@ class PreparedStats:
         chunk), one unchecked."""
         given = (x.args, x.kwargs) if isinstance(x, Inputs) else (x,)
         key = chunk_key(given, self.model.training)
-        known = self._programs.get(key)
+        programs = self.seen.programs
+        known = programs.get(key)
         if known is None:
-            if len(self._programs) >= KNOWN_KEYS:  # the oldest shape's, for this one's
-                del self._programs[next(iter(self._programs))]
-            self._programs[key] = {program}
+            if len(programs) >= KNOWN_KEYS:  # the oldest shape's, for this one's
+                del programs[next(iter(programs))]
+            programs[key] = {program}
             return
         if program in known or not self._repeats(x):
             return
@@ -320,9 +323,8 @@ class PreparedStats:
         self.checked = reasons
         assert self.layout is not None
         assert self.plan is not None
-        self._entry = _CHECKS[self.model] = _Checked(
-            self._structure, self.plan, self.layout, dict(reasons), self.kinds,
-            self._loss_split, self._loss_joins, self._programs)
+        _CHECKS[self.model] = _Checked(self._structure, self.plan, self.layout, dict(reasons),
+                                       self.kinds, self.seen)
         if reasons and self.engine == "hooks":
             raise BatchboundError(f"engine='hooks' cannot compute these parameters' per-example "
                                   f"gradients exactly: {describe(reasons)}")
@@ -340,7 +342,8 @@ class PreparedStats:
                   if any(m.training for m in self.model.modules()) else None)
         # a user's loss, on the first chunk, and on every one where it may join the examples
         # (``losses.loss_joining``): named ones are each example's own by construction
-        split_loss = (not self._loss_split or bool(self._loss_joins)) and hasattr(
+        seen = self.seen
+        split_loss = (not seen.loss_split or bool(seen.loss_joins)) and hasattr(
             self.loss_fn, "__wrapped__")
         result = hooks_stats(self.model, x, y, self.loss_fn, self.plan, self.params,
                              self.layout, excluded=excluded, offset=offset,
@@ -348,19 +351,17 @@ class PreparedStats:
                              kinds=self.kinds, row_checks=self.row_checks,
                              finite=self.finite if self.checked is not None else None,
                              split_loss=split_loss,
-                             read_loss=split_loss and not self._loss_split)
+                             read_loss=split_loss and not seen.loss_split)
         self.precision = lowest(self.precision, result.precision)
         if (result.loss_gap is not None
                 and result.loss_gap > tolerance(lowest(self.precision, *autocast_dtypes()))):
-            joins = result.loss_joins or self._loss_joins
+            joins = result.loss_joins or seen.loss_joins
             why = f" ({joins})" if joins else ""
             raise BatchboundError(f"on the chunk from example {offset}, the loss of a part of "
                                   f"its examples is not their loss in the whole chunk{why}: "
                                   f"{COUPLED}")
-        if split_loss and x.shape[0] >= 4 and not self._loss_split:
-            self._loss_split, self._loss_joins = True, result.loss_joins
-            if self._entry is not None:
-                self._entry.loss_split, self._entry.loss_joins = True, result.loss_joins
+        if split_loss and x.shape[0] >= 4 and not seen.loss_split:
+            seen.loss_split, seen.loss_joins = True, result.loss_joins
         if self.checked is None:  # the first chunk, in eval mode: check it against the loop
             self._checked(check_rows(self.model, x, y, self.loss_fn, self.params,
                                      result.sq_norms, result.losses, result.precision))
