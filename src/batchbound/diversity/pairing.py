@@ -120,6 +120,9 @@ class OpShapes(TorchDispatchMode):
         super().__init__()
         self.ops: list[Op] = []
         self.count, self.replay_rows = count, replay_rows
+        # every tensor it wrote, kept: memory freed in the forward and handed to a tensor
+        # made where no operation shows (a constant from the host) is not the old tensor
+        self._alive: list[Tensor] = []
         self._writer: dict[Hashable, int] = {
             _key(t): GIVEN for t in tree_flatten(given)[0]
             if isinstance(t, Tensor) and t.dim() and t.shape[0] == count}
@@ -154,6 +157,7 @@ class OpShapes(TorchDispatchMode):
         for t in written:
             if _filled(t):  # every empty tensor's storage is at address 0
                 self._writer[_key(t)] = len(self.ops) - 1
+                self._alive.append(t)
         return out
 
     def _derived(self, t: Tensor) -> bool:

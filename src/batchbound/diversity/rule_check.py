@@ -90,6 +90,7 @@ class _OfParameters(TorchDispatchMode):
         super().__init__()
         self.clean = {storage(t) for t in (*model.parameters(), *model.buffers())}
         self.host = False
+        self._alive: list[Tensor] = []  # no freed memory's address taken for a new tensor's
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
@@ -99,6 +100,7 @@ class _OfParameters(TorchDispatchMode):
         written = [t for t in leaves if isinstance(t, Tensor)]
         if not self.host and all(storage(t) in self.clean for t in inputs):
             self.clean.update(storage(t) for t in written)
+            self._alive += written
         else:
             self.host |= any(not isinstance(t, Tensor) and t is not None for t in leaves)
             if func._schema.is_mutable:  # in place, also into an argument it does not return
