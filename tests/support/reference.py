@@ -42,7 +42,7 @@ def assert_exact(
     batchbound warning, which must match the regex ``warns`` when given) or none did (and
     nothing was warned)."""
     model = model.double()
-    x = x.double() if x.is_floating_point() else x
+    x = x.double() if isinstance(x, Tensor) and x.is_floating_point() else x
     reference = per_example_stats(model, x, y, loss, engine="loop")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -177,3 +178,43 @@ def test_named_rules_look_up_the_exact_class() -> None:
     assert rule_for(Conv1D(3, 2)) is not None
     assert rule_for(MyConv1D(3, 2)) is None
     assert rule_for(Conv1DLookalike()) is None
+
+
+# ---------------------------------------------------------------- random numbers in eval mode
+
+
+def vit_mae() -> nn.Module:
+    from transformers import ViTMAEConfig, ViTMAEModel
+    torch.manual_seed(0)
+    return ViTMAEModel(ViTMAEConfig(
+        image_size=8, patch_size=2, num_channels=3, hidden_size=16, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=24, mask_ratio=0.5)).double()
+
+
+def first_token_loss(out: Any, target: Tensor) -> Tensor:
+    return (out.last_hidden_state[:, 0] - target).square().sum(1)
+
+
+def test_random_masking_in_eval_mode_is_named_and_fixed_by_an_input() -> None:
+    """ViT-MAE masks patches at random in every mode: an example run alone draws another
+    mask, so the check against the loop differs. It was refused as examples that interact;
+    now as what it is, with the way out, which then measures exactly (by the fallback:
+    the kept patches are rows the noise chooses)."""
+    from batchbound.diversity import OnlineDiversity, per_example_stats, watch
+    from batchbound.diversity.calls import inputs
+    from batchbound.errors import BatchboundError
+
+    model = vit_mae()
+    x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randn(4, 16, dtype=torch.float64)
+    said = r"other outputs on each call even in eval mode.*ViT-MAE's noise="
+    for mode in ("eval", "train"):
+        getattr(model, mode)()
+        with pytest.raises(BatchboundError, match=said):
+            per_example_stats(model, x, y, first_token_loss)
+    with pytest.raises(BatchboundError, match="watch\\(\\): the model gives " + said), \
+            watch(model.train(), OnlineDiversity()):
+        first_token_loss(model(x), y).mean().backward()
+    noise = torch.rand(4, 16, dtype=torch.float64)
+    # the kept patches, gathered by the noise's order: rows the data chooses, by vmap
+    assert_exact(model.eval(), inputs(x, noise=noise), y, first_token_loss, fallback=True,
+                 warns="chosen by the data")

@@ -54,6 +54,7 @@ from batchbound.diversity.rule_check import (
     rng_kept,
     self_check,
     tolerance,
+    why_coupled,
 )
 from batchbound.diversity.stats import (
     ENGINES,
@@ -223,7 +224,7 @@ class PreparedStats:
             if self.checked is None and any(m.training for m in self.model.modules()):
                 self._checked(self_check(self.model, x, y, self.loss_fn, self.plan,
                                          self.params, self.layout, self.plan.static_reasons(),
-                                         self.kinds))
+                                         self.kinds), x)
             return self._hooks(x, y, offset, into)
 
     def _check_apart(self, x: Tensor | Inputs, y: Tensor, losses: Tensor, offset: int,
@@ -317,9 +318,9 @@ class PreparedStats:
                 raise
             raise BatchboundError(split_failure(x, exc)) from exc
 
-    def _checked(self, reasons: dict[str, str]) -> None:
-        if INTERACTING in reasons.values():
-            raise BatchboundError(COUPLED)  # not cached: the model may be fixed and rerun
+    def _checked(self, reasons: dict[str, str], x: Tensor | Inputs) -> None:
+        if INTERACTING in reasons.values():  # not cached: the model may be fixed and rerun
+            raise BatchboundError(why_coupled(self.model, x))
         self.checked = reasons
         assert self.layout is not None
         assert self.plan is not None
@@ -364,7 +365,7 @@ class PreparedStats:
             seen.loss_split, seen.loss_joins = True, result.loss_joins
         if self.checked is None:  # the first chunk, in eval mode: check it against the loop
             self._checked(check_rows(self.model, x, y, self.loss_fn, self.params,
-                                     result.sq_norms, result.losses, result.precision))
+                                     result.sq_norms, result.losses, result.precision), x)
             if self.checked:
                 return self(x, y, offset)
         if self.kinds is not None and self.kinds.joins and x.shape[0] > 1:

@@ -65,6 +65,22 @@ COUPLED = (
 )
 
 
+RANDOM_IN_EVAL = (
+    "the model gives other outputs on each call even in eval mode (random numbers drawn "
+    "outside dropout: patches masked at random, as ViT-MAE's, or noise added to its "
+    "inputs), so an example run alone draws other numbers than in its batch, and its "
+    "per-example gradients cannot be checked against the per-example loop; pass the random "
+    "numbers in as an input (ViT-MAE's noise=) or turn them off (a masking ratio of 0)"
+)
+
+
+def why_coupled(model: nn.Module, x: Tensor) -> str:
+    """Why the check's batch and its examples alone differ: random numbers the model draws
+    even in eval mode (``RANDOM_IN_EVAL``), else examples that interact (``COUPLED``)."""
+    with buffers_kept(model), rng_kept(dict(model.named_parameters())), eval_mode(model):
+        return COUPLED if deterministic(model, x) else RANDOM_IN_EVAL
+
+
 def examples(t: Tensor, count: int) -> Tensor:
     """The first ``count`` examples of ``t``, repeating them when it has fewer."""
     return t[torch.arange(count, device=t.device) % t.shape[0]]

@@ -47,7 +47,6 @@ from batchbound.diversity.precision import name as dtype_name
 from batchbound.diversity.prepared import PreparedStats, describe
 from batchbound.diversity.rows import RowChecks, RowTracker
 from batchbound.diversity.rule_check import (
-    COUPLED,
     INTERACTING,
     buffers_kept,
     coupling_outputs,
@@ -58,6 +57,7 @@ from batchbound.diversity.rule_check import (
     rng_kept,
     self_check,
     tolerance,
+    why_coupled,
 )
 from batchbound.diversity.stats import (
     batch_norm_modules,
@@ -573,7 +573,8 @@ class _Watched:
         reasons = self_check(self.model, x, y, functools.partial(_stand_in_loss, fixed=fixed),
                              self.plan, self.params, layout, self.plan.static_reasons(), kinds)
         if INTERACTING in reasons.values():  # or a padding that follows the batch, named
-            raise BatchboundError(f"watch(): {padded_output(self.model, x, fixed) or COUPLED}")
+            why = padded_output(self.model, x, fixed) or why_coupled(self.model, x)
+            raise BatchboundError(f"watch(): {why}")
         if kinds.unchecked:  # measure() runs each chunk apart instead (pairing.py)
             raise BatchboundError(
                 f"watch(): {kinds.joins}: whether they interact depends on each step's data, "
