@@ -272,6 +272,36 @@ def test_embedding_bag_with_offsets_is_refused_in_one_line() -> None:
     assert "offsets[0] has to be 0" in said and "\n" not in said
 
 
+class Float32Only(nn.Module):
+    """A kernel that takes float32 alone (as grouped matrix products of experts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor, y: object = None) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            raise RuntimeError(f"expected a Float32 matrix, got {x.dtype}")
+        return self.a(x) * scale[:, None]
+
+
+def test_a_model_that_fails_in_measures_dtype_is_not_blamed_on_the_split() -> None:
+    """measure(dtype=torch.float64) on a model one of whose kernels takes float32 alone
+    (Hugging Face Qwen3-MoE's experts): it said the split of the call's tensors by example
+    had failed; the chunk as given fails too, and that is said."""
+    torch.manual_seed(0)
+    data = {"x": torch.randn(B, 6), "scale": torch.ones(B), "y": torch.randint(0, 3, (B,))}
+    with pytest.raises(BatchboundError) as info:
+        measure(Float32Only(), data, lambda out, batch: F.cross_entropy(
+            out, batch["y"], reduction="none"), dtype=torch.float64)
+    said = str(info.value)
+    assert said.startswith("the model raised on the chunk from example 0 as given, before any "
+                           "split (RuntimeError: expected a Float32 matrix, got torch.float64)")
+    assert "\n" not in said
+    assert measure(Float32Only(), data, lambda out, batch: F.cross_entropy(
+        out, batch["y"], reduction="none")).S > 0
+
+
 def test_advise_trains_a_model_with_an_output_its_loss_ignores() -> None:
     """The router (``gate``) feeds only the auxiliary output, which this loss leaves out: its
     parameters get no gradient. The trainer's two-batch norms read ``p.grad`` and stopped the

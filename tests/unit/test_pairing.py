@@ -19,7 +19,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForC
 from batchbound.diversity import OnlineDiversity, measure, per_example_stats, watch
 from batchbound.diversity.calls import Inputs
 from batchbound.diversity.losses import bit_halves, split_gap
-from batchbound.diversity.pairing import Joined, OpShapes, joining
+from batchbound.diversity.pairing import Joined, OpShapes, joining, written_in_place
 from batchbound.diversity.rule_check import output_kinds
 from batchbound.errors import BatchboundError
 
@@ -492,6 +492,46 @@ def test_memory_freed_in_the_forward_is_not_taken_for_its_old_tensor() -> None:
     assert joining(*ops, (2, 3)) == Joined()
     torch.manual_seed(0)
     model = nn.Sequential(FreedThenConstant(), nn.Dropout(0.1)).double().train()
+    x, y = grouped(8, 8)
+    with warnings.catch_warnings(), watch(model, OnlineDiversity()):
+        warnings.simplefilter("ignore")
+        F.cross_entropy(model(x), y).backward()
+
+
+class MaskedInPlace(nn.Module):
+    """Multiplies a constant mask into the examples' scores in place, then uses the mask
+    again, pooled (Funnel's ``cls_mask``): the mask is read there, not written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, CLASSES)
+
+    def forward(self, inp: Tensor) -> Tensor:
+        h = torch.tanh(self.a(inp[:, :D]))
+        mask = h.new_ones(D, D).tril()
+        scores = h[:, :, None] * h[:, None, :]
+        scores *= mask
+        pooled = torch.cat([mask[:1], mask])[::2]
+        return self.b(scores.sum(-1) * pooled[0])
+
+
+def test_a_tensor_an_in_place_operation_only_reads_keeps_its_history() -> None:
+    """``scores *= mask`` was taken to write the mask too, with the scores' history: the
+    pooled mask then looked like a quantity of the batch fed back into the examples, and
+    watch refused Hugging Face's Funnel, whose examples never meet."""
+    a, b = torch.zeros(3), torch.ones(3)
+    assert written_in_place(torch.ops.aten.mul_.Tensor, (a, b), {}) == [a]
+    out = torch.empty(3)
+    assert written_in_place(torch.ops.aten.add.out, (a, b), {"out": out}) == [out]
+    ops = []
+    for n in (2, 3):
+        x = torch.zeros(n, D + 1, dtype=torch.float64)
+        with OpShapes(x, n) as shapes:
+            MaskedInPlace().double()(x)
+        ops.append(shapes.ops)
+    assert joining(*ops, (2, 3)) == Joined()
+    torch.manual_seed(0)
+    model = nn.Sequential(MaskedInPlace(), nn.Dropout(0.1)).double().train()
     x, y = grouped(8, 8)
     with warnings.catch_warnings(), watch(model, OnlineDiversity()):
         warnings.simplefilter("ignore")

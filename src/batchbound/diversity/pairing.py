@@ -78,6 +78,18 @@ def storage(t: Tensor) -> int:
         return id(t)
 
 
+def written_in_place(func: Any, args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors an operation writes into, beside what it returns: the arguments its
+    schema marks written (``mul_``'s ``self``, ``out=``, batch norm's running statistics),
+    not those it only reads (``h *= mask`` leaves the mask as it was)."""
+    out: list[Tensor] = []
+    for k, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = args[k] if k < len(args) else kwargs.get(argument.name)
+            out += [t for t in flatten(value) if isinstance(t, Tensor)]
+    return out
+
+
 def _key(t: Tensor) -> Hashable:
     """A tensor by the memory it reads: its storage, offset, shape and strides (a view of
     one example's row, ``x[0]``, is not ``x``)."""
@@ -152,8 +164,7 @@ class OpShapes(TorchDispatchMode):
                                      if isinstance(t, Tensor))
         self.ops.append(Op(func, [_shape(t) for t in written], reads, integral,
                            any(from_examples), made_inside, mixed))
-        if func._schema.is_mutable:  # in place, also into an argument it does not return
-            written += inputs
+        written += written_in_place(func, args, kwargs)
         for t in written:
             if _filled(t):  # every empty tensor's storage is at address 0
                 self._writer[_key(t)] = len(self.ops) - 1

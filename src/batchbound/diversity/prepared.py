@@ -316,6 +316,14 @@ class PreparedStats:
         except Exception as exc:  # any: a tensor the batch shares, split as the examples
             if not isinstance(x, Inputs):
                 raise
+            try:  # or no split at all: the model fails on the chunk as given
+                with torch.no_grad(), buffers_kept(self.model), rng_kept(self.params):
+                    call_model(self.model, x)
+            except Exception as whole:  # any: the user's model, on the user's own chunk
+                said = " ".join(str(whole).split())
+                raise BatchboundError(
+                    f"the model raised on the chunk from example {offset} as given, before "
+                    f"any split ({type(whole).__name__}: {said})") from whole
             raise BatchboundError(split_failure(x, exc)) from exc
 
     def _checked(self, reasons: dict[str, str], x: Tensor | Inputs) -> None:

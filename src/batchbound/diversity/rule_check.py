@@ -41,7 +41,7 @@ from batchbound.diversity.hooks import (
     output_sum,
 )
 from batchbound.diversity.losses import PerExampleLoss
-from batchbound.diversity.pairing import Op, OpShapes, joining, storage
+from batchbound.diversity.pairing import Op, OpShapes, joining, storage, written_in_place
 from batchbound.diversity.precision import autocast_dtypes, lowest
 from batchbound.diversity.stats import eval_mode, gradients
 from batchbound.errors import BatchboundError
@@ -119,8 +119,7 @@ class _OfParameters(TorchDispatchMode):
             self._alive += written
         else:
             self.host |= any(not isinstance(t, Tensor) and t is not None for t in leaves)
-            if func._schema.is_mutable:  # in place, also into an argument it does not return
-                written += inputs
+            written += written_in_place(func, args, kwargs or {})
             self.clean.difference_update(storage(t) for t in written)
         return out
 
