@@ -218,3 +218,28 @@ def test_random_masking_in_eval_mode_is_named_and_fixed_by_an_input() -> None:
     # the kept patches, gathered by the noise's order: rows the data chooses, by vmap
     assert_exact(model.eval(), inputs(x, noise=noise), y, first_token_loss, fallback=True,
                  warns="chosen by the data")
+
+
+def test_watch_names_a_padded_batchs_own_loss_and_takes_each_sequences() -> None:
+    """``model(..., labels=...).loss`` on padded sequences is a mean over the batch's tokens:
+    each example weighed by the others' lengths. Refused where the first step's check sees
+    the lengths differ (as before, a message about experts' auxiliary losses), now named,
+    with the way out, which watch then reads."""
+    from batchbound.diversity import OnlineDiversity, watch
+    from batchbound.errors import BatchboundError
+
+    torch.manual_seed(0)
+    model = gpt2().double().train()
+    mask = (torch.arange(4) < torch.tensor([[4], [3], [2]])).long()  # 4, 3 and 2 tokens
+    x = torch.randint(1, VOCAB, (3, 4)) * mask
+    labels = x.masked_fill(mask == 0, -100)
+    with pytest.raises(BatchboundError, match=r"a Hugging Face model's own loss over padded "
+                                              r"sequences.*each sequence's loss from the "
+                                              r"logits"), watch(model, OnlineDiversity()):
+        model(input_ids=x, attention_mask=mask, labels=labels).loss.backward()
+    monitor = OnlineDiversity()
+    with watch(model, monitor):
+        logits = model(input_ids=x, attention_mask=mask).logits
+        F.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:],
+                        reduction="none").sum(1).mean().backward()
+    assert monitor.last is not None

@@ -971,7 +971,10 @@ def batch_output(k: int, shape: tuple[int, ...], n: int,
             f"hold the {examples} "
             "along any dimension: a quantity of the whole batch computed inside the "
             "model (a mixture of experts' load-balancing auxiliary loss, a statistic of the "
-            f"batch) couples the examples, so per-example gradients do not exist; {way_out}")
+            "batch, a Hugging Face model's own loss over padded sequences: a mean over the "
+            "batch's tokens, which weighs each example by the others' lengths) couples the "
+            "examples, so per-example gradients do not exist (for the last, compute each "
+            f"sequence's loss from the logits and take their mean); {way_out}")
 
 
 def check_outputs_read(total: Tensor, outputs: Any, n: int,

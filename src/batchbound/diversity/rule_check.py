@@ -76,9 +76,10 @@ RANDOM_IN_EVAL = (
 
 def why_coupled(model: nn.Module, x: Tensor) -> str:
     """Why the check's batch and its examples alone differ: random numbers the model draws
-    even in eval mode (``RANDOM_IN_EVAL``), else examples that interact (``COUPLED``)."""
-    with buffers_kept(model), rng_kept(dict(model.named_parameters())), eval_mode(model):
-        return COUPLED if deterministic(model, x) else RANDOM_IN_EVAL
+    even in eval mode (``RANDOM_IN_EVAL``), else examples that interact or a buffer its
+    forward updates (``COUPLED``)."""
+    with rng_kept(dict(model.named_parameters())), eval_mode(model):
+        return COUPLED if deterministic(model, x, random_only=True) else RANDOM_IN_EVAL
 
 
 def examples(t: Tensor, count: int) -> Tensor:
@@ -432,12 +433,14 @@ def coupling_outputs(model: nn.Module, x: Tensor, fixed: frozenset[int] = frozen
     return found
 
 
-def deterministic(model: nn.Module, x: Tensor) -> bool:
-    """Whether two forward passes under different random seeds give the same outputs."""
+def deterministic(model: nn.Module, x: Tensor, random_only: bool = False) -> bool:
+    """Whether two forward passes under different random seeds give the same outputs;
+    ``random_only``: from the same buffers (one its forward updates differs not)."""
     outputs = []
     for seed in (1, 2):
-        torch.manual_seed(seed)
-        outputs.append(_leaves(model, x))
+        with buffers_kept(model) if random_only else nullcontext():
+            torch.manual_seed(seed)
+            outputs.append(_leaves(model, x))
     return all(torch.equal(a, b) for a, b in zip(*outputs, strict=True))
 
 

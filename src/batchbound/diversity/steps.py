@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -181,11 +181,12 @@ def _watched_step(model: nn.Module, monitor: OnlineDiversity, reduction: str,
     refused = {k: why for k, why in run.reasons.items() if why in REFUSED}
     if refused:
         _refuse(refused)
-    reached = [k for k in planned.coupling if watched.outputs and k in watched.outputs.grads]
+    coupling = watched.form.coupling if watched.form is not None else {}
+    reached = [k for k in coupling if watched.outputs and k in watched.outputs.grads]
     if reached:
         k = reached[0]
         raise BatchboundError("watch(): " + batch_output(
-            k, planned.coupling[k], run.n, "backpropagate it after the block (a second "
+            k, coupling[k], run.n, "backpropagate it after the block (a second "
             "backward adds its gradient to .grad, outside what watch reads)"))
     # the backward's own change, read at its end: what the block does to .grad afterwards
     # (clipping, GradScaler.unscale_, zero_grad) is the optimizer's business, not Δ's
@@ -414,15 +415,43 @@ class _Planned:
     plan: HookPlan
     fingerprint_vectors: dict[str, tuple[Tensor, Tensor]]
     batch_norms: list[tuple[str, nn.Module]]
-    layout: Layout | None = None  # from the first watched call (the probe, the self-check)
+    # per way the model is called (``call_form``): its first such call's check
+    forms: dict[Hashable, _Form] = field(default_factory=dict)
     warned: set[object] = field(default_factory=set)  # precisions and fallbacks stated
-    checked: dict[str, str] = field(default_factory=dict)  # disagreed with the loop: fallback
     # Per train/eval mode of the modules: whether two forward passes agree (no dropout).
     deterministic: dict[tuple[bool, ...], bool] = field(default_factory=dict)
-    # Outputs without the examples' axis that are no sum or mean of the examples' own
-    coupling: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    fixed: frozenset[int] = frozenset()  # outputs with no examples' axis (``output_kinds``)
     row_checks: RowChecks = field(default_factory=RowChecks)  # the steps the tracker sees
+
+
+@dataclass
+class _Form:
+    """What the first watched call of one form showed (the probe, the self-check): the
+    outputs are indexed as that form returns them (with ``labels=`` a Hugging Face model's
+    output 0 is its loss, without them its logits)."""
+
+    layout: Layout
+    checked: dict[str, str]  # disagreed with the loop: the fallback
+    # Outputs without the examples' axis that are no sum or mean of the examples' own
+    coupling: dict[int, tuple[int, ...]]
+    fixed: frozenset[int]  # outputs with no examples' axis (``output_kinds``)
+
+
+def call_form(args: tuple, kwargs: dict) -> Hashable:
+    """How the model is called, apart from its tensors' sizes: each argument's name and kind
+    (a tensor's dimensions and dtype; a flag, a name or None itself, as
+    ``return_dict=False``; a number by its type: a count of the batch's tokens changes on
+    every step)."""
+    def kind(value: Any) -> Hashable:
+        if isinstance(value, Tensor):
+            return ("tensor", value.dim(), value.dtype)
+        if isinstance(value, (tuple, list)):
+            return tuple(kind(v) for v in value)
+        if isinstance(value, dict):
+            return tuple((k, kind(v)) for k, v in value.items())
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        return type(value)
+    return kind(args), kind(kwargs)
 
 
 # One plan per model and subset: a loop that alternates watch(subset="all") and
@@ -479,6 +508,7 @@ class _Watched:
         self._queued = False
         self.plan, self.params = planned.plan, planned.params
         self.run: HooksPass | None = None
+        self.form: _Form | None = None  # the check of this call's form (``call_form``)
         self.calls = 0
         self.inputs: Tensor | Inputs | None = None  # the examples of the watched call
         self.single = False  # a batch of one: nothing to read (``_watched_step``)
@@ -529,27 +559,27 @@ class _Watched:
             self.single = True
             return
         self.inputs, self.autocast = x, autocast_state()
-        layout = self.planned.layout
-        if layout is None:
+        form = call_form(args, kwargs)
+        self.form = self.planned.forms.get(form)
+        if self.form is None:
             self._inside = True
             try:
                 with torch.enable_grad():
                     try:  # the probe and the check run the model on examples split off
                         layout = probe_layout(model, x, self.plan, self.params)
-                        self._check(x, layout)
+                        self.form = self.planned.forms[form] = self._check(x, layout)
                     except BatchboundError:
                         raise
                     except Exception as exc:  # any: named in the refusal
                         if not isinstance(x, Inputs):
                             raise
                         raise BatchboundError(split_failure(x, exc)) from exc
-                self.planned.layout = layout
             finally:
                 self._inside = False
             # the probe ran the model: a buffer its forward builds lazily exists now
             self.buffers = list(model.buffers())
-        excluded = {**self.plan.static_reasons(), **self.planned.checked}
-        self.run = HooksPass(self.plan, self.params, layout, int(x.shape[0]), excluded,
+        excluded = {**self.plan.static_reasons(), **self.form.checked}
+        self.run = HooksPass(self.plan, self.params, self.form.layout, int(x.shape[0]), excluded,
                              fingerprint_vectors=self.planned.fingerprint_vectors)
         self.run.recorder.__enter__()
         self.run.recorder.start()
@@ -561,15 +591,16 @@ class _Watched:
         if self._rows is not None:
             self._rows.__enter__()
 
-    def _check(self, x: Tensor | Inputs, layout: Layout) -> None:
-        """Once per model: the rules beside the per-example loop on a few examples, with a
-        fixed random projection of the outputs standing in for the user's loss (the rules
-        do not depend on the loss; the check shows examples that interact or are reordered).
+    def _check(self, x: Tensor | Inputs, layout: Layout) -> _Form:
+        """Once per model and form of call: the rules beside the per-example loop on a few
+        examples, with a fixed random projection of the outputs standing in for the user's
+        loss (the rules do not depend on the loss; the check shows examples that interact or
+        are reordered).
         Parameters whose rules disagree go to the exact fallback."""
         y = torch.zeros(x.shape[0], device=x.device)
         # n experts' loads at a batch of n: no output of the examples, whatever its size
         kinds = output_kinds(self.model, x, self.params)
-        fixed = self.planned.fixed = kinds.fixed
+        fixed = kinds.fixed
         reasons = self_check(self.model, x, y, functools.partial(_stand_in_loss, fixed=fixed),
                              self.plan, self.params, layout, self.plan.static_reasons(), kinds)
         if INTERACTING in reasons.values():  # or a padding that follows the batch, named
@@ -580,9 +611,8 @@ class _Watched:
                 f"watch(): {kinds.joins}: whether they interact depends on each step's data, "
                 "which watch cannot check without running the model again on parts of every "
                 "batch; measure() checks each chunk")
-        self.planned.checked = reasons
         # the stand-in reads the outputs with the examples' axis only: the others apart
-        self.planned.coupling = coupling_outputs(self.model, x, fixed)
+        return _Form(layout, reasons, coupling_outputs(self.model, x, fixed), fixed)
 
     def _after(self, model: nn.Module, args: tuple, output: Any) -> Any:
         if self._inside or self.run is None:
@@ -595,8 +625,8 @@ class _Watched:
         self.run.attach(roots)
         self._loss = _LossWatch(self.run, roots)
         self._loss.__enter__()
-        if self.run.reasons or self.planned.coupling:  # the outputs' gradients are needed
-            self.outputs = OutputGrads(output, self.run.n, self.planned.fixed)
+        if self.run.reasons or self.form.coupling:  # the outputs' gradients are needed
+            self.outputs = OutputGrads(output, self.run.n, self.form.fixed)
             return self.outputs.output
         return None
 
