@@ -300,6 +300,11 @@ def test_a_model_that_fails_in_measures_dtype_is_not_blamed_on_the_split() -> No
     assert "\n" not in said
     assert measure(Float32Only(), data, lambda out, batch: F.cross_entropy(
         out, batch["y"], reduction="none")).S > 0
+    model = Float32Only().double()
+    with pytest.raises(BatchboundError, match=r"^the model raised on the batch as given, "
+                                              r"before any split \(RuntimeError"), \
+            watch(model, OnlineDiversity()):
+        model(data["x"].double(), scale=data["scale"].double()).sum().backward()
 
 
 def test_advise_trains_a_model_with_an_output_its_loss_ignores() -> None:

@@ -169,3 +169,36 @@ def test_a_buffer_updated_in_every_mode_is_refused_naming_that_cause() -> None:
     with pytest.raises(BatchboundError, match="a buffer it updates in every mode") as info:
         watched(model.eval(), x, y, 0)
     assert "\n" not in str(info.value)
+
+
+class SizedOnFirstCall(Adapter):
+    """A buffer its forward sizes on its first call (a quantisation observer's min and max,
+    empty until then) and then updates from the batch, in every mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("peak", torch.empty(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        with torch.no_grad():
+            if self.peak.numel() == 0:
+                self.peak.resize_(h.shape[1]).fill_(0)
+            self.peak.copy_(torch.maximum(self.peak, h.abs().amax(0)))
+        return self.out(h / (1 + self.peak))
+
+
+def test_a_buffer_sized_by_the_forward_is_restored_and_the_model_refused() -> None:
+    """The checks restore the buffers after their forward passes; one the forward had sized
+    could not take its old, empty value back (torch.ao's fake quantisation: a RuntimeError
+    from inside batchbound)."""
+    from batchbound.diversity.rule_check import buffers_kept
+
+    model, (x, y) = SizedOnFirstCall().double(), data()
+    with buffers_kept(model):
+        model(x)
+        model.peak = torch.ones(3)  # replaced, not written: the old tensor is put back
+    assert model.peak.shape == (0,)
+    with pytest.raises(BatchboundError, match="the whole batch") as info:
+        watched(model.eval(), x, y, 0)
+    assert "\n" not in str(info.value)

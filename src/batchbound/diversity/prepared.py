@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from batchbound.diversity.calls import Inputs, call_model, split_failure
+from batchbound.diversity.calls import Inputs, call_model
 from batchbound.diversity.collector import collector_paused
 from batchbound.diversity.engines import (
     VmapUnsupported,
@@ -45,6 +45,7 @@ from batchbound.diversity.rule_check import (
     COUPLED,
     INTERACTING,
     buffers_kept,
+    call_failure,
     check_rows,
     deterministic,
     disagreements,
@@ -316,15 +317,8 @@ class PreparedStats:
         except Exception as exc:  # any: a tensor the batch shares, split as the examples
             if not isinstance(x, Inputs):
                 raise
-            try:  # or no split at all: the model fails on the chunk as given
-                with torch.no_grad(), buffers_kept(self.model), rng_kept(self.params):
-                    call_model(self.model, x)
-            except Exception as whole:  # any: the user's model, on the user's own chunk
-                said = " ".join(str(whole).split())
-                raise BatchboundError(
-                    f"the model raised on the chunk from example {offset} as given, before "
-                    f"any split ({type(whole).__name__}: {said})") from whole
-            raise BatchboundError(split_failure(x, exc)) from exc
+            raise BatchboundError(call_failure(self.model, x, exc, f"the chunk from example "
+                                                                   f"{offset}")) from exc
 
     def _checked(self, reasons: dict[str, str], x: Tensor | Inputs) -> None:
         if INTERACTING in reasons.values():  # not cached: the model may be fixed and rerun

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from batchbound.diversity.calls import Inputs, call_model, flatten
+from batchbound.diversity.calls import Inputs, call_model, flatten, split_failure
 from batchbound.diversity.engines import loop_sq_norms
 from batchbound.diversity.hooks import (
     CallLayout,
@@ -72,6 +72,21 @@ RANDOM_IN_EVAL = (
     "per-example gradients cannot be checked against the per-example loop; pass the random "
     "numbers in as an input (ViT-MAE's noise=) or turn them off (a masking ratio of 0)"
 )
+
+
+def call_failure(model: nn.Module, x: Inputs, exc: Exception, where: str) -> str:
+    """Why the model raised on a few examples split from a call of several arguments: the
+    split (``split_failure``), or the model itself where it raises on ``where`` (the chunk,
+    the batch) as given too (a kernel that takes float32 alone, in measure's float64
+    copy)."""
+    try:
+        with torch.no_grad(), buffers_kept(model), rng_kept(dict(model.named_parameters())):
+            call_model(model, x)
+    except Exception as whole:  # any: the user's model, on the user's own examples
+        said = " ".join(str(whole).split())
+        return (f"the model raised on {where} as given, before any split "
+                f"({type(whole).__name__}: {said})")
+    return split_failure(x, exc)
 
 
 def why_coupled(model: nn.Module, x: Tensor) -> str:
@@ -455,14 +470,20 @@ def _leaves(model: nn.Module, x: Tensor) -> list[Tensor]:
 @contextmanager
 def buffers_kept(model: nn.Module) -> Iterator[None]:
     """The model's buffers as they were (a check's forward passes in train mode may update
-    running statistics)."""
-    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    running statistics): the same tensors, in their modules, with their values, and their
+    sizes where the forward sized them (a quantisation observer's, empty until its first
+    call)."""
+    saved = [(module, name, b, b.detach().clone()) for module in model.modules()
+             for name, b in module._buffers.items() if b is not None]
     try:
         yield
     finally:
         with torch.no_grad():
-            for buffer, value in saved:
+            for module, name, buffer, value in saved:
+                if buffer.shape != value.shape:
+                    buffer.resize_(value.shape)
                 buffer.copy_(value)
+                module._buffers[name] = buffer
 
 
 def check_rows(

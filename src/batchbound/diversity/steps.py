@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from batchbound.diversity.calls import Inputs, flatten, split_failure
+from batchbound.diversity.calls import Inputs, flatten
 from batchbound.diversity.collector import collector_paused
 from batchbound.diversity.graph import Node, loss_users
 from batchbound.diversity.hooks import (
@@ -49,6 +49,7 @@ from batchbound.diversity.rows import RowChecks, RowTracker
 from batchbound.diversity.rule_check import (
     INTERACTING,
     buffers_kept,
+    call_failure,
     coupling_outputs,
     deterministic,
     output_kinds,
@@ -573,7 +574,7 @@ class _Watched:
                     except Exception as exc:  # any: named in the refusal
                         if not isinstance(x, Inputs):
                             raise
-                        raise BatchboundError(split_failure(x, exc)) from exc
+                        raise BatchboundError(call_failure(model, x, exc, "the batch")) from exc
             finally:
                 self._inside = False
             # the probe ran the model: a buffer its forward builds lazily exists now
