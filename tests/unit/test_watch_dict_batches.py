@@ -118,19 +118,36 @@ def test_bf16_autocast_on_padded_dicts_is_within_its_stated_precision() -> None:
     assert monitor.cross == pytest.approx(want.cross, abs=2e-2 * want.m2)
 
 
+class SharedPositions(torch.nn.Module):
+    """Adds a position embedding for ``positions`` of shape (L,), shared by the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens, self.places = torch.nn.Embedding(50, 8), torch.nn.Embedding(B, 8)
+        self.out = torch.nn.Linear(8, 50)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, labels: Tensor) -> Tensor:
+        return self.out(self.tokens(input_ids) + self.places(positions))
+
+
 def test_a_tensor_the_batch_shares_with_n_rows_is_refused_in_one_line() -> None:
-    """position_ids of shape (L,) with L equal to the batch's size: watch splits it by example
+    """positions of shape (L,) with L equal to the batch's size: watch splits it by example
     (as every tensor whose first dimension is n) and the model failed on the split with a
-    bare RuntimeError traceback; now one line naming the split tensors. Given (1, L), the
-    same call equals the loop."""
+    bare RuntimeError traceback; now one line naming the split tensors. Where the model
+    fails on the call as given too (Hugging Face's GPT-2 takes position_ids (L,) no more),
+    that is said instead. Given (1, L), the same call equals the loop."""
     from batchbound.errors import BatchboundError
 
     model, batch = gpt2().double(), padded(0)
     batch = {"input_ids": batch["input_ids"][:, :B], "labels": batch["labels"][:, :B]}
+    shared = SharedPositions().double()
+    with pytest.raises(BatchboundError) as info, watch(shared, OnlineDiversity(1000, decay=0.0)):
+        lm_loss(shared(**batch, positions=torch.arange(B)), batch).mean().backward()
+    said = str(info.value)
+    assert "positions" in said and "leading dimension of 1" in said and "\n" not in said
     with pytest.raises(BatchboundError) as info, watch(model, OnlineDiversity(1000, decay=0.0)):
         lm_loss(model(**batch, position_ids=torch.arange(B)), batch).mean().backward()
-    said = str(info.value)
-    assert "position_ids" in said and "leading dimension of 1" in said and "\n" not in said
+    assert str(info.value).startswith("the model raised on the batch as given, before any split")
     model.zero_grad()
     monitor = OnlineDiversity(1000, decay=0.0)
     with watch(model, monitor):
