@@ -437,6 +437,9 @@ class _Form:
     fixed: frozenset[int]  # outputs with no examples' axis (``output_kinds``)
 
 
+KNOWN_FORMS = 16  # checks of forms of call kept per model; past them the oldest is redone
+
+
 def call_form(args: tuple, kwargs: dict) -> Hashable:
     """How the model is called, apart from its tensors' sizes: each argument's name and kind
     (a tensor's dimensions and dtype; a flag, a name or None itself, as
@@ -568,7 +571,11 @@ class _Watched:
                 with torch.enable_grad():
                     try:  # the probe and the check run the model on examples split off
                         layout = probe_layout(model, x, self.plan, self.params)
-                        self.form = self.planned.forms[form] = self._check(x, layout)
+                        self.form = self._check(x, layout)
+                        forms = self.planned.forms
+                        if len(forms) >= KNOWN_FORMS:  # the oldest's check, for this one's
+                            del forms[next(iter(forms))]
+                        forms[form] = self.form
                     except BatchboundError:
                         raise
                     except Exception as exc:  # any: named in the refusal
