@@ -484,18 +484,7 @@ def test_memory_freed_in_the_forward_is_not_taken_for_its_old_tensor() -> None:
     """The shapes' record knew tensors by their memory's address; a freed tensor's address,
     reused by a constant made on the host, gave the constant the freed tensor's history.
     Longformer with global attention was refused in 3–5 of 6 dropout seeds so."""
-    ops = []
-    for n in (2, 3):
-        with OpShapes(torch.zeros(n, D, dtype=torch.float64), n) as shapes:
-            FreedThenConstant().double()(torch.zeros(n, D, dtype=torch.float64))
-        ops.append(shapes.ops)
-    assert joining(*ops, (2, 3)) == Joined()
-    torch.manual_seed(0)
-    model = nn.Sequential(FreedThenConstant(), nn.Dropout(0.1)).double().train()
-    x, y = grouped(8, 8)
-    with warnings.catch_warnings(), watch(model, OnlineDiversity()):
-        warnings.simplefilter("ignore")
-        F.cross_entropy(model(x), y).backward()
+    joins_none_and_is_watched(FreedThenConstant, width=D)
 
 
 class MaskedInPlace(nn.Module):
@@ -523,15 +512,21 @@ def test_a_tensor_an_in_place_operation_only_reads_keeps_its_history() -> None:
     assert written_in_place(torch.ops.aten.mul_.Tensor, (a, b), {}) == [a]
     out = torch.empty(3)
     assert written_in_place(torch.ops.aten.add.out, (a, b), {"out": out}) == [out]
+    joins_none_and_is_watched(MaskedInPlace)
+
+
+def joins_none_and_is_watched(build: type, width: int = D + 1) -> None:
+    """The model's shapes at 2 and 3 examples (of ``width`` numbers) show no join, and watch
+    takes it with dropout."""
     ops = []
     for n in (2, 3):
-        x = torch.zeros(n, D + 1, dtype=torch.float64)
+        x = torch.zeros(n, width, dtype=torch.float64)
         with OpShapes(x, n) as shapes:
-            MaskedInPlace().double()(x)
+            build().double()(x)
         ops.append(shapes.ops)
     assert joining(*ops, (2, 3)) == Joined()
     torch.manual_seed(0)
-    model = nn.Sequential(MaskedInPlace(), nn.Dropout(0.1)).double().train()
+    model = nn.Sequential(build(), nn.Dropout(0.1)).double().train()
     x, y = grouped(8, 8)
     with warnings.catch_warnings(), watch(model, OnlineDiversity()):
         warnings.simplefilter("ignore")
