@@ -44,6 +44,23 @@ class VmapUnsupported(BatchboundError):
     """torch.func cannot run this model (the message names torch's reason)."""
 
 
+def run_alone(model: nn.Module, x: Tensor, i: int, offset: int = 0) -> Any:
+    """The model on example ``i`` of ``x`` alone. A model that cannot run on one example (a
+    statistic of the batch in train mode: batch normalisation written with ``F.batch_norm``,
+    which ``check_model_mode`` cannot see) is refused in one line, naming the example."""
+    try:
+        return call_model(model, x[i : i + 1])
+    except BatchboundError:
+        raise
+    except Exception as exc:  # any: the user's model, on one of the user's examples
+        said = " ".join(str(exc).split())
+        raise BatchboundError(
+            f"the model raised on example {offset + i} run alone ({type(exc).__name__}: "
+            f"{said}); per-example gradients run each example alone, which a statistic of "
+            "the batch in train mode cannot (batch normalisation written with F.batch_norm?): "
+            "measure in eval mode") from exc
+
+
 def loop_sq_norms(
     model: nn.Module,
     x: Tensor,
@@ -68,7 +85,7 @@ def loop_sq_norms(
     losses = []
     for i in range(n):
         with Casts(seen) if seen is not None else nullcontext():
-            value = loss_fn(call_model(model, x[i : i + 1]), y[i : i + 1])
+            value = loss_fn(run_alone(model, x, i, offset), y[i : i + 1])
         check_losses(value, 1, offset + i)
         grads = gradients(value.sum(), tensors)
         for name, g in zip(names, grads, strict=True):
@@ -99,7 +116,7 @@ def loop_gradients(
     tensors = [params[name] for name in names]
     out = {name: p.new_zeros(x.shape[0], *p.shape) for name, p in zip(names, tensors, strict=True)}
     for i in range(x.shape[0]):
-        value = loss_fn(call_model(model, x[i : i + 1]), y[i : i + 1])
+        value = loss_fn(run_alone(model, x, i), y[i : i + 1])
         check_losses(value, 1, i)
         grads = gradients(value.sum(), tensors)
         for name, g in zip(names, grads, strict=True):

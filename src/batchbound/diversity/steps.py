@@ -437,14 +437,14 @@ class _Form:
     fixed: frozenset[int]  # outputs with no examples' axis (``output_kinds``)
 
 
-KNOWN_FORMS = 16  # checks of forms of call kept per model; past them the oldest is redone
+KNOWN_FORMS = 16  # checks of forms of call kept per model; past them the oldest's is redone
 
 
-def call_form(args: tuple, kwargs: dict) -> Hashable:
-    """How the model is called, apart from its tensors' sizes: each argument's name and kind
-    (a tensor's dimensions and dtype; a flag, a name or None itself, as
-    ``return_dict=False``; a number by its type: a count of the batch's tokens changes on
-    every step)."""
+def call_form(model: nn.Module, args: tuple, kwargs: dict) -> Hashable:
+    """How the model is called, apart from its tensors' sizes: its modules' train flags (a
+    model may return other outputs in train mode), and each argument's name and kind (a
+    tensor's dimensions and dtype; any other value itself: ``return_dict=False``, a mixing
+    weight that switches on a statistic of the batch)."""
     def kind(value: Any) -> Hashable:
         if isinstance(value, Tensor):
             return ("tensor", value.dim(), value.dtype)
@@ -452,10 +452,10 @@ def call_form(args: tuple, kwargs: dict) -> Hashable:
             return tuple(kind(v) for v in value)
         if isinstance(value, dict):
             return tuple((k, kind(v)) for k, v in value.items())
-        if value is None or isinstance(value, (bool, str)):
+        if value is None or isinstance(value, (bool, int, float, str)):
             return value
         return type(value)
-    return kind(args), kind(kwargs)
+    return tuple(m.training for m in model.modules()), kind(args), kind(kwargs)
 
 
 # One plan per model and subset: a loop that alternates watch(subset="all") and
@@ -563,7 +563,7 @@ class _Watched:
             self.single = True
             return
         self.inputs, self.autocast = x, autocast_state()
-        form = call_form(args, kwargs)
+        form = call_form(model, args, kwargs)
         self.form = self.planned.forms.get(form)
         if self.form is None:
             self._inside = True
@@ -575,6 +575,7 @@ class _Watched:
                         forms = self.planned.forms
                         if len(forms) >= KNOWN_FORMS:  # the oldest's check, for this one's
                             del forms[next(iter(forms))]
+                            self._warn_forms()
                         forms[form] = self.form
                     except BatchboundError:
                         raise
@@ -598,6 +599,14 @@ class _Watched:
         self._rows = self.run.start_rows(model, (args, kwargs), lambda: self.buffers)
         if self._rows is not None:
             self._rows.__enter__()
+
+    def _warn_forms(self) -> None:
+        if "forms" not in self.planned.warned:
+            self.planned.warned.add("forms")
+            warn(f"batchbound: watch(): the model was called in more than {KNOWN_FORMS} ways "
+                 "(its arguments' values or its modules' train flags differ from step to "
+                 "step: a count passed as a Python number?); each new way is checked again, "
+                 "at the cost of a few forward passes (pass a count as a tensor)")
 
     def _check(self, x: Tensor | Inputs, layout: Layout) -> _Form:
         """Once per model and form of call: the rules beside the per-example loop on a few
@@ -722,6 +731,11 @@ class _Watched:
                  for k in names
                  if float(torch.linalg.vector_norm(sums[k].to(delta[k].dtype) - delta[k]))
                  > rtol * scale[k] + (floor if scale[k] <= floor else 0.0) + 1e-30}
+        if wrong and self.planned.deterministic[modes]:  # dropout raised since it was read?
+            with autocast_as(self.autocast), buffers_kept(self.model), rng_kept(self.params):
+                if not deterministic(self.model, self.inputs):
+                    self.planned.deterministic[modes] = False
+                    return self.fallback(reasons, delta, precision)  # replayed, once
         if wrong:
             _refuse(wrong)
         key = describe({k: reasons[k] for k in names})
