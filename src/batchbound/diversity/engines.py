@@ -21,7 +21,13 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from batchbound.diversity.calls import Inputs, call_model, one_example, vmap_parts
+from batchbound.diversity.calls import (
+    Inputs,
+    call_model,
+    one_example,
+    split_failure,
+    vmap_parts,
+)
 from batchbound.diversity.graph import parameter_users, walk
 from batchbound.diversity.losses import PerExampleLoss, check_finite, check_losses
 from batchbound.diversity.precision import Casts, GradientPrecision
@@ -47,12 +53,15 @@ class VmapUnsupported(BatchboundError):
 def run_alone(model: nn.Module, x: Tensor, i: int, offset: int = 0) -> Any:
     """The model on example ``i`` of ``x`` alone. A model that cannot run on one example (a
     statistic of the batch in train mode: batch normalisation written with ``F.batch_norm``,
-    which ``check_model_mode`` cannot see) is refused in one line, naming the example."""
+    which ``check_model_mode`` cannot see) is refused in one line, naming the example; for a
+    call of several arguments, naming the tensors split (``split_failure``)."""
     try:
         return call_model(model, x[i : i + 1])
     except BatchboundError:
         raise
     except Exception as exc:  # any: the user's model, on one of the user's examples
+        if isinstance(x, Inputs):  # split from a call of several arguments: said so
+            raise BatchboundError(split_failure(x, exc)) from exc
         said = " ".join(str(exc).split())
         raise BatchboundError(
             f"the model raised on example {offset + i} run alone ({type(exc).__name__}: "
