@@ -317,8 +317,8 @@ class PreparedStats:
         except Exception as exc:  # any: a tensor the batch shares, split as the examples
             if not isinstance(x, Inputs):
                 raise
-            raise BatchboundError(call_failure(self.model, x, exc, f"the chunk from example "
-                                                                   f"{offset}")) from exc
+            where = f"the chunk from example {offset}"
+            raise BatchboundError(call_failure(self.model, x, exc, where)) from exc
 
     def _checked(self, reasons: dict[str, str], x: Tensor | Inputs) -> None:
         if INTERACTING in reasons.values():  # not cached: the model may be fixed and rerun
