@@ -445,6 +445,15 @@ def graph_structure(nodes: Iterable[Node]) -> tuple[object, ...]:
     return tuple(out)
 
 
+def operations(calls: Iterable[tuple[Hashable, object]], graph: tuple[object, ...]) -> Hashable:
+    """A program apart from its sizes (``HooksPass.program``: the layers' calls with their
+    outputs' shapes, and ``graph_structure``): the calls in order and each node's type, which
+    a new batch size or sequence length leaves as they were and an operation added on the
+    batch (``h - h.mean(0)`` switched on by a flag or a hook) changes."""
+    return (tuple(key for key, _ in calls),
+            tuple(node[0] if isinstance(node, tuple) else node for node in graph))
+
+
 def _arguments_of(node: Node) -> tuple[Callable[[Node], Any], tuple[int, ...], bool] | None:
     names, numbers = [], []
     for name in dir(node):

@@ -45,7 +45,7 @@ from batchbound.diversity.outputs import (
 from batchbound.diversity.precision import LOW_PRECISION, RANK, GradientPrecision, lowest, statement
 from batchbound.diversity.precision import name as dtype_name
 from batchbound.diversity.prepared import PreparedStats, describe
-from batchbound.diversity.rows import RowChecks, RowTracker
+from batchbound.diversity.rows import UNTRACKED_CHANGE, RowChecks, RowTracker, operations
 from batchbound.diversity.rule_check import (
     INTERACTING,
     buffers_kept,
@@ -163,22 +163,23 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
 
 def _watched_step(model: nn.Module, monitor: OnlineDiversity, reduction: str,
                   subset: str) -> Iterator[None]:
-    planned, buffers = _planned(model, subset)
-    params = planned.params
-    check_model_mode(model, planned.batch_norms)
-    before = _grad_copies(params)
-    with _Watched(model, planned, before, buffers) as watched:
+    with _Watched(model, subset) as watched:
         yield
+    planned = watched.planned
     if watched.single:  # a loader's last, short batch: the training goes on
+        assert planned is not None  # planned as the model was called
         if "single" not in planned.warned:
             planned.warned.add("single")
             warn("batchbound: watch(): a batch of one example leaves the monitor as it was "
                  "(per-example estimates need two); its step is the optimizer's as usual")
         return
     run = watched.finish()
-    if run is None or not (run.backward_seen or (watched.outputs and watched.outputs.grads)):
+    if (run is None or watched.delta is None or watched.before is None
+            or not (run.backward_seen or (watched.outputs and watched.outputs.grads))):
         raise BatchboundError("watch() saw no backward pass through the model; call the model "
                               "and loss.backward() inside the block")
+    assert planned is not None
+    params = planned.params
     refused = {k: why for k, why in run.reasons.items() if why in REFUSED}
     if refused:
         _refuse(refused)
@@ -189,9 +190,9 @@ def _watched_step(model: nn.Module, monitor: OnlineDiversity, reduction: str,
         raise BatchboundError("watch(): " + batch_output(
             k, coupling[k], run.n, "backpropagate it after the block (a second "
             "backward adds its gradient to .grad, outside what watch reads)"))
-    # the backward's own change, read at its end: what the block does to .grad afterwards
-    # (clipping, GradScaler.unscale_, zero_grad) is the optimizer's business, not Δ's
-    delta = watched.delta if watched.delta is not None else _grad_changes(params, before)
+    # the backward's own change, from its start to its end: what the block does to .grad
+    # before it (zero_grad) or after it (clipping, GradScaler.unscale_) is not Δ's
+    delta, before = watched.delta, watched.before
     if run.precision == torch.float16 and not _finite(delta, run.sq_norms):
         # float16 overflow: a GradScaler skips this step's update too, and lowers its scale
         _state_precision(monitor, planned, run.precision)
@@ -418,6 +419,9 @@ class _Planned:
     batch_norms: list[tuple[str, nn.Module]]
     # per way the model is called (``call_form``): its first such call's check
     forms: dict[Hashable, _Form] = field(default_factory=dict)
+    # per way the model is called: the programs (``rows.operations``) its steps ran after a
+    # check of that form, oldest first
+    programs: dict[Hashable, dict[Hashable, None]] = field(default_factory=dict)
     warned: set[object] = field(default_factory=set)  # precisions and fallbacks stated
     # Per train/eval mode of the modules: whether two forward passes agree (no dropout).
     deterministic: dict[tuple[bool, ...], bool] = field(default_factory=dict)
@@ -505,14 +509,23 @@ class _Watched:
     """Root-module hooks: on the model's call, check it (first time only), record its layer
     calls, and before the backward pass read the graph from its outputs."""
 
-    def __init__(self, model: nn.Module, planned: _Planned, before: dict[str, Tensor | None],
-                 buffers: list[Tensor]) -> None:
-        self.model, self.planned, self.before, self.buffers = model, planned, before, buffers
-        self.delta: dict[str, Tensor] | None = None  # .grad's change at the backward's end
+    def __init__(self, model: nn.Module, subset: str) -> None:
+        self.model, self.subset = model, subset
+        # planned as the model is called: a layer unfrozen or a parameter replaced inside
+        # the block, before the forward, is the step's
+        self.planned: _Planned | None = None
+        self.plan: HookPlan | None = None
+        self.params: dict[str, nn.Parameter] = {}
+        self.buffers: list[Tensor] = []
+        # .grad as the backward begins (a zero_grad() inside the block is before it), and
+        # its change at the backward's end
+        self.before: dict[str, Tensor | None] | None = None
+        self.delta: dict[str, Tensor] | None = None
         self._queued = False
-        self.plan, self.params = planned.plan, planned.params
         self.run: HooksPass | None = None
         self.form: _Form | None = None  # the check of this call's form (``call_form``)
+        self._form_key: Hashable = None
+        self._checked_now = False  # the form was checked as this step began
         self.calls = 0
         self.inputs: Tensor | Inputs | None = None  # the examples of the watched call
         self.single = False  # a batch of one: nothing to read (``_watched_step``)
@@ -555,6 +568,9 @@ class _Watched:
         if self.calls > 1:
             raise BatchboundError("the model ran more than once inside watch(); per-example "
                                   "norms need one forward and one backward per block")
+        self.planned, self.buffers = _planned(model, self.subset)
+        self.plan, self.params = self.planned.plan, self.planned.params
+        check_model_mode(model, self.planned.batch_norms)
         x = Inputs.of(args, kwargs)
         if x is None:
             raise BatchboundError("watch() needs a tensor of examples among the model's "
@@ -563,7 +579,7 @@ class _Watched:
             self.single = True
             return
         self.inputs, self.autocast = x, autocast_state()
-        form = call_form(model, args, kwargs)
+        form = self._form_key = call_form(model, args, kwargs)
         self.form = self.planned.forms.get(form)
         if self.form is None:
             self._inside = True
@@ -572,6 +588,7 @@ class _Watched:
                     try:  # the probe and the check run the model on examples split off
                         layout = probe_layout(model, x, self.plan, self.params)
                         self.form = self._check(x, layout)
+                        self._checked_now = True
                         forms = self.planned.forms
                         if len(forms) >= KNOWN_FORMS:  # the oldest's check, for this one's
                             del forms[next(iter(forms))]
@@ -640,12 +657,31 @@ class _Watched:
         # before the rules' own hooks, so that a second backward is refused ahead of them
         self._handles += [root.register_prehook(self._backward_reached) for root in roots]
         self.run.attach(roots)
+        self._check_program()
         self._loss = _LossWatch(self.run, roots)
         self._loss.__enter__()
         if self.run.reasons or self.form.coupling:  # the outputs' gradients are needed
             self.outputs = OutputGrads(output, self.run.n, self.form.fixed)
             return self.outputs.output
         return None
+
+    def _check_program(self) -> None:
+        """A form's check holds for the operations its steps ran since: a step that runs
+        others with no argument showing it (a flag or a hook switching on a statistic of the
+        batch) takes the exact fallback, whose sums must match .grad's, and the form is
+        checked again on its next step; the programs seen so far stay known."""
+        assert self.run is not None and self.planned is not None
+        programs = self.planned.programs.setdefault(self._form_key, {})
+        program = operations(*self.run.program)
+        new = program not in programs
+        if self._checked_now or not (new or UNTRACKED_CHANGE in self.run.reasons.values()):
+            programs[program] = None
+            if len(programs) > KNOWN_FORMS:
+                del programs[next(iter(programs))]
+            return
+        for name in self.params:
+            self.run.reasons.setdefault(name, OTHER_PROGRAM)
+        self.planned.forms.pop(self._form_key, None)
 
     def _backward_reached(self, grad_outputs: tuple) -> None:
         """A backward pass reached the model's outputs: read .grad's change when it ends."""
@@ -655,10 +691,14 @@ class _Watched:
                                   "per forward: backpropagate the sum of the losses once")
         if not self._queued:
             self._queued = True
+            # before any .grad of the model's parameters changes: each is written after a
+            # node of the model, and the backward reaches the model's outputs first
+            self.before = _grad_copies(self.params)
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
 
     def _backward_ended(self) -> None:
         self._queued = False
+        assert self.before is not None  # copied as the backward reached the outputs
         delta = _grad_changes(self.params, self.before)
         # a .grad that was None before is read as itself: copy it, or clipping scales it here
         fresh = [k for k, v in self.before.items() if v is None and self.params[k].grad is not None]
@@ -779,6 +819,9 @@ class _LossWatch(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+OTHER_PROGRAM = ("the model ran other operations than on the steps since it was checked "
+                 "(a flag or a hook that no argument shows?): this step takes the exact "
+                 "fallback, and the model is checked again on the next one")
 LOSS_USE_IN_WATCH = ("used by the loss outside the model's layers (a regulariser written "
                      "into the loss?)")
 

@@ -1,0 +1,141 @@
+"""What a training loop changes between watch()'s start and the backward, or between steps
+with no argument showing it. Each step's S and T are the float64 per-example loop's, or the
+step is refused. Before: ``optimizer.zero_grad()`` inside the block left T 100 % off (the
+change in .grad was read from the block's start), a layer unfrozen or a parameter replaced
+inside the block was left out of S and T (the model was planned at the block's start), and
+a statistic of the batch that a flag switched on was refused once and then measured wrong
+(S 300-400 % off: the check of the model's first step spoke for the new operations)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchbound.diversity import OnlineDiversity, watch
+from batchbound.errors import BatchboundError
+
+B = 5
+
+
+def batch(seed: int, b: int = B) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, 6, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, (b,), generator=g))
+
+
+def loop_last(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """The monitor's reading of one step by the per-example loop, on a copy."""
+    copied = copy.deepcopy(model)
+    params = [p for p in copied.parameters() if p.requires_grad]
+    grads = [torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+        F.cross_entropy(copied(x[i : i + 1]), y[i : i + 1]), params)]) for i in range(len(x))]
+    G = torch.stack(grads)
+    expected = OnlineDiversity(10, decay=0.0)
+    expected.update_from_norms(float((G * G).sum()), float(G.sum(0).square().sum()), len(x))
+    assert expected.last is not None
+    return expected.last
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.center = False  # a flag no argument shows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if self.center:
+            h = h - h.mean(0, keepdim=True)
+        return self.b(h)
+
+
+@pytest.mark.parametrize("to_none", [True, False])
+def test_zero_grad_inside_the_block(to_none: bool) -> None:
+    torch.manual_seed(0)
+    model, monitor = Net().double(), OnlineDiversity(10, decay=0.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = batch(step)
+        with watch(model, monitor):
+            optimizer.zero_grad(set_to_none=to_none)
+            F.cross_entropy(model(x), y).backward()
+        assert monitor.last == pytest.approx(loop_last(model, x, y), rel=1e-9), step
+        optimizer.step()
+
+
+def test_zero_grad_between_the_forward_and_the_backward() -> None:
+    torch.manual_seed(0)
+    model, monitor = Net().double(), OnlineDiversity(10, decay=0.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        x, y = batch(step)
+        with watch(model, monitor):
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad(set_to_none=False)
+            loss.backward()
+        assert monitor.last == pytest.approx(loop_last(model, x, y), rel=1e-9), step
+        optimizer.step()
+
+
+@pytest.mark.parametrize("change", ["unfreeze", "replace"])
+def test_the_model_changed_inside_the_block_before_its_call(change: str) -> None:
+    torch.manual_seed(0)
+    model, monitor = Net().double(), OnlineDiversity(10, decay=0.0)
+    model.a.weight.requires_grad_(False)
+    for step in range(2):
+        x, y = batch(step)
+        model.zero_grad(set_to_none=True)
+        with watch(model, monitor):
+            if step == 1 and change == "unfreeze":
+                model.a.weight.requires_grad_(True)
+            if step == 1 and change == "replace":
+                model.b.weight = nn.Parameter(torch.randn(3, 8, dtype=torch.float64))
+            F.cross_entropy(model(x), y).backward()
+        assert monitor.last == pytest.approx(loop_last(model, x, y), rel=1e-9), step
+
+
+@pytest.mark.parametrize("sizes", [(B, B, B, B), (B, 4, 4, 6)])
+def test_a_statistic_of_the_batch_switched_on_by_a_flag_is_never_measured(sizes) -> None:
+    """After a measured step the flag turns on ``h - h.mean(0)``, on the same batch size or
+    a new one: the step is refused, and so is every later one (the model checked again)."""
+    torch.manual_seed(2)
+    model, monitor = Net().double(), OnlineDiversity(10, decay=0.0)
+    for step, b in enumerate(sizes):
+        model.center = step >= 1
+        x, y = batch(90 + step, b)
+        model.zero_grad(set_to_none=True)
+        if step == 0:
+            with watch(model, monitor):
+                F.cross_entropy(model(x), y).backward()
+            assert monitor.last == pytest.approx(loop_last(model, x, y), rel=1e-9)
+            continue
+        with pytest.raises(BatchboundError,
+                           match="interact" if step >= 2 else "not the sum of the per-example"):
+            with watch(model, monitor):
+                F.cross_entropy(model(x), y).backward()
+
+
+class Scaled(Net):
+    """A flag that adds an operation on each example alone: measured on every step."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if self.center:
+            h = h - h.mean(-1, keepdim=True)
+        return self.b(h)
+
+
+def test_an_operation_on_each_example_switched_on_by_a_flag_is_measured() -> None:
+    torch.manual_seed(2)
+    model, monitor = Scaled().double(), OnlineDiversity(10, decay=0.0)
+    for step in range(4):
+        model.center = step % 2 == 1  # the first step of each program, then both known
+        x, y = batch(step)
+        model.zero_grad(set_to_none=True)
+        with watch(model, monitor):
+            F.cross_entropy(model(x), y).backward()
+        assert monitor.last == pytest.approx(loop_last(model, x, y), rel=1e-9), step
