@@ -10,7 +10,9 @@ message says what happened and what was kept, and nothing already saved is lost 
 import contextlib
 import os
 import sys
+import sysconfig
 import warnings
+from collections.abc import Callable, Iterator
 
 
 class BatchboundError(ValueError):
@@ -43,3 +45,46 @@ def warn(message: str) -> None:
 
 _INSIDE = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
            os.path.dirname(os.path.abspath(contextlib.__file__)) + os.sep + "contextlib")
+
+
+@contextlib.contextmanager
+def raised_by_user_code(context: Callable[[], str]) -> Iterator[None]:
+    """An exception that the user's model, loss or data raise while batchbound runs them,
+    as a ``BatchboundError``: ``context()`` (how batchbound ran them: a mode, a part of the
+    batch), the exception's type and message, chained to it for its traceback. Whose code
+    raised it is read off the traceback, not a list of cases: the innermost frame outside
+    torch and Python's standard library. One in batchbound is a bug of ours, and passes as
+    it is."""
+    try:
+        yield
+    except BatchboundError:
+        raise
+    except Exception as exc:
+        if not _from_user_code(exc):
+            raise
+        said = " ".join(str(exc).split())
+        raise BatchboundError(f"{type(exc).__name__}: {said} (raised as {context()})") from exc
+
+
+def _from_user_code(exc: BaseException) -> bool:
+    last = None
+    tb = exc.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if not _passed_through(name):
+            last = name
+        tb = tb.tb_next
+    return last is not None and not last.startswith(_INSIDE[0])
+
+
+def _passed_through(filename: str) -> bool:
+    """torch's own frames and the standard library's: code that user code and ours both
+    call."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.__file__ is not None and filename.startswith(
+            os.path.dirname(torch.__file__) + os.sep):
+        return True
+    return filename.startswith(("<frozen", _STDLIB)) and "-packages" not in filename
+
+
+_STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep

@@ -35,7 +35,7 @@ from batchbound.diversity.stats import (
     norm_dtype,
     trainable_parameters,
 )
-from batchbound.errors import BatchboundError, warn
+from batchbound.errors import BatchboundError, raised_by_user_code, warn
 
 Data = Dataset | TorchDataset | DataLoader | tuple[Tensor, Tensor] | Mapping[str, Any]
 
@@ -207,8 +207,10 @@ def measure(
                                               chunk_size, copied=work is not model)
             chunks, n_known, _ = data_chunks(data, chunk_size)
             chunks = _within_fit(chunks, width, memory_budget)
-        totals = _accumulate(work, _tensor_targets(chunks) if named else chunks, n_known,
-                             loss_fn, engine, progress)
+        with raised_by_user_code(lambda: f"measure() read the data in chunks of {chunk_size} "
+                                 "and ran the model on them in eval mode"):
+            totals = _accumulate(work, _tensor_targets(chunks) if named else chunks, n_known,
+                                 loss_fn, engine, progress)
     dtype = next(iter(params.values())).dtype
     extra: dict[str, object] = {"loss_name": loss_name(loss_fn), "fallback_parameters": [],
                                 "chunk_size": chunk_size}

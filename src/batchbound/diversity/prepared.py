@@ -67,7 +67,7 @@ from batchbound.diversity.stats import (
     norm_dtype,
     trainable_parameters,
 )
-from batchbound.errors import BatchboundError, warn
+from batchbound.errors import BatchboundError, raised_by_user_code, warn
 
 
 @dataclass
@@ -176,7 +176,8 @@ class PreparedStats:
         the chunk's Σ_i g_i is added to them instead of returned (``grad_sum`` is then
         empty); the layer rules that compute a batch sum themselves add it in their own
         kernel (``Outer.add_total_to``), with no temporary and no separate addition."""
-        with collector_paused():  # the chunk's bookkeeping, freed at its end (collector.py)
+        # the chunk's bookkeeping, freed at its end (collector.py)
+        with collector_paused(), raised_by_user_code(lambda: self._ran(x)):
             stats = self._stats(x, y, offset, into)
         if into is not None and stats.grad_sum:
             names = list(stats.grad_sum)
@@ -184,6 +185,14 @@ class PreparedStats:
         if into is not None:
             stats.grad_sum = {}
         return stats
+
+    def _ran(self, x: Tensor | Inputs) -> str:
+        mode = "train" if any(m.training for m in self.model.modules()) else "eval"
+        return (f"batchbound ran the model and the loss on a chunk of {x.shape[0]} examples "
+                f"in {mode} mode, and on parts of it down to one example, in eval mode where "
+                "the model draws random numbers, to check the layer rules: a model must run "
+                "on any number of examples, in the mode it is measured in; measure() "
+                "measures in eval mode")
 
     def _stats(self, x: Tensor | Inputs, y: Tensor, offset: int,
                into: dict[str, Tensor] | None) -> PerExampleStats:

@@ -66,7 +66,7 @@ from batchbound.diversity.stats import (
     trainable_parameters,
 )
 from batchbound.diversity.subsets import monitored_parameters
-from batchbound.errors import BatchboundError, warn
+from batchbound.errors import BatchboundError, raised_by_user_code, warn
 
 # Checked once per model (the probe runs the model at two batch sizes): model -> state.
 _PREPARED: weakref.WeakKeyDictionary[nn.Module, dict[tuple, PreparedStats]] = (
@@ -597,9 +597,14 @@ class _Watched:
                     except BatchboundError:
                         raise
                     except Exception as exc:  # any: named in the refusal
-                        if not isinstance(x, Inputs):
+                        if isinstance(x, Inputs):
+                            raise BatchboundError(call_failure(model, x, exc, "the batch")
+                                                  ) from exc
+                        with raised_by_user_code(lambda: (
+                                "watch() ran the model on parts of its first batch of this "
+                                "form, down to one example, to check its layer rules: a model "
+                                "must run on any number of examples")):
                             raise
-                        raise BatchboundError(call_failure(model, x, exc, "the batch")) from exc
             finally:
                 self._inside = False
             # the probe ran the model: a buffer its forward builds lazily exists now
