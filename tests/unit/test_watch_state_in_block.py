@@ -138,3 +138,26 @@ def test_an_operation_on_each_example_switched_on_by_a_flag_is_measured() -> Non
         with watch(model, monitor):
             F.cross_entropy(model(x), y).backward()
         assert monitor.last == pytest.approx(loop_last(model, x, y), rel=1e-9), step
+
+
+@pytest.mark.parametrize("when", ["before the forward", "after the forward"])
+def test_a_copy_of_the_model_made_inside_the_block(when: str) -> None:
+    """An EMA or a snapshot made in the step (deepcopy, pickle): the copy was refused with
+    torch's "cannot pickle 'AddmmBackward0'" after the forward, and before it carried
+    watch's hooks, which refused its next call ("the model ran more than once")."""
+    import pickle
+
+    torch.manual_seed(0)
+    model, monitor = Net().double(), OnlineDiversity(10, decay=0.0)
+    x, y = batch(0)
+    with watch(model, monitor):
+        if when == "before the forward":
+            copied, pickled = copy.deepcopy(model), pickle.dumps(model)
+        out = model(x)
+        if when == "after the forward":
+            copied, pickled = copy.deepcopy(model), pickle.dumps(model)
+        F.cross_entropy(out, y).backward()
+    assert monitor.last == pytest.approx(loop_last(model, x, y), rel=1e-9)
+    for other in (copied, pickle.loads(pickled)):
+        F.cross_entropy(other(x), y).backward()  # outside watch: a plain model
+        assert torch.equal(other(x), model(x))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, is_dataclass
 from types import TracebackType
@@ -141,6 +141,33 @@ def detached(value: Any) -> Any:
     return value
 
 
+class CopiedInert:
+    """A hook batchbound puts on a user's module for one block or pass: a copy of the module
+    (``copy.deepcopy``, pickle: an EMA or a snapshot of the model made inside ``watch``)
+    carries a hook that does nothing, not the pass's state (autograd nodes, which cannot be
+    copied) nor its work on a model it was never asked to watch."""
+
+    def __init__(self, hook: Callable[..., Any]) -> None:
+        self.hook = hook
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.hook(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Callable[..., None]:
+        return _nothing
+
+    def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple]:
+        return _inert, ()
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _inert() -> Callable[..., None]:
+    return _nothing
+
+
 class CallRecorder:
     """Forward hooks on ``modules`` (prefix -> (module, rule)); ``calls`` after a forward."""
 
@@ -157,8 +184,8 @@ class CallRecorder:
             # First of the module's forward hooks: the record is the layer's own output,
             # before any user hook replaces it (a clamp): the rule needs the gradient with
             # respect to what the layer itself computed, which its own node receives.
-            self._handles.append(module.register_forward_hook(hook, with_kwargs=True,
-                                                              prepend=True))
+            self._handles.append(module.register_forward_hook(
+                CopiedInert(hook), with_kwargs=True, prepend=True))
         return self
 
     def __exit__(

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from batchbound.diversity.calls import Inputs, flatten
+from batchbound.diversity.calls import CopiedInert, Inputs, flatten
 from batchbound.diversity.collector import collector_paused
 from batchbound.diversity.graph import Node, loss_users
 from batchbound.diversity.hooks import (
@@ -539,8 +539,8 @@ class _Watched:
 
     def __enter__(self) -> _Watched:
         self._handles = [
-            self.model.register_forward_pre_hook(self._before, with_kwargs=True),
-            self.model.register_forward_hook(self._after),
+            self.model.register_forward_pre_hook(CopiedInert(self._before), with_kwargs=True),
+            self.model.register_forward_hook(CopiedInert(self._after)),
         ]
         return self
 
