@@ -27,10 +27,13 @@ def batch(seed: int, b: int = B) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, 3, (b,), generator=g))
 
 
-def loop_last(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-    """The monitor's reading of one step by the per-example loop, on a copy."""
+def loop_last(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+              prefix: str = "") -> tuple[float, float]:
+    """The monitor's reading of one step by the per-example loop, on a copy (of the
+    parameters whose names start with ``prefix``)."""
     copied = copy.deepcopy(model)
-    params = [p for p in copied.parameters() if p.requires_grad]
+    params = [p for name, p in copied.named_parameters()
+              if p.requires_grad and name.startswith(prefix)]
     grads = [torch.cat([g.reshape(-1) for g in torch.autograd.grad(
         F.cross_entropy(copied(x[i : i + 1]), y[i : i + 1]), params)]) for i in range(len(x))]
     G = torch.stack(grads)
@@ -161,3 +164,20 @@ def test_a_copy_of_the_model_made_inside_the_block(when: str) -> None:
     for other in (copied, pickle.loads(pickled)):
         F.cross_entropy(other(x), y).backward()  # outside watch: a plain model
         assert torch.equal(other(x), model(x))
+
+
+@pytest.mark.parametrize("inner", ["a submodule", "the model again"])
+def test_watch_nested_in_watch(inner: str) -> None:
+    """Both monitors read the one backward. The inner one counted the outer one's check of
+    the model (on examples split off) as calls of its own: "the model ran more than once"."""
+    torch.manual_seed(0)
+    model = Net().double()
+    outer, nested = OnlineDiversity(10, decay=0.0), OnlineDiversity(10, decay=0.0)
+    part, prefix = (model.a, "a.") if inner == "a submodule" else (model, "")
+    for step in range(2):
+        x, y = batch(step)
+        model.zero_grad(set_to_none=True)
+        with watch(model, outer), watch(part, nested):
+            F.cross_entropy(model(x), y).backward()
+        assert outer.last == pytest.approx(loop_last(model, x, y), rel=1e-9), step
+        assert nested.last == pytest.approx(loop_last(model, x, y, prefix), rel=1e-9), step

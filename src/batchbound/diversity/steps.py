@@ -11,6 +11,7 @@ import functools
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -505,6 +506,11 @@ def _walk(model: nn.Module) -> tuple[tuple, list[Tensor]]:
     return (tuple(modules), tuple(tensors)), buffers
 
 
+# Set while watch() runs a model itself (the probe and the check, on examples split off): no
+# watcher counts those calls, a watch() of a submodule nested in the block neither.
+_CHECKING: ContextVar[bool] = ContextVar("batchbound_checking", default=False)
+
+
 class _Watched:
     """Root-module hooks: on the model's call, check it (first time only), record its layer
     calls, and before the backward pass read the graph from its outputs."""
@@ -532,7 +538,6 @@ class _Watched:
         self.outputs: OutputGrads | None = None  # for the fallback, when it is needed
         self.autocast: list[tuple[str, torch.dtype]] = []  # active at the model's call
         self.random: RandomState | None = None  # torch's random state as the forward began
-        self._inside = False  # the probe's own calls of the model
         self._rows: RowTracker | None = None  # active during the model's forward
         self._loss: _LossWatch | None = None  # active from the forward's end to the backward
         self._handles: list[RemovableHandle] = []
@@ -562,7 +567,7 @@ class _Watched:
                 self.run.close()
 
     def _before(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._inside:
+        if _CHECKING.get():
             return
         self.calls += 1
         if self.calls > 1:
@@ -582,7 +587,7 @@ class _Watched:
         form = self._form_key = call_form(model, args, kwargs)
         self.form = self.planned.forms.get(form)
         if self.form is None:
-            self._inside = True
+            checking = _CHECKING.set(True)
             try:
                 with torch.enable_grad():
                     try:  # the probe and the check run the model on examples split off
@@ -606,7 +611,7 @@ class _Watched:
                                 "must run on any number of examples")):
                             raise
             finally:
-                self._inside = False
+                _CHECKING.reset(checking)
             # the probe ran the model: a buffer its forward builds lazily exists now
             self.buffers = list(model.buffers())
         excluded = {**self.plan.static_reasons(), **self.form.checked}
@@ -654,7 +659,7 @@ class _Watched:
         return _Form(layout, reasons, coupling_outputs(self.model, x, fixed), fixed)
 
     def _after(self, model: nn.Module, args: tuple, output: Any) -> Any:
-        if self._inside or self.run is None:
+        if _CHECKING.get() or self.run is None:
             return
         self._stop_rows()
         self.run.recorder.stop()
