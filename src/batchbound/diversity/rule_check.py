@@ -68,9 +68,11 @@ COUPLED = (
 RANDOM_IN_EVAL = (
     "the model gives other outputs on each call even in eval mode (random numbers drawn "
     "outside dropout: patches masked at random, as ViT-MAE's, or noise added to its "
-    "inputs), so an example run alone draws other numbers than in its batch, and its "
-    "per-example gradients cannot be checked against the per-example loop; pass the random "
-    "numbers in as an input (ViT-MAE's noise=) or turn them off (a masking ratio of 0)"
+    "inputs; or state it changes on each call, a counter of its calls), so an example run "
+    "alone runs otherwise than in its batch, and its per-example gradients cannot be "
+    "checked against the per-example loop; pass the random numbers in as an input "
+    "(ViT-MAE's noise=) or turn them off (a masking ratio of 0), and keep a count of steps "
+    "outside the forward"
 )
 
 
@@ -401,6 +403,13 @@ def padded_output(model: nn.Module, x: Tensor, fixed: frozenset[int] = frozenset
         for a in alone:
             if k < len(a) and len(a[k]) == len(s) and a[k][1:] != s[1:]:
                 dims = [d for d in range(1, len(s)) if a[k][d] != s[d]]
+                if s[dims[0]] == size and a[k][dims[0]] == 1:
+                    return (f"output {k} of the model has shape {s} on {size} examples but "
+                            f"{a[k]} on one of them alone: its dimension {dims[0]} is the "
+                            "batch's examples again, a quantity of every pair of examples (the "
+                            "similarities a contrastive loss such as CLIP's reads), so the "
+                            "examples interact and their per-example gradients are not "
+                            "defined")
                 return (f"output {k} of the model has shape {s} on {size} examples but {a[k]} "
                         f"on one of them alone: its dimension {dims[0]} follows the batch (a "
                         "padding to the batch's longest example, as pad_packed_sequence "

@@ -1,0 +1,51 @@
+"""Refusals that name the cause the user can act on: a matrix over pairs of examples (a
+contrastive model's similarities) was called a padding to the longest example, and a model
+that counts its own calls was said to draw random numbers only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchbound.diversity import OnlineDiversity, watch
+from batchbound.errors import BatchboundError
+
+
+class Similarities(nn.Module):
+    """CLIP's shape of output: every example's embedding against every other's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image, self.text = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.image(x) @ self.text(x).T
+
+
+class Counting(nn.Module):
+    """Flips its features on every other call: a step counter kept in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.calls = nn.Linear(4, 3), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.a(x.flip(-1) if self.calls % 2 else x)
+
+
+def test_a_matrix_over_pairs_of_examples_is_named() -> None:
+    model, x = Similarities(), torch.randn(4, 4)
+    with pytest.raises(BatchboundError, match="every pair of examples.*interact"), \
+            watch(model, OnlineDiversity()):
+        out = model(x)
+        F.cross_entropy(out, torch.arange(4)).backward()
+
+
+def test_a_counter_of_calls_is_named() -> None:
+    model, x = Counting(), torch.randn(4, 4)
+    with pytest.raises(BatchboundError, match="a counter of its calls"), \
+            watch(model, OnlineDiversity()):
+        F.cross_entropy(model(x), torch.arange(3).repeat(2)[:4]).backward()
