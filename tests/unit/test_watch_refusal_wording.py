@@ -38,7 +38,7 @@ class Counting(nn.Module):
 
 def test_a_matrix_over_pairs_of_examples_is_named() -> None:
     model, x = Similarities(), torch.randn(4, 4)
-    with pytest.raises(BatchboundError, match="every pair of examples.*interact"), \
+    with pytest.raises(BatchboundError, match=r"every pair of examples.*interact"), \
             watch(model, OnlineDiversity()):
         out = model(x)
         F.cross_entropy(out, torch.arange(4)).backward()
