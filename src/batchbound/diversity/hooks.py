@@ -264,7 +264,7 @@ class HooksPass:
         self.rows: RowTracker | None = None  # set by ``start_rows``: None, untracked
         # which chunks are tracked (None: every one), and this chunk's key among them
         self.row_checks: RowChecks | None = None
-        self._row_key: Hashable = None
+        self.row_key: Hashable = None
         # what the forward ran (its layer calls, its graph's structure), read by ``attach``
         self.program: tuple[Hashable, tuple[object, ...]] | None = None
 
@@ -285,8 +285,8 @@ class HooksPass:
         elif self.row_checks is None:
             self.rows = RowTracker(given, fixed())
         else:
-            self._row_key = chunk_key(given, model.training)
-            self.rows = self.row_checks.tracker(self._row_key, given, fixed, model.parameters)
+            self.row_key = chunk_key(given, model.training)
+            self.rows = self.row_checks.tracker(self.row_key, given, fixed, model.parameters)
         return self.rows
 
     def attach(self, roots: Sequence[Node], outputs: Sequence[Node] = ()) -> None:
@@ -352,8 +352,8 @@ class HooksPass:
         leaves every parameter to the exact fallback (``rows.RowChecks``)."""
         assert self.row_checks is not None
         if self.rows is not None:
-            self.row_checks.tracked(self._row_key, calls, graph, self.rows)
-        elif not self.row_checks.same(self._row_key, calls, graph):
+            self.row_checks.tracked(self.row_key, calls, graph, self.rows)
+        elif not self.row_checks.same(self.row_key, calls, graph):
             for name in self.params:
                 self.reasons.setdefault(name, UNTRACKED_CHANGE)
 
@@ -692,7 +692,7 @@ class HooksPass:
         """The lowest precision this pass computed in: the parameters', or lower where
         autocast or a cast in the forward made low-precision tensors."""
         seen = (self.rows.lowest if self.rows is not None else
-                self.row_checks.lowest(self._row_key) if self.row_checks is not None else None)
+                self.row_checks.lowest(self.row_key) if self.row_checks is not None else None)
         outputs = (o.dtype for c in self.recorder.calls for o in c.outputs)
         return lowest(self._dtype(None), seen, *outputs)  # type: ignore[arg-type]
 

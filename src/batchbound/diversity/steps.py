@@ -46,7 +46,13 @@ from batchbound.diversity.outputs import (
 from batchbound.diversity.precision import LOW_PRECISION, RANK, GradientPrecision, lowest, statement
 from batchbound.diversity.precision import name as dtype_name
 from batchbound.diversity.prepared import PreparedStats, describe
-from batchbound.diversity.rows import UNTRACKED_CHANGE, RowChecks, RowTracker, operations
+from batchbound.diversity.rows import (
+    KNOWN_KEYS,
+    UNTRACKED_CHANGE,
+    RowChecks,
+    RowTracker,
+    operations,
+)
 from batchbound.diversity.rule_check import (
     INTERACTING,
     buffers_kept,
@@ -410,6 +416,32 @@ def step_norm(delta: dict[str, Tensor]) -> Tensor:
 
 
 @dataclass
+class _Programs:
+    """The programs (``HooksPass.program``: the layers' calls with their outputs' shapes, and
+    the autograd graph's nodes with their saved arguments) that one form's steps ran since
+    its checks: in full per shape of call (``rows.chunk_key``), and, for a shape not seen
+    yet, apart from their sizes (``rows.operations``), as a new batch size or sequence
+    length leaves them; oldest forgotten first."""
+
+    full: dict[Hashable, dict[Hashable, None]] = field(default_factory=dict)
+    free: dict[Hashable, None] = field(default_factory=dict)
+
+    def known(self, key: Hashable, program: Hashable) -> bool:
+        if key in self.full:
+            return program in self.full[key]
+        return operations(*program) in self.free  # type: ignore[misc]
+
+    def add(self, key: Hashable, program: Hashable) -> None:
+        for held, item in ((self.full.setdefault(key, {}), program),
+                           (self.free, operations(*program))):  # type: ignore[misc]
+            held[item] = None
+            if len(held) > KNOWN_FORMS:
+                del held[next(iter(held))]
+        if len(self.full) > KNOWN_KEYS:
+            del self.full[next(iter(self.full))]
+
+
+@dataclass
 class _Planned:
     """What watch() needs of a model, planned once while its structure stays the same."""
 
@@ -420,9 +452,8 @@ class _Planned:
     batch_norms: list[tuple[str, nn.Module]]
     # per way the model is called (``call_form``): its first such call's check
     forms: dict[Hashable, _Form] = field(default_factory=dict)
-    # per way the model is called: the programs (``rows.operations``) its steps ran after a
-    # check of that form, oldest first
-    programs: dict[Hashable, dict[Hashable, None]] = field(default_factory=dict)
+    # per way the model is called: the programs its steps ran after a check of that form
+    programs: dict[Hashable, _Programs] = field(default_factory=dict)
     warned: set[object] = field(default_factory=set)  # precisions and fallbacks stated
     # Per train/eval mode of the modules: whether two forward passes agree (no dropout).
     deterministic: dict[tuple[bool, ...], bool] = field(default_factory=dict)
@@ -447,7 +478,9 @@ KNOWN_FORMS = 16  # checks of forms of call kept per model; past them the oldest
 
 def call_form(model: nn.Module, args: tuple, kwargs: dict) -> Hashable:
     """How the model is called, apart from its tensors' sizes: its modules' train flags (a
-    model may return other outputs in train mode), and each argument's name and kind (a
+    model may return other outputs in train mode) and the user's hooks on them (by their
+    code: a hook added between steps may mix the examples, in its output or in a gradient,
+    with no operation of the graph to show it), and each argument's name and kind (a
     tensor's dimensions and dtype; any other value itself: ``return_dict=False``, a mixing
     weight that switches on a statistic of the batch)."""
     def kind(value: Any) -> Hashable:
@@ -460,7 +493,16 @@ def call_form(model: nn.Module, args: tuple, kwargs: dict) -> Hashable:
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
         return type(value)
-    return tuple(m.training for m in model.modules()), kind(args), kind(kwargs)
+    modules = tuple((m.training, *(_code(h) for hooks in (
+        m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks)
+        for h in hooks.values() if not isinstance(h, CopiedInert))) for m in model.modules())
+    return modules, kind(args), kind(kwargs)
+
+
+def _code(hook: Callable) -> Hashable:
+    """What a hook runs: a closure made anew on every step is the same hook."""
+    function = getattr(hook, "__func__", hook)  # a bound method's
+    return getattr(function, "__code__", type(hook))
 
 
 # One plan per model and subset: a loop that alternates watch(subset="all") and
@@ -681,13 +723,11 @@ class _Watched:
         batch) takes the exact fallback, whose sums must match .grad's, and the form is
         checked again on its next step; the programs seen so far stay known."""
         assert self.run is not None and self.planned is not None
-        programs = self.planned.programs.setdefault(self._form_key, {})
-        program = operations(*self.run.program)
-        new = program not in programs
-        if self._checked_now or not (new or UNTRACKED_CHANGE in self.run.reasons.values()):
-            programs[program] = None
-            if len(programs) > KNOWN_FORMS:
-                del programs[next(iter(programs))]
+        programs = self.planned.programs.setdefault(self._form_key, _Programs())
+        key, program = self.run.row_key, self.run.program
+        if self._checked_now or (programs.known(key, program)
+                                 and UNTRACKED_CHANGE not in self.run.reasons.values()):
+            programs.add(key, program)
             return
         for name in self.params:
             self.run.reasons.setdefault(name, OTHER_PROGRAM)
