@@ -28,6 +28,12 @@ class FaultError(BatchboundError):
     exit_code = 1
 
 
+class UserCodeError(BatchboundError):
+    """The user's model, loss or data raised while batchbound ran them in a way of its own
+    (``raised_by_user_code``). Bad input for a measurement; for the trainer, a crash of the
+    run, recorded as its result."""
+
+
 class NonFiniteLossError(BatchboundError):
     """An example's loss is inf or NaN. Bad input for ``measure``; for the trainer, after the
     first step, it means the run diverged."""
@@ -49,21 +55,27 @@ _INSIDE = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
 
 @contextlib.contextmanager
 def raised_by_user_code(context: Callable[[], str]) -> Iterator[None]:
-    """An exception that the user's model, loss or data raise while batchbound runs them,
-    as a ``BatchboundError``: ``context()`` (how batchbound ran them: a mode, a part of the
-    batch), the exception's type and message, chained to it for its traceback. Whose code
-    raised it is read off the traceback, not a list of cases: the innermost frame outside
-    torch and Python's standard library. One in batchbound is a bug of ours, and passes as
-    it is."""
+    """An exception that the user's model, loss or data raise while batchbound runs them in
+    a way of its own (in eval mode, on parts of a batch), as a ``UserCodeError``:
+    ``context()`` (that way), the exception's type and message, chained to it for its
+    traceback. Whose code raised it is read off the traceback, not a list of cases: the
+    innermost frame outside torch and Python's standard library. One in batchbound is a
+    bug of ours, and passes as it is; so does running out of memory, which a caller may
+    retry with less."""
     try:
         yield
     except BatchboundError:
         raise
     except Exception as exc:
-        if not _from_user_code(exc):
+        if isinstance(exc, _resources()) or not _from_user_code(exc):
             raise
         said = " ".join(str(exc).split())
-        raise BatchboundError(f"{type(exc).__name__}: {said} (raised as {context()})") from exc
+        raise UserCodeError(f"{type(exc).__name__}: {said} (raised as {context()})") from exc
+
+
+def _resources() -> tuple[type[BaseException], ...]:
+    torch = sys.modules.get("torch")
+    return (MemoryError, *((torch.OutOfMemoryError,) if torch is not None else ()))
 
 
 def _from_user_code(exc: BaseException) -> bool:

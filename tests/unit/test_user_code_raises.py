@@ -116,3 +116,45 @@ def test_an_exception_in_batchbounds_own_code_passes_as_it_is(monkeypatch) -> No
     monkeypatch.setattr(prepared.PreparedStats, "_hooks", len)
     with pytest.raises(TypeError, match="len"):
         per_example_stats(nn.Linear(4, 3), X, Y, loss)
+
+
+def test_running_out_of_memory_passes_as_it_is() -> None:
+    """A caller retries with a smaller chunk on torch.OutOfMemoryError: it stays one."""
+
+    class Hungry(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] > 4:
+                raise torch.OutOfMemoryError("out of memory (simulated)")
+            return self.a(x)
+
+    with pytest.raises(torch.OutOfMemoryError):
+        measure(Hungry(), (X, Y), loss)
+
+
+def test_the_trainer_records_a_crash_in_its_measurement_as_a_failed_run() -> None:
+    """A model that crashes mid-run is the run's result ('failed'), also where the step's
+    norms run through batchbound's own passes; not a refusal of bad input."""
+    from batchbound.train.config import TrainConfig
+    from batchbound.train.distributed import DistContext
+    from batchbound.train.loop import Parts, Trainer
+
+    class Flaky(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.calls = nn.Linear(64, 10), 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.training and x.shape[0] >= 8:
+                self.calls += 1
+                if self.calls == 5:
+                    raise RuntimeError("a failure in my kernel")
+            return self.a(x)
+
+    config = TrainConfig(dataset="digits", batch_size=32, lr=0.1, max_iterations=8,
+                         eval_every_iterations=8, online_diversity="norms")
+    result = Trainer(config, DistContext(), parts=Parts(model=Flaky(), loss=loss)).run()
+    assert result.status == "failed" and "a failure in my kernel" in result.message

@@ -208,7 +208,8 @@ def measure(
             chunks, n_known, _ = data_chunks(data, chunk_size)
             chunks = _within_fit(chunks, width, memory_budget)
         with raised_by_user_code(lambda: f"measure() read the data in chunks of {chunk_size} "
-                                 "and ran the model on them in eval mode"):
+                                 "and ran the model on them in eval mode, whatever the mode it "
+                                 "was in (per_example_stats and watch run it in its own)"):
             totals = _accumulate(work, _tensor_targets(chunks) if named else chunks, n_known,
                                  loss_fn, engine, progress)
     dtype = next(iter(params.values())).dtype

@@ -10,6 +10,7 @@ the model, the per-example loop, and warns once, naming them, the reason and the
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import weakref
@@ -176,8 +177,7 @@ class PreparedStats:
         the chunk's Σ_i g_i is added to them instead of returned (``grad_sum`` is then
         empty); the layer rules that compute a batch sum themselves add it in their own
         kernel (``Outer.add_total_to``), with no temporary and no separate addition."""
-        # the chunk's bookkeeping, freed at its end (collector.py)
-        with collector_paused(), raised_by_user_code(lambda: self._ran(x)):
+        with collector_paused():  # the chunk's bookkeeping, freed at its end (collector.py)
             stats = self._stats(x, y, offset, into)
         if into is not None and stats.grad_sum:
             names = list(stats.grad_sum)
@@ -186,13 +186,12 @@ class PreparedStats:
             stats.grad_sum = {}
         return stats
 
-    def _ran(self, x: Tensor | Inputs) -> str:
-        mode = "train" if any(m.training for m in self.model.modules()) else "eval"
-        return (f"batchbound ran the model and the loss on a chunk of {x.shape[0]} examples "
-                f"in {mode} mode, and on parts of it down to one example, in eval mode where "
-                "the model draws random numbers, to check the layer rules: a model must run "
-                "on any number of examples, in the mode it is measured in; measure() "
-                "measures in eval mode")
+    def _checking(self, x: Tensor | Inputs) -> contextlib.AbstractContextManager:
+        """The checks' passes, which run the model otherwise than its user does."""
+        return raised_by_user_code(lambda: (
+            f"batchbound ran the model and the loss on parts of a chunk of {x.shape[0]} "
+            "examples, down to one example (in eval mode where the model draws random "
+            "numbers), to check the layer rules: a model must run on any number of examples"))
 
     def _stats(self, x: Tensor | Inputs, y: Tensor, offset: int,
                into: dict[str, Tensor] | None) -> PerExampleStats:
@@ -227,14 +226,15 @@ class PreparedStats:
                     raise BatchboundError(f"{exc}; use engine='auto' or 'loop'") from None
             if x.shape[0] == 1:
                 return self._one_example(x, y, offset)
-            if self.layout is None:
-                self._probe(x, y, offset)
-            if self.kinds is None:
-                self.kinds = output_kinds(self.model, x, self.params)
-            if self.checked is None and any(m.training for m in self.model.modules()):
-                self._checked(self_check(self.model, x, y, self.loss_fn, self.plan,
-                                         self.params, self.layout, self.plan.static_reasons(),
-                                         self.kinds), x)
+            with self._checking(x):
+                if self.layout is None:
+                    self._probe(x, y, offset)
+                if self.kinds is None:
+                    self.kinds = output_kinds(self.model, x, self.params)
+                if self.checked is None and any(m.training for m in self.model.modules()):
+                    self._checked(self_check(self.model, x, y, self.loss_fn, self.plan,
+                                             self.params, self.layout,
+                                             self.plan.static_reasons(), self.kinds), x)
             return self._hooks(x, y, offset, into)
 
     def _check_apart(self, x: Tensor | Inputs, y: Tensor, losses: Tensor, offset: int,
@@ -374,15 +374,19 @@ class PreparedStats:
                                   f"{COUPLED}")
         if split_loss and x.shape[0] >= 4 and not seen.loss_split:
             seen.loss_split, seen.loss_joins = True, result.loss_joins
-        if self.checked is None:  # the first chunk, in eval mode: check it against the loop
-            self._checked(check_rows(self.model, x, y, self.loss_fn, self.params,
-                                     result.sq_norms, result.losses, result.precision), x)
-            if self.checked:
-                return self(x, y, offset)
-        if self.kinds is not None and self.kinds.joins and x.shape[0] > 1:
-            self._check_apart(x, y, result.losses, offset, self.kinds)
-        elif x.shape[0] > 1 and result.program is not None:
-            self._check_program(x, y, result.losses, offset, result.program)
+        with self._checking(x):
+            first = self.checked is None
+            if first:  # the first chunk, in eval mode: check it against the loop
+                self._checked(check_rows(self.model, x, y, self.loss_fn, self.params,
+                                         result.sq_norms, result.losses, result.precision), x)
+            if first and self.checked:
+                pass  # run again below, parameters sent to the fallback
+            elif self.kinds is not None and self.kinds.joins and x.shape[0] > 1:
+                self._check_apart(x, y, result.losses, offset, self.kinds)
+            elif x.shape[0] > 1 and result.program is not None:
+                self._check_program(x, y, result.losses, offset, result.program)
+        if first and self.checked:
+            return self(x, y, offset)
         if not result.reasons:
             sq_norms = {name: result.sq_norms[name] for name in self.params}
             return PerExampleStats(result.losses, sq_norms, result.grad_sum)

@@ -40,7 +40,7 @@ from batchbound.diversity.hooks import OutputKinds, check_outputs_read
 from batchbound.diversity.losses import check_shape, resolve_loss
 from batchbound.diversity.rule_check import output_kinds
 from batchbound.environment import restart_count
-from batchbound.errors import BatchboundError, NonFiniteLossError
+from batchbound.errors import BatchboundError, NonFiniteLossError, UserCodeError
 from batchbound.models import build_model
 from batchbound.train.cadence import EPS, next_due
 from batchbound.train.callbacks import Callback, Snapshots, callbacks_for
@@ -188,8 +188,12 @@ def _sizes_that_run(step: Callable[[int], None], sizes: list[int]) -> list[int]:
     for i, m in enumerate(sizes):
         try:
             step(m)
-        except BatchboundError:
-            raise
+        except BatchboundError as exc:
+            if not isinstance(exc, UserCodeError):
+                raise
+            if i == len(sizes) - 1:
+                raise
+            continue
         except Exception as exc:  # the user's model: any error, named in the refusal
             if i == len(sizes) - 1:
                 first = (str(exc).strip().splitlines() or [""])[0]
@@ -344,20 +348,25 @@ class Trainer:
                 raise
             self.status = "diverged"
             self.message = f"non-finite loss at iteration {self.iteration + 1}: {exc}"
-        except BatchboundError:
-            raise  # bad input: the caller's error, not a result
+        except BatchboundError as exc:
+            if not isinstance(exc, UserCodeError):
+                raise  # bad input: the caller's error, not a result
+            self._crashed(exc, str(exc))  # the user's model, run by a measurement
         except Exception as exc:  # a crash mid-run is a recorded result, not a lost one
-            self.status, self.message = "failed", f"{type(exc).__name__}: {exc}"
-            if self.ctx.distributed:  # a silent or lost peer: one line that names it
-                fault = collective_fault(exc, self.ctx.rank, self.ctx.world_size,
-                                         self.iteration, self.checkpoint_path)
-                if fault is not None:
-                    raise fault from None
-                raise
+            self._crashed(exc, f"{type(exc).__name__}: {exc}")
         finally:
             stop.close()
             self.progress.close()
         return self.result()
+
+    def _crashed(self, exc: Exception, message: str) -> None:
+        self.status, self.message = "failed", message
+        if self.ctx.distributed:  # a silent or lost peer: one line that names it
+            fault = collective_fault(exc, self.ctx.rank, self.ctx.world_size,
+                                     self.iteration, self.checkpoint_path)
+            if fault is not None:
+                raise fault from None
+            raise exc
 
     def after_step(self) -> bool:
         """The cadenced steps after an iteration; True once every target is reached."""
