@@ -229,3 +229,32 @@ def test_a_hook_that_mixes_the_gradients_added_between_steps() -> None:
         model.zero_grad(set_to_none=True)
         with pytest.raises(BatchboundError), watch(model, monitor):
             F.cross_entropy(model(x), y).backward()
+
+
+def test_an_optimizer_step_in_the_backward_is_refused() -> None:
+    """torch's pattern: each parameter stepped and its .grad cleared by a hook on its
+    accumulated gradient. T was read as 0 from .grad (the monitor's c 2–40 times off)."""
+    torch.manual_seed(0)
+    model, monitor = Net().double(), OnlineDiversity(10, decay=0.0)
+
+    def step(p: torch.Tensor) -> None:
+        with torch.no_grad():
+            p.add_(p.grad, alpha=-0.1)
+        p.grad = None
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    x, y = batch(0)
+    with pytest.raises(BatchboundError, match="register_post_accumulate_grad_hook"), \
+            watch(model, monitor):
+        F.cross_entropy(model(x), y).backward()
+
+
+def test_a_backward_to_some_inputs_is_refused() -> None:
+    """The first layer got no gradient, and the last layer's numbers stood for the model's."""
+    torch.manual_seed(0)
+    model, monitor = Net().double(), OnlineDiversity(10, decay=0.0)
+    x, y = batch(0)
+    with pytest.raises(BatchboundError, match=r"backward\(inputs=\.\.\.\)"), \
+            watch(model, monitor):
+        F.cross_entropy(model(x), y).backward(inputs=[model.b.weight, model.b.bias])

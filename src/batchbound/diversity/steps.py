@@ -749,6 +749,13 @@ class _Watched:
     def _backward_ended(self) -> None:
         self._queued = False
         assert self.before is not None  # copied as the backward reached the outputs
+        stepped = [k for k, p in self.params.items() if p._post_accumulate_grad_hooks]
+        if stepped:  # read at the backward's end, .grad is no longer the step's gradient
+            raise BatchboundError(
+                f"watch(): {', '.join(stepped[:3])}{' …' if len(stepped) > 3 else ''} "
+                "have hooks on their accumulated gradient (register_post_accumulate_grad_hook:"
+                " an optimizer step in the backward), which change .grad before watch reads "
+                "the step's gradient at the backward's end; step the optimizer after the block")
         delta = _grad_changes(self.params, self.before)
         # a .grad that was None before is read as itself: copy it, or clipping scales it here
         fresh = [k for k, v in self.before.items() if v is None and self.params[k].grad is not None]
@@ -859,6 +866,12 @@ class _LossWatch(TorchFunctionMode):
                     self.seen.see(t, flatten((args, kwargs)))
             self.seen.arm()  # above autograd: the results have their nodes already
             return out
+        given = (kwargs or {}).get("inputs", args[4] if len(args) > 4 else None)
+        if given is not None:
+            raise BatchboundError(
+                "watch(): backward(inputs=...) leaves the model's other parameters without a "
+                "gradient in this step, so its S and T would be those of part of the model; "
+                "call backward() without inputs=, and freeze what should not train")
         if func is Tensor.backward and self.run.layout is not None and isinstance(args[0], Tensor):
             root = args[0].grad_fn
             if root is not None:
