@@ -166,10 +166,11 @@ def test_a_copy_of_the_model_made_inside_the_block(when: str) -> None:
         assert torch.equal(other(x), model(x))
 
 
+@pytest.mark.parametrize("part_first", [False, True])
 @pytest.mark.parametrize("inner", ["a submodule", "the model again"])
-def test_watch_nested_in_watch(inner: str) -> None:
-    """Both monitors read the one backward. The inner one counted the outer one's check of
-    the model (on examples split off) as calls of its own: "the model ran more than once"."""
+def test_watch_nested_in_watch(inner: str, part_first: bool) -> None:
+    """Both monitors read the one backward. Each counted the other's check of the model (on
+    examples split off) as calls of its own: "the model ran more than once"."""
     torch.manual_seed(0)
     model = Net().double()
     outer, nested = OnlineDiversity(10, decay=0.0), OnlineDiversity(10, decay=0.0)
@@ -177,7 +178,9 @@ def test_watch_nested_in_watch(inner: str) -> None:
     for step in range(2):
         x, y = batch(step)
         model.zero_grad(set_to_none=True)
-        with watch(model, outer), watch(part, nested):
+        first, second = ((part, nested), (model, outer)) if part_first else (
+            (model, outer), (part, nested))
+        with watch(*first), watch(*second):
             F.cross_entropy(model(x), y).backward()
         assert outer.last == pytest.approx(loop_last(model, x, y), rel=1e-9), step
         assert nested.last == pytest.approx(loop_last(model, x, y, prefix), rel=1e-9), step

@@ -16,6 +16,7 @@ import inspect
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field, fields, is_dataclass
 from types import TracebackType
 from typing import Any
@@ -141,6 +142,13 @@ def detached(value: Any) -> Any:
     return value
 
 
+# The check that batchbound is running a model for (a token), or None: the passes a
+# ``watch`` makes of its own (its check, its fallback's replay) are recorded by the
+# recorders made for them alone, and seen by no other watcher (a watch of a submodule
+# around the model's).
+CHECKING: ContextVar[object | None] = ContextVar("batchbound_checking", default=None)
+
+
 class CopiedInert:
     """A hook batchbound puts on a user's module for one block or pass: a copy of the module
     (``copy.deepcopy``, pickle: an EMA or a snapshot of the model made inside ``watch``)
@@ -177,6 +185,7 @@ class CallRecorder:
         self._counts: Counter[str] = Counter()
         self._recording = False
         self._handles: list[RemovableHandle] = []
+        self._owner = CHECKING.get()  # the check it records for (None: the user's calls)
 
     def __enter__(self) -> CallRecorder:
         for prefix, (module, entry) in self.modules.items():
@@ -214,7 +223,7 @@ class CallRecorder:
 
     def _hook(self, prefix: str, entry: RuleEntry):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if not self._recording:
+            if not self._recording or CHECKING.get() is not self._owner:
                 return
             index = self._counts[prefix]
             self._counts[prefix] += 1

@@ -11,7 +11,6 @@ import functools
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -21,7 +20,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from batchbound.diversity.calls import CopiedInert, Inputs, flatten
+from batchbound.diversity.calls import CHECKING, CopiedInert, Inputs, flatten
 from batchbound.diversity.collector import collector_paused
 from batchbound.diversity.graph import Node, loss_users
 from batchbound.diversity.hooks import (
@@ -548,11 +547,6 @@ def _walk(model: nn.Module) -> tuple[tuple, list[Tensor]]:
     return (tuple(modules), tuple(tensors)), buffers
 
 
-# Set while watch() runs a model itself (the probe and the check, on examples split off): no
-# watcher counts those calls, a watch() of a submodule nested in the block neither.
-_CHECKING: ContextVar[bool] = ContextVar("batchbound_checking", default=False)
-
-
 class _Watched:
     """Root-module hooks: on the model's call, check it (first time only), record its layer
     calls, and before the backward pass read the graph from its outputs."""
@@ -609,7 +603,7 @@ class _Watched:
                 self.run.close()
 
     def _before(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
-        if _CHECKING.get():
+        if CHECKING.get() is not None:  # a watcher's own pass: not the user's call
             return
         self.calls += 1
         if self.calls > 1:
@@ -629,7 +623,7 @@ class _Watched:
         form = self._form_key = call_form(model, args, kwargs)
         self.form = self.planned.forms.get(form)
         if self.form is None:
-            checking = _CHECKING.set(True)
+            checking = CHECKING.set(object())
             try:
                 with torch.enable_grad():
                     try:  # the probe and the check run the model on examples split off
@@ -653,7 +647,7 @@ class _Watched:
                                 "must run on any number of examples")):
                             raise
             finally:
-                _CHECKING.reset(checking)
+                CHECKING.reset(checking)
             # the probe ran the model: a buffer its forward builds lazily exists now
             self.buffers = list(model.buffers())
         excluded = {**self.plan.static_reasons(), **self.form.checked}
@@ -701,7 +695,7 @@ class _Watched:
         return _Form(layout, reasons, coupling_outputs(self.model, x, fixed), fixed)
 
     def _after(self, model: nn.Module, args: tuple, output: Any) -> Any:
-        if _CHECKING.get() or self.run is None:
+        if CHECKING.get() is not None or self.run is None:
             return
         self._stop_rows()
         self.run.recorder.stop()
@@ -792,6 +786,14 @@ class _Watched:
 
     def fallback(self, reasons: dict[str, str], delta: dict[str, Tensor],
                  precision: torch.dtype) -> dict[str, Tensor]:
+        checking = CHECKING.set(object())  # its runs of the model: no other watcher's calls
+        try:
+            return self._fallback(reasons, delta, precision)
+        finally:
+            CHECKING.reset(checking)
+
+    def _fallback(self, reasons: dict[str, str], delta: dict[str, Tensor],
+                  precision: torch.dtype) -> dict[str, Tensor]:
         """Squared norms of the parameters no rule took, by the exact fallback on the
         outputs' gradients (``outputs.py``); a warning once per set of reasons with the cost.
         A model that draws random numbers (dropout) has its batch's forward replayed from
