@@ -78,6 +78,10 @@ class LogitsAndLoss(nn.Module):
 
 def logits_and_loss(num_outputs):
     return LogitsAndLoss(num_outputs)
+
+
+def wrong_width(num_outputs):
+    return nn.Sequential(nn.Linear(7, num_outputs))
 '''
 
 
@@ -141,7 +145,10 @@ BAD_FACTORIES = [
     ("mymodels:not_a_module", "returned a int, not a torch.nn.Module"),
     ("mymodels:raises", "raised ValueError: no GPU here"),
     # was a traceback from the named loss (AttributeError: 'tuple' object has no 'dim')
-    ("mymodels:logits_and_loss", "needs the model's output as one tensor, got tuple"),
+    ("mymodels:logits_and_loss", "returns tuple for one example of shape (64,)"),
+    # was torch's traceback from the first chunk, exit 1: one example is tried first, as
+    # train does
+    ("mymodels:wrong_width", "does not take this data's examples: one example of shape (64,)"),
 ]
 
 

@@ -16,7 +16,7 @@ from batchbound.data import load_dataset
 from batchbound.diversity import ENGINES, LOSS_NAMES, measure
 from batchbound.models import build_model, count_parameters, model_shape
 from batchbound.models.layers import check_task
-from batchbound.models.user import untagged_shape
+from batchbound.models.user import is_user_spec, probe_user_model, untagged_shape
 from batchbound.train.distributed import resolve_device
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -69,6 +69,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def measure_one(spec: str, dataset: Any, args: argparse.Namespace) -> dict[str, Any]:
     model = build_model(spec, dataset.input_shape, dataset.num_outputs, seed=args.seed)
     check_task(model_shape(model), dataset.task, args.dataset)
+    if is_user_spec(spec):  # one example before any work: shapes named in one line
+        probe_user_model(spec, model, dataset.x_train[:1], dataset.num_outputs, dataset.task)
     model.to(resolve_device(args.device))  # the data follow the model's device
     report = measure(
         model,
