@@ -104,7 +104,7 @@ def test_the_model_changed_inside_the_block_before_its_call(change: str) -> None
 @pytest.mark.parametrize("sizes", [(B, B, B, B), (B, 4, 4, 6)])
 def test_a_statistic_of_the_batch_switched_on_by_a_flag_is_never_measured(sizes) -> None:
     """After a measured step the flag turns on ``h - h.mean(0)``, on the same batch size or
-    a new one: the step is refused, and so is every later one (the model checked again)."""
+    a new one: the step's new program is checked on its own examples, and refused."""
     torch.manual_seed(2)
     model, monitor = Net().double(), OnlineDiversity(10, decay=0.0)
     for step, b in enumerate(sizes):
@@ -116,8 +116,8 @@ def test_a_statistic_of_the_batch_switched_on_by_a_flag_is_never_measured(sizes)
                 F.cross_entropy(model(x), y).backward()
             assert monitor.last == pytest.approx(loop_last(model, x, y), rel=1e-9)
             continue
-        why = "interact" if step >= 2 else "not the sum of the per-example"
-        with pytest.raises(BatchboundError, match=why), watch(model, monitor):
+        with pytest.raises(BatchboundError, match="the examples interact"), \
+                watch(model, monitor):
             F.cross_entropy(model(x), y).backward()
 
 
@@ -132,15 +132,31 @@ class Scaled(Net):
 
 
 def test_an_operation_on_each_example_switched_on_by_a_flag_is_measured() -> None:
+    """Each program is checked once, on its first step, and measured by the rules: two
+    programs by turns cost two checks (a step of each taking the fallback, the next one
+    checking again, by turns for ever, before)."""
+    import batchbound.diversity.steps as steps
+
+    checks = 0
+    check = steps._Watched._check
+
+    def counted(self, x, layout):
+        nonlocal checks
+        checks += 1
+        return check(self, x, layout)
+
     torch.manual_seed(2)
     model, monitor = Scaled().double(), OnlineDiversity(10, decay=0.0)
-    for step in range(4):
+    for step in range(6):
         model.center = step % 2 == 1  # the first step of each program, then both known
         x, y = batch(step)
         model.zero_grad(set_to_none=True)
-        with watch(model, monitor):
-            F.cross_entropy(model(x), y).backward()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(steps._Watched, "_check", counted)
+            with watch(model, monitor):
+                F.cross_entropy(model(x), y).backward()
         assert monitor.last == pytest.approx(loop_last(model, x, y), rel=1e-9), step
+    assert checks == 2
 
 
 @pytest.mark.parametrize("when", ["before the forward", "after the forward"])

@@ -47,7 +47,6 @@ from batchbound.diversity.precision import name as dtype_name
 from batchbound.diversity.prepared import PreparedStats, describe
 from batchbound.diversity.rows import (
     KNOWN_KEYS,
-    UNTRACKED_CHANGE,
     RowChecks,
     RowTracker,
     operations,
@@ -422,18 +421,19 @@ class _Programs:
     yet, apart from their sizes (``rows.operations``), as a new batch size or sequence
     length leaves them; oldest forgotten first."""
 
-    full: dict[Hashable, dict[Hashable, None]] = field(default_factory=dict)
-    free: dict[Hashable, None] = field(default_factory=dict)
+    full: dict[Hashable, dict[Hashable, _Form]] = field(default_factory=dict)
+    free: dict[Hashable, _Form] = field(default_factory=dict)
 
-    def known(self, key: Hashable, program: Hashable) -> bool:
+    def find(self, key: Hashable, program: Hashable) -> _Form | None:
+        """The check that holds for this program at this shape of call, or None."""
         if key in self.full:
-            return program in self.full[key]
-        return operations(*program) in self.free  # type: ignore[misc]
+            return self.full[key].get(program)
+        return self.free.get(operations(*program))  # type: ignore[misc]
 
-    def add(self, key: Hashable, program: Hashable) -> None:
+    def add(self, key: Hashable, program: Hashable, checked: _Form) -> None:
         for held, item in ((self.full.setdefault(key, {}), program),
                            (self.free, operations(*program))):  # type: ignore[misc]
-            held[item] = None
+            held[item] = checked
             if len(held) > KNOWN_FORMS:
                 del held[next(iter(held))]
         if len(self.full) > KNOWN_KEYS:
@@ -623,31 +623,13 @@ class _Watched:
         form = self._form_key = call_form(model, args, kwargs)
         self.form = self.planned.forms.get(form)
         if self.form is None:
-            checking = CHECKING.set(object())
-            try:
-                with torch.enable_grad():
-                    try:  # the probe and the check run the model on examples split off
-                        layout = probe_layout(model, x, self.plan, self.params)
-                        self.form = self._check(x, layout)
-                        self._checked_now = True
-                        forms = self.planned.forms
-                        if len(forms) >= KNOWN_FORMS:  # the oldest's check, for this one's
-                            del forms[next(iter(forms))]
-                            self._warn_forms()
-                        forms[form] = self.form
-                    except BatchboundError:
-                        raise
-                    except Exception as exc:  # any: named in the refusal
-                        if isinstance(x, Inputs):
-                            raise BatchboundError(call_failure(model, x, exc, "the batch")
-                                                  ) from exc
-                        with raised_by_user_code(lambda: (
-                                "watch() ran the model on parts of its first batch of this "
-                                "form, down to one example, to check its layer rules: a model "
-                                "must run on any number of examples")):
-                            raise
-            finally:
-                CHECKING.reset(checking)
+            self.form = self._checked(x)
+            self._checked_now = True
+            forms = self.planned.forms
+            if len(forms) >= KNOWN_FORMS:  # the oldest's check, for this one's
+                del forms[next(iter(forms))]
+                self._warn_forms()
+            forms[form] = self.form
             # the probe ran the model: a buffer its forward builds lazily exists now
             self.buffers = list(model.buffers())
         excluded = {**self.plan.static_reasons(), **self.form.checked}
@@ -662,6 +644,31 @@ class _Watched:
         self._rows = self.run.start_rows(model, (args, kwargs), lambda: self.buffers)
         if self._rows is not None:
             self._rows.__enter__()
+
+    def _checked(self, x: Tensor | Inputs, layout: Layout | None = None) -> _Form:
+        """The model checked on examples split off ``x`` (the probe of its layers' axes
+        first, where no ``layout`` is given), by passes no watcher records (``CHECKING``)."""
+        assert self.plan is not None
+        checking = CHECKING.set(object())
+        try:
+            with torch.enable_grad():
+                try:
+                    if layout is None:
+                        layout = probe_layout(self.model, x, self.plan, self.params)
+                    return self._check(x, layout)
+                except BatchboundError:
+                    raise
+                except Exception as exc:  # any: named in the refusal
+                    if isinstance(x, Inputs):
+                        raise BatchboundError(call_failure(self.model, x, exc, "the batch")
+                                              ) from exc
+                    with raised_by_user_code(lambda: (
+                            "watch() ran the model on parts of a batch, down to one example, "
+                            "to check its layer rules: a model must run on any number of "
+                            "examples")):
+                        raise
+        finally:
+            CHECKING.reset(checking)
 
     def _warn_forms(self) -> None:
         if "forms" not in self.planned.warned:
@@ -712,20 +719,22 @@ class _Watched:
         return None
 
     def _check_program(self) -> None:
-        """A form's check holds for the operations its steps ran since: a step that runs
-        others with no argument showing it (a flag or a hook switching on a statistic of the
-        batch) takes the exact fallback, whose sums must match .grad's, and the form is
-        checked again on its next step; the programs seen so far stay known."""
-        assert self.run is not None and self.planned is not None
+        """A check holds for the operations the step it ran on ran (its program): a step of
+        a program not seen since (a flag or a hook that no argument shows switching on a
+        statistic of the batch, a mask a library skips without padding) is checked now, on
+        its own examples, before its backward; refused where they interact. Each program
+        is checked once, and its check read on every step that runs it."""
+        assert self.run is not None and self.planned is not None and self.form is not None
         programs = self.planned.programs.setdefault(self._form_key, _Programs())
         key, program = self.run.row_key, self.run.program
-        if self._checked_now or (programs.known(key, program)
-                                 and UNTRACKED_CHANGE not in self.run.reasons.values()):
-            programs.add(key, program)
-            return
-        for name in self.params:
-            self.run.reasons.setdefault(name, OTHER_PROGRAM)
-        self.planned.forms.pop(self._form_key, None)
+        checked = self.form if self._checked_now else programs.find(key, program)
+        if checked is None:
+            assert self.inputs is not None
+            checked = self._checked(self.inputs, self.form.layout)
+        programs.add(key, program, checked)
+        for name, why in checked.checked.items():  # this program's own fallback
+            self.run.reasons.setdefault(name, why)
+        self.form = checked  # its outputs' marks, for this step
 
     def _backward_reached(self, grad_outputs: tuple) -> None:
         """A backward pass reached the model's outputs: read .grad's change when it ends."""
@@ -884,9 +893,6 @@ class _LossWatch(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-OTHER_PROGRAM = ("the model ran other operations than on the steps since it was checked "
-                 "(a flag or a hook that no argument shows?): this step takes the exact "
-                 "fallback, and the model is checked again on the next one")
 LOSS_USE_IN_WATCH = ("used by the loss outside the model's layers (a regulariser written "
                      "into the loss?)")
 
