@@ -492,10 +492,16 @@ def call_form(model: nn.Module, args: tuple, kwargs: dict) -> Hashable:
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
         return type(value)
-    modules = tuple((m.training, *(_code(h) for hooks in (
-        m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks)
-        for h in hooks.values() if not isinstance(h, CopiedInert))) for m in model.modules())
+    modules = tuple(_hooked(m) if m._forward_pre_hooks or m._forward_hooks
+                    or m._backward_pre_hooks or m._backward_hooks else m.training
+                    for m in model.modules())
     return modules, kind(args), kind(kwargs)
+
+
+def _hooked(module: nn.Module) -> Hashable:
+    return (module.training, *(_code(h) for hooks in (
+        module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
+        module._backward_hooks) for h in hooks.values() if not isinstance(h, CopiedInert)))
 
 
 def _code(hook: Callable) -> Hashable:
