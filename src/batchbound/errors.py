@@ -82,11 +82,17 @@ def _from_user_code(exc: BaseException) -> bool:
     last = None
     tb = exc.__traceback__
     while tb is not None:
-        name = tb.tb_frame.f_code.co_filename
-        if not _passed_through(name):
-            last = name
+        code = tb.tb_frame.f_code
+        # batchbound's dispatch and function modes hand each operation on: what raises
+        # below one is the operation's, the caller's
+        handed_on = tb.tb_next is not None and code.co_name in _HANDING_ON
+        if not (_passed_through(code.co_filename) or handed_on):
+            last = code.co_filename
         tb = tb.tb_next
     return last is not None and not last.startswith(_INSIDE[0])
+
+
+_HANDING_ON = frozenset({"__torch_dispatch__", "__torch_function__"})
 
 
 def _passed_through(filename: str) -> bool:

@@ -158,3 +158,10 @@ def test_the_trainer_records_a_crash_in_its_measurement_as_a_failed_run() -> Non
                          eval_every_iterations=8, online_diversity="norms")
     result = Trainer(config, DistContext(), parts=Parts(model=Flaky(), loss=loss)).run()
     assert result.status == "failed" and "a failure in my kernel" in result.message
+
+
+def test_a_loss_raising_inside_torch_under_batchbounds_modes() -> None:
+    """The loss runs under batchbound's own function mode (the precision it reads): a bad
+    target raised below that mode's frame, which hands each operation on."""
+    with pytest.raises(BatchboundError, match=r"^IndexError: Target \d is out of bounds"):
+        measure(nn.Linear(4, 3), (X, Y + 5), loss, chunk_size=3)
