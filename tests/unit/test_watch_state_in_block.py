@@ -277,3 +277,33 @@ def test_a_backward_to_some_inputs_is_refused() -> None:
     with pytest.raises(BatchboundError, match=r"backward\(inputs=\.\.\.\)"), \
             watch(model, monitor):
         F.cross_entropy(model(x), y).backward(inputs=[model.b.weight, model.b.bias])
+
+
+class Positions(nn.Module):
+    """Position ids read from a buffer's slice (BERT's): the slice is saved by the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("ids", torch.arange(16), persistent=False)
+        self.pos, self.head = nn.Embedding(16, 6), nn.Linear(6, 3)
+        self.centre = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (n, t, 6)
+        h = x + self.pos(self.ids[: x.shape[1]])
+        if self.centre:  # per example: another program, checked between forward and backward
+            h = h - h.mean(-1, keepdim=True)
+        return self.head(h.mean(1))
+
+
+def test_a_check_between_the_forward_and_the_backward_leaves_the_buffers_alone() -> None:
+    """The check put every buffer back by copy_(), which failed the user's backward
+    ("modified by an inplace operation") where the graph saved a buffer's slice."""
+    torch.manual_seed(0)
+    model, monitor = Positions().double(), OnlineDiversity(10, decay=0.0)
+    for step in range(2):
+        model.centre = step == 1
+        x, y = torch.randn(B, 4, 6, dtype=torch.float64), torch.randint(0, 3, (B,))
+        model.zero_grad(set_to_none=True)
+        with watch(model, monitor):
+            F.cross_entropy(model(x), y).backward()
+        assert monitor.last == pytest.approx(loop_last(model, x, y), rel=1e-9), step

@@ -264,6 +264,11 @@ class HooksPass:
         self.rows: RowTracker | None = None  # set by ``start_rows``: None, untracked
         # which chunks are tracked (None: every one), and this chunk's key among them
         self.row_checks: RowChecks | None = None
+        # Called once the program is read (``attach``), before the rules are hooked: watch
+        # checks a program not seen yet there, and adds its check's reasons. The check on a
+        # few examples does not see rows the data moves (a sort across the batch) as the
+        # row tracker does: an untracked step of a new program still takes the fallback.
+        self.on_program: Callable[[], None] | None = None
         self.row_key: Hashable = None
         # what the forward ran (its layer calls, its graph's structure), read by ``attach``
         self.program: tuple[Hashable, tuple[object, ...]] | None = None
@@ -299,6 +304,8 @@ class HooksPass:
         calls = tuple((c.key, tuple((o.shape, o.dtype) for o in c.outputs))
                       for c in self.recorder.calls)
         self.program = (calls, graph_structure(nodes))
+        if self.on_program is not None:
+            self.on_program()
         if self.row_checks is not None:
             self._check_rows(*self.program)
         if outputs:

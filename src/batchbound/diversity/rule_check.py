@@ -481,18 +481,30 @@ def buffers_kept(model: nn.Module) -> Iterator[None]:
     """The model's buffers as they were (a check's forward passes in train mode may update
     running statistics): the same tensors, in their modules, with their values, and their
     sizes where the forward sized them (a quantisation observer's, empty until its first
-    call)."""
-    saved = [(module, name, b, b.detach().clone()) for module in model.modules()
+    call). A buffer no pass wrote (its version counter as it was) is left untouched: a
+    write would fail a backward of the user's that saved it (BERT's position ids, checked
+    between the user's forward and backward)."""
+    saved = [(module, name, b, _version(b), b.detach().clone()) for module in model.modules()
              for name, b in module._buffers.items() if b is not None]
     try:
         yield
     finally:
         with torch.no_grad():
-            for module, name, buffer, value in saved:
-                if buffer.shape != value.shape:
-                    buffer.resize_(value.shape)
-                buffer.copy_(value)
+            for module, name, buffer, version, value in saved:
+                if version is None or _version(buffer) != version or (
+                        buffer.shape != value.shape):
+                    if buffer.shape != value.shape:
+                        buffer.resize_(value.shape)
+                    buffer.copy_(value)
                 module._buffers[name] = buffer
+
+
+def _version(t: Tensor) -> int | None:
+    """The tensor's version counter (None for an inference tensor, which keeps none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def check_rows(

@@ -46,7 +46,6 @@ from batchbound.diversity.precision import LOW_PRECISION, RANK, GradientPrecisio
 from batchbound.diversity.precision import name as dtype_name
 from batchbound.diversity.prepared import PreparedStats, describe
 from batchbound.diversity.rows import (
-    KNOWN_KEYS,
     RowChecks,
     RowTracker,
     operations,
@@ -413,31 +412,44 @@ def step_norm(delta: dict[str, Tensor]) -> Tensor:
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
+# Shapes of call whose programs a form keeps (sequence lengths, with dynamic padding): past
+# them the oldest's are checked again when they come back (a check on a few examples split
+# off; ~10 kB a program on a 12-layer GPT-2)
+PROGRAM_SHAPES = 256
+
+
 @dataclass
 class _Programs:
     """The programs (``HooksPass.program``: the layers' calls with their outputs' shapes, and
     the autograd graph's nodes with their saved arguments) that one form's steps ran since
-    its checks: in full per shape of call (``rows.chunk_key``), and, for a shape not seen
-    yet, apart from their sizes (``rows.operations``), as a new batch size or sequence
-    length leaves them; oldest forgotten first."""
+    their checks: in full per shape of call (``rows.chunk_key``), and apart from their sizes
+    (``rows.operations``), as a new batch size or sequence length leaves them. A program is
+    known in full at its shape, or apart from its sizes where no program of that shape has
+    its operations: the same operations with other arguments at the same sizes
+    (``h.mean(0)`` for ``h.mean(1)``) are checked. Oldest forgotten first."""
 
     full: dict[Hashable, dict[Hashable, _Form]] = field(default_factory=dict)
     free: dict[Hashable, _Form] = field(default_factory=dict)
+    free_at: dict[Hashable, set[Hashable]] = field(default_factory=dict)  # per shape
 
     def find(self, key: Hashable, program: Hashable) -> _Form | None:
         """The check that holds for this program at this shape of call, or None."""
-        if key in self.full:
-            return self.full[key].get(program)
-        return self.free.get(operations(*program))  # type: ignore[misc]
+        checked = self.full.get(key, {}).get(program)
+        if checked is not None:
+            return checked
+        free = operations(*program)  # type: ignore[misc]
+        return None if free in self.free_at.get(key, ()) else self.free.get(free)
 
     def add(self, key: Hashable, program: Hashable, checked: _Form) -> None:
-        for held, item in ((self.full.setdefault(key, {}), program),
-                           (self.free, operations(*program))):  # type: ignore[misc]
+        free = operations(*program)  # type: ignore[misc]
+        self.free_at.setdefault(key, set()).add(free)
+        for held, item in ((self.full.setdefault(key, {}), program), (self.free, free)):
             held[item] = checked
             if len(held) > KNOWN_FORMS:
                 del held[next(iter(held))]
-        if len(self.full) > KNOWN_KEYS:
-            del self.full[next(iter(self.full))]
+        while len(self.full) > PROGRAM_SHAPES:
+            oldest = next(iter(self.full))
+            del self.full[oldest], self.free_at[oldest]
 
 
 @dataclass
@@ -647,6 +659,7 @@ class _Watched:
         self.random = RandomState(sorted({p.device.index or 0 for p in self.params.values()
                                           if p.device.type == "cuda"}), self.buffers)
         self.run.row_checks = self.planned.row_checks
+        self.run.on_program = self._check_program
         self._rows = self.run.start_rows(model, (args, kwargs), lambda: self.buffers)
         if self._rows is not None:
             self._rows.__enter__()
@@ -715,8 +728,7 @@ class _Watched:
         roots = [t.grad_fn for t in flatten(output) if isinstance(t, Tensor) and t.grad_fn]
         # before the rules' own hooks, so that a second backward is refused ahead of them
         self._handles += [root.register_prehook(self._backward_reached) for root in roots]
-        self.run.attach(roots)
-        self._check_program()
+        self.run.attach(roots)  # it calls _check_program before it hooks the rules
         self._loss = _LossWatch(self.run, roots)
         self._loss.__enter__()
         if self.run.reasons or self.form.coupling:  # the outputs' gradients are needed
