@@ -56,29 +56,20 @@ class Net(nn.Module):
         return self.b(h)
 
 
-@pytest.mark.parametrize("to_none", [True, False])
-def test_zero_grad_inside_the_block(to_none: bool) -> None:
+@pytest.mark.parametrize("where", ["before the call, to None", "before the call, to zeros",
+                                   "between the forward and the backward"])
+def test_zero_grad_inside_the_block(where: str) -> None:
     torch.manual_seed(0)
     model, monitor = Net().double(), OnlineDiversity(10, decay=0.0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(3):
         x, y = batch(step)
         with watch(model, monitor):
-            optimizer.zero_grad(set_to_none=to_none)
-            F.cross_entropy(model(x), y).backward()
-        assert monitor.last == pytest.approx(loop_last(model, x, y), rel=1e-9), step
-        optimizer.step()
-
-
-def test_zero_grad_between_the_forward_and_the_backward() -> None:
-    torch.manual_seed(0)
-    model, monitor = Net().double(), OnlineDiversity(10, decay=0.0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(2):
-        x, y = batch(step)
-        with watch(model, monitor):
+            if where.startswith("before"):
+                optimizer.zero_grad(set_to_none=where.endswith("None"))
             loss = F.cross_entropy(model(x), y)
-            optimizer.zero_grad(set_to_none=False)
+            if where.startswith("between"):
+                optimizer.zero_grad(set_to_none=False)
             loss.backward()
         assert monitor.last == pytest.approx(loop_last(model, x, y), rel=1e-9), step
         optimizer.step()
