@@ -298,3 +298,16 @@ def test_a_check_between_the_forward_and_the_backward_leaves_the_buffers_alone()
         with watch(model, monitor):
             F.cross_entropy(model(x), y).backward()
         assert monitor.last == pytest.approx(loop_last(model, x, y), rel=1e-9), step
+
+
+def test_a_backward_hook_that_mixes_the_examples_gradients_is_refused() -> None:
+    """``register_full_backward_hook`` returning ``g + g.mean(0)``: the check's stand-in
+    loss gave every example the same output gradient, which such a mean leaves as it was,
+    and the step was measured (m2 24–32 % off); its gradient is now each example's own."""
+    torch.manual_seed(0)
+    model, monitor = Net().double(), OnlineDiversity(10, decay=0.0)
+    model.b.register_full_backward_hook(
+        lambda module, grad_in, grad_out: (grad_in[0] + grad_in[0].mean(0, keepdim=True),))
+    x, y = batch(0)
+    with pytest.raises(BatchboundError), watch(model, monitor):
+        F.cross_entropy(model(x), y).backward()

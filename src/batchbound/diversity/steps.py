@@ -925,9 +925,9 @@ REFUSED = (LOSS_USE_IN_WATCH,)
 
 def _stand_in_loss(outputs: Any, targets: Tensor, fixed: frozenset[int] = frozenset()
                    ) -> Tensor:
-    """Per example: Σ_k ⟨output_k,i, r_k⟩ over the outputs that hold the examples along dim 0,
-    for fixed random r_k (the same on every call); not the ``fixed`` outputs, whose shape
-    does not follow the number of examples (``output_kinds``)."""
+    """Per example: Σ_k ⟨output_k,i, r_k⟩ + ‖output_k,i‖²/2 over the outputs that hold the
+    examples along dim 0, for fixed random r_k (the same on every call); not the ``fixed``
+    outputs, whose shape does not follow the number of examples (``output_kinds``)."""
     n, total = targets.shape[0], None
     generator = torch.Generator().manual_seed(0)
     tensors = [t for t in flatten(outputs) if isinstance(t, Tensor)]
@@ -936,7 +936,10 @@ def _stand_in_loss(outputs: Any, targets: Tensor, fixed: frozenset[int] = frozen
                 and out.requires_grad and k not in fixed):
             continue
         r = torch.randn(out.shape[1:], generator=generator, dtype=out.dtype)
-        term = (out * r.to(out.device)).reshape(n, -1).sum(dim=1)
+        # ⟨out, r⟩ + ‖out‖²/2: each example's output gradient is r + its own output, not r
+        # alone, so that a backward hook mixing the examples' gradients (g + g.mean(0))
+        # does not leave them as they were alone
+        term = (out * (r.to(out.device) + 0.5 * out)).reshape(n, -1).sum(dim=1)
         total = term if total is None else total + term
     if total is None:
         raise BatchboundError(f"watch(): none of the model's outputs holds the {n} examples "
