@@ -37,12 +37,18 @@ def die_with_parent(grace_seconds: float = 5.0, poll_seconds: float = 0.5, *,
     parent = os.getppid() if parent is None else parent
     _no_parent_death_signal()
 
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_seconds)
+    def gone() -> None:
         if remove is not None:
             shutil.rmtree(remove, ignore_errors=True)
         os.kill(os.getpid(), signal.SIGTERM)
+
+    if os.getppid() != parent:  # gone before this process started: nothing to do for it
+        gone()  # here, not in the thread, which raced the work it was to stop (on a busy host)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_seconds)
+        gone()
         time.sleep(grace_seconds)
         os._exit(1)
 
