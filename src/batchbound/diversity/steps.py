@@ -441,6 +441,8 @@ class _Programs:
         return None if free in self.free_at.get(key, ()) else self.free.get(free)
 
     def add(self, key: Hashable, program: Hashable, checked: _Form) -> None:
+        if self.full.get(key, {}).get(program) is checked:
+            return  # known already, as on most steps: no second pass over its nodes
         free = operations(*program)  # type: ignore[misc]
         self.free_at.setdefault(key, set()).add(free)
         for held, item in ((self.full.setdefault(key, {}), program), (self.free, free)):
