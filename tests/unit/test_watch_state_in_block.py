@@ -221,6 +221,27 @@ def test_a_dimension_the_data_chooses_at_the_same_batch_size() -> None:
             F.cross_entropy(model(x), y).backward()
 
 
+def test_a_dimension_the_data_chooses_on_the_step_the_batch_size_changes() -> None:
+    """The same node types, their saved dimension other, at a batch size not seen yet: the
+    size-free program kept the node types only, so the first step's check spoke for it (S
+    21 % off)."""
+    torch.manual_seed(0)
+    model, monitor = DataChosen().double(), OnlineDiversity(10, decay=0.0)
+    x, y = batch(0)
+    with watch(model, monitor):
+        F.cross_entropy(model(x.clamp(-2, 2)), y).backward()
+    x, y = batch(1, b=B + 2)
+    x[0, 0] = 3.0
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(BatchboundError, match="interact"), watch(model, monitor):
+        F.cross_entropy(model(x), y).backward()
+    x, y = batch(2, b=B + 3)  # calm, at a third size: the first step's check holds
+    model.zero_grad(set_to_none=True)
+    with watch(model, monitor):
+        F.cross_entropy(model(x.clamp(-2, 2)), y).backward()
+    assert monitor.last == pytest.approx(loop_last(model, x.clamp(-2, 2), y), rel=1e-9)
+
+
 def test_a_hook_that_mixes_the_gradients_added_between_steps() -> None:
     """A forward hook that puts ``g - g.mean(0)`` on a layer's output gradient: no node of
     the graph shows it (S 23–60 % off); the hooks are part of the form of call."""

@@ -415,6 +415,9 @@ _CANONICAL: dict[type, object] = {}
 # combine no other entries). Left out: tensors (a Python number in an operation is one) and
 # strides (a layout). None: the type saves none of them.
 _ARGUMENTS: dict[type, tuple[Callable[[Node], Any], tuple[int, ...], bool] | None] = {}
+# Per canonical node type with saved arguments: which of them are no size (a dimension,
+# ``keepdim``, a flag, a name), kept in ``operations``; a view's are all sizes.
+_SIZE_FREE: dict[object, tuple[int, ...]] = {}
 
 
 def graph_structure(nodes: Iterable[Node]) -> tuple[object, ...]:
@@ -447,15 +450,18 @@ def graph_structure(nodes: Iterable[Node]) -> tuple[object, ...]:
 
 def operations(calls: Iterable[tuple[Hashable, object]], graph: tuple[object, ...]) -> Hashable:
     """A program apart from its sizes (``HooksPass.program``: the layers' calls with their
-    outputs' shapes, and ``graph_structure``): the calls in order and each node's type, which
-    a new batch size or sequence length leaves as they were and an operation added on the
-    batch (``h - h.mean(0)`` switched on by a flag or a hook) changes."""
+    outputs' shapes, and ``graph_structure``): the calls in order, and each node's type with
+    its saved arguments that are no size (``_SIZE_FREE``), which a new batch size or
+    sequence length leaves as they were and an operation added on the batch (``h -
+    h.mean(0)`` switched on by a flag or a hook) changes, or the same operation over another
+    dimension (``h.mean(0)`` for ``h.mean(-1)``) on the step the batch size changes too."""
     return (tuple(key for key, _ in calls),
-            tuple(node[0] if isinstance(node, tuple) else node for node in graph))
+            tuple((node[0], tuple(node[1][k] for k in _SIZE_FREE[node[0]]))
+                  if isinstance(node, tuple) else node for node in graph))
 
 
 def _arguments_of(node: Node) -> tuple[Callable[[Node], Any], tuple[int, ...], bool] | None:
-    names, numbers = [], []
+    names, numbers, size_free = [], [], []
     for name in dir(node):
         if not name.startswith("_saved_") or name.endswith("_strides"):
             continue
@@ -469,9 +475,14 @@ def _arguments_of(node: Node) -> tuple[Callable[[Node], Any], tuple[int, ...], b
                 isinstance(value, (tuple, list)) and value
                 and all(isinstance(v, (int, str)) for v in value))):
             continue
+        # sizes are integers; dimensions, flags and names are not sizes
+        if "dim" in name or isinstance(value, (bool, str)):
+            size_free.append(len(names))
         names.append(name)
     if not names:
         return None
+    _SIZE_FREE[_CANONICAL[type(node)]] = () if type(node).__name__ in _VIEWS else tuple(
+        size_free)
     return attrgetter(*names), tuple(numbers), len(names) == 1
 
 
