@@ -1,7 +1,10 @@
 """gns_hook on two gloo ranks: the monitor it feeds equals McCandlish et al.'s two-batch
 estimate computed by hand from the same per-rank gradients (all-gathered), for mean and sum
 losses, unequal local batches, several buckets, no_sync accumulation and GradScaler loss
-scaling; an inf step is not folded. No extra collective is involved in the hook itself."""
+scaling; an inf step is not folded. No extra collective is involved in the hook itself.
+A trunk whose .grad the loop leaves to grow (a zero_grad of the head's optimizer only) gets
+its steps skipped on every rank, not folded wrong; zeros kept by set_to_none=False change
+nothing."""
 
 from __future__ import annotations
 
@@ -57,7 +60,10 @@ def run_case(rank: int, case: str) -> dict[str, float]:
     ddp.register_comm_hook(state, gns_hook)
     reference = OnlineDiversity(100, decay=None)
     for step in range(STEPS):
-        ddp.zero_grad(set_to_none=True)
+        if case == "head":  # the head's optimizer's zero_grad: the trunk's .grad grows
+            ddp.module[2].zero_grad(set_to_none=True)
+        else:
+            ddp.zero_grad(set_to_none=case != "zeros")
         if case == "no_sync":
             parts = [batch(step, rank, b, part) for part in range(2)]
             with ddp.no_sync():
@@ -74,7 +80,7 @@ def run_case(rank: int, case: str) -> dict[str, float]:
         # by hand: this rank's mean gradient from the plain model, all ranks' via all_gather
         local = flat_grad(model, F.cross_entropy(model(x), y))
         grads, sizes = gather(local), gather(torch.tensor([float(x.shape[0])]))
-        if not all(torch.isfinite(g).all() for g in grads):
+        if not all(torch.isfinite(g).all() for g in grads) or (case == "head" and step):
             continue
         sizes = [float(s) for s in sizes]
         small = sum(float(g.square().sum()) for g in grads) / len(grads)
@@ -92,6 +98,7 @@ def run_case(rank: int, case: str) -> dict[str, float]:
                               rtol=1e-10, atol=1e-13)
     monitor = state.monitor
     return {"steps": monitor.steps, "ref_steps": reference.steps, "skipped": state.skipped,
+            "carried": state.carried,
             "m2": monitor.m2, "ref_m2": reference.m2, "cross": monitor.cross,
             "ref_cross": reference.cross, "bound": monitor.batch_bound,
             "ref_bound": reference.batch_bound}
@@ -102,7 +109,8 @@ def worker(rank: int, port: int, queue) -> None:
     # would otherwise keep the group alive past teardown (docs/torchrun-abort.md)
     init_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        out = {case: run_case(rank, case) for case in ("mean", "sum", "amp", "no_sync")}
+        out = {case: run_case(rank, case)
+               for case in ("mean", "sum", "amp", "no_sync", "head", "zeros")}
         queue.put((rank, out))
     finally:
         teardown()
@@ -113,8 +121,10 @@ def test_hook_matches_two_batch_estimate_by_hand() -> None:
     for rank, cases in results.items():
         for case, r in cases.items():
             where = f"rank {rank}, {case}"
-            assert r["steps"] == r["ref_steps"] == (STEPS - 1 if case == "amp" else STEPS), where
-            assert r["skipped"] == (1 if case == "amp" else 0), where
+            dropped = {"amp": 1, "head": STEPS - 1}.get(case, 0)  # head: all but the first
+            assert r["steps"] == r["ref_steps"] == STEPS - dropped, where
+            assert r["skipped"] == dropped, where
+            assert r["carried"] == (dropped if case == "head" else 0), where
             for key in ("m2", "cross", "bound"):
                 assert r[key] == pytest.approx(r["ref_" + key], rel=1e-9), (where, key)
     # every rank holds the same (global) estimate

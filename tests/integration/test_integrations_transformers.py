@@ -191,3 +191,25 @@ def test_needs_accumulation(tmp_path: Path) -> None:
         callbacks=[DiversityCallback()])
     with pytest.raises(BatchboundError, match="gradient_accumulation_steps"):
         trainer.train()
+
+
+class TakesAnyKeyword(Net):
+    """A forward with **kwargs, as users write it: the Trainer passes num_items_in_batch."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, **kwargs) -> dict[str, torch.Tensor]:
+        return super().forward(x, labels)
+
+
+def test_a_plain_module_taking_any_keyword_is_told_how_to_opt_out(tmp_path: Path) -> None:
+    """The refusal named a loss ("not one whose tokens DiversityCallback can count") where
+    the cause is the forward's **kwargs; the way out it names works."""
+    trainer = transformers.Trainer(model=TakesAnyKeyword(), args=arguments(tmp_path),
+                                   train_dataset=Pairs(8), callbacks=[DiversityCallback()])
+    with pytest.raises(BatchboundError, match=r"\*\*kwargs.*accepts_loss_kwargs = False"):
+        trainer.train()
+    model = TakesAnyKeyword()
+    model.accepts_loss_kwargs = False
+    callback = DiversityCallback(every=1, decay=None)
+    transformers.Trainer(model=model, args=arguments(tmp_path), train_dataset=Pairs(16),
+                         callbacks=[callback]).train()
+    assert callback.monitor.steps == 4

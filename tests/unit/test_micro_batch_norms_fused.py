@@ -120,6 +120,35 @@ def test_a_backward_outside_the_step_is_ignored() -> None:
     assert row.tolist() == pytest.approx(reference(model, data), rel=1e-12)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("zeros", [False, True])
+def test_gradients_kept_from_before_the_step_are_not_the_steps(fused: bool, zeros: bool) -> None:
+    """The optimizer over the head only, its zero_grad leaving the trunk's .grad to grow
+    (Lightning's "train the head" with the trunk still requiring grad): the trunk's A was read
+    off .grad, 89 % off the bound through the Lightning callback. With zero_grad(set_to_none=
+    False) the kept zeros change nothing. Each step equals the float64 reference, with one
+    warning that names the kept parameters."""
+    torch.manual_seed(4)
+    model = Net().double()
+    names = {id(p): name for name, p in model.named_parameters()}
+    probe = MicroBatchNorms(model.parameters(), fused=fused, names=names)
+    head = torch.optim.SGD(model.b.parameters(), lr=0.1)
+    everything = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = everything if zeros else head
+    with pytest.warns(UserWarning, match=r"a\.weight.*hold a gradient from before the step"):
+        for step in range(3):
+            optimizer.zero_grad(set_to_none=not zeros)
+            data = [(x.double(), y) for x, y in batches(10 + step, [4, 6, 5])]
+            expected = reference(model, data)
+            k = len(data)
+            for x, y in data:
+                probe.start(float(x.shape[0]), 1.0)
+                (nn.functional.cross_entropy(model(x), y) / k).backward()
+                probe.stop()
+            assert probe.record(1.0 / k, 1.0).tolist() == pytest.approx(expected, rel=1e-12)
+            optimizer.step()
+
+
 @pytest.mark.parametrize("kind", ["equal", "unequal", "tensors", "scaled"])
 def test_step_row_matches_the_window_formulas(kind: str) -> None:
     from batchbound.integrations.common import Window, step_row

@@ -176,6 +176,12 @@ def test_monitored_steps_converge_to_the_exact_measurement() -> None:
     (lambda: OnlineDiversity().update_from_norms(1.0, 1.0, 1), "batch of ≥ 2"),
     (lambda: OnlineDiversity().update_two_batch(1.0, 8, 1.0, 8), "small_size < big_size"),
     (lambda: OnlineDiversity().update_from_gradients([torch.ones(2)], [1, 2]), "one size"),
+    (lambda: OnlineDiversity().update_from_gradients([torch.ones(2)], 4), "at least 2 small"),
+    (lambda: OnlineDiversity().update_from_gradients([torch.ones(2), torch.ones(3)], 4),
+     "different lengths"),
+    (lambda: OnlineDiversity().update_from_gradients(
+        [[None, torch.ones(2)], [torch.ones(2), None]], 4), "None at different entries"),
+    (lambda: OnlineDiversity().update_from_gradients([torch.ones(2)] * 2, 0), "positive"),
     (lambda: OnlineDiversity().update(math.nan, 1.0), "non-finite"),
 ])
 def test_bad_input_is_named(make, message: str) -> None:
@@ -272,3 +278,26 @@ def test_the_interval_reaches_a_rising_bound_that_the_standard_error_misses() ->
         steady.update(1.0, 0.01)
     assert steady.batch_bound_lag == pytest.approx(0.0, abs=1e-9)  # no trend, no lag
     assert math.isnan(OnlineDiversity(decay=None).batch_bound_lag)
+
+
+def test_gradients_as_users_collect_them() -> None:
+    """``[p.grad for p in model.parameters()]`` with a frozen layer (None entries; an
+    AttributeError before), a numpy or tensor size (a TypeError before): the same numbers as
+    the gradients without the None entries; the big side summed in float64."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(3)
+    grads = [[None, torch.randn(3, generator=g), torch.randn(2, generator=g)] for _ in range(3)]
+    plain = OnlineDiversity(decay=None)
+    plain.update_from_gradients([torch.cat([a, b]) for _, a, b in grads], 4)
+    for size in (np.int64(4), torch.tensor(4)):
+        monitor = OnlineDiversity(decay=None)
+        monitor.update_from_gradients(grads, size)
+        assert monitor.to_dict() == plain.to_dict()
+    low = [torch.randn(5, generator=g).bfloat16() for _ in range(3)]
+    monitor = OnlineDiversity(decay=None)
+    monitor.update_from_gradients(low, 8)
+    exact = OnlineDiversity(decay=None)
+    exact.update_from_gradients([t.double() for t in low], 8)
+    assert monitor.m2 == pytest.approx(exact.m2, rel=1e-12)
+    assert monitor.cross == pytest.approx(exact.cross, rel=1e-12)

@@ -225,28 +225,27 @@ class OnlineDiversity:
         """From per-worker / per-micro-batch *mean* gradients over disjoint example sets.
 
         ``small_grads[k]`` is one gradient (a tensor, a list of tensors, or a name → tensor
-        dict) averaged over ``small_size[k]`` examples. ``big_grad`` defaults to their
-        size-weighted average (what an all-reduce of the workers' gradients gives), over the
-        sum of the sizes. The small side uses the mean of ‖G_k‖² over k, whose expectation is
-        C + (M2 − C)·mean_k(1/b_k).
+        dict) averaged over ``small_size[k]`` examples; None entries (``[p.grad for p in
+        model.parameters()]`` with frozen layers) are parameters with no gradient, and must
+        be the same in every gradient. ``big_grad`` defaults to their size-weighted average
+        (what an all-reduce of the workers' gradients gives, here summed in float64), over
+        the sum of the sizes. The small side uses the mean of ‖G_k‖² over k, whose
+        expectation is C + (M2 − C)·mean_k(1/b_k).
         """
-        sizes = (
-            [small_size] * len(small_grads) if isinstance(small_size, int) else list(small_size)
-        )
-        if len(small_grads) == 0 or len(sizes) != len(small_grads):
+        sizes = _sizes(small_size, len(small_grads))
+        if big_grad is None and len(small_grads) < 2:
             raise BatchboundError(
-                f"need one size per small gradient, got {len(small_grads)} gradients and "
-                f"{len(sizes)} sizes"
-            )
-        flats = [_flat(g) for g in small_grads]
+                f"need at least 2 small gradients without big_grad, got {len(small_grads)}: "
+                "their average is the big one, equal to a single small one")
+        flats = _flats([*small_grads, *([] if big_grad is None else [big_grad])])
         if big_grad is None:
             total = sum(sizes)
-            big = sum(b * f for b, f in zip(sizes, flats, strict=True)) / total
+            big = sum(b * f.double() for b, f in zip(sizes, flats, strict=True)) / total
             big_size = total
         else:
             if big_size is None:
                 raise BatchboundError("big_size is needed with big_grad")
-            big = _flat(big_grad)
+            big = flats.pop()
         small_sq = sum(float(f.double().square().sum()) for f in flats) / len(flats)
         harmonic = len(sizes) / sum(1.0 / b for b in sizes)
         self.update_two_batch(small_sq, harmonic, float(big.double().square().sum()), big_size)
@@ -371,10 +370,44 @@ class OnlineDiversity:
         self._fast = {key: float(fast[key]) for key in _FAST}
 
 
-def _flat(grad: GradientLike) -> Tensor:
+def _flat(grad: GradientLike) -> tuple[Tensor, tuple[int, ...]]:
+    """One vector of a gradient's entries, None ones left out, and the positions of those."""
     if isinstance(grad, Tensor):
-        return grad.detach().reshape(-1)
+        return grad.detach().reshape(-1), ()
     values = list(grad.values()) if isinstance(grad, Mapping) else list(grad)
-    if not values:
-        raise BatchboundError("an empty gradient was given")
-    return torch.cat([v.detach().reshape(-1) for v in values])
+    kept = [v for v in values if v is not None]
+    if not kept:
+        raise BatchboundError("an empty gradient was given (no entry, or every entry None)")
+    if not all(isinstance(v, Tensor) for v in kept):
+        raise BatchboundError("a gradient's entries must be tensors (or None)")
+    return (torch.cat([v.detach().reshape(-1) for v in kept]),
+            tuple(k for k, v in enumerate(values) if v is None))
+
+
+def _flats(grads: Sequence[GradientLike]) -> list[Tensor]:
+    """The gradients flattened, all of one length and with None at the same entries."""
+    flats = [_flat(g) for g in grads]
+    sizes = sorted({f.numel() for f, _ in flats})
+    if len(sizes) > 1:
+        raise BatchboundError(f"the gradients have different lengths: {sizes}")
+    if any(nones != flats[0][1] for _, nones in flats):
+        raise BatchboundError("the gradients have None at different entries (a parameter "
+                              "with no gradient in some and not in others)")
+    return [f for f, _ in flats]
+
+
+def _sizes(small_size: int | Sequence[int], count: int) -> list[float]:
+    """One positive size per small gradient."""
+    many = isinstance(small_size, Sequence) or (
+        isinstance(small_size, Tensor) and small_size.dim() > 0)
+    given = list(small_size) if many else [small_size] * count  # type: ignore[arg-type]
+    if count == 0 or len(given) != count:
+        raise BatchboundError(
+            f"need one size per small gradient, got {count} gradients and {len(given)} sizes")
+    try:  # a Python, numpy or 0-dim tensor number
+        sizes = [float(b) for b in given]
+    except (TypeError, ValueError):
+        raise BatchboundError(f"small sizes must be numbers, got {given!r}") from None
+    if not all(math.isfinite(b) and b > 0 for b in sizes):
+        raise BatchboundError(f"small sizes must be positive, got {sizes}")
+    return sizes

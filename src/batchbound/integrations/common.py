@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 import math
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from batchbound.diversity.online import OnlineDiversity
-from batchbound.errors import BatchboundError
+from batchbound.errors import BatchboundError, warn
 
 PREFIX = "gradient_diversity/"
 REDUCTIONS = ("mean", "sum")
@@ -212,7 +212,7 @@ class MicroBatchNorms:
       backward pass (an autograd final callback, before any framework code runs) one
       multi-tensor norm over the held gradients and the ``.grad`` fields gives ‖h_j‖² and
       ‖A_j‖², and the step's ‖A‖² is the last micro-batch's ‖A_j‖² (by the identity above,
-      with ``.grad`` zeroed before the step, as the trainers do). A parameter with no
+      with ``.grad`` cleared before the step, as the trainers do). A parameter with no
       ``.grad`` yet needs no reference: its h_j is what ``.grad`` then holds. Held gradients
       past ``STASH_BYTES`` are reduced early. A backward pass that runs other backward passes
       inside it (reentrant checkpointing), or two in one micro-batch, is seen by the graph
@@ -221,13 +221,22 @@ class MicroBatchNorms:
       already holds, per parameter in its hook; under DDP with bucket views ``.grad`` may be
       rewritten by the all-reduce while the backward runs, so the integrations use it there.
 
+    A parameter whose ``.grad`` holds something when the step's backward first reaches the
+    model (the trainer's ``zero_grad`` did not clear it: it is outside the optimizer, or
+    zeroed with ``set_to_none=False``) is *carried*: its A is summed here from its h_j, as
+    ``.grad`` would hold it from None, never read off ``.grad`` (a backbone left out of the
+    optimizer grows its ``.grad`` step after step: read as A, the bound was 89 % off). That
+    costs a copy of those gradients during the step, said once in a warning.
+
     ``start(size, weight)`` opens a micro-batch and ``stop()`` closes it; ``record(c, S)``
     turns the step's micro-batches into a StepRecords row (None with fewer than two)."""
 
-    def __init__(self, params: Iterable[nn.Parameter], *, fused: bool = True) -> None:
+    def __init__(self, params: Iterable[nn.Parameter], *, fused: bool = True,
+                 names: Mapping[int, str] | None = None) -> None:
         self.window = Window()
         self.fused = fused
         self._all = list(params)
+        self._names = dict(names or {})  # parameter id -> name, for the warning
         self.params = [p for p in self._all if p.requires_grad]
         self._norms: list[Tensor] = []  # this micro-batch: ‖h‖ per parameter
         self._dots: list[Tensor] = []  # this step: ⟨A_{j−1}, h_j⟩ per parameter and j
@@ -244,6 +253,11 @@ class MicroBatchNorms:
         self._accumulated: Tensor | None = None
         self._broken = False  # this step saw nested or repeated backward passes
         self._mixed = False  # which parameters train changed within this step
+        # this step's carried parameters (ids; None until its backward first reaches one)
+        # and their A summed so far
+        self._carried: set[int] | None = None
+        self._own: dict[int, Tensor] = {}
+        self._warned = False
         self._handles: list[RemovableHandle] = [
             p.register_hook(self._hook_for(p)) for p in self.params
         ]
@@ -275,6 +289,11 @@ class MicroBatchNorms:
                                       "supported by the diversity callbacks")
             if not self._open:
                 return  # a backward outside the training step the callback follows
+            if self._carried is None:  # no .grad has changed in this step yet
+                self._find_carried()
+            if id(param) in self._carried:  # type: ignore[operator]
+                self._carry(param, grad, acc)
+                return
             if self.fused:
                 self._hold(param, grad)
                 return
@@ -287,19 +306,60 @@ class MicroBatchNorms:
 
         return hook
 
+    def _find_carried(self) -> None:
+        carried = [(self._names.get(id(p), f"parameter {k}"), p)
+                   for k, p in enumerate(self.params) if p.grad is not None]
+        self._carried = {id(p) for _, p in carried}
+        if carried and not self._warned:
+            self._warned = True
+            size = sum(p.numel() * p.element_size() for _, p in carried) / 2**20
+            names = ", ".join(name for name, _ in carried[:3])
+            warn(f"batchbound: {len(carried)} trainable parameters ({names}"
+                 f"{' …' if len(carried) > 3 else ''}) hold a gradient from before the step "
+                 "(the optimizer's zero_grad does not clear them: not in the optimizer, or "
+                 "set_to_none=False): the diversity callback sums their step's gradient "
+                 f"itself, holding a copy ({size:.1f} MiB) during each step; freeze them "
+                 "(requires_grad=False) or clear their .grad to save it")
+
+    def _carry(self, param: nn.Parameter, grad: Tensor, acc: torch.dtype) -> None:
+        """A carried parameter's h_j: its norm, its dot with A_{j−1} (the exact way), and
+        A_j = A_{j−1} + h_j kept here (fused: normed with the others at the backward's
+        end)."""
+        held = self._own.get(id(param))
+        with torch.no_grad():
+            if self.fused:
+                self._hold_fused(grad)
+            else:
+                self._norms.append(torch.linalg.vector_norm(grad, dtype=acc))
+                if held is not None:
+                    self._dots.append(torch.dot(held.reshape(-1).to(acc),
+                                                grad.reshape(-1).to(acc)))
+            self._own[id(param)] = grad if held is None else held + grad
+
     # ------------------------------------------------------------------ fused
 
     def _hold(self, param: nn.Parameter, grad: Tensor) -> None:
-        task = torch._C._current_graph_task_id()
-        self._tasks.add(task)
+        if param.grad is None:
+            if self._task_seen():
+                self._fresh.append(param)
+            return
+        self._hold_fused(grad)
+
+    def _task_seen(self) -> bool:
+        """This hook's backward pass noted (its end queued); False where it is a second one
+        in the micro-batch (the step is then dropped)."""
+        self._tasks.add(torch._C._current_graph_task_id())
         if len(self._tasks) > 1:  # nested or repeated backward passes: not one A_j to read
             self._broken = True
-            return
+            return False
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
-        if param.grad is None:
-            self._fresh.append(param)
+        return True
+
+    def _hold_fused(self, grad: Tensor) -> None:
+        """h_j held, to be normed at the backward's end."""
+        if not self._task_seen():
             return
         self._held.append(grad)
         self._held_bytes += grad.numel() * grad.element_size()
@@ -312,8 +372,9 @@ class MicroBatchNorms:
         if self._broken:
             return
         fresh = [p.grad for p in self._fresh if p.grad is not None]
-        seen = {id(p) for p in self._fresh}
+        seen = {id(p) for p in self._fresh} | (self._carried or set())
         others = [p.grad for p in self.params if p.grad is not None and id(p) not in seen]
+        others += self._own.values()  # the carried parameters' A_j, summed here
         tensors = [*fresh, *others, *self._held]
         if not tensors:
             return
@@ -355,6 +416,7 @@ class MicroBatchNorms:
         self.stop()
         window, micro, dots, accumulated = self.window, self._micro, self._dots, self._accumulated
         self.window, self._micro, self._dots, self._accumulated = Window(), [], [], None
+        self._carried, self._own = None, {}
         if self._broken:  # this step's numbers cannot be trusted: drop it, go the exact way
             self._broken, self.fused = False, False
             return None

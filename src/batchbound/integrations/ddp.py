@@ -21,6 +21,16 @@ one norm per bucket on each side and one all-reduce of four numbers per step.
 its backward is over; steps with non-finite gradients (the ones a GradScaler skips) are never
 folded and are counted in ``state.skipped``.
 
+**Gradients kept from before a step.** DDP reduces what ``.grad`` holds, so a parameter whose
+``.grad`` the loop's ``zero_grad`` leaves as it was (a trainable parameter outside the
+optimizer) puts the earlier steps' gradient into the step's: the estimate would be wrong (an
+outside review measured 89 % on the bound through the Lightning callback). The hook reads, as
+each step's first backward reaches a parameter, whether its ``.grad`` holds a non-zero value
+(on the device, no sync); such a step is not folded, on every rank, and is counted in
+``state.skipped`` and ``state.carried``, with a warning once. (Zeros kept by
+``zero_grad(set_to_none=False)`` change nothing and count as cleared.) The hook sees the
+parameters from its first call on, so the first step is not checked so.
+
 **Units.** ``local_batch_size`` is the number of examples behind the gradient DDP reduces on
 this rank, and ``reduction`` says how that gradient combines them: ``"mean"`` when the loss
 that was backpropagated is their mean (divided by the accumulation steps too, as with
@@ -40,12 +50,14 @@ Needs P ≥ 2 ranks, float32 or float64 gradient buckets, and a DDP without anot
 
 # No ``from __future__ import annotations``: DDP's register_comm_hook inspects the hook's
 # annotations and wants the real dist.GradBucket and Future types, not strings.
+import math
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from batchbound.diversity.online import OnlineDiversity
-from batchbound.errors import BatchboundError
+from batchbound.errors import BatchboundError, warn
 from batchbound.integrations.common import (
     REDUCTIONS,
     Number,
@@ -86,19 +98,86 @@ class GNSHookState:
         self._small: Tensor | None = None  # the step's four means, once reduced
         self._scale: Number = 1.0
         self._extras: tuple[tuple, Tensor] | None = None
+        # Gradients kept from before a step (module docstring): the parameters hooked, whether
+        # the next backward is a step's first, this step's Σ‖.grad‖² as its first backward
+        # reached them (None: every .grad was None), and past steps' sums, read with the monitor
+        self._hooked: set[int] = set()
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._first_backward = True
+        self._queued = False  # this backward's end is queued (``_backward_ended``)
+        self._ended = False  # the step ended in this backward
+        self._kept: Tensor | None = None
+        self._kept_steps: list[Tensor] = []
+        self.carried = 0  # steps not folded for gradients kept from before them
 
     @property
     def monitor(self) -> OnlineDiversity:
         """The estimator, with every finished step folded in."""
         self._collect()
+        self._count_carried()
         return self.records.fold()
 
     @property
     def skipped(self) -> int:
-        """Steps not folded because their gradients were not finite (AMP-skipped steps)."""
+        """Steps not folded because their gradients were not finite (AMP-skipped steps), or
+        held gradients kept from before the step (``carried``)."""
         self._collect()
+        self._count_carried()
         self.records.fold()
         return self.records.skipped
+
+    # ------------------------------------------------------ gradients kept from before
+
+    def follow(self, parameters: list[Tensor]) -> None:
+        """Hook the bucket's parameters not hooked yet."""
+        for p in parameters:
+            if id(p) not in self._hooked and p.requires_grad:
+                self._hooked.add(id(p))
+                self._handles.append(p.register_hook(self._kept_hook(p)))
+
+    def _kept_hook(self, param: Tensor):  # type: ignore[no-untyped-def]
+        def hook(grad: Tensor) -> None:
+            if not self._queued:
+                self._queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+            if not self._first_backward:
+                return
+            kept = param.grad
+            if kept is not None:  # before this backward adds to it
+                with torch.no_grad():
+                    sq = torch.linalg.vector_norm(kept, dtype=torch.float64).square()
+                    self._kept = sq if self._kept is None else self._kept + sq
+
+        return hook
+
+    def _backward_ended(self) -> None:
+        """The next backward is a step's first where this one ended the step."""
+        self._first_backward, self._ended, self._queued = self._ended, False, False
+
+    def refuse_kept(self, own: Tensor) -> Tensor:
+        """``own`` as NaN where this step's parameters held a non-zero gradient from before it
+        (all-reduced, the step is then skipped on every rank); on the device."""
+        kept, self._kept = self._kept, None
+        if self._queued:  # after the step's last backward, ``_backward_ended`` opens the next
+            self._ended = True
+        else:  # no hooked parameter in this backward (the first step: hooked from now on)
+            self._first_backward = True
+        if kept is None:
+            return own
+        self._kept_steps.append(kept)
+        return torch.where(kept > 0, torch.full_like(own, math.nan), own)
+
+    def _count_carried(self) -> None:
+        if not self._kept_steps:
+            return
+        found = sum(v > 0 for v in torch.stack(self._kept_steps).tolist())
+        self._kept_steps = []
+        if found and not self.carried:
+            warn("batchbound: gns_hook: trainable parameters held a gradient from before the "
+                 "step (zero_grad does not clear a parameter outside the optimizer), which "
+                 "DDP reduced with the step's own: those steps are skipped; freeze such "
+                 "parameters (requires_grad=False) or clear their .grad")
+        self.carried += found
 
     def set_window(self, total_weight: Number, effective_size: Number) -> None:
         """For framework callbacks that follow micro-batches: this rank's gradient is
@@ -193,6 +272,7 @@ def gns_hook(state: GNSHookState, bucket: dist.GradBucket) -> torch.futures.Futu
     if buffer.dtype not in (torch.float32, torch.float64):
         raise BatchboundError(f"gns_hook needs float32 or float64 gradient buckets, got "
                               f"{buffer.dtype}: train with autocast (float32 parameters) instead")
+    state.follow(bucket.parameters())
     if bucket.index() == 0:  # DDP reduces buckets in index order: a new step begins
         state.end_step()
         state._scale = loss_scale_of(state.loss_scale, buffer.device)
@@ -212,7 +292,7 @@ def gns_hook(state: GNSHookState, bucket: dist.GradBucket) -> torch.futures.Futu
         return averaged
     weight, size = state.window()
     scaled = state._scale * weight
-    own = (state._local / (scaled * scaled) / state.world_size).reshape(1)
+    own = state.refuse_kept((state._local / (scaled * scaled) / state.world_size).reshape(1))
     small = torch.cat([own, state.extras(weight, size, buffer.device)])
     state._small = small  # reduced in place; read once DDP has waited for this future
     described = dist.all_reduce(small, group=group, async_op=True).get_future()

@@ -114,7 +114,8 @@ class DiversityCallback(L.Callback):
                                       "so drop the strategy's ddp_comm_hook") from exc
             self._records, self.mode = self._hook_state.records, "ddp"
         elif trainer.accumulate_grad_batches >= 2:
-            self._norms = MicroBatchNorms(pl_module.parameters())
+            self._norms = MicroBatchNorms(pl_module.parameters(), names={
+                id(p): name for name, p in pl_module.named_parameters()})
             self._records, self.mode = StepRecords(self.monitor), "accumulation"
         else:
             raise BatchboundError(

@@ -160,7 +160,8 @@ class DiversityCallback(transformers.TrainerCallback):
         self._records = StepRecords(self.monitor)
         # Under DDP the all-reduce may rewrite .grad (bucket views) while backward runs: there
         # the hooks take their norms and dots as the gradients arrive (MicroBatchNorms).
-        self._norms = MicroBatchNorms(model.parameters(), fused=self._world == 1)
+        self._norms = MicroBatchNorms(model.parameters(), fused=self._world == 1, names={
+            id(p): name for name, p in model.named_parameters()})
         self._device = next(model.parameters()).device
         self._forward = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         self._scaler = getattr(optimizer, "scaler", None)
@@ -202,6 +203,14 @@ class DiversityCallback(transformers.TrainerCallback):
         loss = getattr(module, "loss_function", None)
         self._token_rule = next((rule for rule, known in _TOKEN_LOSSES.items()
                                  if any(loss is fn for fn in known)), None)
+        if self._token_rule is None and loss is None:  # a plain module: its **kwargs
+            raise BatchboundError(
+                f"the Trainer passes num_items_in_batch to {type(module).__name__}, whose "
+                "forward takes **kwargs (the Trainer then leaves the loss undivided by the "
+                "accumulation steps, for the model to divide by the batch's items), and the "
+                "model has no Hugging Face loss_function whose items DiversityCallback can "
+                "count; set model.accepts_loss_kwargs = False (or drop **kwargs from its "
+                "forward) for a loss that is its micro-batch's mean")
         if self._token_rule is None:
             raise BatchboundError(
                 f"the model takes num_items_in_batch, but its loss "
