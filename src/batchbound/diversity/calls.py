@@ -13,6 +13,7 @@ activation checkpointing reruns during the backward pass are not new calls.
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -36,6 +37,18 @@ class Output:
     index: int  # its output_nr on that node
     shape: torch.Size
     dtype: torch.dtype = torch.float32  # the precision the call computed it in
+    # the tensor itself, while it lives: an in-place write after the call to an output that
+    # is a view (a Linear's on 3-d input) moves its history off ``node`` (``rebased``)
+    tensor: weakref.ref[Tensor] | None = None
+
+    def rebased(self, reached: Callable[[Node], bool]) -> bool:
+        """The output's gradient flows into the backward pass past ``node``, which it no
+        longer reaches: the output was written in place after the call, and autograd gave
+        it a new history (a view's: ``CopySlices`` on its base)."""
+        live = self.tensor() if self.tensor is not None else None
+        now = live.grad_fn if live is not None else None
+        return (self.node is not None and now is not None and now is not self.node
+                and not reached(self.node) and reached(now))
 
 
 @dataclass
@@ -240,7 +253,7 @@ class CallRecorder:
             }
             outputs = [
                 Output(leaf.grad_fn if leaf.requires_grad else None, leaf.output_nr, leaf.shape,
-                       leaf.dtype)
+                       leaf.dtype, weakref.ref(leaf))
                 for leaf in flatten(output)
                 if isinstance(leaf, Tensor)
             ]

@@ -315,8 +315,21 @@ class HooksPass:
         owners: defaultdict[Node, list[CallRecord]] = defaultdict(list)
         why: dict[tuple[str, int], str] = {}
         feeding = self.rows.feeding_moves() if self.rows is not None else set()
+        tops = set(roots)
+
+        def reached(node: Node) -> bool:
+            return node in users or node in tops
+
         for call in self.recorder.calls:
             reason = self._call_reason(call, users)
+            nodes_out = [o.node for o in call.outputs if o.node is not None]
+            # every output off the backward pass: unused (then no parameter of it is reached,
+            # and this says nothing), or rebased by an in-place write, its tensor gone
+            if reason is None and ((nodes_out and not any(map(reached, nodes_out)))
+                                   or any(o.rebased(reached) for o in call.outputs)):
+                reason = ("its output was written in place after the call (an output that is a "
+                          "view, such as a Linear's on a 3-d input, then takes a new history: "
+                          "its gradient no longer passes the layer's own operation)")
             if reason is None and feeding and any(o.node in feeding for o in call.outputs):
                 reason = (f"its output's rows are then moved by the data (by "
                           f"{self.rows.moved_by}), so they stop being the examples' own")
