@@ -464,14 +464,29 @@ def coupling_outputs(model: nn.Module, x: Tensor, fixed: frozenset[int] = frozen
 
 
 def deterministic(model: nn.Module, x: Tensor, random_only: bool = False) -> bool:
-    """Whether two forward passes under different random seeds give the same outputs;
-    ``random_only``: from the same buffers (one its forward updates differs not)."""
-    outputs = []
+    """Whether two forward passes under different random seeds give the same outputs, and
+    draw no numbers from torch's generators; ``random_only``: from the same buffers (one its
+    forward updates differs not). Drawing counts whatever the outputs: a layer dropped with
+    probability 0.05 (M2M100's layerdrop) is dropped in neither of two passes most times,
+    and was then taken as deterministic, its examples' losses alone then said to differ
+    because they interact."""
+    outputs, drew = [], False
     for seed in (1, 2):
         with buffers_kept(model) if random_only else nullcontext():
             torch.manual_seed(seed)
+            before = _generator_states()
             outputs.append(_leaves(model, x))
-    return all(torch.equal(a, b) for a, b in zip(*outputs, strict=True))
+            drew = drew or any(not torch.equal(a, b) for a, b in zip(
+                before, _generator_states(), strict=True))
+    return not drew and all(torch.equal(a, b) for a, b in zip(*outputs, strict=True))
+
+
+def _generator_states() -> list[Tensor]:
+    """torch's default generators' states: the CPU's, and each started CUDA device's."""
+    states = [torch.random.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += torch.cuda.get_rng_state_all()
+    return states
 
 
 def _leaves(model: nn.Module, x: Tensor) -> list[Tensor]:
