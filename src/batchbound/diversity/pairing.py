@@ -294,24 +294,41 @@ def _examples_rows(op: Op, large: list[Op], k: int | None, lo: int, hi: int) -> 
 
 def _matched(small: list[Op], large: list[Op], window: int = 64) -> dict[int, int]:
     """Each operation of the small run with its counterpart in the large one (by index):
-    in order, and where the paths part (an expert that gets no token at one size), from the
-    nearest place where three operations in a row agree again, within ``window`` of each
-    (linear in the number of operations)."""
+    in order, and where the paths part (an expert that gets no token at one size, a padding
+    mask made at one size alone), from the nearest place where three operations in a row
+    agree again, within ``window`` of each (linear in the number of operations). The large
+    run's examples hold the small one's, so no size shrinks from one to its counterpart:
+    the same operation with a smaller output (``arange(3)`` for a mask beside ``arange(8)``
+    for MPNet's position bias) is a parting, matched so only where no agreement follows."""
     a, b = [op.func for op in small], [op.func for op in large]
     matched: dict[int, int] = {}
     i = j = 0
     while i < len(a) and j < len(b):
-        if a[i] is b[j]:
+        if a[i] is b[j] and _fits(small[i], large[j]):
             matched[i] = j
             i, j = i + 1, j + 1
             continue
         found = next(((p, d - p) for d in range(1, 2 * window - 1)
                       for p in range(max(0, d - window + 1), min(d, window - 1) + 1)
-                      if a[i + p: i + p + 3] == b[j + d - p: j + d - p + 3] != []), None)
+                      if a[i + p: i + p + 3] == b[j + d - p: j + d - p + 3] != []
+                      and all(_fits(small[i + p + k], large[j + d - p + k]) for k in range(
+                          len(a[i + p: i + p + 3])))), None)
+        if found is None and a[i] is b[j]:  # no agreement ahead: by the operation alone
+            matched[i] = j
+            i, j = i + 1, j + 1
+            continue
         if found is None:
             break  # the rest unmatched: each changes where what it reads does
         i, j = i + found[0], j + found[1]
     return matched
+
+
+def _fits(small: Op, large: Op) -> bool:
+    """Whether ``large``'s outputs can be ``small``'s at more examples: the same ranks, no
+    size smaller."""
+    return len(small.shapes) == len(large.shapes) and all(
+        len(s) == len(t) and all(u <= v for u, v in zip(s, t, strict=True))
+        for s, t in zip(small.shapes, large.shapes, strict=True))
 
 
 def _grown(s: int, t: int, lo: int, hi: int) -> tuple[int, int] | None:
