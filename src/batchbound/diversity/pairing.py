@@ -262,11 +262,15 @@ def joining(small: list[Op], large: list[Op], sizes: tuple[int, int],
         # an empty output (an expert no token reached, at both sizes) holds nothing
         batch.append(not changed and any(map(all, op.shapes)) and (read_changing or any(
             j != GIVEN and batch[j] for j in reads)))
+        # the examples' rows it reads itself at both sizes: a packed RNN's step reads the
+        # whole last state at 2 examples, and at 3 the rows of it still running, taken by
+        # a narrow first (some examples' rows, as a view takes them: not combined)
+        both = {j for j in reads if j == GIVEN or matched.get(j) in other.reads}
         over.append(batch[-1] and (
             any(j != GIVEN and batch[j] and over[j] for j in reads)
             or (not _selects(op.func) and any(
                 j == GIVEN or _examples_rows(small[j], large, matched.get(j), lo, hi)
-                for j in reads))))
+                for j in both))))
     return Joined()
 
 
