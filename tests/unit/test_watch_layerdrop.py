@@ -60,3 +60,29 @@ def test_a_layer_dropped_now_and_then_is_measured(p: float) -> None:
             F.cross_entropy(model(x), y).backward()
         assert monitor.last is not None
         assert monitor.last[0] == pytest.approx(expected, rel=1e-9), step
+
+
+class SeedsItself(nn.Module):
+    """A forward that seeds torch's generator itself before it draws (Reformer's fixed hash
+    seed, after its reversible layers' ``default_generator.seed()``): it draws, but no
+    seed given to it changes what it computes; deterministic, as before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.default_generator.seed()  # from the system's entropy
+        torch.manual_seed(7)
+        rotation = torch.randn(8, 8, dtype=x.dtype)
+        return self.c(torch.tanh(self.a(x)) @ rotation)
+
+
+def test_a_forward_that_seeds_itself_is_deterministic() -> None:
+    from batchbound.diversity.rule_check import deterministic
+
+    torch.manual_seed(0)
+    model = SeedsItself().double().train()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    assert deterministic(model, x)
+    assert not deterministic(LayerDrop(0.05).double().train(), x)

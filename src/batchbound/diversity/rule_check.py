@@ -465,20 +465,32 @@ def coupling_outputs(model: nn.Module, x: Tensor, fixed: frozenset[int] = frozen
 
 def deterministic(model: nn.Module, x: Tensor, random_only: bool = False) -> bool:
     """Whether two forward passes under different random seeds give the same outputs, and
-    draw no numbers from torch's generators; ``random_only``: from the same buffers (one its
-    forward updates differs not). Drawing counts whatever the outputs: a layer dropped with
-    probability 0.05 (M2M100's layerdrop) is dropped in neither of two passes most times,
+    draw no numbers from torch's generators that the seed decides; ``random_only``: from
+    the same buffers (one its forward updates differs not). A layer dropped with
+    probability 0.05 (M2M100's LayerDrop) is dropped in neither of two passes most times,
     and was then taken as deterministic, its examples' losses alone then said to differ
-    because they interact."""
-    outputs, drew = [], False
-    for seed in (1, 2):
+    because they interact. Draws the seed does not decide are left to the outputs: a
+    forward that seeds the generator itself, with a fixed seed or from the system's entropy
+    (Reformer's hash seed, its reversible layers' ``default_generator.seed()``)."""
+
+    def run(seed: int) -> tuple[list[Tensor], bool, list[Tensor]]:
         with buffers_kept(model) if random_only else nullcontext():
             torch.manual_seed(seed)
             before = _generator_states()
-            outputs.append(_leaves(model, x))
-            drew = drew or any(not torch.equal(a, b) for a, b in zip(
-                before, _generator_states(), strict=True))
-    return not drew and all(torch.equal(a, b) for a, b in zip(*outputs, strict=True))
+            outputs = _leaves(model, x)
+            after = _generator_states()
+        return outputs, not _same(before, after), after
+
+    (one, drew_one, after_one), (two, drew_two, after_two) = run(1), run(2)
+    if not all(torch.equal(a, b) for a, b in zip(one, two, strict=True)):
+        return False
+    if not (drew_one and drew_two) or _same(after_one, after_two):
+        return True
+    return not _same(after_one, run(1)[2])  # the same seed, the same draws: the seed's
+
+
+def _same(a: list[Tensor], b: list[Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
 
 
 def _generator_states() -> list[Tensor]:
