@@ -182,6 +182,9 @@ def test_accumulation_converges_to_exact_batch_bound() -> None:
     exact = measure(model.net, dataset.tensors, "cross_entropy", dtype=torch.float64)
     monitor = callback.monitor
     assert monitor.steps == 25 * n // 64
+    # the final estimate, though the run's 100 steps end 0 steps after its last log; and a
+    # run shorter than ``every`` (which logs nothing) still leaves it in ``metrics``
+    assert callback.metrics["gradient_diversity/batch_bound"] == monitor.batch_bound
     assert abs(monitor.batch_bound - exact.batch_bound) < 4 * monitor.batch_bound_se
     assert monitor.batch_bound_se < 0.2 * exact.batch_bound
 
@@ -257,3 +260,13 @@ def test_ddp_spawn_matches_hand_two_batch(tmp_path: Path) -> None:
     exact = measure(net, dataset.tensors, "cross_entropy", dtype=torch.float64)
     assert abs(bound - exact.batch_bound) < 4 * se
     assert last["gradient_diversity/diversity"] == pytest.approx(bound / n, rel=1e-6)
+
+
+def test_a_run_shorter_than_every_leaves_its_estimate_in_metrics() -> None:
+    """An outside review: ten steps under the default every=50 logged nothing, and
+    ``metrics`` stayed empty while the monitor held ten steps."""
+    callback = DiversityCallback(decay=None)
+    trainer(accumulate_grad_batches=2, max_steps=10, precision="64-true", callbacks=[callback]).fit(
+        Classifier(), DataLoader(data(80), batch_size=4))
+    assert callback.monitor.steps == 10
+    assert callback.metrics["gradient_diversity/batch_bound"] == callback.monitor.batch_bound

@@ -213,3 +213,11 @@ def test_a_plain_module_taking_any_keyword_is_told_how_to_opt_out(tmp_path: Path
     transformers.Trainer(model=model, args=arguments(tmp_path), train_dataset=Pairs(16),
                          callbacks=[callback]).train()
     assert callback.monitor.steps == 4
+
+
+def test_a_run_shorter_than_every_leaves_its_estimate_in_metrics(tmp_path: Path) -> None:
+    callback = DiversityCallback(decay=None)  # every=50, over 4 steps: nothing logged
+    transformers.Trainer(model=Net(), args=arguments(tmp_path), train_dataset=Pairs(16),
+                         callbacks=[callback]).train()
+    assert callback.monitor.steps == 4
+    assert callback.metrics[PREFIX + "batch_bound"] == callback.monitor.batch_bound

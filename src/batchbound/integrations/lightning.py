@@ -59,7 +59,8 @@ L = require("lightning.pytorch", "lightning")
 class DiversityCallback(L.Callback):
     """Logs ``gradient_diversity/{batch_bound,noise_scale,diversity}`` and their ``_se``
     every ``every`` optimizer steps; ``monitor`` is the OnlineDiversity behind them and
-    ``metrics`` the last values logged."""
+    ``metrics`` the last values logged, and after training the final ones (also for a run
+    shorter than ``every``, which logs none)."""
 
     def __init__(
         self,
@@ -175,8 +176,8 @@ class DiversityCallback(L.Callback):
     # ------------------------------------------------------------------ the end
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._records is not None:
-            self._records.fold()
+        if self._records is not None:  # the final estimate in ``metrics``, logged or not
+            self.metrics = diversity_metrics(self._records.fold())  # (a run under ``every``)
         self._remove()
 
     def on_exception(

@@ -88,7 +88,8 @@ _TOKEN_LOSSES = {
 class DiversityCallback(transformers.TrainerCallback):
     """Adds ``gradient_diversity/{batch_bound,noise_scale,diversity}`` and their ``_se`` to the
     Trainer's logs every ``every`` optimizer steps; ``monitor`` is the OnlineDiversity behind
-    them and ``metrics`` the last values."""
+    them and ``metrics`` the last values, and after training the final ones (also for a run
+    shorter than ``every``, which logs none)."""
 
     def __init__(
         self,
@@ -290,9 +291,9 @@ class DiversityCallback(transformers.TrainerCallback):
     # ------------------------------------------------------------------ the end
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._records is not None:
+        if self._records is not None:  # the final estimate in ``metrics``, logged or not
             self._check_probe()
-            self._records.fold()
+            self.metrics = diversity_metrics(self._records.fold())
         if self._norms is not None:
             self._norms.remove()
             self._norms = None
