@@ -290,7 +290,7 @@ def test_gradients_as_users_collect_them() -> None:
     grads = [[None, torch.randn(3, generator=g), torch.randn(2, generator=g)] for _ in range(3)]
     plain = OnlineDiversity(decay=None)
     plain.update_from_gradients([torch.cat([a, b]) for _, a, b in grads], 4)
-    for size in (np.int64(4), torch.tensor(4)):
+    for size in (np.int64(4), torch.tensor(4), np.array([4, 4, 4])):
         monitor = OnlineDiversity(decay=None)
         monitor.update_from_gradients(grads, size)
         assert monitor.to_dict() == plain.to_dict()

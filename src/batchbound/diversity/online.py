@@ -398,8 +398,8 @@ def _flats(grads: Sequence[GradientLike]) -> list[Tensor]:
 
 def _sizes(small_size: int | Sequence[int], count: int) -> list[float]:
     """One positive size per small gradient."""
-    many = isinstance(small_size, Sequence) or (
-        isinstance(small_size, Tensor) and small_size.dim() > 0)
+    # a list, a numpy array or a tensor of sizes; a 0-dim one is one size for every gradient
+    many = isinstance(small_size, Sequence) or getattr(small_size, "ndim", 0) > 0
     given = list(small_size) if many else [small_size] * count  # type: ignore[arg-type]
     if count == 0 or len(given) != count:
         raise BatchboundError(

@@ -315,8 +315,8 @@ def _matched(small: list[Op], large: list[Op], window: int = 64) -> dict[int, in
         found = next(((p, d - p) for d in range(1, 2 * window - 1)
                       for p in range(max(0, d - window + 1), min(d, window - 1) + 1)
                       if a[i + p: i + p + 3] == b[j + d - p: j + d - p + 3] != []
-                      and all(_fits(small[i + p + k], large[j + d - p + k]) for k in range(
-                          len(a[i + p: i + p + 3])))), None)
+                      and all(map(_fits, small[i + p: i + p + 3],
+                                  large[j + d - p: j + d - p + 3]))), None)
         if found is None and a[i] is b[j]:  # no agreement ahead: by the operation alone
             matched[i] = j
             i, j = i + 1, j + 1
