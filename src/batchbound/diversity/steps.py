@@ -925,11 +925,20 @@ UNACCOUNTED = ("it gets a gradient that no operation in the autograd graph accou
 REFUSED = (LOSS_USE_IN_WATCH,)
 
 
+# An output entry this large stands for a masked one (``masked_fill(~mask, finfo.min)``):
+# the stand-in loss leaves it out, as its square would overflow float32
+_MASKED = 1e15
+
+
 def _stand_in_loss(outputs: Any, targets: Tensor, fixed: frozenset[int] = frozenset()
                    ) -> Tensor:
     """Per example: Σ_k ⟨output_k,i, r_k⟩ + ‖output_k,i‖²/2 over the outputs that hold the
     examples along dim 0, for fixed random r_k (the same on every call); not the ``fixed``
-    outputs, whose shape does not follow the number of examples (``output_kinds``)."""
+    outputs, whose shape does not follow the number of examples (``output_kinds``).
+
+    Computed in float32 at least (outputs of a few hundred square past float16's 65504), and
+    without the entries that are not finite or lie beyond ``_MASKED`` (logits masked with
+    ``finfo.min`` or ``-inf``, whose square overflows): they get no gradient from it."""
     n, total = targets.shape[0], None
     generator = torch.Generator().manual_seed(0)
     tensors = [t for t in flatten(outputs) if isinstance(t, Tensor)]
@@ -937,11 +946,14 @@ def _stand_in_loss(outputs: Any, targets: Tensor, fixed: frozenset[int] = frozen
         if not (out.is_floating_point() and out.dim() > 0 and out.shape[0] == n
                 and out.requires_grad and k not in fixed):
             continue
-        r = torch.randn(out.shape[1:], generator=generator, dtype=out.dtype)
+        wide = out.to(torch.promote_types(out.dtype, torch.float32))
+        r = torch.randn(out.shape[1:], generator=generator, dtype=wide.dtype)
+        value = wide.detach()
+        wide = torch.where(value.isfinite() & (value.abs() < _MASKED), wide, 0)
         # ⟨out, r⟩ + ‖out‖²/2: each example's output gradient is r + its own output, not r
         # alone, so that a backward hook mixing the examples' gradients (g + g.mean(0))
         # does not leave them as they were alone
-        term = (out * (r.to(out.device) + 0.5 * out)).reshape(n, -1).sum(dim=1)
+        term = (wide * (r.to(out.device) + 0.5 * wide)).reshape(n, -1).sum(dim=1)
         total = term if total is None else total + term
     if total is None:
         raise BatchboundError(f"watch(): none of the model's outputs holds the {n} examples "
