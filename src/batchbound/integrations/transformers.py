@@ -26,8 +26,12 @@ own normalisation is undone:
   loss that does not divide by it (BertForMaskedLM's micro-batch mean): the first
   micro-batch is run twice more, in eval mode without gradients, with the divisor N and 2N.
 
-An fp16 GradScaler's scale is undone (bf16 has none); steps with inf/NaN gradients, which the
-scaler skips, are not folded in. n is ``len(train_dataset)`` unless given.
+A micro-batch is one ``training_step`` of the Trainer, bounded by its own events: a loss that
+runs the model again on the same examples (a consistency term) is one micro-batch, on other
+examples it is refused; forwards outside the steps (another callback's, such as
+BranchWarmupCallback's branches) are not counted. An fp16 GradScaler's scale is undone (bf16
+has none); steps with inf/NaN gradients, which the scaler skips, are not folded in. n is
+``len(train_dataset)`` unless given.
 
 **Limits.** HF callbacks never see the DDP-wrapped model, so the communication hook of
 batchbound.integrations.ddp cannot be registered: under DDP each rank estimates from its own
@@ -114,7 +118,14 @@ class DiversityCallback(transformers.TrainerCallback):
         self._scaler: Any = None
         self._world = 1
         self._device = torch.device("cpu")
-        self._forwards = 0  # micro-batches in this step
+        # The Trainer's own events bound the micro-batches (a training_step each): a step
+        # runs from on_step_begin to on_pre_optimizer_step, a micro-batch ends at
+        # on_substep_end or there; its first training forward opens it. Forwards outside a
+        # step (another callback's, such as BranchWarmupCallback's branches) and a loss's
+        # further forwards within a micro-batch (a consistency term) open none.
+        self._stepping = False
+        self._opened: int | None = None  # the open micro-batch's examples
+        self._micro_batches = 0  # ended in this step
         self._items: Any = None  # num_items_in_batch of this step (token-normalised losses)
         self._token_rule: str | None = None  # "shifted" (causal LM) or "all" label tokens
         self._token_factor = 1.0
@@ -173,15 +184,23 @@ class DiversityCallback(transformers.TrainerCallback):
                           "use DiversityCallback().attach(trainer) instead", stacklevel=2)
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """A training forward opens a micro-batch: its size and loss weight."""
-        if not module.training or not torch.is_grad_enabled():
+        """A micro-batch's first training forward opens it: its size and loss weight."""
+        if not (self._stepping and module.training and torch.is_grad_enabled()):
             return
         assert self._norms is not None
-        self._forwards += 1
+        b = _batch_size(args, kwargs)
+        if self._opened is not None:
+            if b != self._opened:
+                raise BatchboundError(
+                    f"the Trainer's loss ran the model on {b} examples after {self._opened} "
+                    "in one micro-batch: DiversityCallback cannot tell which examples the "
+                    "micro-batch's gradient is the mean over; run further forwards on the "
+                    "same examples, or measure with batchbound.diversity.watch")
+            return  # the same examples again: part of the same micro-batch's loss
+        self._opened = b
         items = kwargs.get("num_items_in_batch")
         if items is None:
-            b = float(_batch_size(args, kwargs))
-            self._norms.start(b, 1.0 if self.reduction == "mean" else b)
+            self._norms.start(float(b), 1.0 if self.reduction == "mean" else float(b))
             return
         if kwargs.get("shift_labels") is None and kwargs.get("labels") is None:
             raise BatchboundError(NO_LABELS)  # before the probe, which reads the model's loss
@@ -242,11 +261,19 @@ class DiversityCallback(transformers.TrainerCallback):
 
     # ------------------------------------------------------------------- a step
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._stepping, self._opened, self._micro_batches = True, None, 0
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._opened = None
+        self._micro_batches += 1
+
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        micro_batches = self._micro_batches + 1
+        self._stepping, self._opened, self._micro_batches = False, None, 0
         if self._norms is None or self._records is None:
             return
         self._norms.stop()
-        forwards, self._forwards = self._forwards, 0
         if self._token_rule is not None:
             # each micro-batch: Σ over its tokens / N, times P when the Trainer averages
             # tokens across ranks (it multiplies the loss by the number of processes)
@@ -254,7 +281,7 @@ class DiversityCallback(transformers.TrainerCallback):
             total = items.to(torch.float64) if isinstance(items, Tensor) else float(items)
             constant = self._token_factor / total
         else:  # each micro-batch's loss divided by their number k
-            constant = 1.0 / max(forwards, 1)
+            constant = 1.0 / micro_batches
         row = self._norms.record(constant, loss_scale_of(self._scaler, self._device))
         if row is not None:
             self._records.add(row)
