@@ -301,3 +301,23 @@ def test_gradients_as_users_collect_them() -> None:
     exact.update_from_gradients([t.double() for t in low], 8)
     assert monitor.m2 == pytest.approx(exact.m2, rel=1e-12)
     assert monitor.cross == pytest.approx(exact.cross, rel=1e-12)
+
+
+def test_sparse_gradients_are_taken_as_dense() -> None:
+    """``nn.Embedding(sparse=True)`` leaves sparse ``.grad``s (uncoalesced: a row drawn
+    twice appears twice); reshape raised a RuntimeError on them."""
+    torch.manual_seed(0)
+    embedding = nn.Embedding(20, 4, sparse=True).double()
+    grads = []
+    for _ in range(3):
+        embedding.zero_grad(set_to_none=True)
+        embedding(torch.randint(0, 20, (6,))).square().sum(1).mean().backward()
+        grads.append([p.grad.clone() for p in embedding.parameters()])
+    assert grads[0][0].is_sparse
+    sparse, dense = OnlineDiversity(decay=None), OnlineDiversity(decay=None)
+    sparse.update_from_gradients(grads, 6)
+    dense.update_from_gradients([[g.to_dense() for g in step] for step in grads], 6)
+    assert sparse.to_dict() == dense.to_dict()
+    single = OnlineDiversity(decay=None)
+    single.update_from_gradients([step[0] for step in grads], 6)  # bare tensors too
+    assert single.to_dict() == dense.to_dict()

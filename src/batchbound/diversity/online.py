@@ -370,17 +370,24 @@ class OnlineDiversity:
         self._fast = {key: float(fast[key]) for key in _FAST}
 
 
+def dense_gradient(grad: Tensor) -> Tensor:
+    """A ``.grad`` as a dense tensor (``nn.Embedding(sparse=True)`` leaves a sparse one)."""
+    if grad.requires_grad:  # only under create_graph: a .grad is normally a plain tensor
+        grad = grad.detach()
+    return grad.to_dense() if grad.is_sparse else grad
+
+
 def _flat(grad: GradientLike) -> tuple[Tensor, tuple[int, ...]]:
     """One vector of a gradient's entries, None ones left out, and the positions of those."""
     if isinstance(grad, Tensor):
-        return grad.detach().reshape(-1), ()
+        return dense_gradient(grad).reshape(-1), ()
     values = list(grad.values()) if isinstance(grad, Mapping) else list(grad)
     kept = [v for v in values if v is not None]
     if not kept:
         raise BatchboundError("an empty gradient was given (no entry, or every entry None)")
     if not all(isinstance(v, Tensor) for v in kept):
         raise BatchboundError("a gradient's entries must be tensors (or None)")
-    return (torch.cat([v.detach().reshape(-1) for v in kept]),
+    return (torch.cat([dense_gradient(v).reshape(-1) for v in kept]),
             tuple(k for k, v in enumerate(values) if v is None))
 
 

@@ -33,7 +33,7 @@ from batchbound.diversity.hooks import (
     plan_hooks,
 )
 from batchbound.diversity.losses import resolve_loss
-from batchbound.diversity.online import OnlineDiversity
+from batchbound.diversity.online import OnlineDiversity, dense_gradient
 from batchbound.diversity.outputs import (
     OutputGrads,
     RandomState,
@@ -248,7 +248,7 @@ def _grad_copies(params: dict[str, nn.Parameter]) -> dict[str, Tensor | None]:
     copies = dict.fromkeys(params)
     if held:
         with torch.no_grad():
-            copied = torch._foreach_mul([_dense(params[k].grad) for k in held], 1.0)
+            copied = torch._foreach_mul([dense_gradient(params[k].grad) for k in held], 1.0)
         copies.update(zip(held, copied, strict=True))
     return copies
 
@@ -262,10 +262,10 @@ def _grad_changes(params: dict[str, nn.Parameter],
         if p.grad is None:
             delta[name] = torch.zeros_like(p)
         elif before[name] is None:
-            delta[name] = _dense(p.grad)
+            delta[name] = dense_gradient(p.grad)
     if both:
         with torch.no_grad():
-            changes = torch._foreach_sub([_dense(params[k].grad) for k in both],
+            changes = torch._foreach_sub([dense_gradient(params[k].grad) for k in both],
                                          [before[k] for k in both])
         delta.update(zip(both, changes, strict=True))
     return {k: delta[k] for k in params}
@@ -273,13 +273,6 @@ def _grad_changes(params: dict[str, nn.Parameter],
 
 def _finite(*groups: dict[str, Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for group in groups for t in group.values())
-
-
-def _dense(grad: Tensor) -> Tensor:
-    """A ``.grad`` as a dense tensor (``nn.Embedding(sparse=True)`` leaves a sparse one)."""
-    if grad.requires_grad:  # only under create_graph: a .grad is normally a plain tensor
-        grad = grad.detach()
-    return grad.to_dense() if grad.is_sparse else grad
 
 
 def _state_precision(monitor: OnlineDiversity, planned: _Planned, used: torch.dtype) -> None:
