@@ -270,3 +270,31 @@ def test_a_run_shorter_than_every_leaves_its_estimate_in_metrics() -> None:
         Classifier(), DataLoader(data(80), batch_size=4))
     assert callback.monitor.steps == 10
     assert callback.metrics["gradient_diversity/batch_bound"] == callback.monitor.batch_bound
+
+
+def test_an_accumulation_scheduler_is_followed() -> None:
+    """GradientAccumulationScheduler sets accumulate_grad_batches at each epoch's start,
+    after on_train_start: the callback read 1 there and refused a k of 2 from the first
+    step (an outside review). Epoch 0 adds 2 micro-batches, epoch 1 adds 3, exactly."""
+    n, micro = 48, 8  # 6 micro-batches an epoch: 3 steps, then 2
+    dataset, model = data(n), Classifier()
+    memory = Memory()
+    callback = DiversityCallback(every=1, decay=None)
+    scheduler = L.callbacks.GradientAccumulationScheduler({0: 2, 1: 3})
+    trainer(max_epochs=2, logger=memory, callbacks=[scheduler, callback],
+            precision="64-true").fit(model, DataLoader(dataset, batch_size=micro))
+    reference = OnlineDiversity(n, decay=None)
+    for k in (2, 3):
+        for w in range(0, n, k * micro):
+            grads = []
+            for s in range(w, w + k * micro, micro):
+                x, y = dataset.tensors[0][s:s + micro], dataset.tensors[1][s:s + micro]
+                loss = F.cross_entropy(model.net(x), y)
+                grads.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+                    loss, list(model.net.parameters()))]))
+            small = sum(float(g.square().sum()) for g in grads) / k
+            big = float((sum(grads) / k).square().sum())
+            reference.update_two_batch(small, micro, big, k * micro)
+    assert callback.monitor.steps == reference.steps == 5
+    assert callback.monitor.batch_bound == pytest.approx(reference.batch_bound, rel=1e-9)
+    assert callback.monitor.m2 == pytest.approx(reference.m2, rel=1e-9)

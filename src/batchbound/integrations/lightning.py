@@ -54,6 +54,7 @@ from batchbound.integrations.warmup import AccumulationWarmup, BranchWarmup
 from batchbound.train.adaptive import BRANCH_EVERY, BRANCH_STEPS
 
 L = require("lightning.pytorch", "lightning")
+GradientAccumulationScheduler = L.callbacks.GradientAccumulationScheduler
 
 
 class DiversityCallback(L.Callback):
@@ -114,7 +115,7 @@ class DiversityCallback(L.Callback):
                                       f"communication hook ({exc}); a DDP model takes one hook, "
                                       "so drop the strategy's ddp_comm_hook") from exc
             self._records, self.mode = self._hook_state.records, "ddp"
-        elif trainer.accumulate_grad_batches >= 2:
+        elif _accumulates(trainer):
             self._norms = MicroBatchNorms(pl_module.parameters(), names={
                 id(p): name for name, p in pl_module.named_parameters()})
             self._records, self.mode = StepRecords(self.monitor), "accumulation"
@@ -374,3 +375,13 @@ def examples_in(batch: Any) -> int:
         f"the batch's tensors disagree on the number of examples (dim 0: {a} in {first}, "
         f"{b} in {second}): DiversityCallback cannot tell what training_step's loss is over; "
         "keep values that are not one per example out of the batch")
+
+
+def _accumulates(trainer: L.Trainer) -> bool:
+    """Whether steps add up micro-batches, now or from a later epoch: a
+    GradientAccumulationScheduler sets ``accumulate_grad_batches`` at each epoch's start,
+    after ``on_train_start`` (its steps of one micro-batch are skipped)."""
+    scheduled = [k for callback in trainer.callbacks
+                 if isinstance(callback, GradientAccumulationScheduler)
+                 for k in callback.scheduling.values()]
+    return max([trainer.accumulate_grad_batches, *scheduled]) >= 2
