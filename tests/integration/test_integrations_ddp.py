@@ -4,9 +4,12 @@ losses, unequal local batches, several buckets, no_sync accumulation and GradSca
 scaling; an inf step is not folded. No extra collective is involved in the hook itself.
 A trunk whose .grad the loop leaves to grow (a zero_grad of the head's optimizer only) gets
 its steps skipped on every rank, not folded wrong; zeros kept by set_to_none=False change
-nothing."""
+nothing. Uneven inputs under Join: the steps a joined rank shadows (DDP runs the hook there
+on zero buckets; they were read as its data) are skipped; static_graph changes nothing."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from ranks import run_ranks
 from torch import nn
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from batchbound.diversity.online import OnlineDiversity
@@ -54,12 +58,26 @@ def run_case(rank: int, case: str) -> dict[str, float]:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if case == "amp" else None
     local_size = 2 * b if case == "no_sync" else b
     # bucket_cap_mb tiny: several buckets, so the per-bucket norms must add up
-    ddp = DDP(make_model(), bucket_cap_mb=1e-4)
+    ddp = DDP(make_model(), bucket_cap_mb=1e-4, static_graph=case == "static")
     state = gns_hook_state(100, local_size, reduction, loss_scale=scaler)
     state.records.monitor = OnlineDiversity(100, decay=None)
     ddp.register_comm_hook(state, gns_hook)
     reference = OnlineDiversity(100, decay=None)
-    for step in range(STEPS):
+    # join: rank 1 runs out of data two steps early and shadows rank 0's last two
+    steps = STEPS - 2 * rank if case == "join" else STEPS
+    with Join([ddp]) if case == "join" else contextlib.nullcontext():
+        run_steps(case, rank, ddp, model, b, steps, reduction, scaler, reference)
+    monitor = state.monitor
+    return {"steps": monitor.steps, "ref_steps": reference.steps, "skipped": state.skipped,
+            "carried": state.carried, "shadowed": state.shadowed,
+            "m2": monitor.m2, "ref_m2": reference.m2, "cross": monitor.cross,
+            "ref_cross": reference.cross, "bound": monitor.batch_bound,
+            "ref_bound": reference.batch_bound}
+
+
+def run_steps(case: str, rank: int, ddp: DDP, model: nn.Module, b: int, steps: int,
+              reduction: str, scaler, reference: OnlineDiversity) -> None:
+    for step in range(steps):
         if case == "head":  # the head's optimizer's zero_grad: the trunk's .grad grows
             ddp.module[2].zero_grad(set_to_none=True)
         else:
@@ -77,6 +95,8 @@ def run_case(rank: int, case: str) -> dict[str, float]:
                 x = x * float("inf")  # an overflowing step: a GradScaler would skip it
             loss = F.cross_entropy(ddp(x), y, reduction=reduction)
             (scaler.scale(loss) if scaler is not None else loss).backward()
+        if case == "join" and step >= STEPS - 2:
+            continue  # rank 0 alone: no gather for the reference
         # by hand: this rank's mean gradient from the plain model, all ranks' via all_gather
         local = flat_grad(model, F.cross_entropy(model(x), y))
         grads, sizes = gather(local), gather(torch.tensor([float(x.shape[0])]))
@@ -96,12 +116,6 @@ def run_case(rank: int, case: str) -> dict[str, float]:
         expected = big_grad * (big_size / len(sizes) if reduction == "sum" else 1.0)
         assert torch.allclose(reduced / (scaler.get_scale() if scaler else 1.0), expected,
                               rtol=1e-10, atol=1e-13)
-    monitor = state.monitor
-    return {"steps": monitor.steps, "ref_steps": reference.steps, "skipped": state.skipped,
-            "carried": state.carried,
-            "m2": monitor.m2, "ref_m2": reference.m2, "cross": monitor.cross,
-            "ref_cross": reference.cross, "bound": monitor.batch_bound,
-            "ref_bound": reference.batch_bound}
 
 
 def worker(rank: int, port: int, queue) -> None:
@@ -110,7 +124,8 @@ def worker(rank: int, port: int, queue) -> None:
     init_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         out = {case: run_case(rank, case)
-               for case in ("mean", "sum", "amp", "no_sync", "head", "zeros")}
+               for case in ("mean", "sum", "amp", "no_sync", "head", "zeros", "static",
+                            "join")}
         queue.put((rank, out))
     finally:
         teardown()
@@ -121,10 +136,12 @@ def test_hook_matches_two_batch_estimate_by_hand() -> None:
     for rank, cases in results.items():
         for case, r in cases.items():
             where = f"rank {rank}, {case}"
-            dropped = {"amp": 1, "head": STEPS - 1}.get(case, 0)  # head: all but the first
+            # head: all but the first; join: the two rank 0 ran alone
+            dropped = {"amp": 1, "head": STEPS - 1, "join": 2}.get(case, 0)
             assert r["steps"] == r["ref_steps"] == STEPS - dropped, where
             assert r["skipped"] == dropped, where
             assert r["carried"] == (dropped if case == "head" else 0), where
+            assert r["shadowed"] == (2 if case == "join" and rank == 1 else 0), where
             for key in ("m2", "cross", "bound"):
                 assert r[key] == pytest.approx(r["ref_" + key], rel=1e-9), (where, key)
     # every rank holds the same (global) estimate

@@ -31,6 +31,12 @@ each step's first backward reaches a parameter, whether its ``.grad`` holds a no
 ``zero_grad(set_to_none=False)`` change nothing and count as cleared.) The hook sees the
 parameters from its first call on, so the first step is not checked so.
 
+**Uneven inputs under ``Join``.** A rank that has run out of data shadows the others'
+all-reduces: DDP runs the hook there on zero buckets, outside any backward pass. Read as a
+rank of ``local_batch_size`` examples with a zero gradient, those steps put the bound 50 %
+off (an outside review); they are skipped on every rank instead (NaN through the same
+all-reduce), counted in ``state.skipped``, and on the joined rank in ``state.shadowed``.
+
 **Units.** ``local_batch_size`` is the number of examples behind the gradient DDP reduces on
 this rank, and ``reduction`` says how that gradient combines them: ``"mean"`` when the loss
 that was backpropagated is their mean (divided by the accumulation steps too, as with
@@ -109,6 +115,7 @@ class GNSHookState:
         self._kept: Tensor | None = None
         self._kept_steps: list[Tensor] = []
         self.carried = 0  # steps not folded for gradients kept from before them
+        self.shadowed = 0  # steps this rank ran the hook after it joined (``joined``)
 
     @property
     def monitor(self) -> OnlineDiversity:
@@ -166,6 +173,17 @@ class GNSHookState:
             return own
         self._kept_steps.append(kept)
         return torch.where(kept > 0, torch.full_like(own, math.nan), own)
+
+    def joined(self, own: Tensor) -> Tensor:
+        """``own`` as NaN on a rank that has joined (uneven inputs under ``Join``): DDP runs
+        the hook on zero buckets there, in step with the others' backward, and a zero
+        gradient of ``local_batch_size`` examples would be read as data; the step is
+        skipped on every rank instead."""
+        if not self.shadowed:
+            warn("batchbound: gns_hook: this rank has joined (uneven inputs under Join): the "
+                 "steps it shadows with no data of its own are skipped on every rank")
+        self.shadowed += 1
+        return torch.full_like(own, math.nan)
 
     def _count_carried(self) -> None:
         if not self._kept_steps:
@@ -293,6 +311,8 @@ def gns_hook(state: GNSHookState, bucket: dist.GradBucket) -> torch.futures.Futu
     weight, size = state.window()
     scaled = state._scale * weight
     own = state.refuse_kept((state._local / (scaled * scaled) / state.world_size).reshape(1))
+    if torch._C._current_graph_task_id() == -1:  # called outside a backward: a joined rank
+        own = state.joined(own)
     small = torch.cat([own, state.extras(weight, size, buffer.device)])
     state._small = small  # reduced in place; read once DDP has waited for this future
     described = dist.all_reduce(small, group=group, async_op=True).get_future()
