@@ -2,7 +2,7 @@
 which the rules were built against, under watch() in float64 against the per-example loop
 (each a class: weight tying with flash attention, hand-written LoRA, GroupNorm/InstanceNorm
 with in-place ReLU, a module called twice, attention masks as keyword arguments, frozen and
-no_grad parts, .detach(), full backward hooks, torch.compile)."""
+no_grad parts, .detach(), full backward hooks; torch.compile: test_watch_compiled.py)."""
 
 from __future__ import annotations
 

@@ -171,6 +171,11 @@ class CopiedInert:
     def __init__(self, hook: Callable[..., Any]) -> None:
         self.hook = hook
 
+    # Run as Python, never traced: torch.compile of the watched model (``watch(m)`` around a
+    # call of ``torch.compile(m)``) would otherwise trace into the hook's own bookkeeping
+    # (its dispatch modes and records) and fail inside Dynamo. torch's own lazy form of
+    # ``torch.compiler.disable``: Dynamo is imported at the first call, not with batchbound.
+    @torch._disable_dynamo
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.hook(*args, **kwargs)
 
