@@ -32,6 +32,7 @@ from batchbound.diversity.hooks import (
     fingerprint_of,
     plan_hooks,
 )
+from batchbound.diversity.loss_scale import check_loss_scale, loss_scale_of
 from batchbound.diversity.losses import resolve_loss
 from batchbound.diversity.online import OnlineDiversity, dense_gradient
 from batchbound.diversity.outputs import (
@@ -129,7 +130,7 @@ def monitored_step(
 
 @contextmanager
 def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean",
-          subset: str = "all") -> Iterator[None]:
+          subset: str = "all", loss_scale: object = None) -> Iterator[None]:
     """Update ``monitor`` from the user's own forward and backward pass, unchanged:
 
         with watch(model, monitor):
@@ -154,6 +155,11 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     a warning); see docs/precision.md. The model is planned once and the plan kept while
     its structure stays the same. BatchNorm must be in eval mode.
 
+    ``loss_scale``: a ``torch.amp.GradScaler`` (or a number) whose scale the loss was
+    multiplied by (``scaler.scale(loss).backward()`` in the block): its current scale is
+    divided out, so M2 and C are the loss's own and steps at different scales fold alike.
+    Without it they carry s², and a scale change reweights the running estimate.
+
     ``subset="norms"``: the cheap mode. Only the LayerNorm and RMSNorm parameters are read
     (diversity/subsets.py), exactly, and ``monitor`` then holds *their* n·Δ, an estimate of
     the model's whose agreement is measured in docs/benchmarks.md; the other layers run
@@ -161,12 +167,13 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     """
     if reduction not in ("mean", "sum"):
         raise BatchboundError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    check_loss_scale(loss_scale)
     with collector_paused():  # the step's bookkeeping, freed at its end (collector.py)
-        yield from _watched_step(model, monitor, reduction, subset)
+        yield from _watched_step(model, monitor, reduction, subset, loss_scale)
 
 
 def _watched_step(model: nn.Module, monitor: OnlineDiversity, reduction: str,
-                  subset: str) -> Iterator[None]:
+                  subset: str, loss_scale: object) -> Iterator[None]:
     with _Watched(model, subset) as watched:
         yield
     planned = watched.planned
@@ -218,6 +225,9 @@ def _watched_step(model: nn.Module, monitor: OnlineDiversity, reduction: str,
     b = run.n
     scale = float(b) if reduction == "mean" else 1.0
     S_B, T_B = batch_sums(sq_norms, [run.totals.get(k, delta[k]) for k in params], held)
+    if loss_scale is not None:  # the scale this step's gradients carry, on the device
+        s = loss_scale_of(loss_scale, S_B.device)
+        S_B, T_B = S_B / (s * s), T_B / (s * s)
     _state_precision(monitor, planned, precision)
     monitor.defer_from_norms(S_B, T_B, b, scale=scale**2)  # no host sync in the step
 

@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from batchbound.diversity.loss_scale import check_loss_scale, loss_scale_of
 from batchbound.diversity.online import OnlineDiversity
 from batchbound.errors import BatchboundError, warn
 from batchbound.integrations.common import (
@@ -69,8 +70,6 @@ from batchbound.integrations.common import (
     Number,
     StepRecords,
     as_tensor,
-    check_loss_scale,
-    loss_scale_of,
 )
 
 # Reduced once per step with the last bucket, each divided by P before the SUM all-reduce

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from batchbound.diversity.loss_scale import loss_scale_of
 from batchbound.diversity.online import OnlineDiversity
 from batchbound.errors import BatchboundError
 from batchbound.integrations.common import (
@@ -46,7 +47,6 @@ from batchbound.integrations.common import (
     check_options,
     dataset_size,
     diversity_metrics,
-    loss_scale_of,
     require,
 )
 from batchbound.integrations.ddp import GNSHookState, gns_hook, gns_hook_state

@@ -55,6 +55,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from batchbound.diversity.loss_scale import loss_scale_of
 from batchbound.diversity.online import OnlineDiversity
 from batchbound.errors import BatchboundError
 from batchbound.integrations.common import (
@@ -63,7 +64,6 @@ from batchbound.integrations.common import (
     check_options,
     dataset_size,
     diversity_metrics,
-    loss_scale_of,
     require,
 )
 from batchbound.integrations.warmup import AccumulationWarmup, BranchWarmup
