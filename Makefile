@@ -26,9 +26,11 @@ install: $(STAMP)
 demo: install
 	$(BIN)/batchbound demo
 
+# One pytest worker per core, at most four (pytest-xdist): most of the suite's time is
+# processes it starts and waits on (ranks, runners, killed and resumed runs).
 test: install
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadgroup
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow

@@ -17,6 +17,8 @@ from batchbound.study.store import Store
 
 pytest.importorskip("ray")
 RAY = ("--executor", "ray")
+# on one pytest worker (make test runs several): one local Ray instance at a time
+pytestmark = pytest.mark.xdist_group("ray")
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
