@@ -49,3 +49,15 @@ def test_a_counter_of_calls_is_named() -> None:
     with pytest.raises(BatchboundError, match="a counter of its calls"), \
             watch(model, OnlineDiversity()):
         F.cross_entropy(model(x), torch.arange(3).repeat(2)[:4]).backward()
+
+
+def test_a_gradient_penalty_is_named() -> None:
+    """WGAN-GP's penalty takes torch.autograd.grad of the critic with create_graph=True
+    inside the step; the refusal named only retain_graph, which the user never wrote."""
+    critic, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)), torch.randn(5, 4)
+    with pytest.raises(BatchboundError, match="gradient penalty"), \
+            watch(critic, OnlineDiversity(10)):
+        given = x.clone().requires_grad_(True)
+        out = critic(given)
+        slope, = torch.autograd.grad(out.sum(), given, create_graph=True)
+        (out.squeeze(1) + 10 * (slope.norm(dim=1) - 1) ** 2).mean().backward()

@@ -763,8 +763,10 @@ class _Watched:
         """A backward pass reached the model's outputs: read .grad's change when it ends."""
         if self.delta is not None:
             raise BatchboundError("watch(): a second backward pass through the model's outputs "
-                                  "in one block (retain_graph); the rules read one backward "
-                                  "per forward: backpropagate the sum of the losses once")
+                                  "in one block (retain_graph, or torch.autograd.grad inside "
+                                  "the step, as a gradient penalty takes it with "
+                                  "create_graph=True); the rules read one backward per "
+                                  "forward: backpropagate the sum of the losses once")
         if not self._queued:
             self._queued = True
             # before any .grad of the model's parameters changes: each is written after a
