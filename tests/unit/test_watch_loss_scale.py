@@ -28,7 +28,10 @@ def reference_row(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[f
     return float(g.square().sum()), float(g.sum(0).square().sum())
 
 
-def test_a_growing_loss_scale_is_divided_out() -> None:
+@pytest.mark.parametrize("update", ["after", "inside"])
+def test_a_growing_loss_scale_is_divided_out(update: str) -> None:
+    """``inside``: scaler.step and scaler.update in the block, after the backward; the scale
+    was read as the block ended, after update() had doubled it (M2 4× too small)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -43,13 +46,17 @@ def test_a_growing_loss_scale_is_divided_out() -> None:
         reference.update_from_norms(S, T, 8)
         scale = scaler.get_scale()
         optimizer.zero_grad(set_to_none=True)
-        with watch(model, monitor, loss_scale=scaler):
-            scaler.scale(F.cross_entropy(model(x), y)).backward()
-        optimizer.zero_grad(set_to_none=True)
         with watch(model, unscaled):  # the same step, the scale not given: it carries s²
             scaler.scale(F.cross_entropy(model(x), y)).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        with watch(model, monitor, loss_scale=scaler):
+            scaler.scale(F.cross_entropy(model(x), y)).backward()
+            if update == "inside":
+                scaler.step(optimizer)
+                scaler.update()
+        if update == "after":
+            scaler.step(optimizer)
+            scaler.update()
         assert monitor.last == pytest.approx(reference.last, rel=1e-10)
         assert unscaled.last[0] == pytest.approx(reference.last[0] * scale**2, rel=1e-10)
     assert scaler.get_scale() == 2.0 ** (4 + 6)  # it grew every step

@@ -174,7 +174,7 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
 
 def _watched_step(model: nn.Module, monitor: OnlineDiversity, reduction: str,
                   subset: str, loss_scale: object) -> Iterator[None]:
-    with _Watched(model, subset) as watched:
+    with _Watched(model, subset, loss_scale) as watched:
         yield
     planned = watched.planned
     if watched.single:  # a loader's last, short batch: the training goes on
@@ -226,8 +226,7 @@ def _watched_step(model: nn.Module, monitor: OnlineDiversity, reduction: str,
     scale = float(b) if reduction == "mean" else 1.0
     S_B, T_B = batch_sums(sq_norms, [run.totals.get(k, delta[k]) for k in params], held)
     if loss_scale is not None:  # the scale this step's gradients carry, on the device
-        s = loss_scale_of(loss_scale, S_B.device)
-        S_B, T_B = S_B / (s * s), T_B / (s * s)
+        S_B, T_B = S_B / (watched.scale * watched.scale), T_B / (watched.scale * watched.scale)
     _state_precision(monitor, planned, precision)
     monitor.defer_from_norms(S_B, T_B, b, scale=scale**2)  # no host sync in the step
 
@@ -574,8 +573,12 @@ class _Watched:
     """Root-module hooks: on the model's call, check it (first time only), record its layer
     calls, and before the backward pass read the graph from its outputs."""
 
-    def __init__(self, model: nn.Module, subset: str) -> None:
+    def __init__(self, model: nn.Module, subset: str, loss_scale: object = None) -> None:
         self.model, self.subset = model, subset
+        # a GradScaler's scale as the backward ends: the one its gradients carry, also where
+        # the block goes on to scaler.update()
+        self.loss_scale = loss_scale
+        self.scale: float | Tensor = 1.0
         # planned as the model is called: a layer unfrozen or a parameter replaced inside
         # the block, before the forward, is the step's
         self.planned: _Planned | None = None
@@ -785,6 +788,8 @@ class _Watched:
                 " an optimizer step in the backward), which change .grad before watch reads "
                 "the step's gradient at the backward's end; step the optimizer after the block")
         delta = _grad_changes(self.params, self.before)
+        if self.loss_scale is not None:
+            self.scale = loss_scale_of(self.loss_scale, next(iter(delta.values())).device)
         # a .grad that was None before is read as itself: copy it, or clipping scales it here
         fresh = [k for k, v in self.before.items() if v is None and self.params[k].grad is not None]
         if fresh:
