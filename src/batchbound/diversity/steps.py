@@ -947,7 +947,7 @@ def _stand_in_loss(outputs: Any, targets: Tensor, fixed: frozenset[int] = frozen
     outputs, whose shape does not follow the number of examples (``output_kinds``).
 
     Computed in float32 at least (outputs of a few hundred square past float16's 65504), and
-    without the entries that are not finite or lie beyond ``_MASKED`` (logits masked with
+    without the entries that are infinite or lie beyond ``_MASKED`` (logits masked with
     ``finfo.min`` or ``-inf``, whose square overflows): they get no gradient from it."""
     n, total = targets.shape[0], None
     generator = torch.Generator().manual_seed(0)
@@ -959,7 +959,8 @@ def _stand_in_loss(outputs: Any, targets: Tensor, fixed: frozenset[int] = frozen
         wide = out.to(torch.promote_types(out.dtype, torch.float32))
         r = torch.randn(out.shape[1:], generator=generator, dtype=wide.dtype)
         value = wide.detach()
-        wide = torch.where(value.isfinite() & (value.abs() < _MASKED), wide, 0)
+        # NaN stays: the model's own NaN (attention over padding alone) is refused as such
+        wide = torch.where(value.isnan() | (value.abs() < _MASKED), wide, 0)
         # ⟨out, r⟩ + ‖out‖²/2: each example's output gradient is r + its own output, not r
         # alone, so that a backward hook mixing the examples' gradients (g + g.mean(0))
         # does not leave them as they were alone
