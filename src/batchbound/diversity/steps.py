@@ -226,7 +226,8 @@ def _watched_step(model: nn.Module, monitor: OnlineDiversity, reduction: str,
     scale = float(b) if reduction == "mean" else 1.0
     S_B, T_B = batch_sums(sq_norms, [run.totals.get(k, delta[k]) for k in params], held)
     if loss_scale is not None:  # the scale this step's gradients carry, on the device
-        S_B, T_B = S_B / (watched.scale * watched.scale), T_B / (watched.scale * watched.scale)
+        carried = watched.scale * watched.scale
+        S_B, T_B = S_B / carried, T_B / carried
     _state_precision(monitor, planned, precision)
     monitor.defer_from_norms(S_B, T_B, b, scale=scale**2)  # no host sync in the step
 
