@@ -44,6 +44,11 @@ subclass that changes how the loss is normalised is not detected. Reporting inte
 (``report_to``) run before user callbacks in the Trainer, so to have them record these keys
 add the callback with ``DiversityCallback().attach(trainer)`` (it goes in front of them)
 instead of ``callbacks=[...]``.
+
+**Checkpoints.** The callbacks here are ExportableState objects: their state (the estimate,
+a warmup's) is written into each checkpoint's trainer_state.json and continued on
+``resume_from_checkpoint``, with or without ``restore_callback_states_from_checkpoint``
+(with it the Trainer replaces the callback by a new instance).
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ from batchbound.train.adaptive import BRANCH_EVERY, BRANCH_STEPS
 
 transformers = require("transformers", "hf")
 _losses = require("transformers.loss.loss_utils", "hf")
+ExportableState = transformers.trainer_callback.ExportableState
 
 _IGNORE = -100  # the label the Trainer (and its models' losses) ignore
 NO_LABELS = (
@@ -89,11 +95,12 @@ _TOKEN_LOSSES = {
 }
 
 
-class DiversityCallback(transformers.TrainerCallback):
+class DiversityCallback(transformers.TrainerCallback, ExportableState):
     """Adds ``gradient_diversity/{batch_bound,noise_scale,diversity}`` and their ``_se`` to the
     Trainer's logs every ``every`` optimizer steps; ``monitor`` is the OnlineDiversity behind
     them and ``metrics`` the last values, and after training the final ones (also for a run
-    shorter than ``every``, which logs none)."""
+    shorter than ``every``, which logs none). The estimate is saved with the Trainer's
+    checkpoints (``state``) and continued on ``resume_from_checkpoint``."""
 
     def __init__(
         self,
@@ -106,6 +113,9 @@ class DiversityCallback(transformers.TrainerCallback):
     ) -> None:
         check_options(every, reduction, n)
         OnlineDiversity(n, decay=decay, sampling=sampling)  # validates decay and sampling
+        # what the Trainer rebuilds it from (``ExportableState``): the constructor's arguments
+        self.arguments: dict[str, Any] = {"every": every, "n": n, "reduction": reduction,
+                                          "decay": decay, "sampling": sampling}
         self.every, self.n, self.reduction = every, n, reduction
         self.decay, self.sampling = decay, sampling
         self.monitor: OnlineDiversity | None = None
@@ -137,6 +147,9 @@ class DiversityCallback(transformers.TrainerCallback):
         self._label_sequences = 0.0
         self._probe: Tensor | None = None  # does the loss divide by num_items_in_batch?
         self._pending: dict[str, float] = {}
+        # a checkpoint's estimate, to continue (``state``); set by the Trainer's own restore
+        # (restore_callback_states_from_checkpoint), else read from the resumed TrainerState
+        self.saved: dict[str, Any] | None = None
 
     def attach(self, trainer: Any) -> DiversityCallback:
         """Add this callback ahead of the Trainer's reporting integrations (TensorBoard, W&B,
@@ -147,6 +160,37 @@ class DiversityCallback(transformers.TrainerCallback):
         callbacks.insert(flow[0] + 1 if flow else 0, self)
         self._attached = True
         return self
+
+    # ------------------------------------------------------- checkpoints (ExportableState)
+
+    def state(self) -> dict[str, Any]:
+        """What the Trainer writes into a checkpoint's trainer_state.json: the arguments, and
+        the estimate so far (the steps not folded yet included; one host read)."""
+        return {"args": dict(self.arguments), "attributes": {"saved": self._saved()}}
+
+    def _saved(self) -> dict[str, Any] | None:
+        if self.monitor is None or self._records is None:
+            return self.saved  # not started: a restored estimate not continued yet, or None
+        self._check_probe()  # before any number is read
+        self._records.fold()
+        tokens = self._label_tokens
+        return {"monitor": self.monitor.state_dict(), "unit": self.unit,
+                "label_tokens": None if tokens is None else float(tokens),
+                "label_sequences": self._label_sequences}
+
+    def _restore(self, args: Any, state: Any) -> dict[str, Any] | None:
+        """On a run resumed from a checkpoint, the estimate it saved; what it saved."""
+        saved = checkpoint_state(self, state)
+        if saved is None:
+            return None
+        assert self.monitor is not None
+        self.monitor.load_state_dict(saved["monitor"])
+        self.unit = saved["unit"]
+        tokens = saved["label_tokens"]
+        self._label_tokens = None if tokens is None else torch.tensor(
+            tokens, dtype=torch.float64, device=self._device)
+        self._label_sequences = float(saved["label_sequences"])
+        return saved
 
     # ------------------------------------------------------------------ set-up
 
@@ -168,13 +212,14 @@ class DiversityCallback(transformers.TrainerCallback):
         averaged = getattr(args, "average_tokens_across_devices", False) and self._world > 1
         self._token_factor = float(self._world) if averaged else 1.0
         n = self.n if self.n is not None else dataset_size(train_dataloader)
+        self._device = next(model.parameters()).device
         self.monitor = OnlineDiversity(n, decay=self.decay, sampling=self.sampling)
+        self._restore(args, state)
         self._records = StepRecords(self.monitor)
         # Under DDP the all-reduce may rewrite .grad (bucket views) while backward runs: there
         # the hooks take their norms and dots as the gradients arrive (MicroBatchNorms).
         self._norms = MicroBatchNorms(model.parameters(), fused=self._world == 1, names={
             id(p): name for name, p in model.named_parameters()})
-        self._device = next(model.parameters()).device
         self._forward = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         self._scaler = getattr(optimizer, "scaler", None)
         report_to = [r for r in (args.report_to or []) if r != "none"]
@@ -239,6 +284,8 @@ class DiversityCallback(transformers.TrainerCallback):
                 "ForTokenClassification, ForSequenceClassificationLoss); give the model a loss "
                 "that is its batch's mean")
         if self._token_rule == "examples":  # the items are examples: n and Δ still hold
+            return
+        if self.unit == "tokens":  # a resumed run's estimate, in tokens already
             return
         self.unit = "tokens"  # n counts examples, not tokens: Δ is not defined here
         assert self._records is not None
@@ -329,6 +376,29 @@ class DiversityCallback(transformers.TrainerCallback):
             self._forward = None
 
 
+def checkpoint_state(callback: Any, state: Any) -> dict[str, Any] | None:
+    """What ``callback`` saved (its ``state()``'s ``saved``) in the checkpoint this run
+    resumed from (global_step > 0): put on it by the Trainer's own restore
+    (restore_callback_states_from_checkpoint), else read from the resumed TrainerState; None
+    on a run that did not resume."""
+    saved, callback.saved = callback.saved, None
+    if state.global_step == 0:
+        return None
+    return saved if saved is not None else restored_attributes(
+        state, type(callback).__name__).get("saved")
+
+
+def restored_attributes(state: Any, name: str) -> dict[str, Any]:
+    """The attributes the callback of class ``name`` saved in the checkpoint the Trainer
+    resumed from (``TrainerState.stateful_callbacks``); {} where it saved none, or where
+    several callbacks of that class saved theirs (which is whose cannot be told)."""
+    stored = (getattr(state, "stateful_callbacks", None) or {}).get(name)
+    if isinstance(stored, list):
+        warnings.warn(f"the checkpoint holds the states of {len(stored)} {name}s; which one "
+                      "is whose cannot be told, so each starts afresh", stacklevel=3)
+    return stored.get("attributes") or {} if isinstance(stored, dict) else {}
+
+
 def _divides_by_items(module: nn.Module, args: tuple, kwargs: dict, items: Any) -> Tensor:
     """Whether the model's loss is its sum over tokens divided by ``num_items_in_batch``, as
     the token weights assume, by construction: the same micro-batch through the model twice
@@ -370,6 +440,28 @@ def _grow(warmup: Any, factor: float, args: Any, optimizer: Any, lr_scheduler: A
     return warmup.metrics()
 
 
+def resume_accumulation(args: Any, state: Any, warmup: Any) -> None:
+    """A resumed run goes on at the accumulation its warmup had grown to. The Trainer counts
+    the epochs and batches it skips on resume at the accumulation it was given, so where the
+    warmup had grown it before the checkpoint the resumed run starts at another batch than
+    the one the stopped run stopped at: said."""
+    given = args.gradient_accumulation_steps
+    if warmup.accumulation != given:
+        warnings.warn(
+            f"resuming at step {state.global_step} with gradient_accumulation_steps="
+            f"{warmup.accumulation}, which the batch-size warmup had grown it to; the Trainer "
+            f"counted the epochs and batches it skips on resume at {given}, so the resumed "
+            "run does not start at the batch where the stopped one stopped", stacklevel=3)
+    args.gradient_accumulation_steps = warmup.accumulation
+
+
+def resumed_inside_epoch(state: Any) -> bool:
+    """Whether this on_epoch_begin is a resumed run's, inside an epoch (the Trainer calls it
+    there too): a growth decided before the checkpoint waits for the next epoch's start,
+    as it did in the stopped run."""
+    return not float(state.epoch).is_integer()
+
+
 def _batch_size(args: tuple, kwargs: dict) -> int:
     """Examples in a micro-batch: dim 0 of ``labels`` or else of the first tensor input."""
     labels = kwargs.get("labels")
@@ -399,15 +491,29 @@ class BatchWarmupCallback(DiversityCallback):
                  sampling: str = "without_replacement") -> None:
         super().__init__(every, n=n, reduction=reduction, decay=decay, sampling=sampling)
         self.options = {"every": every, "max_batch": max_batch, "fraction": fraction, "lr": lr}
+        self.arguments.update(self.options)
         AccumulationWarmup(1, **self.options)  # checks the options now
         self.warmup: AccumulationWarmup | None = None
         self._warm_log: dict[str, float] = {}
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        super().on_train_begin(args, state, control, **kwargs)
         self.warmup = AccumulationWarmup(args.per_device_train_batch_size,
                                          args.gradient_accumulation_steps, args.world_size,
                                          **self.options)
+        super().on_train_begin(args, state, control, **kwargs)  # a resumed run's: _restore
+
+    def _saved(self) -> dict[str, Any] | None:
+        saved = super()._saved()
+        if self.monitor is None or saved is None or self.warmup is None:
+            return saved
+        return {**saved, "warmup": self.warmup.state_dict()}
+
+    def _restore(self, args: Any, state: Any) -> dict[str, Any] | None:
+        saved = super()._restore(args, state)
+        if saved is not None and saved.get("warmup") is not None and self.warmup is not None:
+            self.warmup.load_state_dict(saved["warmup"])
+            resume_accumulation(args, state, self.warmup)
+        return saved
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         super().on_step_end(args, state, control, **kwargs)
@@ -436,7 +542,7 @@ class BatchWarmupCallback(DiversityCallback):
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None,
                        lr_scheduler: Any = None, **kwargs: Any) -> None:
-        if self.warmup is None or self.monitor is None:
+        if self.warmup is None or self.monitor is None or resumed_inside_epoch(state):
             return
         factor = self.warmup.apply(self.estimate()) if self.warmup.pending else 1.0
         self._warm_log = _grow(self.warmup, factor, args, optimizer,
@@ -465,7 +571,7 @@ class PerSequence:
         return self.tokens.batch_bound_se / self.per_sequence
 
 
-class BranchWarmupCallback(transformers.TrainerCallback):
+class BranchWarmupCallback(transformers.TrainerCallback, ExportableState):
     """Batch-size warmup in a Hugging Face Trainer with the branch trigger (batchbound's
     trainer's default, ``batchbound.integrations.warmup.BranchWarmup``, at its cadence: first
     after ``every``·B0 examples, then at doubling example counts; at ``on_step_end``, which
@@ -488,6 +594,24 @@ class BranchWarmupCallback(transformers.TrainerCallback):
         BranchWarmup(1, **self.options)  # checks the options now
         self.warmup: BranchWarmup | None = None
         self._warm_log: dict[str, float] = {}
+        self.saved: dict[str, Any] | None = None  # as DiversityCallback's: a checkpoint's
+
+    def state(self) -> dict[str, Any]:
+        """What the Trainer writes into a checkpoint (``ExportableState``): the arguments, and
+        the warmup's state, to continue it on resume_from_checkpoint."""
+        saved = {"warmup": self.warmup.state_dict()} if self.warmup is not None else self.saved
+        return {"args": dict(self.options), "attributes": {"saved": saved}}
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        saved = checkpoint_state(self, state)
+        if saved is not None:
+            self.warmup = self._new_warmup(args)
+            self.warmup.load_state_dict(saved["warmup"])
+            resume_accumulation(args, state, self.warmup)
+
+    def _new_warmup(self, args: Any) -> BranchWarmup:
+        return BranchWarmup(args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                            args.world_size, seed=args.seed, **self.options)
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None,
                     optimizer: Any = None, train_dataloader: Any = None,
@@ -498,9 +622,7 @@ class BranchWarmupCallback(transformers.TrainerCallback):
         raw = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
         module = getattr(model, "module", model)  # DDP's wrapper: branch on the module
         if self.warmup is None:
-            self.warmup = BranchWarmup(args.per_device_train_batch_size,
-                                       args.gradient_accumulation_steps, args.world_size,
-                                       seed=args.seed, **self.options)
+            self.warmup = self._new_warmup(args)
         if self._warm_log:  # a change made at this epoch's start, logged with its first step
             control.should_log = True
         dataset, collate = train_dataloader.dataset, train_dataloader.collate_fn
@@ -516,7 +638,7 @@ class BranchWarmupCallback(transformers.TrainerCallback):
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None,
                        lr_scheduler: Any = None, **kwargs: Any) -> None:
-        if self.warmup is None:
+        if self.warmup is None or resumed_inside_epoch(state):
             return
         self._warm_log = _grow(self.warmup, self.warmup.apply(), args, optimizer,
                                lr_scheduler) or self._warm_log
