@@ -194,10 +194,13 @@ class DiversityCallback(L.Callback):
     def state_dict(self) -> dict[str, Any]:
         if self._records is not None:
             self._records.fold()
-        return {"monitor": self.monitor.state_dict()} if self.monitor is not None else {}
+        if self.monitor is None:
+            return {}
+        return {"monitor": self.monitor.state_dict(), "steps": self._steps}  # steps: the cadence
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = state_dict.get("monitor")
+        self._steps = int(state_dict.get("steps", self._steps))
         if self.monitor is not None and self._restored is not None:
             self.monitor.load_state_dict(self._restored)
 
