@@ -25,22 +25,25 @@ transformers = integration.transformers
 DiversityCallback = integration.DiversityCallback
 
 
-def _train(tmp_path: Path, model, data, resume: str | None = None, **options):
-    callback = DiversityCallback(every=3)
+def _train(tmp_path: Path, model, data, resume: str | None = None, make=None, **options):
+    """The DiversityCallbacks after training; ``make``: the callbacks (one of every=3)."""
+    callbacks = make() if make is not None else [DiversityCallback(every=3)]
     args = arguments(tmp_path, learning_rate=0.05, save_strategy="steps", save_steps=5,
                      **options)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
-                                   callbacks=[callback])
+                                   callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resume)
     # the Trainer's own restore puts a copy of the callback in place of the one it was given
-    return next(cb for cb in trainer.callback_handler.callbacks
-                if isinstance(cb, DiversityCallback))
+    return [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, DiversityCallback)]
+
+
+def checkpoint_5(tmp_path: Path) -> str:
+    return str(tmp_path / "a" / "checkpoint-5")
 
 
 def _same_estimate(resumed: DiversityCallback, unbroken: DiversityCallback) -> None:
     a, b = resumed.monitor.state_dict(), unbroken.monitor.state_dict()
     assert a["steps"] == b["steps"] > 5
-    assert a["n"] == b["n"]
     for part in ("sums", "fast"):
         for key, value in b[part].items():
             assert a[part][key] == pytest.approx(value, rel=1e-9, abs=1e-12), (part, key)
@@ -49,22 +52,111 @@ def _same_estimate(resumed: DiversityCallback, unbroken: DiversityCallback) -> N
 
 @pytest.mark.parametrize("restore", [False, True])
 def test_a_resumed_run_continues_the_estimate(tmp_path: Path, restore: bool) -> None:
-    unbroken = _train(tmp_path / "a", Net(), Pairs(48),
-                      restore_callback_states_from_checkpoint=restore)
-    resumed = _train(tmp_path / "b", Net(), Pairs(48), resume=str(tmp_path / "a" / "checkpoint-5"),
-                     restore_callback_states_from_checkpoint=restore)
+    (unbroken,) = _train(tmp_path / "a", Net(), Pairs(48),
+                         restore_callback_states_from_checkpoint=restore)
+    (resumed,) = _train(tmp_path / "b", Net(), Pairs(48), resume=checkpoint_5(tmp_path),
+                        restore_callback_states_from_checkpoint=restore)
     assert unbroken.monitor.steps == 12  # 6 optimizer steps of 2 micro-batches an epoch
     _same_estimate(resumed, unbroken)
 
 
 def test_a_resumed_token_estimate_continues_in_tokens(tmp_path: Path) -> None:
-    unbroken = _train(tmp_path / "a", tiny_gpt2(), Tokens(48))
-    resumed = _train(tmp_path / "b", tiny_gpt2(), Tokens(48),
-                     resume=str(tmp_path / "a" / "checkpoint-5"))
+    (unbroken,) = _train(tmp_path / "a", tiny_gpt2(), Tokens(48))
+    (resumed,) = _train(tmp_path / "b", tiny_gpt2(), Tokens(48), resume=checkpoint_5(tmp_path))
     assert resumed.unit == unbroken.unit == "tokens"
     assert resumed.monitor.n is None
     _same_estimate(resumed, unbroken)
     assert float(resumed._label_tokens) == pytest.approx(float(unbroken._label_tokens))
+
+
+def test_the_resumed_run_counts_its_own_examples_and_another_decay_starts_afresh(
+        tmp_path: Path) -> None:
+    """n enters only when the estimate is read: the resumed run's own n is kept (it was the
+    checkpoint's, silently). An estimate made with another decay weighs its steps otherwise:
+    the run's starts afresh, and says so."""
+    (unbroken,) = _train(tmp_path / "a", Net(), Pairs(48))
+    (resumed,) = _train(tmp_path / "b", Net(), Pairs(48), resume=checkpoint_5(tmp_path),
+                        make=lambda: [DiversityCallback(every=3, n=96)])
+    assert resumed.monitor.n == 96 and unbroken.monitor.n == 48
+    assert resumed.monitor.state_dict()["sums"] == pytest.approx(
+        unbroken.monitor.state_dict()["sums"], rel=1e-9)
+    with pytest.warns(UserWarning, match="made with decay=0.95, this run's callback has "
+                                         "decay=None; its estimate starts afresh"):
+        (afresh,) = _train(tmp_path / "c", Net(), Pairs(48), resume=checkpoint_5(tmp_path),
+                           make=lambda: [DiversityCallback(every=3, decay=None)])
+    assert afresh.monitor.steps == 12 - 5
+
+
+@pytest.mark.parametrize("restore", [False, True])
+def test_two_callbacks_alike_both_continue(tmp_path: Path, restore: bool) -> None:
+    """The Trainer keeps a list for them, appended to at every save (6 entries by step 10):
+    each takes the latest entry of its settings (it warned and both started afresh)."""
+    two = lambda: [DiversityCallback(every=3), DiversityCallback(every=3)]  # noqa: E731
+    unbroken = _train(tmp_path / "a", Net(), Pairs(48), make=two,
+                      restore_callback_states_from_checkpoint=restore)
+    resumed = _train(tmp_path / "b", Net(), Pairs(48), resume=checkpoint_5(tmp_path), make=two,
+                     restore_callback_states_from_checkpoint=restore)
+    assert len(resumed) == 2
+    for callback in resumed:
+        _same_estimate(callback, unbroken[0])
+
+
+class Tagged(DiversityCallback):
+    """A user's subclass with a constructor of its own."""
+
+    def __init__(self, tag: str = "run") -> None:
+        super().__init__(every=3)
+        self.tag = tag
+
+
+def test_a_subclass_is_rebuilt_by_the_trainers_restore(tmp_path: Path) -> None:
+    """The Trainer's restore builds the callback from the saved args: those were the
+    constructor's, and a subclass taking others failed there (TypeError); now none are
+    saved, and the settings and the estimate are put on it as attributes."""
+    (unbroken,) = _train(tmp_path / "a", Net(), Pairs(48), make=lambda: [Tagged()],
+                         restore_callback_states_from_checkpoint=True)
+    (resumed,) = _train(tmp_path / "b", Net(), Pairs(48), resume=checkpoint_5(tmp_path),
+                        make=lambda: [Tagged()], restore_callback_states_from_checkpoint=True)
+    assert type(resumed) is Tagged and resumed.every == 3
+    _same_estimate(resumed, unbroken)
+
+
+def test_attach_then_the_trainers_restore_says_the_callback_moved(tmp_path: Path) -> None:
+    """The Trainer appends the callbacks it restores, behind report_to's integrations."""
+    pytest.importorskip("tensorboard")
+
+    def train(folder: Path, resume: str | None = None) -> None:
+        args = arguments(folder, learning_rate=0.05, save_strategy="steps", save_steps=5,
+                         report_to=["tensorboard"], restore_callback_states_from_checkpoint=True)
+        trainer = transformers.Trainer(model=Net(), args=args, train_dataset=Pairs(48))
+        DiversityCallback(every=3).attach(trainer)
+        trainer.train(resume_from_checkpoint=resume)
+
+    train(tmp_path / "a")
+    with pytest.warns(UserWarning, match="put a new DiversityCallback in place of the one "
+                                         "attach\\(\\) put ahead"):
+        train(tmp_path / "b", checkpoint_5(tmp_path))
+
+
+class Failing(Net):
+    """Raises on its fifth training forward."""
+
+    def forward(self, x, labels):
+        if self.training and len(self.seen) == 4:
+            self.seen.append((x, labels))
+            raise KeyboardInterrupt
+        return super().forward(x, labels)
+
+
+def test_training_again_after_an_exception_leaves_no_hooks_behind(tmp_path: Path) -> None:
+    model, callback = Failing(), DiversityCallback(every=3)
+    trainer = transformers.Trainer(model=model, args=arguments(tmp_path, num_train_epochs=1),
+                                   train_dataset=Pairs(48), callbacks=[callback])
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert len(model._forward_pre_hooks) == 1  # the stopped run's
+    trainer.train()
+    assert len(model._forward_pre_hooks) == 0 and callback.monitor.steps == 6
 
 
 def test_a_second_train_without_resuming_starts_afresh(tmp_path: Path) -> None:

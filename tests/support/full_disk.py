@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,6 +39,12 @@ def fill(folder: Path, leave: int = 0) -> Path:
     """Take all the free space of ``folder``'s file system but ``leave`` bytes; returns the
     filler file (delete it to free the space again)."""
     filler = folder / "filler"
+    for _ in range(200):  # a writer that filled it for a moment (its temporary file) lets go
+        try:
+            filler.touch()
+            break
+        except OSError:
+            time.sleep(0.05)
     free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
     with open(filler, "ab") as fh:
         try:

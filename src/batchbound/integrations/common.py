@@ -98,6 +98,23 @@ def diversity_metrics(monitor: OnlineDiversity) -> dict[str, float]:
     return {PREFIX + key: float(v) for key, v in values.items() if not math.isnan(v)}
 
 
+def continue_estimate(monitor: OnlineDiversity, saved: Mapping[str, Any]) -> bool:
+    """Continue ``monitor``, this run's, from the estimate a checkpoint saved
+    (``OnlineDiversity.state_dict``), keeping this run's n and sampling (they enter only
+    when the estimate is read: a data set that changed size is counted as it is now). An
+    estimate made with another ``decay`` weighs its steps otherwise: the run's starts afresh
+    then, with a warning. Whether it continued."""
+    if saved["decay"] != monitor.decay:
+        warn(f"batchbound: the checkpoint's gradient-noise estimate was made with decay="
+             f"{saved['decay']}, this run's callback has decay={monitor.decay}; its estimate "
+             "starts afresh")
+        return False
+    n, sampling = monitor.n, monitor.sampling
+    monitor.load_state_dict(saved)
+    monitor.n, monitor.sampling = n, sampling
+    return True
+
+
 def as_tensor(value: Number, device: torch.device) -> Tensor:
     """A 0-dim float64 tensor on ``device``; a Python number becomes a fill, not a copy from
     the host (which would wait for the device)."""

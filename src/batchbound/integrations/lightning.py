@@ -45,6 +45,7 @@ from batchbound.integrations.common import (
     StepRecords,
     Window,
     check_options,
+    continue_estimate,
     dataset_size,
     diversity_metrics,
     require,
@@ -98,7 +99,7 @@ class DiversityCallback(L.Callback):
         n = self.n if self.n is not None else dataset_size(trainer.train_dataloader)
         self.monitor = OnlineDiversity(n, decay=self.decay, sampling=self.sampling)
         if self._restored is not None:
-            self.monitor.load_state_dict(self._restored)
+            continue_estimate(self.monitor, self._restored)
         self._scaler = getattr(trainer.precision_plugin, "scaler", None)
         if trainer.world_size > 1:
             model = trainer.strategy.model
@@ -202,7 +203,7 @@ class DiversityCallback(L.Callback):
         self._restored = state_dict.get("monitor")
         self._steps = int(state_dict.get("steps", self._steps))
         if self.monitor is not None and self._restored is not None:
-            self.monitor.load_state_dict(self._restored)
+            continue_estimate(self.monitor, self._restored)
 
 
 class BatchWarmupCallback(DiversityCallback):
@@ -225,6 +226,10 @@ class BatchWarmupCallback(DiversityCallback):
         AccumulationWarmup(1, **self.options)  # checks the options now
         self.warmup: AccumulationWarmup | None = None
         self._warm_restored: dict[str, Any] | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        resume_accumulation(trainer, self._warm_restored)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -289,6 +294,9 @@ class BranchWarmupCallback(L.Callback):
         self.warmup: BranchWarmup | None = None
         self._warm_restored: dict[str, Any] | None = None
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        resume_accumulation(trainer, self._warm_restored)
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
         k = trainer.accumulate_grad_batches
@@ -329,6 +337,13 @@ class BranchWarmupCallback(L.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._warm_restored = state_dict.get("warmup")
+
+
+def resume_accumulation(trainer: L.Trainer, restored: dict[str, Any] | None) -> None:
+    """A run resumed from a checkpoint goes on at the accumulation its warmup had grown to,
+    from its first batch (the warmup itself is rebuilt at the first optimizer step)."""
+    if restored is not None:
+        trainer.accumulate_grad_batches = int(restored["accumulation"])
 
 
 def _dataset_and_collate(loader: Any) -> tuple[Any, Any]:

@@ -53,6 +53,7 @@ a warmup's) is written into each checkpoint's trainer_state.json and continued o
 
 from __future__ import annotations
 
+import json
 import warnings
 from typing import Any
 
@@ -62,11 +63,12 @@ from torch.utils.hooks import RemovableHandle
 
 from batchbound.diversity.loss_scale import loss_scale_of
 from batchbound.diversity.online import OnlineDiversity
-from batchbound.errors import BatchboundError
+from batchbound.errors import BatchboundError, warn
 from batchbound.integrations.common import (
     MicroBatchNorms,
     StepRecords,
     check_options,
+    continue_estimate,
     dataset_size,
     diversity_metrics,
     require,
@@ -113,9 +115,6 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
     ) -> None:
         check_options(every, reduction, n)
         OnlineDiversity(n, decay=decay, sampling=sampling)  # validates decay and sampling
-        # what the Trainer rebuilds it from (``ExportableState``): the constructor's arguments
-        self.arguments: dict[str, Any] = {"every": every, "n": n, "reduction": reduction,
-                                          "decay": decay, "sampling": sampling}
         self.every, self.n, self.reduction = every, n, reduction
         self.decay, self.sampling = decay, sampling
         self.monitor: OnlineDiversity | None = None
@@ -150,6 +149,7 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         # a checkpoint's estimate, to continue (``state``); set by the Trainer's own restore
         # (restore_callback_states_from_checkpoint), else read from the resumed TrainerState
         self.saved: dict[str, Any] | None = None
+        self.was_attached = False  # the callback this one was restored from was (``attach``)
 
     def attach(self, trainer: Any) -> DiversityCallback:
         """Add this callback ahead of the Trainer's reporting integrations (TensorBoard, W&B,
@@ -163,10 +163,19 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
 
     # ------------------------------------------------------- checkpoints (ExportableState)
 
+    def settings(self) -> dict[str, Any]:
+        """The constructor's arguments, by the attributes that hold them."""
+        return {"every": self.every, "n": self.n, "reduction": self.reduction,
+                "decay": self.decay, "sampling": self.sampling}
+
     def state(self) -> dict[str, Any]:
-        """What the Trainer writes into a checkpoint's trainer_state.json: the arguments, and
-        the estimate so far (the steps not folded yet included; one host read)."""
-        return {"args": dict(self.arguments), "attributes": {"saved": self._saved()}}
+        """What the Trainer writes into a checkpoint's trainer_state.json: the settings, and
+        the estimate so far (the steps not folded yet included; one host read). All as
+        attributes: with restore_callback_states_from_checkpoint the Trainer builds the
+        callback anew from ``args`` (none here, so that a subclass with its own constructor
+        is built too) and sets the attributes on it."""
+        return {"args": {}, "attributes": {**self.settings(), "saved": self._saved(),
+                                           "was_attached": self._attached}}
 
     def _saved(self) -> dict[str, Any] | None:
         if self.monitor is None or self._records is None:
@@ -184,8 +193,11 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         if saved is None:
             return None
         assert self.monitor is not None
-        self.monitor.load_state_dict(saved["monitor"])
-        self.unit = saved["unit"]
+        monitor = self.monitor if saved["unit"] != "tokens" else OnlineDiversity(
+            None, decay=self.decay, sampling=self.sampling)  # in tokens: no n
+        if not continue_estimate(monitor, saved["monitor"]):
+            return None
+        self.monitor, self.unit = monitor, saved["unit"]
         tokens = saved["label_tokens"]
         self._label_tokens = None if tokens is None else torch.tensor(
             tokens, dtype=torch.float64, device=self._device)
@@ -208,6 +220,7 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
                                   "(n_gpu > 1 in one process); launch one process per GPU")
         if model is None:
             raise BatchboundError("the Trainer passed no model to DiversityCallback")
+        self._remove_hooks()  # a run of this Trainer that stopped on an exception left them
         self._world = args.world_size
         averaged = getattr(args, "average_tokens_across_devices", False) and self._world > 1
         self._token_factor = float(self._world) if averaged else 1.0
@@ -223,7 +236,13 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         self._forward = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         self._scaler = getattr(optimizer, "scaler", None)
         report_to = [r for r in (args.report_to or []) if r != "none"]
-        if report_to and not self._attached:
+        if report_to and not self._attached and self.was_attached:
+            warn(f"batchbound: restore_callback_states_from_checkpoint=True made the Trainer "
+                 f"put a new {type(self).__name__} in place of the one attach() put ahead of "
+                 f"the report_to={report_to} integrations, behind them, so they will not "
+                 "record gradient_diversity/*; without that option the estimate is restored "
+                 "all the same, into the callback you attached")
+        elif report_to and not self._attached:
             warnings.warn(f"report_to={report_to} integrations run before callbacks passed to "
                           "Trainer(callbacks=...), so they will not record gradient_diversity/*; "
                           "use DiversityCallback().attach(trainer) instead", stacklevel=2)
@@ -368,6 +387,9 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         if self._records is not None:  # the final estimate in ``metrics``, logged or not
             self._check_probe()
             self.metrics = diversity_metrics(self._records.fold())
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
         if self._norms is not None:
             self._norms.remove()
             self._norms = None
@@ -385,18 +407,29 @@ def checkpoint_state(callback: Any, state: Any) -> dict[str, Any] | None:
     if state.global_step == 0:
         return None
     return saved if saved is not None else restored_attributes(
-        state, type(callback).__name__).get("saved")
+        state, type(callback).__name__, callback.settings()).get("saved")
 
 
-def restored_attributes(state: Any, name: str) -> dict[str, Any]:
+def restored_attributes(state: Any, name: str, settings: dict[str, Any]) -> dict[str, Any]:
     """The attributes the callback of class ``name`` saved in the checkpoint the Trainer
-    resumed from (``TrainerState.stateful_callbacks``); {} where it saved none, or where
-    several callbacks of that class saved theirs (which is whose cannot be told)."""
+    resumed from (``TrainerState.stateful_callbacks``); {} where none did. Where several
+    callbacks of the class are, the Trainer keeps a list to which each save appends: the
+    last entry with these ``settings`` is the latest (two callbacks alike hold the same
+    estimate)."""
     stored = (getattr(state, "stateful_callbacks", None) or {}).get(name)
-    if isinstance(stored, list):
-        warnings.warn(f"the checkpoint holds the states of {len(stored)} {name}s; which one "
-                      "is whose cannot be told, so each starts afresh", stacklevel=3)
-    return stored.get("attributes") or {} if isinstance(stored, dict) else {}
+    if not isinstance(stored, list):
+        return stored.get("attributes") or {} if isinstance(stored, dict) else {}
+    mine = [e["attributes"] for e in stored if isinstance(e, dict)
+            and all(e.get("attributes", {}).get(k) == _as_json(v) for k, v in settings.items())]
+    if not mine:
+        warn(f"batchbound: the checkpoint holds the states of several {name}s, none with this "
+             f"one's settings {settings}; its estimate starts afresh")
+    return mine[-1] if mine else {}
+
+
+def _as_json(value: Any) -> Any:
+    """A value as it comes back from trainer_state.json (tuples as lists)."""
+    return json.loads(json.dumps(value))
 
 
 def _divides_by_items(module: nn.Module, args: tuple, kwargs: dict, items: Any) -> Tensor:
@@ -447,11 +480,12 @@ def resume_accumulation(args: Any, state: Any, warmup: Any) -> None:
     the one the stopped run stopped at: said."""
     given = args.gradient_accumulation_steps
     if warmup.accumulation != given:
-        warnings.warn(
-            f"resuming at step {state.global_step} with gradient_accumulation_steps="
-            f"{warmup.accumulation}, which the batch-size warmup had grown it to; the Trainer "
-            f"counted the epochs and batches it skips on resume at {given}, so the resumed "
-            "run does not start at the batch where the stopped one stopped", stacklevel=3)
+        warn(f"batchbound: resuming at step {state.global_step} with gradient_accumulation_"
+             f"steps={warmup.accumulation}, which the batch-size warmup had grown it to; the "
+             f"Trainer counted the epochs and batches it skips on resume at {given}, so the "
+             "resumed run does not start at the batch where the stopped one stopped: it "
+             "trains again on batches, up to whole epochs, that the stopped run had trained "
+             "on (resume from a checkpoint saved before the first growth to resume exactly)")
     args.gradient_accumulation_steps = warmup.accumulation
 
 
@@ -491,7 +525,6 @@ class BatchWarmupCallback(DiversityCallback):
                  sampling: str = "without_replacement") -> None:
         super().__init__(every, n=n, reduction=reduction, decay=decay, sampling=sampling)
         self.options = {"every": every, "max_batch": max_batch, "fraction": fraction, "lr": lr}
-        self.arguments.update(self.options)
         AccumulationWarmup(1, **self.options)  # checks the options now
         self.warmup: AccumulationWarmup | None = None
         self._warm_log: dict[str, float] = {}
@@ -501,6 +534,9 @@ class BatchWarmupCallback(DiversityCallback):
                                          args.gradient_accumulation_steps, args.world_size,
                                          **self.options)
         super().on_train_begin(args, state, control, **kwargs)  # a resumed run's: _restore
+
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), "options": self.options}
 
     def _saved(self) -> dict[str, Any] | None:
         saved = super()._saved()
@@ -596,11 +632,14 @@ class BranchWarmupCallback(transformers.TrainerCallback, ExportableState):
         self._warm_log: dict[str, float] = {}
         self.saved: dict[str, Any] | None = None  # as DiversityCallback's: a checkpoint's
 
+    def settings(self) -> dict[str, Any]:
+        return {"options": self.options}
+
     def state(self) -> dict[str, Any]:
-        """What the Trainer writes into a checkpoint (``ExportableState``): the arguments, and
-        the warmup's state, to continue it on resume_from_checkpoint."""
+        """What the Trainer writes into a checkpoint (``ExportableState``): the settings, and
+        the warmup's state, to continue it on resume_from_checkpoint (as DiversityCallback's)."""
         saved = {"warmup": self.warmup.state_dict()} if self.warmup is not None else self.saved
-        return {"args": dict(self.options), "attributes": {"saved": saved}}
+        return {"args": {}, "attributes": {**self.settings(), "saved": saved}}
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         saved = checkpoint_state(self, state)
