@@ -30,9 +30,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +42,9 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchbound.diversity import OnlineDiversity, measure, watch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import interleaved
 
 
 class EmptyMode(TorchDispatchMode):
@@ -111,12 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     for run in runs.values():  # the first watched step plans and checks the model
         for _ in range(3):
             run()
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(args.repeats):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
+    times = interleaved(runs, args.repeats)
     ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     mean = {name: 1e3 * statistics.fmean(t) for name, t in times.items()}
 

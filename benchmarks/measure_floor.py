@@ -26,7 +26,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +35,7 @@ from batchbound.diversity import measure
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_models import CASES
+from timing import interleaved
 
 EXAMPLES, CHUNK = 4096, 256
 
@@ -100,12 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = {"plain": plain,
             "measure()": lambda: measure(model, (x, y), case.loss, chunk_size=CHUNK),
             "floor": lambda: floor_pass(model, x, y, case.loss)}
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(args.repeats):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
+    times = interleaved(runs, args.repeats)
     median = {name: statistics.median(t) for name, t in times.items()}
     print(f"MLP 784-512-512-512-10, {EXAMPLES} examples in chunks of {CHUNK}, one thread, "
           f"median of {args.repeats} interleaved rounds (S, T of the floor within {error:.0e} "
