@@ -180,7 +180,9 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
     def _saved(self) -> dict[str, Any] | None:
         if self.monitor is None or self._records is None:
             return self.saved  # not started: a restored estimate not continued yet, or None
-        self._check_probe()  # before any number is read
+        # no probe read here: only the saving rank calls this, and a refusal raised on it
+        # alone would leave the others waiting in their next collective; a resumed run
+        # probes again and is refused at its first fold, as every rank of this one will be
         self._records.fold()
         tokens = self._label_tokens
         return {"monitor": self.monitor.state_dict(), "unit": self.unit,
