@@ -53,7 +53,6 @@ a warmup's) is written into each checkpoint's trainer_state.json and continued o
 
 from __future__ import annotations
 
-import json
 import warnings
 from typing import Any
 
@@ -72,6 +71,11 @@ from batchbound.integrations.common import (
     dataset_size,
     diversity_metrics,
     require,
+)
+from batchbound.integrations.hf_checkpoints import (
+    checkpoint_state,
+    resume_accumulation,
+    resumed_inside_epoch,
 )
 from batchbound.integrations.warmup import AccumulationWarmup, BranchWarmup
 from batchbound.train.adaptive import BRANCH_EVERY, BRANCH_STEPS
@@ -400,40 +404,6 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
             self._forward = None
 
 
-def checkpoint_state(callback: Any, state: Any) -> dict[str, Any] | None:
-    """What ``callback`` saved (its ``state()``'s ``saved``) in the checkpoint this run
-    resumed from (global_step > 0): put on it by the Trainer's own restore
-    (restore_callback_states_from_checkpoint), else read from the resumed TrainerState; None
-    on a run that did not resume."""
-    saved, callback.saved = callback.saved, None
-    if state.global_step == 0:
-        return None
-    return saved if saved is not None else restored_attributes(
-        state, type(callback).__name__, callback.settings()).get("saved")
-
-
-def restored_attributes(state: Any, name: str, settings: dict[str, Any]) -> dict[str, Any]:
-    """The attributes the callback of class ``name`` saved in the checkpoint the Trainer
-    resumed from (``TrainerState.stateful_callbacks``); {} where none did. Where several
-    callbacks of the class are, the Trainer keeps a list to which each save appends: the
-    last entry with these ``settings`` is the latest (two callbacks alike hold the same
-    estimate)."""
-    stored = (getattr(state, "stateful_callbacks", None) or {}).get(name)
-    if not isinstance(stored, list):
-        return stored.get("attributes") or {} if isinstance(stored, dict) else {}
-    mine = [e["attributes"] for e in stored if isinstance(e, dict)
-            and all(e.get("attributes", {}).get(k) == _as_json(v) for k, v in settings.items())]
-    if not mine:
-        warn(f"batchbound: the checkpoint holds the states of several {name}s, none with this "
-             f"one's settings {settings}; its estimate starts afresh")
-    return mine[-1] if mine else {}
-
-
-def _as_json(value: Any) -> Any:
-    """A value as it comes back from trainer_state.json (tuples as lists)."""
-    return json.loads(json.dumps(value))
-
-
 def _divides_by_items(module: nn.Module, args: tuple, kwargs: dict, items: Any) -> Tensor:
     """Whether the model's loss is its sum over tokens divided by ``num_items_in_batch``, as
     the token weights assume, by construction: the same micro-batch through the model twice
@@ -473,29 +443,6 @@ def _grow(warmup: Any, factor: float, args: Any, optimizer: Any, lr_scheduler: A
     if optimizer is not None:
         warmup.scale_rates(optimizer, factor, lr_scheduler)
     return warmup.metrics()
-
-
-def resume_accumulation(args: Any, state: Any, warmup: Any) -> None:
-    """A resumed run goes on at the accumulation its warmup had grown to. The Trainer counts
-    the epochs and batches it skips on resume at the accumulation it was given, so where the
-    warmup had grown it before the checkpoint the resumed run starts at another batch than
-    the one the stopped run stopped at: said."""
-    given = args.gradient_accumulation_steps
-    if warmup.accumulation != given:
-        warn(f"batchbound: resuming at step {state.global_step} with gradient_accumulation_"
-             f"steps={warmup.accumulation}, which the batch-size warmup had grown it to; the "
-             f"Trainer counted the epochs and batches it skips on resume at {given}, so the "
-             "resumed run does not start at the batch where the stopped one stopped: it "
-             "trains again on batches, up to whole epochs, that the stopped run had trained "
-             "on (resume from a checkpoint saved before the first growth to resume exactly)")
-    args.gradient_accumulation_steps = warmup.accumulation
-
-
-def resumed_inside_epoch(state: Any) -> bool:
-    """Whether this on_epoch_begin is a resumed run's, inside an epoch (the Trainer calls it
-    there too): a growth decided before the checkpoint waits for the next epoch's start,
-    as it did in the stopped run."""
-    return not float(state.epoch).is_integer()
 
 
 def _batch_size(args: tuple, kwargs: dict) -> int:
