@@ -301,8 +301,8 @@ class HooksPass:
         if self.layout is None:
             self._attach_probe(users)
             return
-        calls = tuple((c.key, tuple((o.shape, o.dtype) for o in c.outputs))
-                      for c in self.recorder.calls)
+        calls = tuple([(c.key, tuple([(o.shape, o.dtype) for o in c.outputs]))
+                       for c in self.recorder.calls])  # lists: no generator frames
         self.program = (calls, graph_structure(nodes))
         if self.on_program is not None:
             self.on_program()
@@ -530,7 +530,11 @@ class HooksPass:
         inputs are the forward's own tensors, and a backward with create_graph runs its
         hooks with grad enabled. ``saved``: what the call's nodes saved is still there (the
         backward has not passed them), for the rule to read."""
-        with torch.no_grad(), _no_autocast(self._first.device.type):
+        device = self._first.device.type
+        if not torch.is_grad_enabled() and not torch.is_autocast_enabled(device):
+            self._run_rule(call, saved)  # a plain backward's hook: no mode to set (host time)
+            return
+        with torch.no_grad(), _no_autocast(device):
             self._run_rule(call, saved)
 
     def _run_rule(self, call: CallRecord, saved: bool = True) -> None:
@@ -586,7 +590,11 @@ class HooksPass:
         calls run first."""
         assert self.layout is not None
         claimed = self.plan.claims[call.prefix].values()
-        own = all(self._contributions.get(k, 1) == 1 for k in claimed)
+        own = True  # a loop, not all(generator): per call, every step (host time)
+        for k in claimed:
+            if self._contributions.get(k, 1) != 1:
+                own = False
+                break
         key = stacking.stack_key(call, self.layout[call.key].axis,
                                  sums=not self.rule_sums.isdisjoint(claimed)) if own else None
         if key is None:
@@ -647,7 +655,9 @@ class HooksPass:
         """Squared norms of ``len(names)`` calls' examples stacked, each call's to its
         parameter (None: nobody's)."""
         parts = sq_norms.split(self.n) if len(names) > 1 else (sq_norms,)
-        self._sq_norms.update((k, v) for k, v in zip(names, parts, strict=True) if k is not None)
+        for k, v in zip(names, parts, strict=True):
+            if k is not None:
+                self._sq_norms[k] = v
 
     def _defer(self, names: list[str | None], grads: Tensor) -> None:
         """Hold small per-example gradients (of one call's parameter, or of several calls'

@@ -61,6 +61,7 @@ from batchbound.diversity.rule_check import (
 from batchbound.diversity.stats import (
     ENGINES,
     PerExampleStats,
+    any_training,
     batch_norm_modules,
     check_chunk,
     check_model_mode,
@@ -231,7 +232,7 @@ class PreparedStats:
                     self._probe(x, y, offset)
                 if self.kinds is None:
                     self.kinds = output_kinds(self.model, x, self.params)
-                if self.checked is None and any(m.training for m in self.model.modules()):
+                if self.checked is None and any_training(self.model):
                     self._checked(self_check(self.model, x, y, self.loss_fn, self.plan,
                                              self.params, self.layout,
                                              self.plan.static_reasons(), self.kinds), x)
@@ -351,7 +352,7 @@ class PreparedStats:
         # the random state and buffers the forward begins from, for a replay (train mode)
         random = (RandomState(sorted({p.device.index or 0 for p in self.params.values()
                                       if p.device.type == "cuda"}), self.model.buffers())
-                  if any(m.training for m in self.model.modules()) else None)
+                  if any_training(self.model) else None)
         # a user's loss, on the first chunk, and on every one where it may join the examples
         # (``losses.loss_joining``): named ones are each example's own by construction
         seen = self.seen

@@ -108,6 +108,20 @@ def check_chunk(x: Tensor, y: Tensor) -> None:
         raise BatchboundError("empty chunk: no examples")
 
 
+def any_training(model: nn.Module) -> bool:
+    """Whether any module of ``model`` is in train mode: ``model.modules()``'s modules, walked
+    without its generators (a frame per module and level; this is asked on every chunk)."""
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if module.training:
+            return True
+        for child in module._modules.values():
+            if child is not None:
+                stack.append(child)
+    return False
+
+
 @contextmanager
 def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
     """``model`` in eval mode; every module's own mode is restored afterwards. A model in

@@ -60,7 +60,9 @@ def add_row_sum(out: Tensor, rows: Tensor) -> None:
     if rows.dtype != out.dtype or not out.is_contiguous() or rows.numel() != n * out.numel():
         out.add_(rows.sum(dim=0).reshape(out.shape))
         return
-    out.view(-1).addmv_(rows.reshape(n, -1).t(), ones(n, rows.dtype, rows.device))
+    flat = out if out.dim() == 1 else out.view(-1)  # no view op where none is needed
+    matrix = rows if rows.dim() == 2 else rows.reshape(n, -1)
+    flat.addmv_(matrix.t(), ones(n, rows.dtype, rows.device))
 
 
 def segments(keys: Tensor) -> Tensor:
@@ -313,11 +315,13 @@ class Outer(PerExampleGrad):
         if self.v.dtype != out.dtype or not out.is_contiguous():
             super().add_total_to(out)
             return
-        v, into = self.v.reshape(-1, self.q), out.view(self.p, self.q)
+        p, q = self.p, self.q
+        v = self.v.reshape(-1, q)
+        into = out if out.shape == (p, q) else out.view(p, q)  # a weight's sum: as it is
         if self.indexed:
             into.index_add_(0, _long(self.u).reshape(-1), v)
         else:
-            into.addmm_(self.u.reshape(-1, self.p).transpose(0, 1), v)
+            into.addmm_(self.u.reshape(-1, p).transpose(0, 1), v)
 
 
 def _gram_u(a: Outer, b: Outer) -> Tensor:

@@ -57,9 +57,12 @@ def _own_sums(layer: nn.Module, x: Tensor, out_shape: torch.Size) -> tuple[str, 
     if (weight is None or x.dtype != weight.dtype or x.dtype not in _EXACT
             or torch.is_autocast_enabled(x.device.type)):
         return ()
-    return tuple(k for k in ("weight", "bias") if trainable(layer, k))
+    return _TRAINABLE[trainable(layer, "weight"), trainable(layer, "bias")]
 
 
+# which of (weight, bias) train -> their names, looked up (per call, every step: host time)
+_TRAINABLE = {(True, True): ("weight", "bias"), (True, False): ("weight",),
+              (False, True): ("bias",), (False, False): ()}
 _EXACT = (torch.float32, torch.float64)
 
 
