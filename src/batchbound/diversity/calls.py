@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -68,21 +67,19 @@ class CallRecord:
 
     def __post_init__(self) -> None:
         self.main = self.entry.main or first_argument(self.module)
-        # read a dozen times per call every step: an attribute, not a property (host time)
+        # read a dozen times per call every step: attributes, not properties (host time)
         self.key: tuple[str, int] = (self.prefix, self.index)
+        self.main_input: Any = self.inputs.get(self.main)
 
     @property
     def label(self) -> str:
         repeat = f", call {self.index + 1}" if self.index else ""
         return f"{self.prefix or '<root>'} ({type(self.module).__name__}{repeat})"
 
-    @property
-    def main_input(self) -> Any:
-        return self.inputs.get(self.main)
-
 
 _SIGNATURES: dict[type, inspect.Signature] = {}
 _POSITIONAL: dict[type, list[str] | None] = {}  # names, when positional calls bind by order
+_FIRST: dict[type, str] = {}  # forward's first argument after self
 
 
 def _signature(module: nn.Module) -> inspect.Signature:
@@ -95,8 +92,12 @@ def _signature(module: nn.Module) -> inspect.Signature:
 
 def first_argument(module: nn.Module) -> str:
     """The name of ``forward``'s first argument after self."""
-    names = list(_signature(module).parameters)
-    return names[1] if len(names) > 1 else ""
+    kind = type(module)
+    name = _FIRST.get(kind)
+    if name is None:
+        names = list(_signature(module).parameters)
+        name = _FIRST[kind] = names[1] if len(names) > 1 else ""
+    return name
 
 
 def _positional(module: nn.Module) -> list[str] | None:
@@ -200,7 +201,7 @@ class CallRecorder:
     def __init__(self, modules: dict[str, tuple[nn.Module, RuleEntry]]) -> None:
         self.modules = modules
         self.calls: list[CallRecord] = []
-        self._counts: Counter[str] = Counter()
+        self._counts: dict[str, int] = {}  # calls so far, by prefix
         self._recording = False
         self._handles: list[RemovableHandle] = []
         self._owner = CHECKING.get()  # the check it records for (None: the user's calls)
@@ -243,8 +244,8 @@ class CallRecorder:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if not self._recording or CHECKING.get() is not self._owner:
                 return
-            index = self._counts[prefix]
-            self._counts[prefix] += 1
+            index = self._counts.get(prefix, 0)
+            self._counts[prefix] = index + 1
             arguments = bind(module, args, kwargs)
             # The arguments themselves, not detached copies (one operation per tensor per
             # call, every step): the rules run under no_grad (hooks.HooksPass), and a rule
