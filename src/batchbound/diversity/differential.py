@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from batchbound.diversity.distributed import all_reduce_sum
-from batchbound.diversity.measure import measuring
+from batchbound.diversity.measure import check_copy_alone, measuring
 from batchbound.diversity.mechanisms import chunks_for
 from batchbound.diversity.prepared import per_example_gradients
 from batchbound.diversity.stats import trainable_parameters
@@ -102,7 +102,10 @@ def differential_diversity(
         diff_sum = {k: torch.zeros(p.shape, dtype=acc, device=device) for k, p in pa.items()}
         n = torch.zeros((), dtype=acc, device=device)
         chunks, loss_fn = chunks_for(work_a, data, loss, chunk_size)
-        for x, y in chunks:
+        for k, (x, y) in enumerate(chunks):
+            if k == 0:  # a dtype copy that reaches its model is refused
+                check_copy_alone(model_a, work_a, x, y, loss_fn)
+                check_copy_alone(model_b, work_b, x, y, loss_fn)
             ga = per_example_gradients(work_a, x, y, loss_fn)
             gb = per_example_gradients(work_b, x, y, loss_fn)
             for k in pa:

@@ -8,6 +8,7 @@ every module's mode is restored afterwards; ``.grad`` fields are never touched.
 from __future__ import annotations
 
 import copy
+import math
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -22,9 +23,10 @@ from torch.utils.data import Dataset as TorchDataset
 from batchbound import kernels
 from batchbound.data.dataset import Dataset
 from batchbound.diversity.budget import check_budget, chunk_for_budget, kept_bytes, size
-from batchbound.diversity.calls import Inputs, dict_batch, flatten
+from batchbound.diversity.calls import Inputs, call_model, dict_batch, flatten
 from batchbound.diversity.collector import heap_frozen
 from batchbound.diversity.distributed import all_reduce_sum, world_size
+from batchbound.diversity.graph import is_accumulator, walk
 from batchbound.diversity.losses import DeferredFinite, PerExampleLoss, loss_name, resolve_loss
 from batchbound.diversity.precision import LOW_PRECISION, autocast_dtypes, lowest, statement
 from batchbound.diversity.prepared import PreparedStats
@@ -152,6 +154,36 @@ def _no_parameter_hooks(model: nn.Module, dtype: torch.dtype) -> None:
             "convert it yourself with the hooks registered again")
 
 
+def check_copy_alone(model: nn.Module, work: nn.Module, x: Any, y: Any,
+                     loss_fn: PerExampleLoss) -> None:
+    """A ``dtype`` copy (``measuring``) whose forward or loss, run on a chunk, reaches the
+    model's own parameters (a closure over the model in the loss, or in a hook the copy
+    carries over) would leave their part of the gradient out of the copy's: refused. Read off
+    the autograd graph of one forward of ``x`` (a few examples of the first chunk); nothing
+    when ``work`` is the model itself."""
+    if work is model:
+        return
+    own = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+    device, dtype = _device_dtype(work)
+    x, y = _on_device(x[:2], y[:2], device, dtype)
+    try:
+        with torch.enable_grad():
+            losses = loss_fn(call_model(work, x), y)
+    except Exception:  # any: a model or loss that fails is named by the run itself, in its words
+        return
+    if not isinstance(losses, Tensor) or losses.grad_fn is None:
+        return  # so is a loss of the wrong kind
+    nodes, _ = walk([losses.grad_fn])
+    reached = sorted({own[id(node.variable)] for node in nodes
+                      if is_accumulator(node) and id(node.variable) in own})
+    if reached:
+        raise BatchboundError(
+            f"dtype={dtype} measures a copy of the model, and the loss or the forward reaches "
+            f"the model's own parameters outside the copy ({', '.join(reached)}: a closure "
+            "over the model in the loss or in a hook?), whose part of the gradient the copy's "
+            "would leave out; measure the model in its own dtype, or convert it yourself")
+
+
 def measure(
     model: nn.Module,
     data: Data,
@@ -202,6 +234,9 @@ def measure(
     with kernels.computing_threads(), heap_frozen(), measuring(model, dtype) as work:
         if work is not model:  # a float64 copy
             params = trainable_parameters(work)
+            chunk = _first_chunk(data, chunk_size, named)
+            if chunk is not None:
+                check_copy_alone(model, work, *chunk, loss_fn)
         if memory_budget is not None:
             chunk_size, width = _budget_chunk(work, data, loss_fn, engine, memory_budget,
                                               chunk_size, copied=work is not model)
@@ -231,6 +266,10 @@ def measure(
     per_param_S = dict(zip(names, map(float, reduced[2 : 2 + len(names)]), strict=True))
     sums = reduced[2 + len(names) :]  # float64, or one float32 block (see _accumulate)
     T = float(torch.stack(torch._foreach_norm(sums, 2, dtype=torch.float64)).square().sum())
+    if not math.isfinite(T):  # each example's gradient is finite (_check_gradients)
+        raise BatchboundError(f"the gradient summed over the examples is not finite ({T}): "
+                              "their sum overflowed; dtype=torch.float64 measures a float64 "
+                              "copy")
     return DiversityReport(
         n=n,
         S=float(sum(per_param_S.values())),
@@ -243,6 +282,15 @@ def measure(
         world_size=world_size(),
         extra={**extra, "fallback_parameters": fallback},
     )
+
+
+def _first_chunk(data: Data, chunk_size: int, named: bool) -> tuple[Any, Any] | None:
+    """The data's first chunk, or None where reading it fails (the run says why)."""
+    first, _, _ = data_chunks(data, chunk_size)
+    try:
+        return next(_tensor_targets(first) if named else first)
+    except Exception:  # any: the user's data, named by the run in its own words
+        return None
 
 
 def _tensor_targets(chunks: Iterator[tuple[Any, Any]]) -> Iterator[tuple[Any, Any]]:
@@ -366,21 +414,26 @@ def _accumulate(
     block = _zeros_like_each(params)
     loss_sum = torch.zeros((), dtype=acc, device=device)
     seen, fallback, chunks_in_block = 0, set(), 0
+    held: list[tuple[int, Tensor]] = []  # the block's chunks: offset, S per parameter
     shown = progress and sys.stderr.isatty()  # a bar that erases itself says nothing to a log
     with tqdm(total=n_known, unit="ex", file=sys.stderr, disable=not shown, leave=False) as bar:
         for x, y in chunks:
             x, y = _on_device(x, y, device, dtype)
             if chunks_in_block == BLOCK:  # full, and more to come: into float64
                 finite.check()
+                _check_gradients(per_param, held, list(params))
                 grad_sum, chunks_in_block = _flush(grad_sum, list(block.values())), 0
             stats = stats_of(x, y, offset=seen, into=block)
-            per_param += torch.stack([stats.sq_norms[k] for k in params]).sum(dim=1, dtype=acc)
+            chunk_sq = torch.stack([stats.sq_norms[k] for k in params]).sum(dim=1, dtype=acc)
+            per_param += chunk_sq
+            held.append((seen, chunk_sq))
             chunks_in_block += 1
             loss_sum += stats.losses.sum(dtype=acc)
             seen += stats.n
             fallback.update(stats.fallback)
             bar.update(stats.n)
     finite.check()
+    _check_gradients(per_param, held, list(params))
     grad_sum = _flush(grad_sum, list(block.values()), last=True)
     count = torch.tensor(float(seen), dtype=acc, device=device)
     return (count, loss_sum, list(per_param.unbind()), grad_sum, sorted(fallback),
@@ -388,6 +441,29 @@ def _accumulate(
 
 
 BLOCK = 16
+
+
+def _check_gradients(per_param: Tensor, held: list[tuple[int, Tensor]], names: list[str]
+                     ) -> None:
+    """S per parameter summed so far (``per_param``) checked finite once a block (a host
+    read, beside the losses' own check), and ``held``, the block's chunks' own (offset, S per
+    parameter), cleared: a backward that makes an inf or a nan from finite losses (a square
+    root or a logarithm at 0, a division by zero, an overflow) is refused, naming the chunk
+    and the parameters, not summed into S = nan."""
+    chunks, held[:] = list(held), []
+    if bool(torch.isfinite(per_param).all()):
+        return
+    for offset, sums in chunks:
+        bad = (~torch.isfinite(sums)).nonzero()[:, 0].tolist()
+        if bad:
+            raise BatchboundError(
+                f"on the chunk from example {offset}, the gradient of an example is not "
+                f"finite, or its square exceeds its dtype's range, though the losses are "
+                f"finite (in {', '.join(names[k] for k in bad)}): the backward pass made an "
+                "inf or a nan (a square root or a logarithm at 0, a division by zero, an "
+                "overflow), so per-example gradients, S, T and Δ are not defined there")
+    raise BatchboundError("S, the per-example gradients' squared norms summed, is not finite "
+                          "though each chunk's is (an overflow of their sum)")
 
 
 def _zeros_like_each(params: dict[str, nn.Parameter]) -> dict[str, Tensor]:

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from batchbound.diversity.distributed import all_reduce_sum
 from batchbound.diversity.losses import resolve_loss
-from batchbound.diversity.measure import data_chunks, measure, measuring
+from batchbound.diversity.measure import check_copy_alone, data_chunks, measure, measuring
 from batchbound.diversity.mechanisms.registry import (
     Mechanism,
     apply_mechanism,
@@ -191,7 +191,9 @@ def _materialised_sums(
         device = next(iter(params.values())).device
         sums = torch.zeros(4, dtype=acc, device=device)  # n, S, R, R per tensor
         total = {k: torch.zeros(p.shape, dtype=acc, device=device) for k, p in params.items()}
-        for x, y in chunks:
+        for k, (x, y) in enumerate(chunks):
+            if k == 0:  # a dtype copy that reaches its model is refused
+                check_copy_alone(model, work, x, y, loss_fn)
             grads = per_example_gradients(work, x, y, loss_fn)
             flat = {k: g.reshape(g.shape[0], -1).to(acc) for k, g in grads.items()}
             sq = {k: g.square().sum(1) for k, g in flat.items()}
