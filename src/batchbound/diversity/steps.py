@@ -158,7 +158,9 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     ``loss_scale``: a ``torch.amp.GradScaler`` (or a number) whose scale the loss was
     multiplied by (``scaler.scale(loss).backward()`` in the block): its current scale is
     divided out, so M2 and C are the loss's own and steps at different scales fold alike.
-    Without it they carry s², and a scale change reweights the running estimate.
+    Without it they carry s², and a scale change reweights the running estimate. A number
+    also undoes a fixed factor: ``loss_scale=1 / k`` for ``(loss / k).backward()``, gradient
+    accumulation over k micro-batches.
 
     ``subset="norms"``: the cheap mode. Only the LayerNorm and RMSNorm parameters are read
     (diversity/subsets.py), exactly, and ``monitor`` then holds *their* n·Δ, an estimate of
