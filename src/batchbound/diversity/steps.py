@@ -47,6 +47,7 @@ from batchbound.diversity.precision import LOW_PRECISION, RANK, GradientPrecisio
 from batchbound.diversity.precision import name as dtype_name
 from batchbound.diversity.prepared import PreparedStats, describe
 from batchbound.diversity.rows import (
+    UNTRACKED_CHANGE,
     RowChecks,
     RowTracker,
     operations,
@@ -220,7 +221,22 @@ def _watched_step(model: nn.Module, monitor: OnlineDiversity, reduction: str,
         _refuse(unseen)
     sq_norms, held = run.sq_parts()  # S_B needs no per-example norms of the held gradients
     if run.reasons:  # no layer rule can take these: the exact fallback, in this step
-        sq_norms = {**sq_norms, **watched.fallback(run.reasons, delta, precision)}
+        try:
+            sq_norms = {**sq_norms, **watched.fallback(run.reasons, delta, precision)}
+        except BatchboundError as exc:
+            if set(run.reasons.values()) != {UNTRACKED_CHANGE}:
+                raise
+            # the first step of a program new since the row tracker stopped: the next step
+            # that runs it is tracked and measured; this one the fallback cannot read (a loss
+            # computed inside the model), so it is left out, as a batch of one is
+            if "untracked" not in planned.warned:
+                planned.warned.add("untracked")
+                warn("batchbound: watch(): a step ran operations not seen on the steps the "
+                     "row tracker followed (padding appearing after unpadded batches?) and the "
+                     f"exact fallback cannot read it ({str(exc).split(': ', 1)[-1][:160]}…); "
+                     "the monitor leaves it out, and the next step that runs them is checked "
+                     "and measured; its step is the optimizer's as usual")
+            return
         precision = watched.fallback_precision(precision)
     # The rules saw the user's loss, so their norms and sums carry its scale: a mean over b
     # examples divides every per-example gradient by b.
