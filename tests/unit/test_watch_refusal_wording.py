@@ -61,3 +61,48 @@ def test_a_gradient_penalty_is_named() -> None:
         out = critic(given)
         slope, = torch.autograd.grad(out.sum(), given, create_graph=True)
         (out.squeeze(1) + 10 * (slope.norm(dim=1) - 1) ** 2).mean().backward()
+
+
+class LoRA(nn.Module):
+    """A frozen Linear beside trainable low-rank factors no layer rule takes (the fallback)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(6, 3).requires_grad_(False)
+        self.A, self.B = nn.Parameter(torch.randn(2, 6) * 0.1), nn.Parameter(torch.randn(3, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.A.T) @ self.B.T
+
+
+def test_an_optimizer_step_inside_the_block_before_the_fallback_is_named() -> None:
+    """An outside review: refused as "a regulariser in the loss, a loss that is not a sum
+    over the examples, or examples that interact"; the weights had moved under the
+    fallback, which runs at the block's end."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), LoRA())
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="torch.func vmap"), \
+            watch(model, OnlineDiversity(100)):  # the step after the block: measured
+        F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    with pytest.raises(BatchboundError, match=r"changed inside the block after the backward "
+                                              r"\(an optimizer step inside it\?\)"), \
+            watch(model, OnlineDiversity(100)):
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+
+def test_a_hook_that_changes_a_parameters_gradient_is_named() -> None:
+    """A clamp registered on a weight's gradient: refused as a regulariser or a loss that is
+    not a sum before (an outside review)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    model[2].weight.register_hook(lambda g: g.clamp(-0.01, 0.01))
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    with pytest.raises(BatchboundError, match=r"a hook on its gradient \(register_hook\) "
+                                              r"changes \.grad.*: 2\.weight"), \
+            watch(model, OnlineDiversity(100)):
+        F.cross_entropy(model(x), y).backward()

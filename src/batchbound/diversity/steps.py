@@ -218,7 +218,7 @@ def _watched_step(model: nn.Module, monitor: OnlineDiversity, reduction: str,
     unseen = _unseen_uses(run, delta, before, precision)
     unseen.update({k: UNACCOUNTED for k in run.unused if bool(delta[k].any())})
     if unseen:
-        _refuse(unseen)
+        _refuse(_hooks_named(params, unseen))
     sq_norms, held = run.sq_parts()  # S_B needs no per-example norms of the held gradients
     if run.reasons:  # no layer rule can take these: the exact fallback, in this step
         try:
@@ -313,6 +313,19 @@ def _state_precision(monitor: OnlineDiversity, planned: _Planned, used: torch.dt
     if used in LOW_PRECISION and used not in planned.warned:
         planned.warned.add(used)
         warn(f"batchbound: watch(): {statement(used, parameters)}")
+
+
+def _hooks_named(params: dict[str, nn.Parameter], reasons: dict[str, str]) -> dict[str, str]:
+    """``reasons``, with a hook on a parameter's gradient named as the likely cause where the
+    parameter has one (``register_hook``: a clamp changes .grad after the examples' gradients
+    were read, which no rule sees)."""
+    return {k: (HOOKED if getattr(params[k], "_backward_hooks", None) else why)
+            for k, why in reasons.items()}
+
+
+HOOKED = ("a hook on its gradient (register_hook) changes .grad after the examples' gradients "
+          "are read, so .grad is not their sum: change .grad after the block instead (clamp or "
+          "clip it there)")
 
 
 def _refuse(reasons: dict[str, str]) -> None:
@@ -608,6 +621,7 @@ class _Watched:
         # its change at the backward's end
         self.before: dict[str, Tensor | None] | None = None
         self.delta: dict[str, Tensor] | None = None
+        self.versions: dict[str, int] = {}  # the parameters' versions at the backward's end
         self._queued = False
         self.run: HooksPass | None = None
         self.form: _Form | None = None  # the check of this call's form (``call_form``)
@@ -816,6 +830,9 @@ class _Watched:
                 delta.update(zip(fresh, torch._foreach_mul([delta[k] for k in fresh], 1.0),
                                  strict=True))
         self.delta = delta
+        # the weights the step's gradients were taken at: the fallback reads them after the
+        # block, so a change before then (an optimizer step inside it) is refused there
+        self.versions = {k: p._version for k, p in self.params.items()}
 
     def _stop_rows(self) -> None:
         if self._rows is not None:
@@ -860,6 +877,13 @@ class _Watched:
         outputs do not show (a regulariser through ``torch.autograd.backward``), a loss that
         is not a sum over examples, or masks the replay did not draw again."""
         assert self.outputs is not None and self.inputs is not None
+        moved = [k for k, p in self.params.items() if p._version != self.versions.get(k)]
+        if moved:
+            raise BatchboundError(
+                f"watch(): {', '.join(moved[:3])}{' …' if len(moved) > 3 else ''} changed "
+                "inside the block after the backward (an optimizer step inside it?), and the "
+                "exact fallback, which runs at the block's end, would read the examples' "
+                "gradients at the new weights; step the optimizer after the block")
         names = [k for k in self.params if k in reasons]
         modes = tuple(m.training for m in self.model.modules())
         if modes not in self.planned.deterministic:  # once per mode: two forward passes
@@ -894,7 +918,7 @@ class _Watched:
                     self.planned.deterministic[modes] = False
                     return self.fallback(reasons, delta, precision)  # replayed, once
         if wrong:
-            _refuse(wrong)
+            _refuse(_hooks_named(self.params, wrong))
         key = describe({k: reasons[k] for k in names})
         if key not in self.planned.warned:
             self.planned.warned.add(key)
