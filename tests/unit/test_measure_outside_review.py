@@ -135,3 +135,15 @@ def test_a_later_block_with_a_gradient_not_finite_names_its_own_chunk():
     with pytest.raises(BatchboundError, match=r"chunk from example 36, the gradient of an "
                                               r"example is not finite.*\(in a\.weight, a\.bias\)"):
         measure(model, (x, y), "cross_entropy", chunk_size=2)
+
+
+def test_differential_and_materialised_passes_refuse_gradients_not_finite():
+    from batchbound.diversity import differential_diversity, mechanism_diversity
+
+    x, y = data()
+    torch.manual_seed(1)
+    model, other = RootOfRelu().eval(), RootOfRelu().eval()
+    with pytest.raises(BatchboundError, match="are not finite though the losses are"):
+        differential_diversity(model, other, (x, y), "cross_entropy")
+    with pytest.raises(BatchboundError, match="are not finite though the losses are"):
+        mechanism_diversity(model, (x, y), "cross_entropy", "quantization")

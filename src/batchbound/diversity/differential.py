@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from batchbound.diversity.distributed import all_reduce_sum
-from batchbound.diversity.measure import check_copy_alone, measuring
+from batchbound.diversity.measure import check_copy_alone, check_finite_sums, measuring
 from batchbound.diversity.mechanisms import chunks_for
 from batchbound.diversity.prepared import per_example_gradients
 from batchbound.diversity.stats import trainable_parameters
@@ -118,6 +118,7 @@ def differential_diversity(
     n_total = int(reduced[0])
     per_param_s = {k: float(v) for k, v in zip(names, reduced[1 : 1 + len(names)], strict=True)}
     T = float(sum(t.square().sum() for t in reduced[1 + len(names) :]))
+    check_finite_sums(sum(per_param_s.values()), T)
     return DifferentialReport(
         n=n_total, S=sum(per_param_s.values()), T=T, distance=distance,
         per_parameter=per_param_s, seconds=time.perf_counter() - start,

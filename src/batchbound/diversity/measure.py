@@ -443,6 +443,16 @@ def _accumulate(
 BLOCK = 16
 
 
+def check_finite_sums(S: float, T: float) -> None:
+    """S and T of a pass that holds no chunk's own (differential, materialised gradients):
+    not finite from finite losses (``_check_gradients`` for what measure names)."""
+    if not (math.isfinite(S) and math.isfinite(T)):
+        raise BatchboundError(
+            f"S = {S} and T = {T} are not finite though the losses are: the backward pass "
+            "made an inf or a nan in a per-example gradient (a square root or a logarithm at "
+            "0, a division by zero, an overflow); measure() names the chunk and parameters")
+
+
 def _check_gradients(per_param: Tensor, held: list[tuple[int, Tensor]], names: list[str]
                      ) -> None:
     """S per parameter summed so far (``per_param``) checked finite once a block (a host

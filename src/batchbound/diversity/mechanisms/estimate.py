@@ -15,7 +15,13 @@ from torch import Tensor, nn
 
 from batchbound.diversity.distributed import all_reduce_sum
 from batchbound.diversity.losses import resolve_loss
-from batchbound.diversity.measure import check_copy_alone, data_chunks, measure, measuring
+from batchbound.diversity.measure import (
+    check_copy_alone,
+    check_finite_sums,
+    data_chunks,
+    measure,
+    measuring,
+)
 from batchbound.diversity.mechanisms.registry import (
     Mechanism,
     apply_mechanism,
@@ -209,6 +215,7 @@ def _materialised_sums(
     reduced = all_reduce_sum([sums, *total.values()])
     sums, total = reduced[0], dict(zip(names, reduced[1:], strict=True))
     T = float(sum(t.square().sum() for t in total.values()))
+    check_finite_sums(float(sums[1]), T)
     return int(sums[0]), float(sums[1]), T, float(sums[2]), float(sums[3])
 
 
