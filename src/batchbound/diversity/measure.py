@@ -477,18 +477,14 @@ def _check_gradients(per_param: Tensor, held: list[tuple[int, Tensor]], names: l
 
 
 def _zeros_like_each(params: dict[str, nn.Parameter]) -> dict[str, Tensor]:
-    """A zero running sum per parameter (its shape, ``norm_dtype``): views of one buffer
-    per dtype and device, filled by one operation instead of one per parameter."""
-    groups: dict[tuple[torch.dtype, torch.device], list[str]] = {}
-    for name, p in params.items():
-        groups.setdefault((norm_dtype(p.dtype), p.device), []).append(name)
-    out: dict[str, Tensor] = {}
-    for (dtype, device), names in groups.items():
-        sizes = [params[k].numel() for k in names]
-        flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
-        for name, part in zip(names, flat.split(sizes), strict=True):
-            out[name] = part.view(params[name].shape)
-    return {name: out[name] for name in params}
+    """A zero running sum per parameter (its shape, ``norm_dtype``), each its own tensor: one
+    buffer for them all is a single allocation the size of the model, which glibc maps
+    afresh on every call (above its mmap threshold) and the first chunk then faults in page
+    by page: 1 600–2 300 page faults a call of benchmarks/diversity.py's MLP, 2 % of its
+    time (``benchmarks/diversity.py`` counts them; one fill per parameter instead of one is
+    a few operations a call)."""
+    return {name: torch.zeros(p.shape, dtype=norm_dtype(p.dtype), device=p.device)
+            for name, p in params.items()}
 
 
 def _flush(totals: list[Tensor] | None, block: list[Tensor], last: bool = False
