@@ -128,3 +128,40 @@ def test_from_study_bad_input_is_one_line(stores, capsys, args, message) -> None
     assert main([*base, *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_a_store_whose_runs_name_a_module_is_refused_and_imports_nothing(
+        stores, tmp_path, monkeypatch, capsys) -> None:
+    """A store is a file: a run's model edited to ``MODULE:CALLABLE`` was imported and called
+    by ``advise --from-study`` (an outside review wrote a file and opened a server that way)."""
+    import shutil
+    import sqlite3
+
+    store = tmp_path / "edited.sqlite"
+    shutil.copy(stores["one"], store)
+    marker = tmp_path / "ran"
+    (tmp_path / "planted.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                         "def net(): return None\n")
+    with sqlite3.connect(store) as db:
+        rows = db.execute("SELECT key, config_json FROM runs").fetchall()
+        for key, config in rows:
+            edited = {**json.loads(config), "model": "planted:net"}
+            db.execute("UPDATE runs SET config_json = ? WHERE key = ?", (json.dumps(edited), key))
+    monkeypatch.chdir(tmp_path)
+    assert main(["advise", "--from-study", str(store), "--max-workers", "2"]) == 2
+    said = capsys.readouterr().err.strip()
+    assert "model planted:net names a Python module" in said and "\n" not in said
+    assert not marker.exists()
+
+
+def test_a_config_file_that_names_a_module_is_refused_and_imports_nothing(
+        tmp_path, monkeypatch, capsys) -> None:
+    marker = tmp_path / "ran"
+    (tmp_path / "planted.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                         "def net(): return None\n")
+    (tmp_path / "config.toml").write_text('model = "planted:net"\n')
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--config", "config.toml", "--max-iterations", "1", "--no-progress"]) == 2
+    said = capsys.readouterr().err.strip()
+    assert "config file config.toml: model planted:net names a Python module" in said
+    assert "--model planted:net" in said and not marker.exists()

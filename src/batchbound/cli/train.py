@@ -100,6 +100,10 @@ def _seconds(text: str) -> float:
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
     values: dict[str, Any] = load_toml(args.config, "config file") if args.config else {}
+    if args.model is None:  # the file's model is used: a file never makes batchbound import
+        from batchbound.models.user import refuse_module
+
+        refuse_module(values.get("model"), f"config file {args.config}")
     for f in dataclasses.fields(TrainConfig):
         value = getattr(args, f.name, None)
         if value is not None:

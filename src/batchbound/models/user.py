@@ -3,8 +3,9 @@
 ``mymodels:small_cnn`` imports ``mymodels`` from the current directory or PYTHONPATH and calls
 ``small_cnn`` with whichever of ``input_shape``, ``num_outputs`` and ``seed`` its signature
 names (or with nothing). This imports and runs the user's own code, by intent: it is how a
-person brings their model to ``measure``, ``train`` and ``advise``. Data files never name a
-module; only a model spec given on the command line, in a config or from Python does.
+person brings their model to ``measure``, ``train`` and ``advise``. Files never name a module
+(``refuse_module``: a config file's model, a store's runs); only a model spec given on the
+command line or from Python does.
 
 A user's model carries no family shape record; ``untagged_shape`` reads depth and width off
 its weight layers, as ``batchbound measure`` describes any module.
@@ -51,6 +52,17 @@ def is_user_spec(spec: object) -> bool:
             f"model {spec.strip()}: MODULE:CALLABLE takes the module's import name, not a "
             f"file: {where}write {module}:{path['callable']}")
     return USER_SPEC.fullmatch(spec.strip()) is not None
+
+
+def refuse_module(spec: object, source: str, instead: str = "") -> None:
+    """A model named in a file (a config, a store's run) that is a ``MODULE:CALLABLE``:
+    refused, as no file a user hands batchbound may make it import and run code.
+    ``instead``: what to do (default: name it on the command line)."""
+    if isinstance(spec, str) and is_user_spec(spec):
+        raise BatchboundError(
+            f"{source}: model {spec.strip()} names a Python module, and batchbound imports no "
+            "code that a file names; "
+            + (instead or f"give your own factory on the command line (--model {spec.strip()})"))
 
 
 def load_factory(spec: str) -> Any:

@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 
 from batchbound.errors import BatchboundError
+from batchbound.models.user import refuse_module
 from batchbound.study import analysis as A
 from batchbound.study.plan import data_info
 from batchbound.study.spec import DataSpec
@@ -117,6 +118,9 @@ def advice_input(frames: dict[str, Any], study: str, model: str | None = None,
     if not any(k is not None for k in iterations):
         raise BatchboundError(f"no batch size of {chosen!r} reached the target in {study!r}")
     configs = {k: json.loads(c) for k, c in zip(mine["key"], mine["config_json"], strict=True)}
+    for config in configs.values():  # a study names families only: a module is an edit
+        refuse_module(config.get("model"), f"the store's study {study!r}",
+                      "a study's runs name model families only, so this store was edited")
     timings = frames["timings"][frames["timings"]["key"].isin(configs)]
     sizes, seconds = _recorded_step(timings, configs)
     diversity = A.diversity_summary(runs[runs["key"].isin(configs)], frames["diversity"],
