@@ -65,3 +65,14 @@ def test_errors_are_reported_without_traceback(
     code, out, err = run(capsys, *args)
     assert code == 2 and out == ""
     assert err.startswith("batchbound measure: error:") and message in err
+
+
+@pytest.mark.parametrize("device", ["tpu", "meta", "cuda:-1", "", "foo:1", "cpu:1"])
+def test_an_unknown_device_is_one_line_as_trains(device: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """It was torch's traceback, exit 1 (an outside review); train and advise said it in a
+    line."""
+    assert main(["measure", "--model", "fc(depth=1,params=100)", "--device", device]) == 2
+    said = capsys.readouterr().err.strip()
+    assert said == (f"batchbound measure: error: unknown device {device!r}; choose from auto, "
+                    "cpu, cuda or cuda:i (a GPU's index)")

@@ -14,9 +14,11 @@ from batchbound.cli.commands import SUMMARY
 from batchbound.cli.common import add_data_arguments, add_model_argument, int64
 from batchbound.data import load_dataset
 from batchbound.diversity import ENGINES, LOSS_NAMES, measure
+from batchbound.errors import BatchboundError
 from batchbound.models import build_model, count_parameters, model_shape
 from batchbound.models.layers import check_task
 from batchbound.models.user import is_user_spec, probe_user_model, untagged_shape
+from batchbound.train.config import DEVICE, DEVICES
 from batchbound.train.distributed import resolve_device
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -116,6 +118,9 @@ def print_table(rows: list[dict[str, Any]], dataset: Any, args: argparse.Namespa
 
 
 def run(args: argparse.Namespace) -> int:
+    if not DEVICE.fullmatch(args.device):  # as train's: before the data are read
+        raise BatchboundError(f"unknown device {args.device!r}; choose from "
+                              f"{', '.join(DEVICES)} or cuda:i (a GPU's index)")
     dataset = load_dataset(args.dataset, args.data_dir)
     rows = [measure_one(spec, dataset, args) for spec in args.model]
     if args.json:
