@@ -9,6 +9,7 @@ iteration and fails on the exit code)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -813,3 +814,19 @@ def test_a_reader_that_stops_early_is_no_traceback() -> None:
     finally:
         os.close(write)
     assert out.returncode == 141 and "Traceback" not in out.stderr, out.stderr
+
+
+def test_output_replaces_an_earlier_result_but_no_other_file(tmp_path: Path, capsys) -> None:
+    """``train -o`` over a study spec or a data file replaced it with JSON (an outside
+    review); only an earlier result is replaced now."""
+    from batchbound.cli import main
+
+    spec = tmp_path / "study.toml"
+    spec.write_text("[study]\nname = 'mine'\n")
+    refused(["train", *QUICK, "-o", str(spec)],
+            r"study.toml exists and holds no batchbound result; give a new path", capsys)
+    assert spec.read_text() == "[study]\nname = 'mine'\n"
+    result = tmp_path / "result.json"
+    for _ in range(2):  # the second run replaces the first one's result
+        assert main(["train", *QUICK, "-o", str(result)]) == 0
+    assert json.loads(result.read_text())["status"]

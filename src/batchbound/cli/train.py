@@ -68,8 +68,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--checkpoint", type=creatable_file,
                      help="checkpoint file (written periodically and on SIGTERM)")
     run.add_argument("--resume", action="store_true", help="continue from --checkpoint")
-    run.add_argument("--output", "-o", type=writable_file,
-                     help="write the full RunResult (curves, timings) as JSON")
+    run.add_argument("--output", "-o", type=result_file,
+                     help="write the full RunResult (curves, timings) as JSON; a file there "
+                     "is replaced only when it holds an earlier result")
     run.add_argument("--tensorboard", metavar="DIR",
                      help="write every curve as TensorBoard scalars into DIR")
     run.add_argument(
@@ -161,6 +162,27 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"stopped: {resume_hint(args.checkpoint)}", file=sys.stderr)
         return EXIT_STOPPED
     return 1 if result.status == "failed" else 0
+
+
+def result_file(text: str) -> Path:
+    """``--output``'s path: writable (``writable_file``), and a file already there replaced
+    only when it holds an earlier run's result, not the user's own data (a study spec, a
+    data file: an outside review's were overwritten with JSON)."""
+    path = writable_file(text)
+    if path.is_file() and path.stat().st_size and not _holds_a_result(path):
+        raise argparse.ArgumentTypeError(
+            f"{text} exists and holds no batchbound result; give a new path (only an "
+            "earlier result is replaced)")
+    return path
+
+
+def _holds_a_result(path: Path) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            held = json.loads(f.read(1 << 26))
+    except (OSError, ValueError):
+        return False
+    return isinstance(held, dict) and {"config", "config_hash", "status"} <= held.keys()
 
 
 def save_output(result: RunResult, path: str | Path) -> None:
