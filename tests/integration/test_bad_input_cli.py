@@ -830,3 +830,18 @@ def test_output_replaces_an_earlier_result_but_no_other_file(tmp_path: Path, cap
     for _ in range(2):  # the second run replaces the first one's result
         assert main(["train", *QUICK, "-o", str(result)]) == 0
     assert json.loads(result.read_text())["status"]
+
+
+def test_tensorboard_keeps_another_runs_events_and_replaces_its_own(tmp_path: Path,
+                                                                    capsys) -> None:
+    """``--tensorboard DIR`` over another run's events deleted them (an outside review)."""
+    from batchbound.cli import main
+
+    logdir = tmp_path / "tb"
+    assert main(["train", *QUICK, "--tensorboard", str(logdir)]) == 0
+    first = sorted(p.name for p in logdir.iterdir() if "tfevents" in p.name)
+    refused(["train", "--max-iterations", "2", "--no-progress", "--tensorboard", str(logdir)],
+            r"holds another run's events .*give each run its own directory", capsys)
+    assert sorted(p.name for p in logdir.iterdir() if "tfevents" in p.name) == first
+    assert main(["train", *QUICK, "--tensorboard", str(logdir)]) == 0  # the same run: replaced
+    assert len([p for p in logdir.iterdir() if "tfevents" in p.name]) == 1

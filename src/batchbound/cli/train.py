@@ -28,7 +28,7 @@ from batchbound.files import write_new, write_whole
 from batchbound.train import TARGET_METRICS, RunResult, TrainConfig, target_list, train
 from batchbound.train.config import GROUPS
 from batchbound.train.stall import DEFAULT_STALL_TIMEOUT, resume_hint
-from batchbound.train.tensorboard import check_logdir, write_run
+from batchbound.train.tensorboard import check_logdir, check_replaceable, write_run
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -128,6 +128,7 @@ def run_command(args: argparse.Namespace) -> int:
         raise BatchboundError("--resume needs --checkpoint PATH")
     if args.tensorboard:  # a bad directory fails now, not after the training
         check_logdir(args.tensorboard)
+        check_replaceable(args.tensorboard, config.config_hash())
     from batchbound.train.distributed import env_rank
 
     main = env_rank() == 0  # under torchrun, rank 0 writes

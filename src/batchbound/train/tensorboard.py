@@ -122,6 +122,21 @@ def written_key(logdir: str | Path) -> str | None:
         return None
 
 
+def check_replaceable(logdir: str | Path, config_hash: str) -> None:
+    """Before a run that will write into ``logdir``: event files of another run there (its
+    sidecar names another config, or there is none) are refused, as ``write_run`` would
+    replace them; the same run's (a rerun, a resume) are replaced."""
+    logdir = Path(logdir)
+    if not logdir.is_dir() or written_key(logdir) == config_hash:
+        return
+    events = sorted(p.name for p in logdir.iterdir() if EVENTS in p.name and p.is_file())
+    if events:
+        raise BatchboundError(
+            f"--tensorboard {logdir} holds another run's events ({events[0]}), which this run "
+            "would replace; give each run its own directory (a run's own events are replaced "
+            "when it runs again)")
+
+
 def write_run(result: RunResult, logdir: str | Path, *,
               finished_at: float | None = None) -> Path:
     """Write ``result`` as TensorBoard events into ``logdir`` (replacing an earlier write of
