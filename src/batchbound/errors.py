@@ -28,6 +28,13 @@ class FaultError(BatchboundError):
     exit_code = 1
 
 
+class InterruptedWorkError(BatchboundError):
+    """Work with no checkpoint to resume from (``advise``'s pilot) stopped by SIGINT or
+    SIGTERM: exit 130, as an interrupted command, not bad input."""
+
+    exit_code = 130
+
+
 class UserCodeError(BatchboundError):
     """The user's model, loss or data raised while batchbound ran them in a way of its own
     (``raised_by_user_code``). Bad input for a measurement; for the trainer, a crash of the

@@ -235,3 +235,29 @@ def test_more_pool_workers_than_memory_can_start_are_refused(tmp_path, capsys, m
     assert LocalPool(3).jobs == 3
     monkeypatch.setattr("batchbound.study.executor.default_jobs", lambda: 16)
     assert LocalPool().jobs == 3  # the default pool: as many as fit
+
+
+# ---------------------------------------------------- SIGINT or SIGTERM to advise's pilot
+
+
+@FAULT
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stopped_pilot_exits_130_saying_so(sig, tmp_path):
+    """It said "the pilot ended stopped: stopped by SIGINT", exit 2, the code of bad input
+    (an outside review)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchbound", "advise", "--model", "fc(depth=1,params=200)",
+         "--critical-batch", "noise", "--planned-epochs", "100000", "--max-workers", "1"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    lines = []
+    deadline = time.time() + 120
+    while not any("pilot:" in line for line in lines):  # the pilot has started
+        assert proc.poll() is None and time.time() < deadline, "".join(lines)
+        lines.append(proc.stderr.readline().decode())
+    time.sleep(1.0)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    said = err.decode().strip().splitlines()[-1]
+    assert proc.returncode == 130
+    assert said == (f"batchbound advise: error: the pilot was stopped by {sig.name}; advise "
+                    "keeps nothing of it, so a rerun starts it again")

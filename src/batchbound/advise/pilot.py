@@ -28,7 +28,7 @@ import torch
 
 from batchbound.advise.trajectory import Segment, Step, segments
 from batchbound.data import Dataset
-from batchbound.errors import BatchboundError
+from batchbound.errors import BatchboundError, InterruptedWorkError
 from batchbound.train.config import TrainConfig
 from batchbound.train.distributed import DistContext
 from batchbound.train.loop import Parts, Trainer
@@ -179,6 +179,9 @@ def run_pilot(config: TrainConfig, data: Dataset, device: torch.device, *,
     if result.status == "diverged":
         raise BatchboundError(f"the pilot at batch {config.batch_size} diverged "
                               f"({result.message}); lower --lr")
+    if result.status == "stopped":  # SIGINT or SIGTERM: nothing of the pilot is kept
+        raise InterruptedWorkError(f"the pilot was {result.message}; advise keeps nothing of "
+                                   "it, so a rerun starts it again")
     if result.status != "complete":
         raise BatchboundError(f"the pilot ended {result.status}: {result.message}")
     trained = trainer.iteration
