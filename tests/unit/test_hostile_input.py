@@ -341,6 +341,22 @@ def test_checkpoint_with_this_hash_but_wrong_content(
         trainer.run(resume=True)
 
 
+@pytest.mark.parametrize("name, value", [("iteration", "abc"), ("train_seconds", [1.0]),
+                                         ("curves", 5), ("status", None)])
+def test_checkpoint_whose_run_state_has_the_wrong_kinds(
+    tmp_path: Path, checkpoint: Path, name: str, value: object
+) -> None:
+    """An edited run state: ``iteration = "abc"`` failed mid-run with a TypeError, exit 1
+    (an outside review); refused before anything runs now."""
+    genuine = load_checkpoint(checkpoint)
+    path = tmp_path / "forged.ckpt"
+    torch.save({**genuine, "state": {**genuine["state"], name: value}}, path)
+    trainer = Trainer(TrainConfig(**SMALL), DistContext(), checkpoint_path=path)
+    with pytest.raises(BatchboundError, match=rf"forged\.ckpt does not fit this run \(its "
+                                              rf"{name} is "):
+        trainer.run(resume=True)
+
+
 def test_checkpoints_hold_only_tensors_and_plain_data(checkpoint: Path) -> None:
     saved = torch.load(checkpoint, map_location="cpu", weights_only=True)  # raises otherwise
     snapshots = saved["state"]["snapshots"]

@@ -924,7 +924,12 @@ class Trainer:
             self.targets = [TargetResult(**t) for t in saved["targets"]]
             for name in self._STATE:  # only the run state's names, whatever the file holds
                 if name in saved["state"]:  # one added later keeps its fresh value
-                    setattr(self, name, saved["state"][name])
+                    value = saved["state"][name]
+                    if not _fits(value, getattr(self, name)):
+                        raise BatchboundError(
+                            f"checkpoint {self.checkpoint_path} does not fit this run (its "
+                            f"{name} is {value!r}, not a {type(getattr(self, name)).__name__})")
+                    setattr(self, name, value)
             for callback in self.callbacks:
                 callback.load_state_dict(saved["state"])
             set_rng_state(saved["rng"])
@@ -935,3 +940,17 @@ class Trainer:
                 f"({type(exc).__name__}: {reason})"
             ) from None
         self.status, self.message = "complete", ""
+
+
+def _fits(value: Any, fresh: Any) -> bool:
+    """Whether a checkpoint's run-state ``value`` is of the kind of the fresh run's: a count
+    a whole number, a number any number (a None the run starts with: either, or None),
+    anything else its type (an edited file's ``iteration = "abc"`` failed mid-run)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(fresh, bool):
+        return isinstance(value, bool)
+    if isinstance(fresh, int):
+        return number and isinstance(value, int)
+    if isinstance(fresh, float) or fresh is None:
+        return number or (value is None and fresh is None)
+    return isinstance(value, type(fresh))
