@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 from batchbound import kernels
 from batchbound.data import Dataset, apply_transform, load_dataset
 from batchbound.environment import restart_count
-from batchbound.errors import BatchboundError, FaultError
+from batchbound.errors import BatchboundError, FaultError, InterruptedWorkError
 from batchbound.files import write_whole
 from batchbound.lifetime import die_with_parent
 from batchbound.train.checkpoint import overwrite_refusal
@@ -122,7 +122,10 @@ def launch_local(
         )
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
+        stopped_by: list[str] = []  # the signals this process received: the user's stop
+
         def forward(signum: int, frame: Any) -> None:
+            stopped_by.append(signal.Signals(signum).name)
             for process in context.processes:
                 if process.is_alive() and process.pid is not None:
                     os.kill(process.pid, signal.SIGTERM)
@@ -136,6 +139,11 @@ def launch_local(
             while not context.join(grace_period=RANK_GRACE_SECONDS):
                 pass
         except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:  # others ended
+            if stopped_by:  # a rank ended by the stop before it could take it (starting up)
+                raise InterruptedWorkError(
+                    f"stopped by {stopped_by[0]} before every rank could stop at a "
+                    f"checkpoint (a rank was still starting); {resume_hint(checkpoint_path)}"
+                ) from None
             raise _rank_fault(exc, config.workers, out, checkpoint_path) from None
         finally:
             quiet.setLevel(level)
