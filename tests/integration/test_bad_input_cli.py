@@ -533,7 +533,9 @@ def test_train_values(argv: list[str], match: str, no_work, capsys) -> None:
 
 @pytest.mark.parametrize("argv, match", [
     (["--lr", "nan"], r"lr: expected a finite number"),
-    (["--diversity-every", "nan"], r"eval_every_epochs: expected a finite number"),
+    (["--diversity-every", "nan"], r"--diversity-every must be a positive number of epochs"),
+    (["--diversity-every", "0"], r"--diversity-every must be a positive number of epochs, "
+                                 r"got 0"),  # it named eval_every_epochs (an outside review)
     (["--max-epochs", "inf"], r"max_epochs: expected a finite number"),
     (["--max-workers", "0"], r"max workers must be a positive integer"),
     (["--batch-size", "0"], r"batch_size must be a positive integer"),

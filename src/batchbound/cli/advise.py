@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -167,6 +168,9 @@ def run_command(args: argparse.Namespace) -> int:
                              for m in TARGET_METRICS})
     if args.from_study and args.probe:
         raise BatchboundError("--probe branches a pilot; it does not apply to --from-study")
+    if not (math.isfinite(args.diversity_every) and args.diversity_every > 0):
+        raise BatchboundError(f"--diversity-every must be a positive number of epochs, got "
+                              f"{args.diversity_every:g}")  # it was named eval_every_epochs
     values = {name: getattr(args, name) for name in PILOT_FIELDS
               if getattr(args, name) is not None}
     config = TrainConfig.from_dict({**values, "dataset": args.dataset,
