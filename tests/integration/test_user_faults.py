@@ -41,7 +41,8 @@ def test_an_output_cut_short_keeps_the_previous_one_and_leaves_no_part(tmp_path)
     and no truncated copy of the result is left in the working or temporary folder."""
     tmp = tmp_path / "tmp"
     out = tmp_path / "out.json"
-    out.write_text(json.dumps({"earlier": "result"}))
+    earlier = {"config": {}, "config_hash": "0123456789abcdef", "status": "complete"}
+    out.write_text(json.dumps(earlier))  # an earlier run's result: the only file -o replaces
     done = subprocess.run([*TRAIN, "--max-iterations", "10", "--output", str(out)],
                           capture_output=True, text=True, cwd=tmp_path, env=_env(tmp),
                           preexec_fn=_limit_files(2), timeout=120)
@@ -49,7 +50,7 @@ def test_an_output_cut_short_keeps_the_previous_one_and_leaves_no_part(tmp_path)
     assert "config hash:" in done.stdout  # the result is printed first
     assert f"cannot write {out} after the run: File too large" in done.stderr
     assert "it was not kept anywhere else" in done.stderr
-    assert json.loads(out.read_text()) == {"earlier": "result"}
+    assert json.loads(out.read_text()) == earlier
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.json.lock", "out.json", "tmp"]
     assert [p.name for p in tmp.iterdir() if "batchbound" in p.name] == []  # (torch's own stay)
 
