@@ -102,8 +102,8 @@ def differential_diversity(
         diff_sum = {k: torch.zeros(p.shape, dtype=acc, device=device) for k, p in pa.items()}
         n = torch.zeros((), dtype=acc, device=device)
         chunks, loss_fn = chunks_for(work_a, data, loss, chunk_size)
-        for k, (x, y) in enumerate(chunks):
-            if k == 0:  # a dtype copy that reaches its model is refused
+        for index, (x, y) in enumerate(chunks):
+            if index == 0:  # a dtype copy that reaches its model is refused
                 check_copy_alone(model_a, work_a, x, y, loss_fn)
                 check_copy_alone(model_b, work_b, x, y, loss_fn)
             ga = per_example_gradients(work_a, x, y, loss_fn)

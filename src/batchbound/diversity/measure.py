@@ -480,9 +480,8 @@ def _zeros_like_each(params: dict[str, nn.Parameter]) -> dict[str, Tensor]:
     """A zero running sum per parameter (its shape, ``norm_dtype``), each its own tensor: one
     buffer for them all is a single allocation the size of the model, which glibc maps
     afresh on every call (above its mmap threshold) and the first chunk then faults in page
-    by page: 1 600–2 300 page faults a call of benchmarks/diversity.py's MLP, 2 % of its
-    time (``benchmarks/diversity.py`` counts them; one fill per parameter instead of one is
-    a few operations a call)."""
+    by page: 500–900 of the 1 300–2 300 page faults a call of benchmarks/diversity.py's MLP
+    (which counts them; one fill per parameter instead of one is a few operations a call)."""
     return {name: torch.zeros(p.shape, dtype=norm_dtype(p.dtype), device=p.device)
             for name, p in params.items()}
 

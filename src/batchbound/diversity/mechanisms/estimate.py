@@ -197,8 +197,8 @@ def _materialised_sums(
         device = next(iter(params.values())).device
         sums = torch.zeros(4, dtype=acc, device=device)  # n, S, R, R per tensor
         total = {k: torch.zeros(p.shape, dtype=acc, device=device) for k, p in params.items()}
-        for k, (x, y) in enumerate(chunks):
-            if k == 0:  # a dtype copy that reaches its model is refused
+        for index, (x, y) in enumerate(chunks):
+            if index == 0:  # a dtype copy that reaches its model is refused
                 check_copy_alone(model, work, x, y, loss_fn)
             grads = per_example_gradients(work, x, y, loss_fn)
             flat = {k: g.reshape(g.shape[0], -1).to(acc) for k, g in grads.items()}
