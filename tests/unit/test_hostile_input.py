@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import struct
 from collections import OrderedDict
 from collections.abc import Callable
@@ -342,7 +343,9 @@ def test_checkpoint_with_this_hash_but_wrong_content(
 
 
 @pytest.mark.parametrize("name, value", [("iteration", "abc"), ("train_seconds", [1.0]),
-                                         ("curves", 5), ("status", None)])
+                                         ("curves", 5), ("status", None), ("iteration", -5),
+                                         ("last_eval_iteration", -2),
+                                         ("train_seconds", float("nan"))])
 def test_checkpoint_whose_run_state_has_the_wrong_kinds(
     tmp_path: Path, checkpoint: Path, name: str, value: object
 ) -> None:
@@ -355,6 +358,22 @@ def test_checkpoint_whose_run_state_has_the_wrong_kinds(
     with pytest.raises(BatchboundError, match=rf"forged\.ckpt does not fit this run \(its "
                                               rf"{name} is "):
         trainer.run(resume=True)
+
+
+def test_checkpoint_with_weights_that_are_not_finite(tmp_path: Path, checkpoint: Path) -> None:
+    """An edited or damaged file's nan weights were loaded and trained on (nans only)."""
+    genuine = load_checkpoint(checkpoint)
+    model = dict(genuine["model"])
+    name = next(k for k, v in model.items() if v.is_floating_point())
+    model[name] = torch.full_like(model[name], float("nan"))
+    path = tmp_path / "forged.ckpt"
+    torch.save({**genuine, "model": model}, path)
+    trainer = Trainer(TrainConfig(**SMALL), DistContext(), checkpoint_path=path)
+    with pytest.raises(BatchboundError, match=rf"forged\.ckpt holds weights that are not "
+                                              rf"finite \(nan or inf in {re.escape(name)}\)"):
+        trainer.run(resume=True)
+    # the genuine one still resumes (a fresh run's nan learning rate stays allowed)
+    Trainer(TrainConfig(**SMALL), DistContext(), checkpoint_path=checkpoint).load_checkpoint()
 
 
 def test_checkpoints_hold_only_tensors_and_plain_data(checkpoint: Path) -> None:

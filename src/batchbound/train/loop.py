@@ -916,6 +916,7 @@ class Trainer:
                     f"this run has {self.ctx.world_size}"
                 )
             self.model.load_state_dict(saved["model"])
+            _check_finite_weights(self.model, self.checkpoint_path)
             self.optimizer.load_state_dict(saved["optimizer"])
             self.sampler.load_state_dict(saved["sampler"])
             self.generator.set_state(saved["generators"][self.ctx.rank])
@@ -944,13 +945,29 @@ class Trainer:
 
 def _fits(value: Any, fresh: Any) -> bool:
     """Whether a checkpoint's run-state ``value`` is of the kind of the fresh run's: a count
-    a whole number, a number any number (a None the run starts with: either, or None),
-    anything else its type (an edited file's ``iteration = "abc"`` failed mid-run)."""
+    a whole number no lower than a fresh run starts it (0, or -1 for "not yet"), a number
+    any number, nan only where a fresh run starts with nan (a None the run starts with:
+    either, or None), anything else its type (an edited file's ``iteration = "abc"`` failed
+    mid-run; ``iteration = -5`` ran on)."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if isinstance(fresh, bool):
         return isinstance(value, bool)
     if isinstance(fresh, int):
-        return number and isinstance(value, int)
+        return number and isinstance(value, int) and value >= min(fresh, 0)
     if isinstance(fresh, float) or fresh is None:
+        if number and math.isnan(value):
+            return isinstance(fresh, float) and math.isnan(fresh)
         return number or (value is None and fresh is None)
     return isinstance(value, type(fresh))
+
+
+def _check_finite_weights(model: nn.Module, path: Path | str) -> None:
+    """A checkpoint's parameters all finite: training resumed from a nan or an inf (an edited
+    or damaged file) makes only nans. Buffers may hold -inf by design (attention masks)."""
+    bad = [name for name, p in model.named_parameters()
+           if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+    if bad:
+        raise BatchboundError(
+            f"checkpoint {path} holds weights that are not finite (nan or inf in "
+            f"{', '.join(bad[:3])}{' and others' if len(bad) > 3 else ''}); resume from an "
+            "earlier checkpoint, or start afresh")
