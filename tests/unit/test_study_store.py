@@ -143,3 +143,28 @@ def test_a_data_set_added_to_the_spec_later_is_listed_where_the_spec_lists_it(tm
         runs = s.frames("demo")["runs"]
     assert list(runs["data"].cat.categories) == ["digits", "digits | replicate(r=8)",
                                                  "digits | replicate(r=64)"]
+
+
+def test_export_does_not_replace_a_file_it_did_not_write(store, tmp_path):
+    """``study export --out .`` in a folder holding the user's own runs.csv replaced it (an
+    outside review); refused now, before any table is written, and that file kept. Tables it
+    exported there itself are replaced, whatever their columns (one study's, then all)."""
+    store.record_result("k1", RESULT, 1.0)
+    mine = tmp_path / "runs.csv"
+    mine.write_text("experiment,notes\n1,my own\n")
+    with pytest.raises(BatchboundError, match=r"runs\.csv exists and is not a table "
+                                              r"batchbound exported there"):
+        export(store, tmp_path, "csv")
+    assert mine.read_text() == "experiment,notes\n1,my own\n"
+    assert not [p for p in tmp_path.iterdir() if p.suffix == ".csv" and p != mine]
+
+    out = tmp_path / "export"
+    export(store, out, "csv", "demo")
+    export(store, out, "csv")  # other columns than the study's tables: replaced all the same
+    assert len(pd.read_csv(out / "curves.csv")) == 5
+    (out / ".batchbound-export.json").unlink()  # an export from before the list: its header
+    export(store, out, "csv")
+    (out / "runs.csv").write_text("experiment,notes\n")
+    (out / ".batchbound-export.json").unlink()
+    with pytest.raises(BatchboundError, match="is not a table batchbound exported"):
+        export(store, out, "csv")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import csv
 import fcntl
 import json
 import math
@@ -633,9 +634,17 @@ def export(store: Store, directory: str | Path, fmt: str = "csv",
     else:
         frames = store.frames(study)
         frames["studies"] = store.table("studies").query("name == @study")
+    targets = {name: directory / f"{name}.{fmt}" for name in frames}
+    exported = _exported(directory)
+    for name, path in targets.items():  # all checked before any is written
+        if path.exists() and path.name not in exported and not _same_table(
+                path, list(frames[name].columns), fmt):
+            raise BatchboundError(
+                f"{path} exists and is not a table batchbound exported there; export into "
+                "another folder (--out), or move that file away")
     paths = []
     for name, frame in frames.items():
-        path = directory / f"{name}.{fmt}"
+        path = targets[name]
 
         def write(tmp: Path, frame: pd.DataFrame = frame) -> None:
             if fmt == "csv":
@@ -649,4 +658,33 @@ def export(store: Store, directory: str | Path, fmt: str = "csv",
             raise BatchboundError("parquet export needs pyarrow: pip install "
                                   "'batchbound[parquet]'") from exc
         paths.append(path)
+    names = sorted(exported | {path.name for path in paths})
+    write_through(directory / EXPORTED, lambda tmp: tmp.write_text(json.dumps(names)))
     return paths
+
+
+# The files ``export`` wrote into a folder, which a later export may replace (a user's own
+# runs.csv there is not replaced).
+EXPORTED = ".batchbound-export.json"
+
+
+def _exported(directory: Path) -> set[str]:
+    try:
+        names = json.loads((directory / EXPORTED).read_text())
+    except (OSError, ValueError):
+        return set()
+    return {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
+
+
+def _same_table(path: Path, columns: list[str], fmt: str) -> bool:
+    """Whether ``path`` holds a table with these columns (an export from before the folder
+    listed its files)."""
+    try:
+        if fmt == "csv":
+            with open(path, newline="") as handle:
+                return next(csv.reader(handle), None) == columns
+        import pyarrow.parquet as pq
+
+        return pq.read_schema(path).names == columns
+    except (OSError, ValueError, ImportError, UnicodeDecodeError):
+        return False
