@@ -177,3 +177,68 @@ def test_the_estimate_follows_a_backbone_unfrozen_during_training(tmp_path: Path
         want.append(reference.batch_bound)
     assert len(model.seen) == 8
     assert got == pytest.approx(want, rel=1e-9)
+
+
+class Classifier(torch.nn.Module):
+    """Logits of {"x", "labels"} rows, and their mean cross-entropy when given labels (its
+    forward takes no **kwargs: the Trainer divides its loss by the accumulation steps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(),
+                                       torch.nn.Linear(5, 3)).double()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None
+                ) -> dict[str, torch.Tensor]:
+        logits = self.net(x)
+        return {"logits": logits} if labels is None else {
+            "logits": logits, "loss": F.cross_entropy(logits, labels)}
+
+
+class MeanFromLogits(transformers.Trainer):
+    """A subclass computing the loss itself from the logits: the micro-batch's mean."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        loss = F.cross_entropy(outputs["logits"], labels)
+        return (loss, outputs) if return_outputs else loss
+
+
+def classify(tmp_path: Path, trainer: type = transformers.Trainer, reduction: str | None = None,
+             **options) -> integration.DiversityCallback:
+    """10 rows in micro-batches of 3, two a step: the last step's are 3 and 1 examples."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(10, 6, generator=g, dtype=torch.float64)
+    y = torch.randint(3, (10,), generator=g)
+    callback = integration.DiversityCallback(every=1, decay=None, reduction=reduction)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=3, gradient_accumulation_steps=2,
+        learning_rate=0.0, weight_decay=0.0, num_train_epochs=2, logging_steps=1000,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+    trainer(model=Classifier(), args=args, callbacks=[callback], **options,
+            train_dataset=[{"x": x[i], "labels": y[i]} for i in range(10)]).train()
+    return callback
+
+
+def test_a_loss_computed_outside_the_model_is_refused_unless_its_reduction_is_said(
+        tmp_path: Path) -> None:
+    """A compute_loss_func (here Σ loss / num_items_in_batch) or a subclass's compute_loss
+    from the logits weighs the micro-batch's examples as the callback cannot see: taken for
+    a mean, an outside review's Σ / num_items_in_batch was 28 % off, silently. Refused in
+    one line now, unless ``reduction`` is given; a subclass's mean said so gives what the
+    model's own mean loss gives, step for step."""
+    def summed(outputs, labels, num_items_in_batch=None):
+        return F.cross_entropy(outputs["logits"], labels, reduction="sum") / num_items_in_batch
+
+    for options in ({"compute_loss_func": summed}, {"trainer": MeanFromLogits}):
+        with pytest.raises(BatchboundError) as info:
+            classify(tmp_path, **options)
+        said = str(info.value)
+        assert "computes the loss outside Classifier's forward" in said and "\n" not in said
+    own = classify(tmp_path)  # the model's own loss: nothing to say
+    said = classify(tmp_path, trainer=MeanFromLogits, reduction="mean")
+    assert said.monitor.steps == own.monitor.steps == 4
+    assert said.monitor.m2 == pytest.approx(own.monitor.m2, rel=1e-12)
+    assert said.monitor.cross == pytest.approx(own.monitor.cross, rel=1e-12)

@@ -39,11 +39,12 @@ micro-batches (still unbiased, noisier than the global estimate; rank 0's is log
 that needs k ≥ 2 too (with ``average_tokens_across_devices`` the Trainer's ×P is undone;
 tensor, context or sequence parallelism is not supported). ``label_smoothing_factor`` and
 ``compute_loss_func`` pop the labels: on a model given ``num_items_in_batch`` that is
-refused (no labels reach the forward); otherwise a custom ``compute_loss_func`` or a Trainer
-subclass that changes how the loss is normalised is not detected. Reporting integrations
-(``report_to``) run before user callbacks in the Trainer, so to have them record these keys
-add the callback with ``DiversityCallback().attach(trainer)`` (it goes in front of them)
-instead of ``callbacks=[...]``.
+refused (no labels reach the forward); otherwise a loss the model's output does not hold
+(those, or a Trainer subclass's ``compute_loss``) is refused unless ``reduction`` is given,
+and what is then said, or a subclass that rescales the model's own loss, is not checked.
+Reporting integrations (``report_to``) run before user callbacks in the Trainer, so to have
+them record these keys add the callback with ``DiversityCallback().attach(trainer)`` (it goes
+in front of them) instead of ``callbacks=[...]``.
 
 **Checkpoints.** The callbacks here are ExportableState objects: their state (the estimate,
 a warmup's) is written into each checkpoint's trainer_state.json and continued on
@@ -113,13 +114,17 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         every: int = 50,
         *,
         n: int | None = None,
-        reduction: str = "mean",
+        reduction: str | None = None,
         decay: float | None = 0.95,
         sampling: str = "without_replacement",
     ) -> None:
-        check_options(every, reduction, n)
+        check_options(every, "mean" if reduction is None else reduction, n)
         OnlineDiversity(n, decay=decay, sampling=sampling)  # validates decay and sampling
-        self.every, self.n, self.reduction = every, n, reduction
+        self.every, self.n = every, n
+        self.reduction = "mean" if reduction is None else reduction
+        # said by the user: the micro-batch's loss weighs its examples so, also where the
+        # loss is computed outside the model (``_after_forward``)
+        self.reduction_given = reduction is not None
         self.decay, self.sampling = decay, sampling
         self.monitor: OnlineDiversity | None = None
         self.metrics: dict[str, float] = {}
@@ -128,6 +133,8 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         self._records: StepRecords | None = None
         self._norms: MicroBatchNorms | None = None
         self._forward: RemovableHandle | None = None
+        self._output: RemovableHandle | None = None
+        self._read_output = False  # the next training forward's output: does it hold the loss?
         self._scaler: Any = None
         self._world = 1
         self._device = torch.device("cpu")
@@ -179,7 +186,8 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         callback anew from ``args`` (none here, so that a subclass with its own constructor
         is built too) and sets the attributes on it."""
         return {"args": {}, "attributes": {**self.settings(), "saved": self._saved(),
-                                           "was_attached": self._attached}}
+                                           "was_attached": self._attached,
+                                           "reduction_given": self.reduction_given}}
 
     def _saved(self) -> dict[str, Any] | None:
         if self.monitor is None or self._records is None:
@@ -240,6 +248,8 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         self._norms = MicroBatchNorms(model.parameters(), fused=self._world == 1, names={
             id(p): name for name, p in model.named_parameters()})
         self._forward = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        self._output = model.register_forward_hook(self._after_forward)
+        self._read_output = not self.reduction_given
         self._scaler = getattr(optimizer, "scaler", None)
         report_to = [r for r in (args.report_to or []) if r != "none"]
         if report_to and not self._attached and self.was_attached:
@@ -272,6 +282,7 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         if items is None:
             self._norms.start(float(b), 1.0 if self.reduction == "mean" else float(b))
             return
+        self._read_output = False  # the loss is the model's, checked by the probe
         if kwargs.get("shift_labels") is None and kwargs.get("labels") is None:
             raise BatchboundError(NO_LABELS)  # before the probe, which reads the model's loss
         if self._token_rule is None:  # the first micro-batch given num_items_in_batch
@@ -287,6 +298,25 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         self._norms.start(count, count)
         self._step_tokens = count if self._step_tokens is None else self._step_tokens + count
         self._step_sequences += int(labels.shape[0]) if labels.dim() > 1 else 1
+
+    def _after_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """The first training forward's output, where the user did not say the reduction: a
+        loss computed outside the model (a ``compute_loss_func``, ``label_smoothing_factor``,
+        a Trainer subclass's ``compute_loss`` from the logits) weighs the micro-batch's
+        examples in a way the callback cannot see; assuming a mean put an outside review's
+        Σ loss / ``num_items_in_batch`` 28 % off. Refused unless ``reduction`` is given."""
+        if not (self._read_output and self._opened is not None and module.training):
+            return
+        self._read_output = False
+        if _holds_a_loss(output):
+            return
+        raise BatchboundError(
+            f"the Trainer computes the loss outside {type(module).__name__}'s forward (its "
+            "output holds none: a compute_loss_func, label_smoothing_factor or a Trainer "
+            "subclass's compute_loss), so DiversityCallback cannot see how it weighs each "
+            "micro-batch's examples; say it: DiversityCallback(reduction='mean') for a mean "
+            "over the micro-batch's examples, 'sum' for their sum, or measure with "
+            "batchbound.diversity.watch and a per-example loss")
 
     def _use_tokens(self, module: nn.Module) -> None:
         """The loss is Σ over label tokens / num_items_in_batch: know which tokens."""
@@ -402,6 +432,9 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         if self._forward is not None:
             self._forward.remove()
             self._forward = None
+        if self._output is not None:
+            self._output.remove()
+            self._output = None
 
 
 def _divides_by_items(module: nn.Module, args: tuple, kwargs: dict, items: Any) -> Tensor:
@@ -470,7 +503,7 @@ class BatchWarmupCallback(DiversityCallback):
 
     def __init__(self, every: int = 25, *, max_batch: int | None = None,
                  fraction: float = 0.5, lr: str = "noise", n: int | None = None,
-                 reduction: str = "mean", decay: float | None = 0.99,
+                 reduction: str | None = None, decay: float | None = 0.99,
                  sampling: str = "without_replacement") -> None:
         super().__init__(every, n=n, reduction=reduction, decay=decay, sampling=sampling)
         self.options = {"every": every, "max_batch": max_batch, "fraction": fraction, "lr": lr}
@@ -636,3 +669,15 @@ class BranchWarmupCallback(transformers.TrainerCallback, ExportableState):
         if logs is not None and self._warm_log:
             _log_into(logs, state, self._warm_log)
             self._warm_log = {}
+
+
+def _holds_a_loss(output: Any) -> bool:
+    """Whether a model's output holds the loss where the Trainer reads it: ``output["loss"]``
+    of a mapping (a ModelOutput), else ``output[0]``: a single number."""
+    if isinstance(output, dict):
+        loss = output.get("loss")
+    elif isinstance(output, (tuple, list)) and output:
+        loss = output[0]
+    else:
+        loss = output
+    return isinstance(loss, Tensor) and loss.numel() == 1
