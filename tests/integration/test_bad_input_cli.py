@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -847,3 +848,18 @@ def test_tensorboard_keeps_another_runs_events_and_replaces_its_own(tmp_path: Pa
     assert sorted(p.name for p in logdir.iterdir() if "tfevents" in p.name) == first
     assert main(["train", *QUICK, "--tensorboard", str(logdir)]) == 0  # the same run: replaced
     assert len([p for p in logdir.iterdir() if "tfevents" in p.name]) == 1
+
+
+def test_more_workers_than_cores_are_said_to_take_turns(monkeypatch) -> None:
+    """--workers 64 on a 2-core machine ran without a word, its train_seconds those of 64
+    processes sharing 2 cores (an outside review); as many as the cores: nothing said."""
+    from batchbound.train import launch
+
+    monkeypatch.setattr(launch, "usable_cores", lambda: 2)
+    monkeypatch.setattr(launch, "available_memory_bytes", lambda: 2**40)
+    with pytest.warns(UserWarning, match=r"64 local workers on the 2 CPU cores this process "
+                                         r"may use take turns on them: the run takes about 32×"):
+        launch._check_local_workers(64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        launch._check_local_workers(2)

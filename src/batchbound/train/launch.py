@@ -30,8 +30,8 @@ import torch.multiprocessing as mp
 
 from batchbound import kernels
 from batchbound.data import Dataset, apply_transform, load_dataset
-from batchbound.environment import restart_count
-from batchbound.errors import BatchboundError, FaultError, InterruptedWorkError
+from batchbound.environment import restart_count, usable_cores
+from batchbound.errors import BatchboundError, FaultError, InterruptedWorkError, warn
 from batchbound.files import write_whole
 from batchbound.lifetime import die_with_parent
 from batchbound.train.checkpoint import overwrite_refusal
@@ -197,7 +197,8 @@ WORKER_BYTES = 300 * 2**20
 def _check_local_workers(workers: int) -> None:
     """Refuse more local processes than the memory free now can start (each imports
     torch), before the first one is spawned: total memory says nothing on a machine other
-    jobs already fill."""
+    jobs already fill. More processes than the cores this process may use run, by turns:
+    said, since every time the run reports then measures the turns."""
     memory = available_memory_bytes()
     if memory is not None and workers * WORKER_BYTES > memory:
         raise BatchboundError(
@@ -205,6 +206,12 @@ def _check_local_workers(workers: int) -> None:
             f"GB (≈{WORKER_BYTES // 2**20} MB each with torch loaded); this machine has "
             f"{memory / 2**30:.1f} GB available now: use fewer --workers, or torchrun across "
             "machines")
+    cores = usable_cores()
+    if workers > cores:
+        warn(f"batchbound: {workers} local workers on the {cores} CPU cores this process may "
+             f"use take turns on them: the run takes about {workers / cores:.2g}× as long as "
+             "on one core each, and its times (train_seconds, the step and all-reduce times) "
+             "measure the turns, not the job; what it trains to is the same")
 
 
 # Where torch's shared memory lives (shm_open) on Linux: the data set goes there once, for
