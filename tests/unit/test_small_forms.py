@@ -117,3 +117,28 @@ def test_small_indexed_forms_are_scattered_and_equal_a_float64_loop() -> None:
     ref = _loop_sq_norms(one_hot, v)
     torch.testing.assert_close(small.sq_norms(), ref, rtol=1e-12, atol=0)
     torch.testing.assert_close(form.sq_norms(), ref, rtol=1e-12, atol=0)
+
+
+def test_a_one_position_outer_given_flat_equals_it_given_by_position() -> None:
+    """A Linear layer's ``Outer`` on 2-d inputs comes as (n, p) and (n, q), its batch sum added
+    from them as they are: every quantity equals the same form given as (n, 1, ·), and the
+    cross terms with another form too."""
+    from batchbound.diversity.rules import forms
+
+    g = torch.Generator().manual_seed(4)
+    n, p, q = 5, 3, 4
+    u, v = (torch.randn(n, k, generator=g, dtype=torch.float64) for k in (p, q))
+    flat, positions = Outer(u, v), Outer(u.unsqueeze(1), v.unsqueeze(1))
+    other = Outer(torch.randn(n, 2, p, generator=g, dtype=torch.float64),
+                  torch.randn(n, 2, q, generator=g, dtype=torch.float64))
+    assert (flat.n, flat.steps, flat.p, flat.q) == (positions.n, 1, p, q)
+    for got, want in [(flat.sq_norms(), positions.sq_norms()), (flat.dense(), positions.dense()),
+                      (flat.total(), positions.total()),
+                      (flat.part(slice(1, 3)).sq_norms(), positions.part(slice(1, 3)).sq_norms()),
+                      (forms.inner(flat, other, p * q), forms.inner(positions, other, p * q))]:
+        torch.testing.assert_close(got, want, rtol=1e-14, atol=0)
+    sums = [torch.ones(p, q, dtype=torch.float64) for _ in range(2)]
+    flat.add_total_to(sums[0])
+    positions.add_total_to(sums[1])
+    torch.testing.assert_close(sums[0], sums[1], rtol=1e-14, atol=0)
+    torch.testing.assert_close(sums[0] - 1, torch.einsum("np,nq->pq", u, v), rtol=1e-12, atol=0)

@@ -204,8 +204,14 @@ class Outer(PerExampleGrad):
                  batch_sum_exact: bool = True, sq_norms: Tensor | None = None,
                  autograd_terms: bool = True) -> None:
         # u and v as the rule gave them: bfloat16 or float16 where the call computed in it
-        # (``products`` multiplies them so); ``u`` and ``v`` widen them for everything else
-        self._u, self._v, self.rows = u, v, rows
+        # (``products`` multiplies them so); ``u`` and ``v`` widen them for everything else.
+        # One position (T = 1) may come as (n, p) and (n, q): the batch sum is then added
+        # from them as they are (no reshape or unsqueeze: host time on every step), and
+        # whatever reads them by position gets them with their T axis (``__getattr__``)
+        self._given, self.rows = (u, v), rows
+        self._one = v.dim() == 2
+        if not self._one:
+            self._u, self._v = u, v
         self._wide: tuple[Tensor, Tensor] | None = None
         self.batch_sum_exact = batch_sum_exact
         self._sq = sq_norms  # when the rule has them already
@@ -213,6 +219,15 @@ class Outer(PerExampleGrad):
         # input and output gradient), so the two sums differ by the summation's rounding
         # alone (``project_bound``); False where the rule computed them itself
         self.autograd_terms = autograd_terms
+
+    def __getattr__(self, name: str) -> Tensor:
+        """``_u`` and ``_v`` of a one-position pair, (n, 1, ·), made when first read (only
+        what ``__init__`` left unset reaches here: no lookup cost on the others)."""
+        if name in ("_u", "_v") and self.__dict__.get("_one"):
+            u, v = self._given
+            self._u, self._v = u.unsqueeze(1), v.unsqueeze(1)
+            return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def u(self) -> Tensor:
@@ -230,19 +245,19 @@ class Outer(PerExampleGrad):
 
     @property
     def n(self) -> int:
-        return int(self._v.shape[0])
+        return int(self._given[1].shape[0])
 
     @property
     def steps(self) -> int:
-        return int(self._v.shape[1])
+        return 1 if self._one else int(self._given[1].shape[1])
 
     @property
     def p(self) -> int:
-        return self.rows if self.rows is not None else int(self._u.shape[2])
+        return self.rows if self.rows is not None else int(self._given[0].shape[-1])
 
     @property
     def q(self) -> int:
-        return int(self._v.shape[2])
+        return int(self._given[1].shape[-1])
 
     @property
     def indexed(self) -> bool:
@@ -312,16 +327,20 @@ class Outer(PerExampleGrad):
     def add_total_to(self, out: Tensor) -> None:
         """The product added by the matrix kernel itself (``addmm_``, β = 1): no (p × q)
         temporary and no separate addition, for a running sum."""
-        if self.v.dtype != out.dtype or not out.is_contiguous():
+        if self._one:  # (n, p) and (n, q) as given: no reshape
+            u, v = (_float32(t) for t in self._given)
+        else:
+            u, v = self.u, self.v
+        if v.dtype != out.dtype or not out.is_contiguous():
             super().add_total_to(out)
             return
         p, q = self.p, self.q
-        v = self.v.reshape(-1, q)
+        v = v if v.dim() == 2 else v.reshape(-1, q)
         into = out if out.shape == (p, q) else out.view(p, q)  # a weight's sum: as it is
         if self.indexed:
-            into.index_add_(0, _long(self.u).reshape(-1), v)
+            into.index_add_(0, _long(u).reshape(-1), v)
         else:
-            into.addmm_(self.u.reshape(-1, p).transpose(0, 1), v)
+            into.addmm_((u if u.dim() == 2 else u.reshape(-1, p)).transpose(0, 1), v)
 
 
 def _gram_u(a: Outer, b: Outer) -> Tensor:

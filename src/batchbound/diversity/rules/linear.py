@@ -28,8 +28,7 @@ def _affine(layer: nn.Module, a: Tensor, b: Tensor, transposed: bool) -> dict[st
         b_sq = row_sq_norms(b)
         if trainable(layer, "weight"):
             u, v = (a, b) if transposed else (b, a)
-            grads["weight"] = Outer(u.unsqueeze(1), v.unsqueeze(1),
-                                    sq_norms=row_sq_norms(a) * b_sq)
+            grads["weight"] = Outer(u, v, sq_norms=row_sq_norms(a) * b_sq)
         if trainable(layer, "bias"):
             grads["bias"] = Dense(b, b_sq)
         return grads
