@@ -248,8 +248,9 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         self._norms = MicroBatchNorms(model.parameters(), fused=self._world == 1, names={
             id(p): name for name, p in model.named_parameters()})
         self._forward = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
-        self._output = model.register_forward_hook(self._after_forward)
         self._read_output = not self.reduction_given
+        if self._read_output:
+            self._output = model.register_forward_hook(self._after_forward)
         self._scaler = getattr(optimizer, "scaler", None)
         report_to = [r for r in (args.report_to or []) if r != "none"]
         if report_to and not self._attached and self.was_attached:
@@ -308,6 +309,9 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         if not (self._read_output and self._opened is not None and module.training):
             return
         self._read_output = False
+        if self._output is not None:  # read once: no cost on the steps after
+            self._output.remove()
+            self._output = None
         if _holds_a_loss(output):
             return
         raise BatchboundError(
