@@ -283,7 +283,7 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         if items is None:
             self._norms.start(float(b), 1.0 if self.reduction == "mean" else float(b))
             return
-        self._read_output = False  # the loss is the model's, checked by the probe
+        self._outputs_read()  # the loss is the model's, checked by the probe
         if kwargs.get("shift_labels") is None and kwargs.get("labels") is None:
             raise BatchboundError(NO_LABELS)  # before the probe, which reads the model's loss
         if self._token_rule is None:  # the first micro-batch given num_items_in_batch
@@ -308,10 +308,7 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         Σ loss / ``num_items_in_batch`` 28 % off. Refused unless ``reduction`` is given."""
         if not (self._read_output and self._opened is not None and module.training):
             return
-        self._read_output = False
-        if self._output is not None:  # read once: no cost on the steps after
-            self._output.remove()
-            self._output = None
+        self._outputs_read()
         if _holds_a_loss(output):
             return
         raise BatchboundError(
@@ -321,6 +318,13 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
             "micro-batch's examples; say it: DiversityCallback(reduction='mean') for a mean "
             "over the micro-batch's examples, 'sum' for their sum, or measure with "
             "batchbound.diversity.watch and a per-example loss")
+
+    def _outputs_read(self) -> None:
+        """No output left to read: the hook removed (no cost on the steps after)."""
+        self._read_output = False
+        if self._output is not None:
+            self._output.remove()
+            self._output = None
 
     def _use_tokens(self, module: nn.Module) -> None:
         """The loss is Σ over label tokens / num_items_in_batch: know which tokens."""
@@ -436,9 +440,7 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         if self._forward is not None:
             self._forward.remove()
             self._forward = None
-        if self._output is not None:
-            self._output.remove()
-            self._output = None
+        self._outputs_read()
 
 
 def _divides_by_items(module: nn.Module, args: tuple, kwargs: dict, items: Any) -> Tensor:
