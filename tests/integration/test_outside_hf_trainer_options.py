@@ -207,18 +207,21 @@ class MeanFromLogits(transformers.Trainer):
 
 
 def classify(tmp_path: Path, trainer: type = transformers.Trainer, reduction: str | None = None,
+             rows: int = 10, accumulation: int = 2, model: torch.nn.Module | None = None,
              **options) -> integration.DiversityCallback:
-    """10 rows in micro-batches of 3, two a step: the last step's are 3 and 1 examples."""
+    """``rows`` rows in micro-batches of 3, ``accumulation`` a step: with 10 and 2, the last
+    step's are 3 and 1 examples; with 24 and 3, the last step has 2 micro-batches."""
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(10, 6, generator=g, dtype=torch.float64)
-    y = torch.randint(3, (10,), generator=g)
+    x = torch.randn(rows, 6, generator=g, dtype=torch.float64)
+    y = torch.randint(3, (rows,), generator=g)
     callback = integration.DiversityCallback(every=1, decay=None, reduction=reduction)
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=3, gradient_accumulation_steps=2,
-        learning_rate=0.0, weight_decay=0.0, num_train_epochs=2, logging_steps=1000,
-        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
-    trainer(model=Classifier(), args=args, callbacks=[callback], **options,
-            train_dataset=[{"x": x[i], "labels": y[i]} for i in range(10)]).train()
+        output_dir=str(tmp_path), per_device_train_batch_size=3,
+        gradient_accumulation_steps=accumulation, learning_rate=0.0, weight_decay=0.0,
+        num_train_epochs=2, logging_steps=1000, save_strategy="no", report_to=[],
+        use_cpu=True, disable_tqdm=True, seed=0)
+    trainer(model=model or Classifier(), args=args, callbacks=[callback], **options,
+            train_dataset=[{"x": x[i], "labels": y[i]} for i in range(rows)]).train()
     return callback
 
 
@@ -242,3 +245,43 @@ def test_a_loss_computed_outside_the_model_is_refused_unless_its_reduction_is_sa
     assert said.monitor.steps == own.monitor.steps == 4
     assert said.monitor.m2 == pytest.approx(own.monitor.m2, rel=1e-12)
     assert said.monitor.cross == pytest.approx(own.monitor.cross, rel=1e-12)
+
+
+def test_a_loss_the_trainer_leaves_undivided_is_read_as_the_trainer_leaves_it(
+        tmp_path: Path) -> None:
+    """The Trainer divides a loss by the accumulation steps unless ``loss_is_scaled_for_ga``,
+    which a ``compute_loss_func`` sets by default; such a loss is normalised over the whole
+    step (Transformers' contract): Σ loss / ``num_items_in_batch`` said to be a sum, read as
+    divided by k, weighed steps of 9 and 6 examples wrongly against each other. Now it
+    gives what the model's own mean gives, step for step (micro-batches of 3 alike, steps of
+    3, 3 and 2 of them); so does a subclass that divides its mean by k itself and says so."""
+    def summed(outputs, labels, num_items_in_batch=None):
+        return F.cross_entropy(outputs["logits"], labels, reduction="sum") / num_items_in_batch
+
+    class DividesItself(MeanFromLogits):
+        loss_is_scaled_for_ga = True
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, False, num_items_in_batch)
+            return loss / self.current_gradient_accumulation_steps
+
+    own = classify(tmp_path, rows=24, accumulation=3)
+    for reduction, options in (("sum", {"compute_loss_func": summed}),
+                               ("mean", {"trainer": DividesItself})):
+        said = classify(tmp_path, rows=24, accumulation=3, reduction=reduction, **options)
+        assert said.monitor.steps == own.monitor.steps == 6
+        assert said.monitor.m2 == pytest.approx(own.monitor.m2, rel=1e-12)
+        assert said.monitor.cross == pytest.approx(own.monitor.cross, rel=1e-12)
+
+
+def test_a_refusal_takes_the_callbacks_hooks_off_the_model(tmp_path: Path) -> None:
+    """Raised inside the model's forward, the refusal ends ``train`` without
+    ``on_train_end``: the hooks it left refused the user's retry on the same model (another
+    Trainer, even one without the callback) with an unrelated error (an outside review)."""
+    model = Classifier()
+    with pytest.raises(BatchboundError, match="computes the loss outside"):
+        classify(tmp_path, trainer=MeanFromLogits, model=model)
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert all(not p._backward_hooks for p in model.parameters())
+    said = classify(tmp_path, trainer=MeanFromLogits, reduction="mean", model=model)
+    assert said.monitor.steps == 4

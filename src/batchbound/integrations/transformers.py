@@ -54,7 +54,9 @@ a warmup's) is written into each checkpoint's trainer_state.json and continued o
 
 from __future__ import annotations
 
+import sys
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -120,11 +122,10 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
     ) -> None:
         check_options(every, "mean" if reduction is None else reduction, n)
         OnlineDiversity(n, decay=decay, sampling=sampling)  # validates decay and sampling
-        self.every, self.n = every, n
-        self.reduction = "mean" if reduction is None else reduction
-        # said by the user: the micro-batch's loss weighs its examples so, also where the
-        # loss is computed outside the model (``_after_forward``)
-        self.reduction_given = reduction is not None
+        # as given: None (a mean) is not said, and a loss computed outside the model is then
+        # refused (``_after_forward``); a callback restored from a checkpoint has it said (its
+        # run passed that check, or came before it)
+        self.every, self.n, self.reduction = every, n, reduction
         self.decay, self.sampling = decay, sampling
         self.monitor: OnlineDiversity | None = None
         self.metrics: dict[str, float] = {}
@@ -134,6 +135,8 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         self._norms: MicroBatchNorms | None = None
         self._forward: RemovableHandle | None = None
         self._output: RemovableHandle | None = None
+        self._trainer: weakref.ref | None = None  # ``attach``'s; else found at train start
+        self._divided = True  # whether the Trainer divides the loss by the micro-batches
         self._read_output = False  # the next training forward's output: does it hold the loss?
         self._scaler: Any = None
         self._world = 1
@@ -169,6 +172,7 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         flow = [i for i, cb in enumerate(callbacks)
                 if isinstance(cb, transformers.DefaultFlowCallback)]
         callbacks.insert(flow[0] + 1 if flow else 0, self)
+        self._trainer = weakref.ref(trainer)
         self._attached = True
         return self
 
@@ -176,7 +180,7 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
 
     def settings(self) -> dict[str, Any]:
         """The constructor's arguments, by the attributes that hold them."""
-        return {"every": self.every, "n": self.n, "reduction": self.reduction,
+        return {"every": self.every, "n": self.n, "reduction": self.reduction or "mean",
                 "decay": self.decay, "sampling": self.sampling}
 
     def state(self) -> dict[str, Any]:
@@ -186,8 +190,7 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         callback anew from ``args`` (none here, so that a subclass with its own constructor
         is built too) and sets the attributes on it."""
         return {"args": {}, "attributes": {**self.settings(), "saved": self._saved(),
-                                           "was_attached": self._attached,
-                                           "reduction_given": self.reduction_given}}
+                                           "was_attached": self._attached}}
 
     def _saved(self) -> dict[str, Any] | None:
         if self.monitor is None or self._records is None:
@@ -235,6 +238,8 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         if model is None:
             raise BatchboundError("the Trainer passed no model to DiversityCallback")
         self._remove_hooks()  # a run of this Trainer that stopped on an exception left them
+        trainer = self._trainer() if self._trainer is not None else _calling_trainer()
+        self._divided = trainer is None or _divides_loss(trainer)
         self._world = args.world_size
         averaged = getattr(args, "average_tokens_across_devices", False) and self._world > 1
         self._token_factor = float(self._world) if averaged else 1.0
@@ -248,7 +253,7 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         self._norms = MicroBatchNorms(model.parameters(), fused=self._world == 1, names={
             id(p): name for name, p in model.named_parameters()})
         self._forward = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
-        self._read_output = not self.reduction_given
+        self._read_output = self.reduction is None
         if self._read_output:
             self._output = model.register_forward_hook(self._after_forward)
         self._scaler = getattr(optimizer, "scaler", None)
@@ -272,7 +277,7 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         b = _batch_size(args, kwargs)
         if self._opened is not None:
             if b != self._opened:
-                raise BatchboundError(
+                raise self._refused(
                     f"the Trainer's loss ran the model on {b} examples after {self._opened} "
                     "in one micro-batch: DiversityCallback cannot tell which examples the "
                     "micro-batch's gradient is the mean over; run further forwards on the "
@@ -281,11 +286,11 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         self._opened = b
         items = kwargs.get("num_items_in_batch")
         if items is None:
-            self._norms.start(float(b), 1.0 if self.reduction == "mean" else float(b))
+            self._norms.start(float(b), float(b) if self.reduction == "sum" else 1.0)
             return
         self._outputs_read()  # the loss is the model's, checked by the probe
         if kwargs.get("shift_labels") is None and kwargs.get("labels") is None:
-            raise BatchboundError(NO_LABELS)  # before the probe, which reads the model's loss
+            raise self._refused(NO_LABELS)  # before the probe, which reads the model's loss
         if self._token_rule is None:  # the first micro-batch given num_items_in_batch
             self._use_tokens(module)
             self._probe = _divides_by_items(module, args, kwargs, items)
@@ -311,13 +316,23 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         self._outputs_read()
         if _holds_a_loss(output):
             return
-        raise BatchboundError(
+        raise self._refused(
             f"the Trainer computes the loss outside {type(module).__name__}'s forward (its "
             "output holds none: a compute_loss_func, label_smoothing_factor or a Trainer "
             "subclass's compute_loss), so DiversityCallback cannot see how it weighs each "
             "micro-batch's examples; say it: DiversityCallback(reduction='mean') for a mean "
-            "over the micro-batch's examples, 'sum' for their sum, or measure with "
+            "over the micro-batch's examples, 'sum' for their sum (where the Trainer leaves "
+            "the loss undivided, a compute_loss_func's: divided by the accumulation steps, "
+            "or by num_items_in_batch, as Transformers expects), or measure with "
             "batchbound.diversity.watch and a per-example loss")
+
+    def _refused(self, message: str) -> BatchboundError:
+        """The error to raise, the hooks taken off the model first: raised inside the model's
+        forward or a step, it ends the Trainer's ``train`` without ``on_train_end``, and a
+        retry on the same model (another Trainer) met the stale hooks."""
+        self._remove_hooks()
+        self._stepping, self._opened = False, None
+        return BatchboundError(message)
 
     def _outputs_read(self) -> None:
         """No output left to read: the hook removed (no cost on the steps after)."""
@@ -332,7 +347,7 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         self._token_rule = next((rule for rule, known in _TOKEN_LOSSES.items()
                                  if any(loss is fn for fn in known)), None)
         if self._token_rule is None and loss is None:  # a plain module: its **kwargs
-            raise BatchboundError(
+            raise self._refused(
                 f"the Trainer passes num_items_in_batch to {type(module).__name__}, whose "
                 "forward takes **kwargs (the Trainer then leaves the loss undivided by the "
                 "accumulation steps, for the model to divide by the batch's items), and the "
@@ -340,7 +355,7 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
                 "count; set model.accepts_loss_kwargs = False (or drop **kwargs from its "
                 "forward) for a loss that is its micro-batch's mean")
         if self._token_rule is None:
-            raise BatchboundError(
+            raise self._refused(
                 f"the model takes num_items_in_batch, but its loss "
                 f"({getattr(loss, '__name__', type(module).__name__)}) is not one whose tokens "
                 "DiversityCallback can count (ForCausalLMLoss, ForMaskedLMLoss, "
@@ -361,7 +376,7 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         at the first fold)."""
         probe, self._probe = self._probe, None
         if probe is not None and not bool(probe):
-            raise BatchboundError(
+            raise self._refused(
                 "the model takes num_items_in_batch but its loss does not divide by it a sum "
                 "over tokens (its forward computes its own loss, such as a micro-batch's "
                 "mean, or adds a term of the whole micro-batch, such as a mixture of experts' "
@@ -390,8 +405,10 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
             items = self._items
             total = items.to(torch.float64) if isinstance(items, Tensor) else float(items)
             constant = self._token_factor / total
-        else:  # each micro-batch's loss divided by their number k
+        elif self._divided or self.reduction != "sum":  # divided by the micro-batches, k
             constant = 1.0 / micro_batches
+        else:  # left undivided by the Trainer, a sum is normalised over the step's examples
+            constant = 1.0 / sum(float(b) for b in self._norms.window.sizes)
         row = self._norms.record(constant, loss_scale_of(self._scaler, self._device))
         if row is not None:
             self._records.add(row)
@@ -687,3 +704,31 @@ def _holds_a_loss(output: Any) -> bool:
     else:
         loss = output
     return isinstance(loss, Tensor) and loss.numel() == 1
+
+
+def _calling_trainer() -> Any:
+    """The Trainer whose ``on_train_begin`` this is, from the call stack (its events carry
+    the model and the optimizer, not the Trainer); None if none is found."""
+    frame = sys._getframe(1)
+    for _ in range(16):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, transformers.Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _divides_loss(trainer: Any) -> bool:
+    """Whether ``trainer`` divides a loss its model is not given ``num_items_in_batch`` for
+    by the accumulation steps, by the Trainer's own rule (``training_step``): unless
+    ``loss_is_scaled_for_ga`` says so, which by default a ``compute_loss_func`` does. A loss
+    left undivided is normalised over the whole step, as Transformers documents that flag:
+    a mean by the k micro-batches (the same constant), a sum by the step's examples (Σ loss
+    / ``num_items_in_batch``); a micro-batch's mean not divided at all breaks that contract,
+    and is not seen (an outside review: 29 % high with steps of 3 and 2 micro-batches)."""
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if scaled is None:
+        scaled = getattr(trainer, "compute_loss_func", None) is not None
+    return not scaled
