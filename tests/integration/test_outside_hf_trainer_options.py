@@ -285,3 +285,16 @@ def test_a_refusal_takes_the_callbacks_hooks_off_the_model(tmp_path: Path) -> No
     assert all(not p._backward_hooks for p in model.parameters())
     said = classify(tmp_path, trainer=MeanFromLogits, reduction="mean", model=model)
     assert said.monitor.steps == 4
+
+
+def test_a_callback_restored_from_a_checkpoint_has_its_reduction_said() -> None:
+    """With restore_callback_states_from_checkpoint the Trainer builds the callback from no
+    arguments and sets the attributes its checkpoint saved: the reduction is then said (the
+    saved run passed the check on a loss outside the model, or came before it); a
+    checkpoint from before this check was refused as if none were said (an outside review)."""
+    saved = integration.DiversityCallback(every=3).state()
+    restored = integration.DiversityCallback(**saved["args"])
+    for name, value in saved["attributes"].items():
+        setattr(restored, name, value)
+    assert restored.reduction == "mean"  # said: no refusal of a loss outside the model
+    assert restored.settings() == {k: saved["attributes"][k] for k in restored.settings()}
