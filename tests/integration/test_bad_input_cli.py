@@ -863,3 +863,14 @@ def test_more_workers_than_cores_are_said_to_take_turns(monkeypatch) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         launch._check_local_workers(2)
+
+
+def test_gpus_are_not_said_to_take_turns_on_the_cores(monkeypatch) -> None:
+    """On GPUs the cores only launch the work: more GPU workers than cores say nothing."""
+    from batchbound.train import launch
+
+    monkeypatch.setattr(launch, "usable_cores", lambda: 2)
+    monkeypatch.setattr(launch, "available_memory_bytes", lambda: 2**40)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        launch._check_local_workers(4, torch.device("cuda"))

@@ -168,3 +168,26 @@ def test_export_does_not_replace_a_file_it_did_not_write(store, tmp_path):
     (out / ".batchbound-export.json").unlink()
     with pytest.raises(BatchboundError, match="is not a table batchbound exported"):
         export(store, out, "csv")
+
+
+def test_the_default_export_folder_is_ours_whatever_wrote_it(tmp_path):
+    """``<store dir>/export`` exported into before the folder listed its files: one study's
+    tables, then all (other columns), were refused as not batchbound's (an outside review).
+    A listing that is a folder is refused before any table is written."""
+    from batchbound.cli import main
+
+    with Store(tmp_path / "s.sqlite") as s:
+        s.register_study("demo", {"name": "demo"})
+        s.register_runs("demo", [("k1", "final", {"lr": 0.1}, LABELS)])
+        s.record_result("k1", RESULT, 1.0)
+    store, out = str(tmp_path / "s.sqlite"), tmp_path / "export"
+    assert main(["study", "export", store, "--study", "demo"]) == 0
+    (out / ".batchbound-export.json").unlink()  # as a folder written before the listing
+    assert main(["study", "export", store]) == 0
+    assert len(pd.read_csv(out / "curves.csv")) == 5
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    (out / ".batchbound-export.json").unlink()
+    (out / ".batchbound-export.json").mkdir()
+    assert main(["study", "export", store]) == 2
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file()} == {
+        k: v for k, v in before.items() if k != ".batchbound-export.json"}

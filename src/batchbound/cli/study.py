@@ -194,9 +194,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if not args.store.exists():
         raise BatchboundError(f"no store at {args.store}")
-    out = output_dir(args.out or args.store.parent / "export")
+    own = args.store.parent / "export"
+    out = output_dir(args.out or own)
     with Store(args.store, readonly=True) as store:
-        paths = export(store, out, args.format, args.study)
+        paths = export(store, out, args.format, args.study, ours=out.resolve() == own.resolve())
     for path in paths:
         print(path)
     return 0

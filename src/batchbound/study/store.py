@@ -623,8 +623,11 @@ class _Transaction:
 
 
 def export(store: Store, directory: str | Path, fmt: str = "csv",
-           study: str | None = None) -> list[Path]:
-    """Write every table (or one study's tables) as CSV or Parquet files; return the paths."""
+           study: str | None = None, ours: bool = False) -> list[Path]:
+    """Write every table (or one study's tables) as CSV or Parquet files; return the paths.
+    A file there that no earlier export wrote is refused, not replaced; ``ours``: the folder
+    is batchbound's own (``<store dir>/export``), whose tables are replaced whatever wrote
+    them (a folder exported into before it listed its files)."""
     if fmt not in ("csv", "parquet"):
         raise BatchboundError(f"unknown export format {fmt!r}; choose from csv, parquet")
     directory = Path(directory)
@@ -635,9 +638,13 @@ def export(store: Store, directory: str | Path, fmt: str = "csv",
         frames = store.frames(study)
         frames["studies"] = store.table("studies").query("name == @study")
     targets = {name: directory / f"{name}.{fmt}" for name in frames}
+    listing = directory / EXPORTED
+    if listing.exists() and not listing.is_file():
+        raise BatchboundError(f"{listing} is not a file; export into another folder (--out), "
+                              "or move it away")
     exported = _exported(directory)
     for name, path in targets.items():  # all checked before any is written
-        if path.exists() and path.name not in exported and not _same_table(
+        if path.exists() and not ours and path.name not in exported and not _same_table(
                 path, list(frames[name].columns), fmt):
             raise BatchboundError(
                 f"{path} exists and is not a table batchbound exported there; export into "

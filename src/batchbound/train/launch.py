@@ -104,7 +104,7 @@ def launch_local(
     config.validate_against(checked)
     device = resolve_device(config.device)  # a missing CUDA fails here, not in P workers
     _check_gpus(config.device, device, config.workers)
-    _check_local_workers(config.workers)
+    _check_local_workers(config.workers, device)
     _check_shared_memory(checked, config.workers)
     threads = kernels.threads()
     # the rendezvous store lives here, not in a rank, so a roll call works whichever is silent
@@ -194,11 +194,12 @@ def _check_gpus(name: str, device: torch.device, workers: int) -> None:
 WORKER_BYTES = 300 * 2**20
 
 
-def _check_local_workers(workers: int) -> None:
+def _check_local_workers(workers: int, device: torch.device | None = None) -> None:
     """Refuse more local processes than the memory free now can start (each imports
     torch), before the first one is spawned: total memory says nothing on a machine other
-    jobs already fill. More processes than the cores this process may use run, by turns:
-    said, since every time the run reports then measures the turns."""
+    jobs already fill. More processes than the cores this process may use compute by
+    turns on a CPU: said, since every time the run reports then measures the turns (on GPUs
+    the cores only launch the work)."""
     memory = available_memory_bytes()
     if memory is not None and workers * WORKER_BYTES > memory:
         raise BatchboundError(
@@ -207,7 +208,7 @@ def _check_local_workers(workers: int) -> None:
             f"{memory / 2**30:.1f} GB available now: use fewer --workers, or torchrun across "
             "machines")
     cores = usable_cores()
-    if workers > cores:
+    if workers > cores and (device is None or device.type == "cpu"):
         warn(f"batchbound: {workers} local workers on the {cores} CPU cores this process may "
              f"use take turns on them: the run takes about {workers / cores:.2g}× as long as "
              "on one core each, and its times (train_seconds, the step and all-reduce times) "

@@ -929,11 +929,14 @@ class Trainer:
                     if not _fits(value, getattr(self, name)):
                         raise BatchboundError(
                             f"checkpoint {self.checkpoint_path} does not fit this run (its "
-                            f"{name} is {value!r}, not a {type(getattr(self, name)).__name__})")
+                            f"{name} is {value!r}, where a run's is "
+                            f"{_kind(getattr(self, name))})")
                     setattr(self, name, value)
             for callback in self.callbacks:
                 callback.load_state_dict(saved["state"])
             set_rng_state(saved["rng"])
+        except BatchboundError:  # says what does not fit already
+            raise
         except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
             reason = " ".join(str(exc).split())[:200]
             raise BatchboundError(
@@ -961,11 +964,24 @@ def _fits(value: Any, fresh: Any) -> bool:
     return isinstance(value, type(fresh))
 
 
+def _kind(fresh: Any) -> str:
+    """What ``_fits`` asks of a checkpoint's value, for the message."""
+    if isinstance(fresh, bool):
+        return "True or False"
+    if isinstance(fresh, int):
+        return f"a whole number of at least {min(fresh, 0)}"
+    if isinstance(fresh, float) or fresh is None:
+        return "a number" + ("" if isinstance(fresh, float) and math.isnan(fresh) else
+                             " (not nan)") + (" or None" if fresh is None else "")
+    return f"a {type(fresh).__name__}"
+
+
 def _check_finite_weights(model: nn.Module, path: Path | str) -> None:
-    """A checkpoint's parameters all finite: training resumed from a nan or an inf (an edited
-    or damaged file) makes only nans. Buffers may hold -inf by design (attention masks)."""
+    """A checkpoint's trained parameters all finite: training resumed from a nan or an inf
+    (an edited or damaged file) makes only nans. Buffers and frozen parameters may hold -inf
+    by design (an attention mask)."""
     bad = [name for name, p in model.named_parameters()
-           if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+           if p.requires_grad and p.is_floating_point() and not bool(torch.isfinite(p).all())]
     if bad:
         raise BatchboundError(
             f"checkpoint {path} holds weights that are not finite (nan or inf in "
