@@ -298,3 +298,34 @@ def test_a_callback_restored_from_a_checkpoint_has_its_reduction_said() -> None:
         setattr(restored, name, value)
     assert restored.reduction == "mean"  # said: no refusal of a loss outside the model
     assert restored.settings() == {k: saved["attributes"][k] for k in restored.settings()}
+
+
+class OwnSumBeside(transformers.Trainer):
+    """A subclass that leaves the labels in (the model computes its mean loss) and returns
+    its own sum from the logits: the model's loss is never backpropagated."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs)
+        loss = F.cross_entropy(outputs["logits"], inputs["labels"], reduction="sum")
+        return (loss, outputs) if return_outputs else loss
+
+
+class PlusATerm(transformers.Trainer):
+    """A subclass that builds on the model's own loss (a penalty added)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, False, num_items_in_batch)
+        return loss + 0.0 * sum(p.square().sum() for p in model.parameters())
+
+
+def test_a_model_loss_the_backward_never_reaches_is_refused(tmp_path: Path) -> None:
+    """The model's output holds its loss, but the Trainer backpropagates another, computed
+    beside it: read as the model's mean, an outside review's own sum was 12.5 % high. The
+    first micro-batch's backward must reach a loss the model returned; one built on it (a
+    penalty added) passes, unchecked in its scale."""
+    with pytest.raises(BatchboundError) as info:
+        classify(tmp_path, trainer=OwnSumBeside)
+    said = str(info.value)
+    assert "does not use the loss the model returned" in said and "\n" not in said
+    assert classify(tmp_path, trainer=OwnSumBeside, reduction="sum").monitor.steps == 4
+    assert classify(tmp_path, trainer=PlusATerm).monitor.steps == 4

@@ -88,6 +88,12 @@ _losses = require("transformers.loss.loss_utils", "hf")
 ExportableState = transformers.trainer_callback.ExportableState
 
 _IGNORE = -100  # the label the Trainer (and its models' losses) ignore
+_SAY_IT = (
+    "so DiversityCallback cannot see how it weighs each micro-batch's examples; say it: "
+    "DiversityCallback(reduction='mean') for a mean over the micro-batch's examples, 'sum' for "
+    "their sum (where the Trainer leaves the loss undivided, a compute_loss_func's: divided "
+    "by the accumulation steps, or by num_items_in_batch, as Transformers expects), or "
+    "measure with batchbound.diversity.watch and a per-example loss")
 NO_LABELS = (
     "the model takes num_items_in_batch but its forward got no labels: the Trainer computes "
     "the loss outside the model (label_smoothing_factor, compute_loss_func), so "
@@ -138,6 +144,10 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         self._trainer: weakref.ref | None = None  # ``attach``'s; else found at train start
         self._divided = True  # whether the Trainer divides the loss by the micro-batches
         self._read_output = False  # the next training forward's output: does it hold the loss?
+        # the first micro-batch's model losses hooked (None: not read yet), and whether its
+        # backward reached one of them
+        self._loss_hooks: list[RemovableHandle] | None = None
+        self._loss_used = False
         self._scaler: Any = None
         self._world = 1
         self._device = torch.device("cpu")
@@ -254,6 +264,7 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
             id(p): name for name, p in model.named_parameters()})
         self._forward = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         self._read_output = self.reduction is None
+        self._loss_hooks, self._loss_used = None, False
         if self._read_output:
             self._output = model.register_forward_hook(self._after_forward)
         self._scaler = getattr(optimizer, "scaler", None)
@@ -306,25 +317,42 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         self._step_sequences += int(labels.shape[0]) if labels.dim() > 1 else 1
 
     def _after_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
-        """The first training forward's output, where the user did not say the reduction: a
-        loss computed outside the model (a ``compute_loss_func``, ``label_smoothing_factor``,
-        a Trainer subclass's ``compute_loss`` from the logits) weighs the micro-batch's
-        examples in a way the callback cannot see; assuming a mean put an outside review's
-        Σ loss / ``num_items_in_batch`` 28 % off. Refused unless ``reduction`` is given."""
+        """The first micro-batch's training forwards, where the user did not say the
+        reduction: a loss computed outside the model (a ``compute_loss_func``,
+        ``label_smoothing_factor``, a Trainer subclass's ``compute_loss``) weighs the
+        micro-batch's examples in a way the callback cannot see; assuming a mean put an
+        outside review's Σ loss / ``num_items_in_batch`` 28 % off. Refused unless
+        ``reduction`` is given: an output that holds no loss at once, and one whose loss the
+        backward never reaches (a subclass's own loss from the logits beside it: 12.5 % off)
+        when the micro-batch closes (``_check_model_loss``)."""
         if not (self._read_output and self._opened is not None and module.training):
             return
-        self._outputs_read()
-        if _holds_a_loss(output):
+        loss = _loss_of(output)
+        if loss is None and self._loss_hooks is None:  # the micro-batch's first forward
+            raise self._refused(
+                f"the Trainer computes the loss outside {type(module).__name__}'s forward "
+                f"(its output holds none: a compute_loss_func, label_smoothing_factor or a "
+                f"Trainer subclass's compute_loss), {_SAY_IT}")
+        self._loss_hooks = self._loss_hooks or []
+        if loss is not None and loss.requires_grad:
+            self._loss_hooks.append(loss.register_hook(self._model_loss_used))
+
+    def _model_loss_used(self, grad: Tensor) -> None:
+        self._loss_used = True
+
+    def _check_model_loss(self) -> None:
+        """At the first micro-batch's end: its backward reached a loss the model returned
+        (the loss the Trainer took, or one it built on; any scaling of it is not checked)."""
+        hooks, self._loss_hooks = self._loss_hooks, None
+        if hooks is None:
             return
-        raise self._refused(
-            f"the Trainer computes the loss outside {type(module).__name__}'s forward (its "
-            "output holds none: a compute_loss_func, label_smoothing_factor or a Trainer "
-            "subclass's compute_loss), so DiversityCallback cannot see how it weighs each "
-            "micro-batch's examples; say it: DiversityCallback(reduction='mean') for a mean "
-            "over the micro-batch's examples, 'sum' for their sum (where the Trainer leaves "
-            "the loss undivided, a compute_loss_func's: divided by the accumulation steps, "
-            "or by num_items_in_batch, as Transformers expects), or measure with "
-            "batchbound.diversity.watch and a per-example loss")
+        for hook in hooks:
+            hook.remove()
+        self._outputs_read()
+        if hooks and not self._loss_used:
+            raise self._refused(
+                "the Trainer's loss does not use the loss the model returned (a Trainer "
+                f"subclass's compute_loss computes its own), {_SAY_IT}")
 
     def _refused(self, message: str) -> BatchboundError:
         """The error to raise, the hooks taken off the model first: raised inside the model's
@@ -335,11 +363,13 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         return BatchboundError(message)
 
     def _outputs_read(self) -> None:
-        """No output left to read: the hook removed (no cost on the steps after)."""
+        """No output left to read: the hooks removed (no cost on the steps after)."""
         self._read_output = False
         if self._output is not None:
             self._output.remove()
             self._output = None
+        for hook in self._loss_hooks or ():
+            hook.remove()
 
     def _use_tokens(self, module: nn.Module) -> None:
         """The loss is Σ over label tokens / num_items_in_batch: know which tokens."""
@@ -390,10 +420,12 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         self._stepping, self._opened, self._micro_batches = True, None, 0
 
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._check_model_loss()
         self._opened = None
         self._micro_batches += 1
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._check_model_loss()
         micro_batches = self._micro_batches + 1
         self._stepping, self._opened, self._micro_batches = False, None, 0
         if self._norms is None or self._records is None:
@@ -694,16 +726,16 @@ class BranchWarmupCallback(transformers.TrainerCallback, ExportableState):
             self._warm_log = {}
 
 
-def _holds_a_loss(output: Any) -> bool:
-    """Whether a model's output holds the loss where the Trainer reads it: ``output["loss"]``
-    of a mapping (a ModelOutput), else ``output[0]``: a single number."""
+def _loss_of(output: Any) -> Tensor | None:
+    """The loss a model's output holds where the Trainer reads it: ``output["loss"]`` of a
+    mapping (a ModelOutput), else ``output[0]``, a single number; None if it holds none."""
     if isinstance(output, dict):
         loss = output.get("loss")
     elif isinstance(output, (tuple, list)) and output:
         loss = output[0]
     else:
         loss = output
-    return isinstance(loss, Tensor) and loss.numel() == 1
+    return loss if isinstance(loss, Tensor) and loss.numel() == 1 else None
 
 
 def _calling_trainer() -> Any:
