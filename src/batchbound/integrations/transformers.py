@@ -143,9 +143,8 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         self._output: RemovableHandle | None = None
         self._trainer: weakref.ref | None = None  # ``attach``'s; else found at train start
         self._divided = True  # whether the Trainer divides the loss by the micro-batches
-        self._read_output = False  # the next training forward's output: does it hold the loss?
-        # the first micro-batch's model losses hooked (None: not read yet), and whether its
-        # backward reached one of them
+        # while ``_output`` reads the first micro-batch's outputs: the model losses hooked
+        # (None: none read yet), and whether its backward reached one of them
         self._loss_hooks: list[RemovableHandle] | None = None
         self._loss_used = False
         self._scaler: Any = None
@@ -263,9 +262,8 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         self._norms = MicroBatchNorms(model.parameters(), fused=self._world == 1, names={
             id(p): name for name, p in model.named_parameters()})
         self._forward = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
-        self._read_output = self.reduction is None
-        self._loss_hooks, self._loss_used = None, False
-        if self._read_output:
+        self._loss_used = False
+        if self.reduction is None:  # the outputs show whether the loss is the model's
             self._output = model.register_forward_hook(self._after_forward)
         self._scaler = getattr(optimizer, "scaler", None)
         report_to = [r for r in (args.report_to or []) if r != "none"]
@@ -325,7 +323,7 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
         ``reduction`` is given: an output that holds no loss at once, and one whose loss the
         backward never reaches (a subclass's own loss from the logits beside it: 12.5 % off)
         when the micro-batch closes (``_check_model_loss``)."""
-        if not (self._read_output and self._opened is not None and module.training):
+        if not (self._opened is not None and module.training):
             return
         loss = _loss_of(output)
         if loss is None and self._loss_hooks is None:  # the micro-batch's first forward
@@ -343,11 +341,9 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
     def _check_model_loss(self) -> None:
         """At the first micro-batch's end: its backward reached a loss the model returned
         (the loss the Trainer took, or one it built on; any scaling of it is not checked)."""
-        hooks, self._loss_hooks = self._loss_hooks, None
+        hooks = self._loss_hooks
         if hooks is None:
             return
-        for hook in hooks:
-            hook.remove()
         self._outputs_read()
         if hooks and not self._loss_used:
             raise self._refused(
@@ -364,12 +360,12 @@ class DiversityCallback(transformers.TrainerCallback, ExportableState):
 
     def _outputs_read(self) -> None:
         """No output left to read: the hooks removed (no cost on the steps after)."""
-        self._read_output = False
         if self._output is not None:
             self._output.remove()
             self._output = None
         for hook in self._loss_hooks or ():
             hook.remove()
+        self._loss_hooks = None
 
     def _use_tokens(self, module: nn.Module) -> None:
         """The loss is Σ over label tokens / num_items_in_batch: know which tokens."""

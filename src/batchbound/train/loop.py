@@ -926,11 +926,11 @@ class Trainer:
             for name in self._STATE:  # only the run state's names, whatever the file holds
                 if name in saved["state"]:  # one added later keeps its fresh value
                     value = saved["state"][name]
-                    if not _fits(value, getattr(self, name)):
+                    wanted = _unfit(value, getattr(self, name))
+                    if wanted:
                         raise BatchboundError(
                             f"checkpoint {self.checkpoint_path} does not fit this run (its "
-                            f"{name} is {value!r}, where a run's is "
-                            f"{_kind(getattr(self, name))})")
+                            f"{name} is {value!r}, where a run's is {wanted})")
                     setattr(self, name, value)
             for callback in self.callbacks:
                 callback.load_state_dict(saved["state"])
@@ -946,34 +946,25 @@ class Trainer:
         self.status, self.message = "complete", ""
 
 
-def _fits(value: Any, fresh: Any) -> bool:
-    """Whether a checkpoint's run-state ``value`` is of the kind of the fresh run's: a count
-    a whole number no lower than a fresh run starts it (0, or -1 for "not yet"), a number
-    any number, nan only where a fresh run starts with nan (a None the run starts with:
-    either, or None), anything else its type (an edited file's ``iteration = "abc"`` failed
-    mid-run; ``iteration = -5`` ran on)."""
+def _unfit(value: Any, fresh: Any) -> str | None:
+    """None where a checkpoint's run-state ``value`` is of the kind of the fresh run's, else
+    what that kind is: a count a whole number no lower than a fresh run starts it (0, or -1
+    for "not yet"), a number any number, nan only where a fresh run starts with nan (a None
+    the run starts with: either, or None), anything else its type (an edited file's
+    ``iteration = "abc"`` failed mid-run; ``iteration = -5`` ran on)."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if isinstance(fresh, bool):
-        return isinstance(value, bool)
+        return None if isinstance(value, bool) else "True or False"
     if isinstance(fresh, int):
-        return number and isinstance(value, int) and value >= min(fresh, 0)
+        least = min(fresh, 0)
+        fits = number and isinstance(value, int) and value >= least
+        return None if fits else f"a whole number of at least {least}"
     if isinstance(fresh, float) or fresh is None:
-        if number and math.isnan(value):
-            return isinstance(fresh, float) and math.isnan(fresh)
-        return number or (value is None and fresh is None)
-    return isinstance(value, type(fresh))
-
-
-def _kind(fresh: Any) -> str:
-    """What ``_fits`` asks of a checkpoint's value, for the message."""
-    if isinstance(fresh, bool):
-        return "True or False"
-    if isinstance(fresh, int):
-        return f"a whole number of at least {min(fresh, 0)}"
-    if isinstance(fresh, float) or fresh is None:
-        return "a number" + ("" if isinstance(fresh, float) and math.isnan(fresh) else
-                             " (not nan)") + (" or None" if fresh is None else "")
-    return f"a {type(fresh).__name__}"
+        nan_ok = isinstance(fresh, float) and math.isnan(fresh)
+        fits = (number and (nan_ok or not math.isnan(value))) or (value is None and fresh is None)
+        return None if fits else ("a number" + ("" if nan_ok else " (not nan)")
+                                  + (" or None" if fresh is None else ""))
+    return None if isinstance(value, type(fresh)) else f"a {type(fresh).__name__}"
 
 
 def _check_finite_weights(model: nn.Module, path: Path | str) -> None:
