@@ -60,3 +60,36 @@ def test_blocks_of_chunks_match_the_float64_loop(monkeypatch, block: int, dtype)
     # a second call on the same model gives the same numbers (no buffer kept or reused)
     again = measure(model, (x, y), "cross_entropy", chunk_size=2)
     assert (again.S, again.T) == (report.S, report.T)
+
+
+@pytest.mark.parametrize("block", [1, 2, 16])
+def test_chunks_of_changing_sizes_match_the_float64_loop(monkeypatch, block: int) -> None:
+    """A loader whose batches change size back and forth (3, 1, 3, 3, 2, 1): each block's
+    chunks are summed by runs of one size, in the chunks' order, and their losses with them."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    monkeypatch.setattr(MEASURE, "BLOCK", block)
+    torch.manual_seed(0)
+    model = Shared().double()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(13, 5, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (13,), generator=g)
+    sizes, start, batches = [3, 1, 3, 3, 2, 1], 0, []
+    for k in sizes:
+        batches.append(list(range(start, start + k)))
+        start += k
+    loader = DataLoader(TensorDataset(x, y), batch_sampler=batches)
+    report = measure(model, loader, "cross_entropy")
+    S, T = loop_S_T(copy.deepcopy(model), x, y)
+    assert report.n == 13
+    for name, p in model.named_parameters():  # each parameter's own, not another's
+        own = 0.0
+        for i in range(13):
+            loss = F.cross_entropy(model(x[i : i + 1]), y[i : i + 1], reduction="sum")
+            own += float(torch.autograd.grad(loss, p)[0].square().sum())
+        assert pytest.approx(own, rel=1e-12) == report.per_parameter_S[name]
+    assert pytest.approx(S, rel=1e-12) == report.S
+    assert pytest.approx(T, rel=1e-12) == report.T
+    with torch.no_grad():
+        mean_loss = float(F.cross_entropy(model(x), y))
+    assert pytest.approx(mean_loss, rel=1e-12) == report.loss

@@ -300,21 +300,21 @@ def check_finite(losses: Tensor, offset: int = 0) -> None:
 
 
 class DeferredFinite:
-    """Each chunk's losses checked finite on the device, read on the host only at ``check``:
-    a host read per chunk makes the host wait for the device's work before it issues the
-    next chunk (``measure`` checks at its blocks' ends). The first example not finite is
-    named as ``check_finite`` names it."""
+    """Each chunk's losses held, and checked finite on the device only at ``check``, for all
+    the chunks since: a host read per chunk makes the host wait for the device's work
+    before it issues the next chunk, and each operation is a kernel launch (``measure``
+    checks at its blocks' ends). The first example not finite is named as ``check_finite``
+    names it."""
 
     def __init__(self) -> None:
-        self._held: list[tuple[int, Tensor, Tensor]] = []  # offset, losses, all finite
+        self._held: list[tuple[int, Tensor]] = []  # offset, losses
 
     def add(self, losses: Tensor, offset: int) -> None:
-        losses = losses.detach()
-        self._held.append((offset, losses, torch.isfinite(losses).all()))
+        self._held.append((offset, losses.detach()))
 
     def check(self) -> None:
         held, self._held = self._held, []
-        if held and not bool(torch.stack([finite for _, _, finite in held]).all()):
-            for offset, losses, _ in held:
-                check_finite(losses, offset)
+        if held and not bool(torch.isfinite(torch.cat([v for _, v in held])).all()):
+            for offset, v in held:
+                check_finite(v, offset)
 

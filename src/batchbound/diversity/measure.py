@@ -266,7 +266,7 @@ def measure(
     per_param_S = dict(zip(names, map(float, reduced[2 : 2 + len(names)]), strict=True))
     sums = reduced[2 + len(names) :]  # float64, or one float32 block (see _accumulate)
     T = float(torch.stack(torch._foreach_norm(sums, 2, dtype=torch.float64)).square().sum())
-    if not math.isfinite(T):  # each example's gradient is finite (_check_gradients)
+    if not math.isfinite(T):  # each example's gradient is finite (_end_block)
         raise BatchboundError(f"the gradient summed over the examples is not finite ({T}): "
                               "their sum overflowed; dtype=torch.float64 measures a float64 "
                               "copy")
@@ -322,10 +322,9 @@ def _budget_chunk(work: nn.Module, data: Data, loss_fn: PerExampleLoss, engine: 
         kept += _storage_bytes([*_tensors_of(x), *_tensors_of(y)], device)
 
     def run(k: int) -> None:
-        # as in the run: the losses of a block's earlier chunks, held for their check
-        held = [(torch.empty(k, dtype=dtype, device=device), torch.empty((), dtype=torch.bool,
-                                                                         device=device))
-                for _ in range(BLOCK - 1)]
+        # as in the run: a block's earlier chunks' losses and squared norms, held to its end
+        held = [torch.empty(k * (len(stats_of.params) + 1), dtype=norm_dtype(dtype),
+                            device=device) for _ in range(BLOCK - 1)]
         stats_of(*_on_device(x[:k], y[:k], device, dtype), into=block)
         del held
 
@@ -414,26 +413,26 @@ def _accumulate(
     block = _zeros_like_each(params)
     loss_sum = torch.zeros((), dtype=acc, device=device)
     seen, fallback, chunks_in_block = 0, set(), 0
-    held: list[tuple[int, Tensor]] = []  # the block's chunks: offset, S per parameter
+    # the block's chunks, summed at its end (an operation is a kernel launch on a GPU, where
+    # a small chunk's pass is bound by launches): offset and per-example squared norms, losses
+    held: list[tuple[int, list[Tensor]]] = []
+    losses: list[Tensor] = []
+    names = list(params)
     shown = progress and sys.stderr.isatty()  # a bar that erases itself says nothing to a log
     with tqdm(total=n_known, unit="ex", file=sys.stderr, disable=not shown, leave=False) as bar:
         for x, y in chunks:
             x, y = _on_device(x, y, device, dtype)
             if chunks_in_block == BLOCK:  # full, and more to come: into float64
-                finite.check()
-                _check_gradients(per_param, held, list(params))
+                _end_block(per_param, loss_sum, held, losses, finite, names)
                 grad_sum, chunks_in_block = _flush(grad_sum, list(block.values())), 0
             stats = stats_of(x, y, offset=seen, into=block)
-            chunk_sq = torch.stack([stats.sq_norms[k] for k in params]).sum(dim=1, dtype=acc)
-            per_param += chunk_sq
-            held.append((seen, chunk_sq))
+            held.append((seen, [stats.sq_norms[k] for k in names]))
+            losses.append(stats.losses)
             chunks_in_block += 1
-            loss_sum += stats.losses.sum(dtype=acc)
             seen += stats.n
             fallback.update(stats.fallback)
             bar.update(stats.n)
-    finite.check()
-    _check_gradients(per_param, held, list(params))
+    _end_block(per_param, loss_sum, held, losses, finite, names)
     grad_sum = _flush(grad_sum, list(block.values()), last=True)
     count = torch.tensor(float(seen), dtype=acc, device=device)
     return (count, loss_sum, list(per_param.unbind()), grad_sum, sorted(fallback),
@@ -445,7 +444,7 @@ BLOCK = 16
 
 def check_finite_sums(S: float, T: float) -> None:
     """S and T of a pass that holds no chunk's own (differential, materialised gradients):
-    not finite from finite losses (``_check_gradients`` for what measure names)."""
+    not finite from finite losses (``_end_block`` for what measure names)."""
     if not (math.isfinite(S) and math.isfinite(T)):
         raise BatchboundError(
             f"S = {S} and T = {T} are not finite though the losses are: the backward pass "
@@ -453,18 +452,26 @@ def check_finite_sums(S: float, T: float) -> None:
             "0, a division by zero, an overflow); measure() names the chunk and parameters")
 
 
-def _check_gradients(per_param: Tensor, held: list[tuple[int, Tensor]], names: list[str]
-                     ) -> None:
-    """S per parameter summed so far (``per_param``) checked finite once a block (a host
-    read, beside the losses' own check), and ``held``, the block's chunks' own (offset, S per
-    parameter), cleared: a backward that makes an inf or a nan from finite losses (a square
-    root or a logarithm at 0, a division by zero, an overflow) is refused, naming the chunk
-    and the parameters, not summed into S = nan."""
-    chunks, held[:] = list(held), []
+def _end_block(per_param: Tensor, loss_sum: Tensor, held: list[tuple[int, list[Tensor]]],
+               losses: list[Tensor], finite: DeferredFinite, names: list[str]) -> None:
+    """A block's chunks added to the float64 sums and cleared, read on the host once: their
+    losses checked finite and summed; their S per parameter summed, and S checked finite:
+    a backward that makes an inf or a nan from finite losses (a square root or a logarithm
+    at 0, a division by zero, an overflow) is refused, naming the chunk and the parameters,
+    not summed into S = nan."""
+    finite.check()
+    if not held:
+        return
+    loss_sum += torch.cat(losses).sum(dtype=loss_sum.dtype)
+    sums = _chunk_sums([sq for _, sq in held], len(names))
+    per_param += sums.sum(dim=0)
+    offsets = [offset for offset, _ in held]
+    held.clear()
+    losses.clear()
     if bool(torch.isfinite(per_param).all()):
         return
-    for offset, sums in chunks:
-        bad = (~torch.isfinite(sums)).nonzero()[:, 0].tolist()
+    for offset, row in zip(offsets, sums, strict=True):
+        bad = (~torch.isfinite(row)).nonzero()[:, 0].tolist()
         if bad:
             raise BatchboundError(
                 f"on the chunk from example {offset}, the gradient of an example is not "
@@ -474,6 +481,22 @@ def _check_gradients(per_param: Tensor, held: list[tuple[int, Tensor]], names: l
                 "overflow), so per-example gradients, S, T and Δ are not defined there")
     raise BatchboundError("S, the per-example gradients' squared norms summed, is not finite "
                           "though each chunk's is (an overflow of their sum)")
+
+
+def _chunk_sums(chunks: list[list[Tensor]], count: int) -> Tensor:
+    """Each chunk's S per parameter in float64, (chunks, ``count``), from each parameter's
+    per-example squared norms: one stack and one sum for each run of chunks of one size."""
+    runs: list[Tensor] = []
+    start = 0
+    while start < len(chunks):
+        n = chunks[start][0].shape[0]
+        end = start + 1
+        while end < len(chunks) and chunks[end][0].shape[0] == n:
+            end += 1
+        flat = [t for sq in chunks[start:end] for t in sq]
+        runs.append(torch.stack(flat).view(end - start, count, n).sum(dim=2, dtype=torch.float64))
+        start = end
+    return runs[0] if len(runs) == 1 else torch.cat(runs)
 
 
 def _zeros_like_each(params: dict[str, nn.Parameter]) -> dict[str, Tensor]:
