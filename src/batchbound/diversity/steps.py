@@ -1,8 +1,11 @@
 """Diversity from a user's own training step: ``watch`` around their forward and backward,
 unchanged, or ``monitored_step`` in place of those two lines.
 
-Both give the same guarantee as ``measure``: the per-example norms they feed the monitor are
-exact, or the step raises BatchboundError naming the parameter and the reason.
+Both give ``measure``'s guarantee for the model: the per-example norms they feed the monitor
+are exact, or the step raises BatchboundError naming the parameter and the reason. ``watch``
+does not see the loss as a function of each example, so a loss that couples the batch's
+examples (InfoNCE, in-batch negatives) is not refused there (docs/diversity.md);
+``monitored_step``, which calls the loss itself, and ``measure`` check it.
 """
 
 from __future__ import annotations
