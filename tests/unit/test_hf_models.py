@@ -1,12 +1,12 @@
 """Stock Hugging Face models from small configs (issue 26): every parameter through the layer
 rules, no fallback, equal to the float64 per-example loop (≤ 1e-9 relative); the third-party
-rules (GPT-2's Conv1D, Llama's RMSNorm and its copies) registered by name, never imported by
-batchbound, looked up by exact type."""
+rules (GPT-2's Conv1D, Llama's RMSNorm) registered by name, never imported by batchbound,
+looked up by exact type; the copies of Llama's RMSNorm found by their code."""
 
 from __future__ import annotations
 
 import inspect
-import sys
+from types import FunctionType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -36,7 +36,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 from batchbound.diversity.rules import rule_for  # noqa: E402
-from batchbound.diversity.rules.norm import HF_RMS_NORMS  # noqa: E402
+from batchbound.diversity.rules.norm import llama_rms_norm_rule  # noqa: E402
 
 VOCAB = 64
 DECODER = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -152,19 +152,102 @@ def test_llama_rms_norm_rule(shape: tuple[int, ...], eps: float) -> None:
     check(nn.Sequential(nn.Linear(8, 8), layer), torch.randn(*shape))
 
 
-def test_every_named_rms_norm_is_llamas() -> None:
-    """Each class the RMSNorm rule names has Llama's __init__ and forward (up to its name)."""
-    def source(cls: type) -> str:
-        text = inspect.getsource(cls.forward) + inspect.getsource(cls.__init__)
-        return text.replace(cls.__name__, "RMSNorm")
+COPIES = ["mistral.MistralRMSNorm", "qwen2.Qwen2RMSNorm", "phi3.Phi3RMSNorm",
+          "granite.GraniteRMSNorm", "olmoe.OlmoeRMSNorm", "deepseek_v3.DeepseekV3RMSNorm"]
+NOT_COPIES = ["gemma.GemmaRMSNorm", "olmo2.Olmo2RMSNorm", "t5.T5LayerNorm"]
 
-    expected = source(LlamaRMSNorm)
-    for path in HF_RMS_NORMS:
-        module, name = path.rsplit(".", 1)
-        __import__(module)
-        cls = getattr(sys.modules[module], name)
-        assert source(cls) == expected, path
-        assert rule_for(cls(4)) is not None
+
+def _hf_class(path: str) -> type:
+    family, name = path.split(".")
+    module = __import__(f"transformers.models.{family}.modeling_{family}", fromlist=[name])
+    return getattr(module, name)
+
+
+@pytest.mark.parametrize("path", COPIES)
+def test_a_copy_of_llamas_rms_norm_takes_its_rule_and_is_exact(path: str) -> None:
+    """Found by its code (its forward Llama's, up to the class name), whatever the family:
+    Granite's and OLMoE's were left to the fallback, and out of subset='norms', before."""
+    cls = _hf_class(path)
+    expected = inspect.getsource(LlamaRMSNorm.forward)
+    assert inspect.getsource(cls.forward).replace(cls.__name__, "LlamaRMSNorm") == expected
+    layer = cls(5)
+    entry = rule_for(layer)
+    assert entry is not None and entry.rule is llama_rms_norm_rule
+    with torch.no_grad():
+        layer.weight.normal_()
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(5, 5), layer).double(), torch.randn(4, 3, 5).double()
+    assert_exact(model, x, feature_targets(model, x), feature_loss, engine="hooks")
+
+
+@pytest.mark.parametrize("path", NOT_COPIES)
+def test_an_rms_norm_computing_otherwise_takes_no_rule(path: str) -> None:
+    """Gemma's (1 + weight), OLMo-2's order of the cast: another forward, no rule."""
+    assert rule_for(_hf_class(path)(5)) is None
+
+
+class UsersRMSNorm(nn.Module):
+    """Llama's RMSNorm as users paste it into their own code (its lines, its names)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class ShiftedRMSNorm(UsersRMSNorm.__base__):  # type: ignore[misc]
+    """The same lines but one: eps counted twice."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + 2 * self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+def test_a_users_copy_is_recognised_and_a_changed_one_is_not() -> None:
+    if inspect.getsource(LlamaRMSNorm.forward).count("\n") != inspect.getsource(
+            UsersRMSNorm.forward).count("\n"):
+        pytest.skip("this transformers' LlamaRMSNorm is written otherwise")
+    entry = rule_for(UsersRMSNorm(4))
+    assert entry is not None and entry.rule is llama_rms_norm_rule
+    assert rule_for(ShiftedRMSNorm(4)) is None
+
+    class Subclassed(UsersRMSNorm):  # other bases: not the same class's code
+        pass
+
+    assert rule_for(Subclassed(4)) is None
+
+
+def test_a_copy_whose_globals_are_other_objects_is_not_one() -> None:
+    """The same code object reading ``torch`` from a module where that name is another."""
+    elsewhere = {**UsersRMSNorm.forward.__globals__, "torch": SimpleNamespace(
+        float32=torch.float32, rsqrt=lambda t: 2 * torch.rsqrt(t))}
+    forward = FunctionType(UsersRMSNorm.forward.__code__, elsewhere)
+    assert rule_for(UsersRMSNorm(4)) is not None
+    def __init__(self: nn.Module, hidden_size: int) -> None:
+        nn.Module.__init__(self)
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = 1e-6
+
+    other = type("UsersRMSNorm", (nn.Module,), {"__init__": __init__, "forward": forward})
+    assert rule_for(other(4)) is None
+    same = type("UsersRMSNorm", (nn.Module,), {"__init__": __init__,
+                                               "forward": UsersRMSNorm.forward})
+    assert rule_for(same(4)) is not None  # its __init__ is its own: the forward is Llama's
 
 
 def test_named_rules_look_up_the_exact_class() -> None:

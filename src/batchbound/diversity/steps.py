@@ -193,8 +193,11 @@ def _watched_step(model: nn.Module, monitor: OnlineDiversity, reduction: str,
     run = watched.finish()
     if (run is None or watched.delta is None or watched.before is None
             or not (run.backward_seen or (watched.outputs and watched.outputs.grads))):
-        raise BatchboundError("watch() saw no backward pass through the model; call the model "
-                              "and loss.backward() inside the block")
+        through = ("the model" if watched.subset == "all" else
+                   f"the parameters subset={watched.subset!r} reads (the model's LayerNorm "
+                   "and RMSNorm layers)")
+        raise BatchboundError(f"watch() saw no backward pass through {through}; call the "
+                              "model and loss.backward() inside the block")
     assert planned is not None
     params = planned.params
     refused = {k: why for k, why in run.reasons.items() if why in REFUSED}

@@ -20,7 +20,10 @@ subclass that changes ``forward`` is never silently given its parent's rule; it 
 fallback engine instead. A third-party layer is named by its full dotted path instead
 (``"transformers.pytorch_utils.Conv1D"``): batchbound never imports that library; the rule
 applies once the library is imported and a module of exactly that class (the class found at
-that path) appears in a model.
+that path) appears in a model. A named rule registered with ``copies=True`` also applies to
+every class that runs that class's own code (``same_code``): a layer a library copies into
+many files (Hugging Face generates each model family's file, and its copy of Llama's
+RMSNorm, from one definition) is recognised by its code, not by a list of names.
 
 What the engine checks before trusting a rule, for every call: that each use of a parameter
 in the autograd graph lies inside a call of a module whose rule covers it; that the examples
@@ -31,8 +34,12 @@ recurrent layers in train mode, say), which sends that call's parameters to the 
 """
 
 from __future__ import annotations
+import __future__
 
+import importlib
+import inspect
 import sys
+import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,6 +99,8 @@ class RuleEntry:
 
 RULES: dict[type[nn.Module], RuleEntry] = {}
 NAMED_RULES: dict[str, RuleEntry] = {}  # "package.module.Class" -> rule, for other libraries
+COPIED_RULES: dict[str, RuleEntry] = {}  # the named ones that also apply to their code's copies
+_COPIES: weakref.WeakKeyDictionary[type, RuleEntry | None] = weakref.WeakKeyDictionary()
 
 
 def register_rule(
@@ -104,6 +113,7 @@ def register_rule(
     own_sums: Callable[[nn.Module, Tensor, torch.Size], tuple[str, ...]] | None = None,
     config: Callable[[nn.Module], Hashable] | None = None,
     low_precision: bool = False,
+    copies: bool = False,
 ) -> Callable[[Rule], Rule]:
     """Register ``rule`` for each of ``module_types``: classes, or the full dotted paths of
     classes from libraries batchbound does not import (see the module docstring).
@@ -129,6 +139,8 @@ def register_rule(
     gradient in that dtype (else widened to float32 first) and its forms widen what they
     compute with, or multiply them as they are with float32 results (``forms.products``:
     on CUDA, tensor-core speed where the model trains in bfloat16).
+    ``copies``: the rule also applies to any class that runs a named class's code
+    (``same_code``), wherever it is defined.
     """
 
     names = params if callable(params) else (lambda module, _p=tuple(params): _p)
@@ -142,6 +154,10 @@ def register_rule(
                 raise ValueError(f"a rule for {name} is registered twice")
             table[module_type] = RuleEntry(rule, names, example_axis, features, main, unsupported,
                                            own_sums, config, low_precision)
+            if copies:
+                if not isinstance(module_type, str):
+                    raise ValueError("copies=True takes classes named by their dotted path")
+                COPIED_RULES[module_type] = table[module_type]
         return rule
 
     return decorate
@@ -155,7 +171,134 @@ def rule_for(module: nn.Module) -> RuleEntry | None:
         home = sys.modules.get(kind.__module__)
         if entry is not None and getattr(home, kind.__qualname__, None) is not kind:
             return None  # a class of that name, but not the one at that path
+    if entry is None and COPIED_RULES:
+        entry = _copied_rule(kind)
     return entry
+
+
+def _copied_rule(kind: type) -> RuleEntry | None:
+    """The rule of a named class whose code ``kind`` runs (once per class)."""
+    try:
+        return _COPIES[kind]
+    except KeyError:
+        pass
+    found, unseen = None, False
+    for path, entry in COPIED_RULES.items():
+        reference = _imported_class(path)
+        unseen = unseen or reference is None
+        if reference is not None and reference is not kind and same_code(kind, reference):
+            found = entry
+            break
+    if found is not None or not unseen:  # asked again once the library is imported
+        _COPIES[kind] = found
+    return found
+
+
+def _imported_class(path: str) -> type | None:
+    """The class at ``path`` where its library is imported already (its module is then
+    imported too: a few milliseconds), else None: batchbound never imports a library."""
+    module, name = path.rsplit(".", 1)
+    if module.split(".")[0] not in sys.modules:
+        return None
+    try:
+        found = getattr(importlib.import_module(module), name, None)
+    except Exception:  # any: a library's module that fails to import has no class to copy
+        return None
+    return found if isinstance(found, type) else None
+
+
+def same_code(kind: type, reference: type) -> bool:
+    """Whether ``kind`` computes what ``reference`` computes: the same base classes and a
+    ``forward`` with the same bytecode, constants (docstrings aside), names, argument
+    defaults, captured values and global objects; and whatever else either class defines
+    that the forward can reach (an attribute it names, the dunders a call goes through) the
+    same too. Its ``__init__``, ``extra_repr`` and the like may differ: the forward, and the
+    rule, read the instance's attributes as they are."""
+    if kind.__bases__ != reference.__bases__:
+        return False
+    own, expected = _own_attributes(kind), _own_attributes(reference)
+    if "forward" not in expected or "forward" not in own:
+        return False
+    reached = _global_names(expected["forward"].__code__) | _CALL_PATH
+    return all(name in own and name in expected and _same_value(own[name], expected[name])
+               for name in (own.keys() | expected.keys()) & reached)
+
+
+# what calling a module goes through besides forward
+_CALL_PATH = frozenset({"forward", "__call__", "_call_impl", "_wrapped_call_impl", "__getattr__",
+                        "__getattribute__", "__setattr__", "__init_subclass__"})
+
+
+def _own_attributes(kind: type) -> dict[str, Any]:
+    """What a class defines itself, apart from Python's records of where and how."""
+    return {name: value for name, value in vars(kind).items()
+            if not (name.startswith("__") and name.endswith("__")) or inspect.isfunction(value)}
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if inspect.isfunction(a):
+        return _same_function(a, b)
+    if isinstance(a, property):
+        return all(x is y if x is None or y is None else _same_value(x, y)
+                   for x, y in ((a.fget, b.fget), (a.fset, b.fset), (a.fdel, b.fdel)))
+    if isinstance(a, (staticmethod, classmethod)):
+        return _same_value(a.__func__, b.__func__)
+    try:
+        return bool(a == b)
+    except Exception:  # any: a value that cannot be compared is not known to be the same
+        return False
+
+
+def _same_function(a: Any, b: Any) -> bool:
+    if a.__defaults__ != b.__defaults__ or a.__kwdefaults__ != b.__kwdefaults__:
+        return False
+    if not _same_code_object(a.__code__, b.__code__, a.__doc__, b.__doc__):
+        return False
+    # captured values: the same objects, but ``__class__`` (``super()``'s), each its own class
+    cells = zip(a.__code__.co_freevars, a.__closure__ or (), b.__closure__ or (), strict=True)
+    if not all(name == "__class__" or x.cell_contents is y.cell_contents for name, x, y in cells):
+        return False
+    missing = object()
+    return all(a.__globals__.get(name, missing) is b.__globals__.get(name, missing)
+               for name in _global_names(b.__code__))
+
+
+def _same_code_object(a: Any, b: Any, doc_a: str | None = None, doc_b: str | None = None
+                      ) -> bool:
+    """Bytecode, names and constants (nested code compared the same way); the
+    docstrings, line numbers and qualified names may differ."""
+    if (a.co_code != b.co_code or a.co_names != b.co_names or a.co_varnames != b.co_varnames
+            or a.co_freevars != b.co_freevars or a.co_cellvars != b.co_cellvars
+            or a.co_argcount != b.co_argcount or a.co_kwonlyargcount != b.co_kwonlyargcount
+            or a.co_flags & ~_LAZY_ANNOTATIONS != b.co_flags & ~_LAZY_ANNOTATIONS
+            or getattr(a, "co_exceptiontable", None) != getattr(b, "co_exceptiontable", None)):
+        return False
+    consts_a = [c for c in a.co_consts if doc_a is None or c is not doc_a]
+    consts_b = [c for c in b.co_consts if doc_b is None or c is not doc_b]
+    if len(consts_a) != len(consts_b):
+        return False
+    for x, y in zip(consts_a, consts_b, strict=True):
+        if inspect.iscode(x) and inspect.iscode(y):
+            if not _same_code_object(x, y):
+                return False
+        elif type(x) is not type(y) or x != y:
+            return False
+    return True
+
+
+# ``from __future__ import annotations`` in the file: annotations only, not what code does
+_LAZY_ANNOTATIONS = __future__.annotations.compiler_flag
+
+
+def _global_names(code: Any) -> set[str]:
+    """The names a function's code may read from its module (with its nested code's)."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _global_names(const)
+    return names
 
 
 def first_axis(module: nn.Module) -> int:
