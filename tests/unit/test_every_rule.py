@@ -13,6 +13,7 @@ from reference import assert_exact, feature_loss, feature_targets
 from torch import Tensor, nn
 
 from batchbound.diversity.rules import RULES
+from batchbound.diversity.rules.norm import NanoGPTLayerNorm
 from batchbound.diversity.rules.registry import NAMED_RULES
 
 
@@ -57,6 +58,8 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], Tensor]]] = {
     "torch.nn.modules.sparse.Embedding": (lambda: nn.Embedding(11, 4), _tokens),
     "torch.nn.modules.sparse.EmbeddingBag": (lambda: nn.EmbeddingBag(11, 4, mode="mean"),
                                              _tokens),
+    "batchbound.diversity.rules.norm.NanoGPTLayerNorm": (lambda: NanoGPTLayerNorm(5, True),
+                                                         lambda: torch.randn(4, 3, 5)),
     "torch.nn.modules.normalization.LayerNorm": (lambda: nn.LayerNorm(5),
                                                  lambda: torch.randn(4, 3, 5)),
     "torch.nn.modules.normalization.RMSNorm": (lambda: nn.RMSNorm(5),

@@ -1,14 +1,14 @@
 """Which parameters an online monitor reads: all of them, or only the normalisation layers'.
 
-``"norms"`` keeps the affine parameters of LayerNorm and RMSNorm layers (torch's, and Hugging
-Face's Llama RMSNorm with every copy of its code under another family's name): Gray et al. (2024, nanoGNS) found that the noise scale of these parameters alone,
-whose per-example gradients cost almost nothing to read off the backward pass, tracks the
-whole model's. It is an estimate of the *subset's* n·Δ, not of the model's: how well it
-agrees with the full value on a given model is measured in docs/benchmarks.md
-(benchmarks/subsets.py), and a user should check it on theirs before relying on it. A model
-with a LayerNorm or RMSNorm layer no rule reads (nanoGPT's ``F.layer_norm`` module, a
-subclass with a forward of its own, Gemma's ``1 + weight``) is refused, not measured
-without it.
+``"norms"`` keeps the affine parameters of LayerNorm and RMSNorm layers (torch's, nanoGPT's
+LayerNorm, and Hugging Face's Llama RMSNorm, each with every copy of its code): Gray et al.
+(2024, nanoGNS) found that the noise scale of these parameters alone, whose per-example
+gradients cost almost nothing to read off the backward pass, tracks the whole model's. It
+is an estimate of the *subset's* n·Δ, not of the model's: how well it agrees with the full
+value on a given model is measured in docs/benchmarks.md (benchmarks/subsets.py), and a
+user should check it on theirs before relying on it. A model with a LayerNorm or RMSNorm
+layer no rule reads (one written with its own arithmetic, a subclass with a forward of its
+own, Gemma's ``1 + weight``) is refused, not measured without it.
 """
 
 from __future__ import annotations
@@ -18,12 +18,17 @@ import re
 from torch import nn
 
 from batchbound.diversity.rules import rule_for
-from batchbound.diversity.rules.norm import layer_norm_rule, llama_rms_norm_rule, rms_norm_rule
+from batchbound.diversity.rules.norm import (
+    layer_norm_rule,
+    llama_rms_norm_rule,
+    nanogpt_layer_norm_rule,
+    rms_norm_rule,
+)
 from batchbound.diversity.stats import trainable_parameters
 from batchbound.errors import BatchboundError
 
 SUBSETS = ("all", "norms")
-_NORM_RULES = (layer_norm_rule, rms_norm_rule, llama_rms_norm_rule)
+_NORM_RULES = (layer_norm_rule, rms_norm_rule, llama_rms_norm_rule, nanogpt_layer_norm_rule)
 _NORM_NAME = re.compile(r"(layer|rms)_?norm(\d+d)?$", re.IGNORECASE)  # the name's end
 
 

@@ -16,6 +16,7 @@ defined. Gradient diversity is therefore defined, and measured, with BatchNorm i
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from batchbound.diversity.graph import name_of
@@ -52,15 +53,43 @@ def _config(layer: nn.Module) -> tuple:
 
 @register_rule(nn.LayerNorm, feature_dims=_normalized_dims, config=_config)
 def layer_norm_rule(call: Call) -> dict[str, PerExampleGrad]:
+    return _layer_norm_grads(call, len(call.module.normalized_shape), call.module.eps)
+
+
+def _layer_norm_grads(call: Call, count: int, eps: float) -> dict[str, PerExampleGrad]:
+    """A layer norm over the last ``count`` dimensions, its affine parameters' gradients."""
     layer, x, b = call.module, call.input, call.grad
-    count = len(layer.normalized_shape)
     saved = _saved_statistics(call, x, count)
     if saved is not None:  # the forward's own mean and 1/std: x̂ in one pass
         return _affine_grads(layer, (x - saved[0]) * saved[1], b, count)
     dims = tuple(range(x.dim() - count, x.dim()))
     centred = x - x.mean(dim=dims, keepdim=True)
     var = centred.square().mean(dim=dims, keepdim=True)
-    return _affine_grads(layer, centred * torch.rsqrt(var + layer.eps), b, count)
+    return _affine_grads(layer, centred * torch.rsqrt(var + eps), b, count)
+
+
+class NanoGPTLayerNorm(nn.Module):
+    """nanoGPT's LayerNorm (a bias or none), as its model.py writes it and the many files
+    that paste it do: the rule below applies to every class that runs this code
+    (``copies=True``, ``registry.same_code``: the forward's bytecode, its eps 1e-5 and ``F``
+    the same), whatever its name or module."""
+
+    def __init__(self, ndim: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, input):  # nanoGPT's code as it is: its bytecode is what is compared
+        return F.layer_norm(input, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+def _weight_config(layer: nn.Module) -> tuple:
+    return tuple(layer.weight.shape), trainable(layer, "weight"), trainable(layer, "bias")
+
+
+@register_rule(NanoGPTLayerNorm, feature_dims=1, config=_weight_config, copies=True)
+def nanogpt_layer_norm_rule(call: Call) -> dict[str, PerExampleGrad]:
+    return _layer_norm_grads(call, 1, 1e-5)
 
 
 def _saved_statistics(call: Call, x: Tensor, count: int) -> tuple[Tensor, Tensor] | None:

@@ -20,10 +20,11 @@ subclass that changes ``forward`` is never silently given its parent's rule; it 
 fallback engine instead. A third-party layer is named by its full dotted path instead
 (``"transformers.pytorch_utils.Conv1D"``): batchbound never imports that library; the rule
 applies once the library is imported and a module of exactly that class (the class found at
-that path) appears in a model. A named rule registered with ``copies=True`` also applies to
-every class that runs that class's own code (``same_code``): a layer a library copies into
-many files (Hugging Face generates each model family's file, and its copy of Llama's
-RMSNorm, from one definition) is recognised by its code, not by a list of names.
+that path) appears in a model. A rule registered with ``copies=True`` also applies to
+every class that runs that class's own code (``same_code``): a layer copied into many files
+(Hugging Face generates each model family's file, and its copy of Llama's RMSNorm, from one
+definition; nanoGPT's LayerNorm is pasted into users' own) is recognised by its code, not
+by a list of names.
 
 What the engine checks before trusting a rule, for every call: that each use of a parameter
 in the autograd graph lies inside a call of a module whose rule covers it; that the examples
@@ -99,7 +100,7 @@ class RuleEntry:
 
 RULES: dict[type[nn.Module], RuleEntry] = {}
 NAMED_RULES: dict[str, RuleEntry] = {}  # "package.module.Class" -> rule, for other libraries
-COPIED_RULES: dict[str, RuleEntry] = {}  # the named ones that also apply to their code's copies
+COPIED_RULES: dict[type | str, RuleEntry] = {}  # rules that also apply to their code's copies
 _COPIES: weakref.WeakKeyDictionary[type, RuleEntry | None] = weakref.WeakKeyDictionary()
 
 
@@ -139,8 +140,8 @@ def register_rule(
     gradient in that dtype (else widened to float32 first) and its forms widen what they
     compute with, or multiply them as they are with float32 results (``forms.products``:
     on CUDA, tensor-core speed where the model trains in bfloat16).
-    ``copies``: the rule also applies to any class that runs a named class's code
-    (``same_code``), wherever it is defined.
+    ``copies``: the rule also applies to any class that runs a registered class's code
+    (``same_code``), wherever it is defined (a layer users paste into their own files).
     """
 
     names = params if callable(params) else (lambda module, _p=tuple(params): _p)
@@ -155,8 +156,6 @@ def register_rule(
             table[module_type] = RuleEntry(rule, names, example_axis, features, main, unsupported,
                                            own_sums, config, low_precision)
             if copies:
-                if not isinstance(module_type, str):
-                    raise ValueError("copies=True takes classes named by their dotted path")
                 COPIED_RULES[module_type] = table[module_type]
         return rule
 
@@ -177,14 +176,14 @@ def rule_for(module: nn.Module) -> RuleEntry | None:
 
 
 def _copied_rule(kind: type) -> RuleEntry | None:
-    """The rule of a named class whose code ``kind`` runs (once per class)."""
+    """The rule of a registered class whose code ``kind`` runs (once per class)."""
     try:
         return _COPIES[kind]
     except KeyError:
         pass
     found, unseen = None, False
-    for path, entry in COPIED_RULES.items():
-        reference = _imported_class(path)
+    for registered, entry in COPIED_RULES.items():
+        reference = registered if isinstance(registered, type) else _imported_class(registered)
         unseen = unseen or reference is None
         if reference is not None and reference is not kind and same_code(kind, reference):
             found = entry
