@@ -322,9 +322,8 @@ def _budget_chunk(work: nn.Module, data: Data, loss_fn: PerExampleLoss, engine: 
         kept += _storage_bytes([*_tensors_of(x), *_tensors_of(y)], device)
 
     def run(k: int) -> None:
-        # as in the run: a block's earlier chunks' losses and squared norms, held to its end
-        held = [torch.empty(k * (len(stats_of.params) + 1), dtype=norm_dtype(dtype),
-                            device=device) for _ in range(BLOCK - 1)]
+        # as in the run: a block's earlier chunks' losses, held to its end
+        held = [torch.empty(k, dtype=dtype, device=device) for _ in range(BLOCK - 1)]
         stats_of(*_on_device(x[:k], y[:k], device, dtype), into=block)
         del held
 
@@ -413,9 +412,9 @@ def _accumulate(
     block = _zeros_like_each(params)
     loss_sum = torch.zeros((), dtype=acc, device=device)
     seen, fallback, chunks_in_block = 0, set(), 0
-    # the block's chunks, summed at its end (an operation is a kernel launch on a GPU, where
-    # a small chunk's pass is bound by launches): offset and per-example squared norms, losses
-    held: list[tuple[int, list[Tensor]]] = []
+    # the block's chunks, added up at its end (an operation is a kernel launch on a GPU, where
+    # a small chunk's pass is bound by launches): offset and S per parameter, losses
+    held: list[tuple[int, Tensor]] = []
     losses: list[Tensor] = []
     names = list(params)
     shown = progress and sys.stderr.isatty()  # a bar that erases itself says nothing to a log
@@ -426,7 +425,9 @@ def _accumulate(
                 _end_block(per_param, loss_sum, held, losses, finite, names)
                 grad_sum, chunks_in_block = _flush(grad_sum, list(block.values())), 0
             stats = stats_of(x, y, offset=seen, into=block)
-            held.append((seen, [stats.sq_norms[k] for k in names]))
+            # reduced now: held whole, the per-example norms fragment the heap (page faults)
+            held.append((seen, torch.stack([stats.sq_norms[k] for k in names]).sum(
+                dim=1, dtype=torch.float64)))
             losses.append(stats.losses)
             chunks_in_block += 1
             seen += stats.n
@@ -452,7 +453,7 @@ def check_finite_sums(S: float, T: float) -> None:
             "0, a division by zero, an overflow); measure() names the chunk and parameters")
 
 
-def _end_block(per_param: Tensor, loss_sum: Tensor, held: list[tuple[int, list[Tensor]]],
+def _end_block(per_param: Tensor, loss_sum: Tensor, held: list[tuple[int, Tensor]],
                losses: list[Tensor], finite: DeferredFinite, names: list[str]) -> None:
     """A block's chunks added to the float64 sums and cleared, read on the host once: their
     losses checked finite and summed; their S per parameter summed, and S checked finite:
@@ -463,7 +464,7 @@ def _end_block(per_param: Tensor, loss_sum: Tensor, held: list[tuple[int, list[T
     if not held:
         return
     loss_sum += torch.cat(losses).sum(dtype=loss_sum.dtype)
-    sums = _chunk_sums([sq for _, sq in held], len(names))
+    sums = torch.stack([chunk for _, chunk in held])
     per_param += sums.sum(dim=0)
     offsets = [offset for offset, _ in held]
     held.clear()
@@ -481,22 +482,6 @@ def _end_block(per_param: Tensor, loss_sum: Tensor, held: list[tuple[int, list[T
                 "overflow), so per-example gradients, S, T and Δ are not defined there")
     raise BatchboundError("S, the per-example gradients' squared norms summed, is not finite "
                           "though each chunk's is (an overflow of their sum)")
-
-
-def _chunk_sums(chunks: list[list[Tensor]], count: int) -> Tensor:
-    """Each chunk's S per parameter in float64, (chunks, ``count``), from each parameter's
-    per-example squared norms: one stack and one sum for each run of chunks of one size."""
-    runs: list[Tensor] = []
-    start = 0
-    while start < len(chunks):
-        n = chunks[start][0].shape[0]
-        end = start + 1
-        while end < len(chunks) and chunks[end][0].shape[0] == n:
-            end += 1
-        flat = [t for sq in chunks[start:end] for t in sq]
-        runs.append(torch.stack(flat).view(end - start, count, n).sum(dim=2, dtype=torch.float64))
-        start = end
-    return runs[0] if len(runs) == 1 else torch.cat(runs)
 
 
 def _zeros_like_each(params: dict[str, nn.Parameter]) -> dict[str, Tensor]:
