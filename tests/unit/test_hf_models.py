@@ -232,6 +232,31 @@ def test_a_users_copy_is_recognised_and_a_changed_one_is_not() -> None:
     assert rule_for(Subclassed(4)) is None
 
 
+def test_a_copy_that_sets_its_own_forward_on_the_instance_is_not_one() -> None:
+    """Its __init__ is not compared (eps defaults differ between copies), so one that sets
+    ``self.forward`` runs other code than its class's: no rule."""
+
+    class Rebound(UsersRMSNorm.__base__):  # type: ignore[misc]
+        forward = UsersRMSNorm.forward
+
+        def __init__(self, hidden_size: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(hidden_size))
+            self.variance_epsilon = 1e-6
+            self.forward = lambda h: 2 * UsersRMSNorm.forward(self, h)
+
+    class Plain(UsersRMSNorm.__base__):  # type: ignore[misc]
+        forward = UsersRMSNorm.forward
+
+        def __init__(self, hidden_size: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(hidden_size))
+            self.variance_epsilon = 1e-6
+
+    assert rule_for(Plain(4)) is not None
+    assert rule_for(Rebound(4)) is None
+
+
 def test_a_copy_whose_globals_are_other_objects_is_not_one() -> None:
     """The same code object reading ``torch`` from a module where that name is another."""
     elsewhere = {**UsersRMSNorm.forward.__globals__, "torch": SimpleNamespace(

@@ -170,7 +170,8 @@ def rule_for(module: nn.Module) -> RuleEntry | None:
         home = sys.modules.get(kind.__module__)
         if entry is not None and getattr(home, kind.__qualname__, None) is not kind:
             return None  # a class of that name, but not the one at that path
-    if entry is None and COPIED_RULES:
+    if entry is None and COPIED_RULES and "forward" not in vars(module):
+        # a copy's __init__ is its own: one that sets a forward on the instance is not a copy
         entry = _copied_rule(kind)
     return entry
 
@@ -213,7 +214,7 @@ def same_code(kind: type, reference: type) -> bool:
     that the forward can reach (an attribute it names, the dunders a call goes through) the
     same too. Its ``__init__``, ``extra_repr`` and the like may differ: the forward, and the
     rule, read the instance's attributes as they are."""
-    if kind.__bases__ != reference.__bases__:
+    if kind.__bases__ != reference.__bases__ or type(kind) is not type(reference):
         return False
     own, expected = _own_attributes(kind), _own_attributes(reference)
     if "forward" not in expected or "forward" not in own:
