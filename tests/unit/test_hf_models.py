@@ -202,20 +202,17 @@ class UsersRMSNorm(nn.Module):
         return self.weight * hidden_states.to(input_dtype)
 
 
-class ShiftedRMSNorm(UsersRMSNorm.__base__):  # type: ignore[misc]
-    """The same lines but one: eps counted twice."""
+class ShiftedRMSNorm(nn.Module):
+    """Llama's arithmetic, but eps counted twice: another forward."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def forward(self, hidden_states):
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + 2 * self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
+    def forward(self, h: Tensor) -> Tensor:
+        return self.weight * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True)
+                                             + 2 * self.variance_epsilon)
 
 
 def test_a_users_copy_is_recognised_and_a_changed_one_is_not() -> None:
@@ -232,29 +229,13 @@ def test_a_users_copy_is_recognised_and_a_changed_one_is_not() -> None:
     assert rule_for(Subclassed(4)) is None
 
 
-def test_a_copy_that_sets_its_own_forward_on_the_instance_is_not_one() -> None:
-    """Its __init__ is not compared (eps defaults differ between copies), so one that sets
-    ``self.forward`` runs other code than its class's: no rule."""
-
-    class Rebound(UsersRMSNorm.__base__):  # type: ignore[misc]
-        forward = UsersRMSNorm.forward
-
-        def __init__(self, hidden_size: int) -> None:
-            super().__init__()
-            self.weight = nn.Parameter(torch.ones(hidden_size))
-            self.variance_epsilon = 1e-6
-            self.forward = lambda h: 2 * UsersRMSNorm.forward(self, h)
-
-    class Plain(UsersRMSNorm.__base__):  # type: ignore[misc]
-        forward = UsersRMSNorm.forward
-
-        def __init__(self, hidden_size: int) -> None:
-            super().__init__()
-            self.weight = nn.Parameter(torch.ones(hidden_size))
-            self.variance_epsilon = 1e-6
-
-    assert rule_for(Plain(4)) is not None
-    assert rule_for(Rebound(4)) is None
+def test_a_copy_with_a_forward_of_its_instance_is_not_one() -> None:
+    """A copy's __init__ is not compared (eps defaults differ between copies), and one may
+    set ``self.forward``: the instance then runs other code than its class's, so no rule."""
+    layer = UsersRMSNorm(4)
+    assert rule_for(layer) is not None
+    layer.forward = lambda h: 2 * UsersRMSNorm.forward(layer, h)
+    assert rule_for(layer) is None
 
 
 def test_a_copy_whose_globals_are_other_objects_is_not_one() -> None:
