@@ -238,6 +238,20 @@ def test_a_copy_with_a_forward_of_its_instance_is_not_one() -> None:
     assert rule_for(layer) is None
 
 
+def test_a_copy_changed_after_its_lookup_is_looked_up_again() -> None:
+    class Later(nn.Module):
+        forward = UsersRMSNorm.forward
+
+        def __init__(self, hidden_size: int) -> None:
+            nn.Module.__init__(self)
+            self.weight = nn.Parameter(torch.ones(hidden_size))
+            self.variance_epsilon = 1e-6
+
+    assert rule_for(Later(4)) is not None
+    Later.forward = ShiftedRMSNorm.forward
+    assert rule_for(Later(4)) is None
+
+
 def test_a_copy_whose_globals_are_other_objects_is_not_one() -> None:
     """The same code object reading ``torch`` from a module where that name is another."""
     elsewhere = {**UsersRMSNorm.forward.__globals__, "torch": SimpleNamespace(

@@ -43,7 +43,8 @@ class Output:
     def rebased(self, reached: Callable[[Node], bool]) -> bool:
         """The output's gradient flows into the backward pass past ``node``, which it no
         longer reaches: the output was written in place after the call, and autograd gave
-        it a new history (a view's: ``CopySlices`` on its base)."""
+        it a new history (a view's: ``CopySlices`` on its base). Where ``node`` is still
+        reached, by what read the output before the write, ``hooks._written_past`` sees it."""
         live = self.tensor() if self.tensor is not None else None
         now = live.grad_fn if live is not None else None
         return (self.node is not None and now is not None and now is not self.node
@@ -64,6 +65,14 @@ class CallRecord:
     # Saved-tensor hooks were active (non-reentrant checkpointing): what the forward saved
     # may be unpacked only once, by the backward itself, so no rule may read it.
     saved_hooks: bool = False
+    # each input tensor's version counter when the call returned: a rule reads the inputs
+    # after the forward, so one written in place since (``h.add_(f(h))`` after f's call)
+    # would be read as it is then, not as the call saw it (``written``)
+    versions: tuple[tuple[Tensor, int | None], ...] = ()
+
+    def written(self) -> bool:
+        """Whether an input was written in place after the call."""
+        return any(version_of(t) != v for t, v in self.versions)
 
     def __post_init__(self) -> None:
         self.main = self.entry.main or first_argument(self.module)
@@ -75,6 +84,14 @@ class CallRecord:
     def label(self) -> str:
         repeat = f", call {self.index + 1}" if self.index else ""
         return f"{self.prefix or '<root>'} ({type(self.module).__name__}{repeat})"
+
+
+def version_of(t: Tensor) -> int | None:
+    """The tensor's version counter (None for an inference tensor, which keeps none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 _SIGNATURES: dict[type, inspect.Signature] = {}
@@ -251,12 +268,13 @@ class CallRecorder:
             # call, every step): the rules run under no_grad (hooks.HooksPass), and a rule
             # that enables grad itself detaches what it reads.
             inputs = dict(arguments)
-            nodes = {
-                leaf.grad_fn
-                for value in arguments.values()
-                for leaf in flatten(value)
-                if isinstance(leaf, Tensor) and leaf.grad_fn is not None
-            }
+            nodes, versions = set(), []
+            for value in arguments.values():
+                for leaf in flatten(value):
+                    if isinstance(leaf, Tensor):
+                        versions.append((leaf, version_of(leaf)))
+                        if leaf.grad_fn is not None:
+                            nodes.add(leaf.grad_fn)
             outputs = [
                 Output(leaf.grad_fn if leaf.requires_grad else None, leaf.output_nr, leaf.shape,
                        leaf.dtype, weakref.ref(leaf))
@@ -264,7 +282,8 @@ class CallRecorder:
                 if isinstance(leaf, Tensor)
             ]
             self.calls.append(CallRecord(prefix, module, entry, index, inputs, nodes, outputs,
-                                         saved_hooks=saved_tensor_hooks_active()))
+                                         saved_hooks=saved_tensor_hooks_active(),
+                                         versions=tuple(versions)))
 
         return hook
 

@@ -333,10 +333,18 @@ class HooksPass:
             if reason is None and feeding and any(o.node in feeding for o in call.outputs):
                 reason = (f"its output's rows are then moved by the data (by "
                           f"{self.rows.moved_by}), so they stop being the examples' own")
+            outputs = [o.node for o in call.outputs]
+            inside = region(outputs, call.input_nodes)
+            if reason is None and call.written():
+                reason = ("its input was written in place after the call (h.add_(f(h))), and "
+                          "its rule would read the input as it is now, not as the call saw it")
+            if reason is None and _written_past(outputs, inside, users):
+                reason = ("its output was written in place after the call while read before "
+                          "(h.add_(f(h)) on a view such as a Linear's on a 3-d input): the "
+                          "write's gradient passes the layer's own operation by")
             if reason:
                 why[call.key] = reason
-            outputs = [o.node for o in call.outputs]
-            for node in region(outputs, call.input_nodes):
+            for node in inside:
                 owners[node].append(call)
         contributing: dict[str, list[CallRecord]] = {}
         for name, using in parameter_users(nodes, self._ids).items():
@@ -789,6 +797,19 @@ class HooksPass:
 
     def _device(self, call: CallRecord) -> torch.device:
         return self._first.device
+
+
+def _written_past(outputs: list[Node | None], inside: set[Node],
+                  users: dict[Node, list[Edge]]) -> bool:
+    """Whether an in-place write after the call, on a view of what the call computed,
+    sends gradient into the call's operations past its outputs' nodes: a ``CopySlices``
+    outside the call whose base is one of the call's own nodes below an output's."""
+    for node in outputs:
+        for child, _ in node.next_functions if node is not None else ():
+            if child in inside and any(user not in inside and name_of(user) == "CopySlices"
+                                       for user, _ in users.get(child, ())):
+                return True
+    return False
 
 
 def _only(calls: list[CallRecord] | None, call: CallRecord) -> bool:

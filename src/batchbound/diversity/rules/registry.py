@@ -101,7 +101,10 @@ class RuleEntry:
 RULES: dict[type[nn.Module], RuleEntry] = {}
 NAMED_RULES: dict[str, RuleEntry] = {}  # "package.module.Class" -> rule, for other libraries
 COPIED_RULES: dict[type | str, RuleEntry] = {}  # rules that also apply to their code's copies
-_COPIES: weakref.WeakKeyDictionary[type, RuleEntry | None] = weakref.WeakKeyDictionary()
+# class -> (its attributes when looked up, the rule found): a class changed since is looked
+# up again (a forward assigned to the class after its first model was planned)
+_COPIES: weakref.WeakKeyDictionary[type, tuple[tuple, RuleEntry | None]] = (
+    weakref.WeakKeyDictionary())
 
 
 def register_rule(
@@ -178,10 +181,11 @@ def rule_for(module: nn.Module) -> RuleEntry | None:
 
 def _copied_rule(kind: type) -> RuleEntry | None:
     """The rule of a registered class whose code ``kind`` runs (once per class)."""
-    try:
-        return _COPIES[kind]
-    except KeyError:
-        pass
+    now = tuple(vars(kind).values())
+    cached = _COPIES.get(kind)
+    if cached is not None and len(cached[0]) == len(now) and all(
+            a is b for a, b in zip(cached[0], now, strict=True)):
+        return cached[1]
     found, unseen = None, False
     for registered, entry in COPIED_RULES.items():
         reference = registered if isinstance(registered, type) else _imported_class(registered)
@@ -190,7 +194,7 @@ def _copied_rule(kind: type) -> RuleEntry | None:
             found = entry
             break
     if found is not None or not unseen:  # asked again once the library is imported
-        _COPIES[kind] = found
+        _COPIES[kind] = (now, found)
     return found
 
 
@@ -231,8 +235,12 @@ _CALL_PATH = frozenset({"forward", "__call__", "_call_impl", "_wrapped_call_impl
 
 def _own_attributes(kind: type) -> dict[str, Any]:
     """What a class defines itself, apart from Python's records of where and how."""
-    return {name: value for name, value in vars(kind).items()
-            if not (name.startswith("__") and name.endswith("__")) or inspect.isfunction(value)}
+    return {name: value for name, value in vars(kind).items() if name not in _RECORDS}
+
+
+_RECORDS = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__",
+                      "__annotations__", "__firstlineno__", "__static_attributes__",
+                      "__orig_bases__", "__parameters__", "__type_params__"})
 
 
 def _same_value(a: Any, b: Any) -> bool:
