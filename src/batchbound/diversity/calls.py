@@ -72,7 +72,10 @@ class CallRecord:
 
     def written(self) -> bool:
         """Whether an input was written in place after the call."""
-        return any(version_of(t) != v for t, v in self.versions)
+        for t, v in self.versions:  # noqa: SIM110 -- no generator frame: every call, every step
+            if v is not None and t._version != v:
+                return True
+        return False
 
     def __post_init__(self) -> None:
         self.main = self.entry.main or first_argument(self.module)
@@ -272,7 +275,7 @@ class CallRecorder:
             for value in arguments.values():
                 for leaf in flatten(value):
                     if isinstance(leaf, Tensor):
-                        versions.append((leaf, version_of(leaf)))
+                        versions.append((leaf, None if leaf.is_inference() else leaf._version))
                         if leaf.grad_fn is not None:
                             nodes.add(leaf.grad_fn)
             outputs = [

@@ -804,11 +804,14 @@ def _written_past(outputs: list[Node | None], inside: set[Node],
     """Whether an in-place write after the call, on a view of what the call computed,
     sends gradient into the call's operations past its outputs' nodes: a ``CopySlices``
     outside the call whose base is one of the call's own nodes below an output's."""
-    for node in outputs:
-        for child, _ in node.next_functions if node is not None else ():
-            if child in inside and any(user not in inside and name_of(user) == "CopySlices"
-                                       for user, _ in users.get(child, ())):
-                return True
+    for node in outputs:  # loops, not generators: every call, every step (host time)
+        if node is None:
+            continue
+        for child, _ in node.next_functions:
+            if child in inside:
+                for user, _ in users.get(child, ()):
+                    if user not in inside and type(user).__name__ == "CopySlices":
+                        return True
     return False
 
 
