@@ -180,7 +180,8 @@ def rule_for(module: nn.Module) -> RuleEntry | None:
 
 
 def _copied_rule(kind: type) -> RuleEntry | None:
-    """The rule of a registered class whose code ``kind`` runs (once per class)."""
+    """The rule of a registered class whose code ``kind`` runs (once per class, while the
+    class's attributes stay the same objects)."""
     now = tuple(vars(kind).values())
     cached = _COPIES.get(kind)
     if cached is not None and len(cached[0]) == len(now) and all(
@@ -212,12 +213,14 @@ def _imported_class(path: str) -> type | None:
 
 
 def same_code(kind: type, reference: type) -> bool:
-    """Whether ``kind`` computes what ``reference`` computes: the same base classes and a
-    ``forward`` with the same bytecode, constants (docstrings aside), names, argument
-    defaults, captured values and global objects; and whatever else either class defines
-    that the forward can reach (an attribute it names, the dunders a call goes through) the
-    same too. Its ``__init__``, ``extra_repr`` and the like may differ: the forward, and the
-    rule, read the instance's attributes as they are."""
+    """Whether ``kind`` computes what ``reference`` computes: the same base classes and
+    metaclass, a ``forward`` with the same bytecode, constants (docstrings aside), names,
+    argument defaults, captured values and global objects; and whatever else either class
+    defines that the forward can reach (an attribute it names, the dunders a call goes
+    through) the same too. Its ``__init__``, ``extra_repr`` and the like may differ: the
+    forward, and the rule, read the instance's attributes as they are. The bytecode is
+    CPython's: a name bound by assignment, not an import (``F = torch.nn.functional``),
+    compiles a call through it otherwise, and such a copy is not recognised."""
     if kind.__bases__ != reference.__bases__ or type(kind) is not type(reference):
         return False
     own, expected = _own_attributes(kind), _own_attributes(reference)
