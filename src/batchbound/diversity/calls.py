@@ -89,14 +89,6 @@ class CallRecord:
         return f"{self.prefix or '<root>'} ({type(self.module).__name__}{repeat})"
 
 
-def version_of(t: Tensor) -> int | None:
-    """The tensor's version counter (None for an inference tensor, which keeps none)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
-
-
 _SIGNATURES: dict[type, inspect.Signature] = {}
 _POSITIONAL: dict[type, list[str] | None] = {}  # names, when positional calls bind by order
 _FIRST: dict[type, str] = {}  # forward's first argument after self

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from batchbound.diversity.calls import Inputs, call_model, flatten, split_failure, version_of
+from batchbound.diversity.calls import Inputs, call_model, flatten, split_failure
 from batchbound.diversity.engines import loop_sq_norms
 from batchbound.diversity.hooks import (
     CallLayout,
@@ -517,14 +517,14 @@ def buffers_kept(model: nn.Module) -> Iterator[None]:
     call). A buffer no pass wrote (its version counter as it was) is left untouched: a
     write would fail a backward of the user's that saved it (BERT's position ids, checked
     between the user's forward and backward)."""
-    saved = [(module, name, b, version_of(b), b.detach().clone()) for module in model.modules()
+    saved = [(module, name, b, _version(b), b.detach().clone()) for module in model.modules()
              for name, b in module._buffers.items() if b is not None]
     try:
         yield
     finally:
         with torch.no_grad():
             for module, name, buffer, version, value in saved:
-                if version is None or version_of(buffer) != version or (
+                if version is None or _version(buffer) != version or (
                         buffer.shape != value.shape):
                     if buffer.shape != value.shape:
                         buffer.resize_(value.shape)
@@ -532,6 +532,12 @@ def buffers_kept(model: nn.Module) -> Iterator[None]:
                 module._buffers[name] = buffer
 
 
+def _version(t: Tensor) -> int | None:
+    """The tensor's version counter (None for an inference tensor, which keeps none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def check_rows(
