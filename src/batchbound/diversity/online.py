@@ -65,7 +65,7 @@ import torch
 from torch import Tensor
 
 from batchbound.diversity.stats import PerExampleStats
-from batchbound.errors import BatchboundError
+from batchbound.errors import BatchboundError, warn
 
 SAMPLINGS = ("without_replacement", "with_replacement")
 GradientLike = Tensor | Mapping[str, Tensor] | Sequence[Tensor]
@@ -107,7 +107,10 @@ class OnlineDiversity:
         self._last: tuple[float, float] | None = None
         # Device numbers of steps not yet folded in (``defer_from_norms``): one host sync
         # for all of them when an estimate is read, none inside the training step.
-        self._deferred: list[tuple[Tensor, int]] = []
+        self._deferred: list[tuple[Tensor, int, Tensor | None]] = []
+        # Steps ``watch`` left out: their T_B held fewer digits than their precision
+        # (``defer_from_norms``'s ``inexact``).
+        self.left_out = 0
         # Weighted sums over steps (EMA or equal weights): Σw, Σw², and Σw·x for
         # x in M2, C, M2², C², M2·C; the second moments give the standard error.
         self._sums = dict.fromkeys(_SUMS, 0.0)
@@ -160,18 +163,19 @@ class OnlineDiversity:
         self._update(S_B / b, (T_B - S_B) / (b * (b - 1)))
 
     def defer_from_norms(self, S_B: Tensor, T_B: Tensor, batch_size: int, *,
-                         scale: float = 1.0) -> None:
+                         scale: float = 1.0, inexact: Tensor | None = None) -> None:
         """``update_from_norms`` with S_B and T_B (both times ``scale``) as 0-dim tensors on
         the device: kept there and folded in, in order, when any estimate (or ``steps``) is
         next read, so a training step never waits for the device. Past ``MAX_DEFERRED``
-        steps they are folded."""
+        steps they are folded. ``inexact``, a 0-dim boolean tensor: where true the step is
+        left out when folded (``left_out``, and a warning the first time)."""
         if batch_size < 2:
             raise BatchboundError(f"per-example estimates need a batch of ≥ 2, got {batch_size}")
         f64 = torch.float64
         row = torch.stack([t if t.dim() == 0 else t.reshape(()) for t in (S_B, T_B)])
         row = row if row.dtype == f64 else row.to(f64)
         row = row * scale if scale != 1.0 else row
-        self._deferred.append((row, batch_size))
+        self._deferred.append((row, batch_size, inexact))
         if len(self._deferred) >= MAX_DEFERRED:
             self.fold()
 
@@ -182,18 +186,33 @@ class OnlineDiversity:
         if not self._deferred:
             return
         deferred, self._deferred = self._deferred, []
-        rows = [row for row, _ in deferred]
+        rows = [row for row, _, _ in deferred]
+        flags = [flag.reshape(1).to(row.dtype) for row, _, flag in deferred if flag is not None]
         if len({row.device for row in rows}) > 1:
-            rows = [row.cpu() for row in rows]
-        values = torch.stack(rows).tolist()  # one copy to the host for all of them
-        refused = []
-        for (S_B, T_B), (_, b) in zip(values, deferred, strict=True):
+            rows, flags = [row.cpu() for row in rows], [flag.cpu() for flag in flags]
+        # one copy to the host for all of them
+        values = torch.cat([torch.stack(rows).reshape(-1), *flags]).tolist()
+        inexact = iter(values[2 * len(rows):])
+        refused, left_out = [], 0
+        for j, (_, b, flag) in enumerate(deferred):
+            S_B, T_B = values[2 * j], values[2 * j + 1]
+            if flag is not None and next(inexact):
+                left_out += 1
+                continue
             try:
                 self._from_norms(S_B, T_B, b)
             except BatchboundError as exc:
                 refused.append(str(exc))
+        if left_out and not self.left_out:
+            warn(f"batchbound: watch(): {left_out} step(s) left out of the monitor: .grad held "
+                 "a sum so much larger than the step's gradient (never cleared, many "
+                 "micro-batches accumulated, or few into a bfloat16 .grad) that its change "
+                 "keeps fewer digits than the step's precision; clear .grad before the block "
+                 "(optimizer.zero_grad()), or watch only each step's first micro-batches. "
+                 "monitor.left_out counts them")
+        self.left_out += left_out
         if refused:
-            raise BatchboundError(f"{len(refused)} of the {len(values)} steps read since the "
+            raise BatchboundError(f"{len(refused)} of the {len(deferred)} steps read since the "
                                   f"last estimate were refused, the others folded in: "
                                   f"{refused[0]}")
 

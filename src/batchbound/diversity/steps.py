@@ -249,11 +249,13 @@ def _watched_step(model: nn.Module, monitor: OnlineDiversity, reduction: str,
     b = run.n
     scale = float(b) if reduction == "mean" else 1.0
     S_B, T_B = batch_sums(sq_norms, [run.totals.get(k, delta[k]) for k in params], held)
+    inexact = _rounded_away(watched.held_norms, delta, run.totals, T_B, precision)
     if loss_scale is not None:  # the scale this step's gradients carry, on the device
         carried = watched.scale * watched.scale
         S_B, T_B = S_B / carried, T_B / carried
     _state_precision(monitor, planned, precision)
-    monitor.defer_from_norms(S_B, T_B, b, scale=scale**2)  # no host sync in the step
+    # no host sync in the step
+    monitor.defer_from_norms(S_B, T_B, b, scale=scale**2, inexact=inexact)
 
 
 def batch_sums(sq_norms: dict[str, Tensor], sums: list[Tensor],
@@ -273,6 +275,27 @@ def batch_sums(sq_norms: dict[str, Tensor], sums: list[Tensor],
     norms_of_sums = torch.stack(torch._foreach_norm(sums, 2, dtype=f64))
     S_B = terms[0] if len(terms) == 1 else terms[0] + terms[1]
     return S_B, torch.dot(norms_of_sums, norms_of_sums)
+
+
+def _rounded_away(held_norms: dict[str, Tensor], delta: dict[str, Tensor],
+                  exact: dict[str, Tensor], T_B: Tensor, precision: torch.dtype) -> Tensor | None:
+    """Whether accumulation's rounding can move T_B by more than the step's precision allows
+    (a 0-dim boolean tensor; None where no ``.grad`` held a sum). ``.grad += g`` rounds each
+    entry by ≤ 1 unit of |after| and reading the change after − before by ≤ 1 of |Δ|, so
+    ‖Δ − g‖ ≤ e = ε(‖after‖ + ‖Δ‖) per parameter (ε = 2 units: a sparse ``.grad``'s entries
+    are added in pairs) and |T̂ − T| ≤ Σ e(2‖Δ‖ + e): about 4kε of T after k micro-batches,
+    but where ``.grad`` held a sum ~10⁴ times the step's in float32 (a loop that never
+    clears it), or a few micro-batches' in bfloat16, T_B keeps fewer digits than its
+    precision and the monitor leaves the step out (tests/unit/test_watch_accumulated_digits
+    .py: T_B off by 1 % at 10⁷, and C, a difference, by more)."""
+    held = [k for k in held_norms if k not in exact]
+    if not held:
+        return None
+    change = torch.stack(torch._foreach_norm([delta[k] for k in held], 2, dtype=torch.float64))
+    unit = max(torch.finfo(delta[k].dtype).eps for k in held)
+    e = torch.stack([held_norms[k] for k in held]).add_(change).mul_(unit)
+    error = torch.dot(e, change.mul_(2).add_(e))
+    return error > tolerance(precision) * T_B
 
 
 def _grad_copies(params: dict[str, nn.Parameter]) -> dict[str, Tensor | None]:
@@ -627,6 +650,7 @@ class _Watched:
         # its change at the backward's end
         self.before: dict[str, Tensor | None] | None = None
         self.delta: dict[str, Tensor] | None = None
+        self.held_norms: dict[str, Tensor] = {}
         self.versions: dict[str, int] = {}  # the parameters' versions at the backward's end
         self._queued = False
         self.run: HooksPass | None = None
@@ -836,6 +860,11 @@ class _Watched:
                 delta.update(zip(fresh, torch._foreach_mul([delta[k] for k in fresh], 1.0),
                                  strict=True))
         self.delta = delta
+        # ‖.grad‖ where it held a sum before: its rounding (``_rounded_away``)
+        held = [k for k, v in self.before.items() if v is not None]
+        self.held_norms = dict(zip(held, torch._foreach_norm(
+            [dense_gradient(self.params[k].grad) for k in held], 2, dtype=torch.float64),
+            strict=True)) if held else {}
         # the weights the step's gradients were taken at: the fallback reads them after the
         # block, so a change before then (an optimizer step inside it) is refused there
         self.versions = {k: p._version for k, p in self.params.items()}
