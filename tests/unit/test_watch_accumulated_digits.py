@@ -75,3 +75,11 @@ def test_without_the_check_the_huge_held_sum_moves_C_by_far_more_than_float32() 
     F.cross_entropy(fresh(x), y).backward()
     T_exact = sum(float(p.grad.double().square().sum()) for p in fresh.parameters())
     assert abs(T_read / T_exact - 1) > 5e-3  # 1.2e-2, against 1e-3 asked of float32
+
+
+def test_the_count_left_out_is_kept_in_the_state() -> None:
+    monitor = OnlineDiversity(decay=0.0)
+    monitor.left_out = 3
+    again = OnlineDiversity()
+    again.load_state_dict(monitor.state_dict())
+    assert again.left_out == 3

@@ -376,13 +376,14 @@ class OnlineDiversity:
 
     def state_dict(self) -> dict[str, Any]:
         return {"n": self.n, "decay": self.decay, "sampling": self.sampling, "steps": self.steps,
-                "sums": dict(self._sums), "fast": dict(self._fast)}
+                "sums": dict(self._sums), "fast": dict(self._fast), "left_out": self.left_out}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         fresh = OnlineDiversity(state["n"], decay=state["decay"], sampling=state["sampling"])
         self.n, self.decay, self.sampling = fresh.n, fresh.decay, fresh.sampling
         self._deferred = []
         self._steps = int(state["steps"])
+        self.left_out = int(state.get("left_out", 0))
         self._sums = {key: float(state["sums"][key]) for key in _SUMS}
         # a state saved before the lag was estimated: the fast EMA starts from the slow one
         fast = state.get("fast") or {key: self._sums[key] for key in _FAST}
