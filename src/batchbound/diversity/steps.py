@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from batchbound.diversity.calls import CHECKING, CopiedInert, Inputs, flatten
 from batchbound.diversity.collector import collector_paused
-from batchbound.diversity.graph import Node, loss_users
+from batchbound.diversity.graph import Node, parameter_users
 from batchbound.diversity.hooks import (
     HookPlan,
     HooksPass,
@@ -35,6 +35,7 @@ from batchbound.diversity.hooks import (
     fingerprint_of,
     plan_hooks,
 )
+from batchbound.diversity.loss_coupling import UNCHECKED, loss_coupling, loss_graph
 from batchbound.diversity.loss_scale import check_loss_scale, loss_scale_of
 from batchbound.diversity.losses import resolve_loss
 from batchbound.diversity.online import OnlineDiversity, dense_gradient
@@ -534,6 +535,8 @@ class _Planned:
     # Per train/eval mode of the modules: whether two forward passes agree (no dropout).
     deterministic: dict[tuple[bool, ...], bool] = field(default_factory=dict)
     row_checks: RowChecks = field(default_factory=RowChecks)  # the steps the tracker sees
+    # the ways of writing the loss checked for coupling (``loss_coupling.loss_graph``)
+    losses: dict[Hashable, None] = field(default_factory=dict)
 
 
 @dataclass
@@ -653,6 +656,7 @@ class _Watched:
         self.held_norms: dict[str, Tensor] = {}
         self.versions: dict[str, int] = {}  # the parameters' versions at the backward's end
         self._queued = False
+        self.probing = False  # while the loss's coupling is checked
         self.run: HooksPass | None = None
         self.form: _Form | None = None  # the check of this call's form (``call_form``)
         self._form_key: Hashable = None
@@ -800,7 +804,10 @@ class _Watched:
         # before the rules' own hooks, so that a second backward is refused ahead of them
         self._handles += [root.register_prehook(self._backward_reached) for root in roots]
         self.run.attach(roots)  # it calls _check_program before it hooks the rules
-        self._loss = _LossWatch(self.run, roots)
+        # the first step of a form also checks that the loss is a sum of per-example terms
+        tensors = [t for t in flatten(output) if isinstance(t, Tensor)]
+        self._loss = _LossWatch(self.run, roots, (tensors, self.form.fixed),
+                                self.planned.losses, self)
         self._loss.__enter__()
         if self.run.reasons or self.form.coupling:  # the outputs' gradients are needed
             self.outputs = OutputGrads(output, self.run.n, self.form.fixed)
@@ -827,6 +834,8 @@ class _Watched:
 
     def _backward_reached(self, grad_outputs: tuple) -> None:
         """A backward pass reached the model's outputs: read .grad's change when it ends."""
+        if self.probing:  # the loss's coupling check (``loss_coupling``) stops right after
+            return
         if self.delta is not None:
             raise BatchboundError("watch(): a second backward pass through the model's outputs "
                                   "in one block (retain_graph, or torch.autograd.grad inside "
@@ -970,9 +979,13 @@ class _LossWatch(TorchFunctionMode):
     gradients needed. The backward itself runs outside the mode. A backward started some
     other way (``torch.autograd.backward``) is not seen: the fingerprints then decide."""
 
-    def __init__(self, run: HooksPass, outputs: list[Node]) -> None:
+    def __init__(self, run: HooksPass, outputs: list[Node],
+                 tensors: tuple[list[Tensor], frozenset[int]],
+                 checked: dict[Hashable, None], watched: _Watched) -> None:
         super().__init__()
-        self.run, self.outputs = run, outputs
+        self.run, self.outputs, self.watched = run, outputs, watched
+        self.tensors = tensors  # the model's outputs, and which hold no examples
+        self.checked = checked  # the ways of writing the loss checked on this model
         # the loss's precision: ``logits.float()`` in a float64 model rounds in float32
         self.seen = GradientPrecision()
 
@@ -995,10 +1008,33 @@ class _LossWatch(TorchFunctionMode):
             root = args[0].grad_fn
             if root is not None:
                 ids = {id(p): name for name, p in self.run.params.items()}
-                for name in loss_users(root, self.outputs, ids):
+                nodes, written = loss_graph(root, self.outputs)
+                for name in parameter_users(nodes, ids):
                     self.run.reasons[name] = LOSS_USE_IN_WATCH  # also over 'no rule'
                 self.run.fingerprint_vectors = {}  # the graph answered: no fingerprints
+                if written not in self.checked:
+                    self._check_coupling(args[0], nodes)
+                    self.checked[written] = None
+                    if len(self.checked) > KNOWN_FORMS:
+                        del self.checked[next(iter(self.checked))]
         return func(*args, **(kwargs or {}))
+
+
+    def _check_coupling(self, loss: Tensor, nodes: list[Node]) -> None:
+        """Refuse a loss that couples the examples before its backward runs (.grad as it
+        was); warn where its graph has no second derivative to tell."""
+        self.watched.probing = True  # the check's backward is not the step's
+        try:
+            why = loss_coupling(loss, nodes, *self.tensors, self.run.n)
+        finally:
+            self.watched.probing = False
+        if why == UNCHECKED:
+            warn("batchbound: watch(): whether the loss couples the batch's examples (InfoNCE, "
+                 "in-batch negatives) was not checked: its graph has no second derivative (a "
+                 "fused kernel, a custom autograd.Function); with such a loss the per-example "
+                 "norms are no example's own")
+        elif why is not None:
+            raise BatchboundError(f"watch(): {why}")
 
 
 LOSS_USE_IN_WATCH = ("used by the loss outside the model's layers (a regulariser written "

@@ -1,0 +1,171 @@
+"""``watch`` refuses a loss that couples the batch's examples (``loss_coupling``): InfoNCE, a
+batch statistic inside the loss, CLIP's two-way softmax over two outputs, before the
+backward runs (``.grad`` untouched), also where the loss switches to one on a later step;
+per-example losses, however written (token means, smoothing, class weights, sums), are not."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from batchbound.diversity import OnlineDiversity, watch
+from batchbound.errors import BatchboundError
+
+N = 12
+
+
+class Towers(nn.Module):
+    """Two embeddings of each example (CLIP's image and text towers in one module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(6, 8)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.a(x), self.b(torch.tanh(x))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 5))
+
+
+def _x() -> Tensor:
+    return torch.randn(N, 6, generator=torch.Generator().manual_seed(1))
+
+
+def _infonce(z: Tensor) -> Tensor:
+    z = F.normalize(z, dim=1)
+    return F.cross_entropy(z @ z.T / 0.1, torch.arange(N) ^ 1)
+
+
+def _centred(z: Tensor) -> Tensor:
+    return ((z - z.mean(0)) ** 2).sum(1).mean()
+
+
+def _softmax_over_batch(z: Tensor) -> Tensor:
+    return -torch.log_softmax(z[:, 0], dim=0).mean()
+
+
+COUPLED: dict[str, Callable[[Tensor], Tensor]] = {
+    "infonce": _infonce, "centred": _centred, "softmax_over_batch": _softmax_over_batch}
+
+
+@pytest.mark.parametrize("name", list(COUPLED))
+def test_a_coupling_loss_is_refused_before_its_backward(name: str) -> None:
+    model, monitor = _model(), OnlineDiversity()
+    refused = pytest.raises(BatchboundError, match="couples the batch's examples")
+    with refused, watch(model, monitor):
+        COUPLED[name](model(_x())).backward()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_clip_over_two_outputs_is_refused() -> None:
+    model = Towers()
+    with pytest.raises(BatchboundError, match="couples"), watch(model, OnlineDiversity()):
+        a, b = model(_x())
+        logits = F.normalize(a, dim=1) @ F.normalize(b, dim=1).T
+        target = torch.arange(N)
+        (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)).backward()
+
+
+def test_a_loss_switched_to_a_coupling_one_on_a_later_step_is_refused() -> None:
+    model, monitor = _model(), OnlineDiversity()
+    y = torch.randint(0, 5, (N,), generator=torch.Generator().manual_seed(2))
+    for _ in range(2):
+        with watch(model, monitor):
+            F.cross_entropy(model(_x()), y).backward()
+    with pytest.raises(BatchboundError, match="couples"), watch(model, monitor):
+        _infonce(model(_x())).backward()
+    assert monitor.steps == 2
+
+
+def _token_ce(out: Tensor, y: Tensor) -> Tensor:
+    seq = out.reshape(N, 2, -1)  # two "positions" of 5 // ... classes each
+    return F.cross_entropy(seq.reshape(-1, seq.shape[-1]), y.reshape(-1), ignore_index=0,
+                           label_smoothing=0.1)
+
+
+SEPARABLE: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "cross_entropy": lambda out, y: F.cross_entropy(out[:, :5], y[:, 0] % 5),
+    "tokens_ignore_index_smoothing": lambda out, y: _token_ce(out[:, :4], y % 2),
+    "mse_sum": lambda out, y: F.mse_loss(out, y[:, :1].double().expand(-1, out.shape[1]) / 7,
+                                         reduction="sum"),
+    "weighted_mean": lambda out, y: F.cross_entropy(out, y[:, 0] % 5,
+                                                    weight=torch.arange(1.0, 6.0).double()),
+    "linear": lambda out, y: out.sum(),
+}
+
+
+@pytest.mark.parametrize("name", list(SEPARABLE))
+def test_per_example_losses_are_measured(name: str) -> None:
+    model, monitor = _model().double(), OnlineDiversity(decay=0.0)
+    y = torch.randint(0, 7, (N, 2), generator=torch.Generator().manual_seed(3))
+    loss = SEPARABLE[name]
+    with watch(model, monitor, reduction="sum"):
+        loss(model(_x().double()), y).backward()
+    assert monitor.steps == 1
+
+
+class NoDoubleBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(z)
+        return (z**2).sum(1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor) -> Tensor:  # type: ignore[override]
+        (z,) = ctx.saved_tensors
+        return 2 * z * g[:, None]
+
+
+def test_a_loss_without_double_backward_is_measured_with_a_warning() -> None:
+    model, monitor = _model(), OnlineDiversity()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with watch(model, monitor):
+            NoDoubleBackward.apply(model(_x())).mean().backward()
+    assert monitor.steps == 1
+    assert any("was not checked" in str(w.message) for w in caught)
+
+
+class Upstream(nn.Module):
+    """Returns a hidden state and the logits computed from it: a loss reading both would
+    take the check's derivative through the model's head, which it stops before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = nn.Linear(6, 8), nn.Linear(8, 5)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        h = torch.tanh(self.body(x))
+        return h, self.head(h)
+
+
+def test_a_loss_reading_an_output_and_one_made_from_it_is_measured_exactly_unchecked() -> None:
+    from training_models import loop_S_T
+
+    model = Upstream().double()
+    x = _x().double()
+    y = torch.randint(0, 5, (N,), generator=torch.Generator().manual_seed(4))
+
+    def loss(out: tuple[Tensor, Tensor], y: Tensor) -> Tensor:
+        return F.cross_entropy(out[1], y, reduction="sum") + out[0].square().sum()
+
+    S, T = loop_S_T(Upstream().double(), (x,), {}, lambda out, i: loss(out, y[i:i + 1]), N)
+    monitor = OnlineDiversity(decay=0.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with watch(model, monitor, reduction="sum"):
+            loss(model(x), y).backward()
+    assert any("was not checked" in str(w.message) for w in caught)
+    expected = OnlineDiversity(decay=0.0)
+    expected.update_from_norms(S, T, N)
+    assert monitor.last == pytest.approx(expected.last, rel=1e-9)
