@@ -169,3 +169,19 @@ def test_a_loss_reading_an_output_and_one_made_from_it_is_measured_exactly_unche
     expected = OnlineDiversity(decay=0.0)
     expected.update_from_norms(S, T, N)
     assert monitor.last == pytest.approx(expected.last, rel=1e-9)
+
+
+def test_a_loss_vector_backpropagated_with_its_gradient_is_checked() -> None:
+    model, monitor = _model(), OnlineDiversity()
+    y = torch.randint(0, 5, (N,), generator=torch.Generator().manual_seed(5))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with watch(model, monitor):
+            losses = F.cross_entropy(model(_x()), y, reduction="none")
+            losses.backward(torch.full_like(losses, 1 / N))
+    assert monitor.steps == 1
+    assert not any("was not checked" in str(w.message) for w in caught)
+    with pytest.raises(BatchboundError, match="couples"), watch(model, monitor):
+        z = F.normalize(model(_x()), dim=1)
+        pairs = F.cross_entropy(z @ z.T, torch.arange(N), reduction="none")
+        pairs.backward(torch.ones_like(pairs))

@@ -34,9 +34,10 @@ from batchbound.diversity.rule_check import tolerance
 UNCHECKED = "unchecked"
 
 
-def loss_coupling(loss: Tensor, nodes: list[Node], outputs: list[Tensor],
-                  fixed: frozenset[int], n: int) -> str | None:
-    """None where ``loss`` (its graph's ``nodes``: ``loss_graph``) is a sum of per-example
+def loss_coupling(loss: Tensor, gradient: Tensor | None, nodes: list[Node],
+                  outputs: list[Tensor], fixed: frozenset[int], n: int) -> str | None:
+    """None where ``loss`` (backpropagated with ``gradient``, as ``loss.backward(gradient)``;
+    its graph's ``nodes``: ``loss_graph``) is a sum of per-example
     terms of the model's ``outputs`` that hold its ``n`` examples along dim 0 (not those at
     the ``fixed`` positions), ``UNCHECKED`` where this cannot be read, else what couples
     them. Both derivatives are taken at the edges from the loss's nodes into the outputs, so
@@ -69,8 +70,8 @@ def loss_coupling(loss: Tensor, nodes: list[Node], outputs: list[Tensor],
     handles = [node.register_prehook(_stop) for node in {node for node, _ in edges}]
     try:
         with torch.enable_grad():
-            grads = torch.autograd.grad(loss, inputs, create_graph=True, retain_graph=True,
-                                        allow_unused=True)
+            grads = torch.autograd.grad(loss, inputs, gradient, create_graph=True,
+                                        retain_graph=True, allow_unused=True)
             held = [j for j in held if grads[j] is not None and grads[j].requires_grad]
             if not held:  # linear in the outputs (aten's double backward raises where it
                 return None  # is missing): no example's gradient reads another's

@@ -3,9 +3,10 @@ unchanged, or ``monitored_step`` in place of those two lines.
 
 Both give ``measure``'s guarantee for the model: the per-example norms they feed the monitor
 are exact, or the step raises BatchboundError naming the parameter and the reason. ``watch``
-does not see the loss as a function of each example, so a loss that couples the batch's
-examples (InfoNCE, in-batch negatives) is not refused there (docs/diversity.md);
-``monitored_step``, which calls the loss itself, and ``measure`` check it.
+does not see the loss as a function of each example: it reads whether the loss couples the
+batch's examples (InfoNCE, in-batch negatives) off the loss's own graph at
+``loss.backward()`` (``loss_coupling.py``), where ``monitored_step`` and ``measure`` call the
+loss on examples apart.
 """
 
 from __future__ import annotations
@@ -1013,19 +1014,20 @@ class _LossWatch(TorchFunctionMode):
                     self.run.reasons[name] = LOSS_USE_IN_WATCH  # also over 'no rule'
                 self.run.fingerprint_vectors = {}  # the graph answered: no fingerprints
                 if written not in self.checked:
-                    self._check_coupling(args[0], nodes)
+                    gradient = (kwargs or {}).get("gradient", args[1] if len(args) > 1 else None)
+                    self._check_coupling(args[0], gradient, nodes)
                     self.checked[written] = None
                     if len(self.checked) > KNOWN_FORMS:
                         del self.checked[next(iter(self.checked))]
         return func(*args, **(kwargs or {}))
 
 
-    def _check_coupling(self, loss: Tensor, nodes: list[Node]) -> None:
+    def _check_coupling(self, loss: Tensor, gradient: Tensor | None, nodes: list[Node]) -> None:
         """Refuse a loss that couples the examples before its backward runs (.grad as it
         was); warn where its graph has no second derivative to tell."""
         self.watched.probing = True  # the check's backward is not the step's
         try:
-            why = loss_coupling(loss, nodes, *self.tensors, self.run.n)
+            why = loss_coupling(loss, gradient, nodes, *self.tensors, self.run.n)
         finally:
             self.watched.probing = False
         if why == UNCHECKED:
