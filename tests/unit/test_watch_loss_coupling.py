@@ -185,3 +185,24 @@ def test_a_loss_vector_backpropagated_with_its_gradient_is_checked() -> None:
         z = F.normalize(model(_x()), dim=1)
         pairs = F.cross_entropy(z @ z.T, torch.arange(N), reduction="none")
         pairs.backward(torch.ones_like(pairs))
+
+
+def test_the_check_runs_no_node_of_the_model() -> None:
+    """A user's backward hook on the head (and the rules' hooks beside it) runs once per
+    step: on a loss new to the model that reads the logits and the state they are made
+    from, the check would pass through the head, and is not taken."""
+    model = Upstream()
+    calls = []
+    model.head.register_full_backward_hook(lambda *_: calls.append(1))
+    y = torch.randint(0, 5, (N,), generator=torch.Generator().manual_seed(6))
+    monitor = OnlineDiversity(decay=0.0)
+    with watch(model, monitor):
+        F.cross_entropy(model(_x())[1], y).backward()
+    calls.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with watch(model, monitor):
+            h, logits = model(_x())
+            (F.cross_entropy(logits, y) + h.square().sum(1).mean()).backward()
+    assert len(calls) == 1 and monitor.steps == 2
+    assert any("was not checked" in str(w.message) for w in caught)

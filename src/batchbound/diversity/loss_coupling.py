@@ -41,9 +41,9 @@ def loss_coupling(loss: Tensor, gradient: Tensor | None, nodes: list[Node],
     terms of the model's ``outputs`` that hold its ``n`` examples along dim 0 (not those at
     the ``fixed`` positions), ``UNCHECKED`` where this cannot be read, else what couples
     them. Both derivatives are taken at the edges from the loss's nodes into the outputs, so
-    no node of the model runs: where one would (an output the loss reads that is computed
-    from another it reads), a hook on it stops the check first (``UNCHECKED``). The graph
-    is left for the user's backward."""
+    no node of the model runs (nor the rules' hooks on them): where one would (an output
+    the loss reads computed from another it reads), it is not taken (``UNCHECKED``). The
+    graph is left for the user's backward."""
     if n < 2 or not nodes:  # no nodes: the loss is one of the outputs, the row tracker's
         return None
     if any(isinstance(node, BackwardCFunction) for node in nodes):
@@ -66,8 +66,10 @@ def loss_coupling(loss: Tensor, gradient: Tensor | None, nodes: list[Node],
             and outputs[k].shape[0] == n]
     if not held:
         return None
+    targets = {node for node, _ in edges}
+    if _below_another(targets):  # the derivative at that edge would run the model's nodes
+        return UNCHECKED
     inputs = [GradientEdge(node, nr) for node, nr in edges]
-    handles = [node.register_prehook(_stop) for node in {node for node, _ in edges}]
     try:
         with torch.enable_grad():
             grads = torch.autograd.grad(loss, inputs, gradient, create_graph=True,
@@ -82,11 +84,8 @@ def loss_coupling(loss: Tensor, gradient: Tensor | None, nodes: list[Node],
                                               device=device, dtype=grads[j].dtype)
                        * _rows(half, grads[j])).sum() for j in held)
             products = torch.autograd.grad(dot, inputs, retain_graph=True, allow_unused=True)
-    except (RuntimeError, _Descended):  # no double backward, or the model's nodes reached
+    except RuntimeError:  # no double backward somewhere on the loss's graph
         return UNCHECKED
-    finally:
-        for handle in handles:
-            handle.remove()
     on, off = 0.0, 0.0
     for j in held:
         if products[j] is not None:
@@ -102,12 +101,23 @@ def loss_coupling(loss: Tensor, gradient: Tensor | None, nodes: list[Node],
     return None
 
 
-class _Descended(Exception):
-    """The check's backward was about to run a node of the model."""
-
-
-def _stop(grad_outputs: tuple) -> None:
-    raise _Descended
+def _below_another(targets: set[Node]) -> bool:
+    """Whether one of the outputs' nodes the loss reads lies below another's in the model's
+    graph (logits computed from a hidden state the loss also reads): the derivative at its
+    edge would then run the nodes between them, and the rules' and the user's hooks on
+    them. One walk of the model's graph below them, on the check's step only."""
+    seen: set[Node] = set()
+    stack = [child for node in targets for child, _ in node.next_functions
+             if child is not None]
+    while stack:
+        node = stack.pop()
+        if node in targets:
+            return True
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(child for child, _ in node.next_functions if child is not None)
+    return False
 
 
 def loss_graph(root: Node, outputs: Sequence[Node]) -> tuple[list[Node], Hashable]:

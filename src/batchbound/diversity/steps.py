@@ -657,7 +657,6 @@ class _Watched:
         self.held_norms: dict[str, Tensor] = {}
         self.versions: dict[str, int] = {}  # the parameters' versions at the backward's end
         self._queued = False
-        self.probing = False  # while the loss's coupling is checked
         self.run: HooksPass | None = None
         self.form: _Form | None = None  # the check of this call's form (``call_form``)
         self._form_key: Hashable = None
@@ -808,7 +807,7 @@ class _Watched:
         # the first step of a form also checks that the loss is a sum of per-example terms
         tensors = [t for t in flatten(output) if isinstance(t, Tensor)]
         self._loss = _LossWatch(self.run, roots, (tensors, self.form.fixed),
-                                self.planned.losses, self)
+                                self.planned.losses)
         self._loss.__enter__()
         if self.run.reasons or self.form.coupling:  # the outputs' gradients are needed
             self.outputs = OutputGrads(output, self.run.n, self.form.fixed)
@@ -835,8 +834,6 @@ class _Watched:
 
     def _backward_reached(self, grad_outputs: tuple) -> None:
         """A backward pass reached the model's outputs: read .grad's change when it ends."""
-        if self.probing:  # the loss's coupling check (``loss_coupling``) stops right after
-            return
         if self.delta is not None:
             raise BatchboundError("watch(): a second backward pass through the model's outputs "
                                   "in one block (retain_graph, or torch.autograd.grad inside "
@@ -982,9 +979,9 @@ class _LossWatch(TorchFunctionMode):
 
     def __init__(self, run: HooksPass, outputs: list[Node],
                  tensors: tuple[list[Tensor], frozenset[int]],
-                 checked: dict[Hashable, None], watched: _Watched) -> None:
+                 checked: dict[Hashable, None]) -> None:
         super().__init__()
-        self.run, self.outputs, self.watched = run, outputs, watched
+        self.run, self.outputs = run, outputs
         self.tensors = tensors  # the model's outputs, and which hold no examples
         self.checked = checked  # the ways of writing the loss checked on this model
         # the loss's precision: ``logits.float()`` in a float64 model rounds in float32
@@ -1025,11 +1022,7 @@ class _LossWatch(TorchFunctionMode):
     def _check_coupling(self, loss: Tensor, gradient: Tensor | None, nodes: list[Node]) -> None:
         """Refuse a loss that couples the examples before its backward runs (.grad as it
         was); warn where its graph has no second derivative to tell."""
-        self.watched.probing = True  # the check's backward is not the step's
-        try:
-            why = loss_coupling(loss, gradient, nodes, *self.tensors, self.run.n)
-        finally:
-            self.watched.probing = False
+        why = loss_coupling(loss, gradient, nodes, *self.tensors, self.run.n)
         if why == UNCHECKED:
             warn("batchbound: watch(): whether the loss couples the batch's examples (InfoNCE, "
                  "in-batch negatives) was not checked: its graph has no second derivative (a "
