@@ -106,6 +106,8 @@ def _below_another(targets: set[Node]) -> bool:
     graph (logits computed from a hidden state the loss also reads): the derivative at its
     edge would then run the nodes between them, and the rules' and the user's hooks on
     them. One walk of the model's graph below them, on the check's step only."""
+    if len(targets) < 2:
+        return False
     seen: set[Node] = set()
     stack = [child for node in targets for child, _ in node.next_functions
              if child is not None]
