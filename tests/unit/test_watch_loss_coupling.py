@@ -132,7 +132,7 @@ def test_a_loss_without_double_backward_is_measured_with_a_warning() -> None:
         with watch(model, monitor):
             NoDoubleBackward.apply(model(_x())).mean().backward()
     assert monitor.steps == 1
-    assert any("was not checked" in str(w.message) for w in caught)
+    assert any("custom autograd.Function" in str(w.message) for w in caught)
 
 
 class Upstream(nn.Module):
@@ -205,4 +205,68 @@ def test_the_check_runs_no_node_of_the_model() -> None:
             h, logits = model(_x())
             (F.cross_entropy(logits, y) + h.square().sum(1).mean()).backward()
     assert len(calls) == 1 and monitor.steps == 2
-    assert any("was not checked" in str(w.message) for w in caught)
+    assert any("another computed from it" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize(("n", "partner"), [(4, lambda i: i ^ 1), (8, lambda i: 7 - i),
+                                            (6, lambda i: (i + 3) % 6), (16, lambda i: i ^ 8)])
+def test_every_pair_of_examples_is_split_by_one_probe(n: int, partner: Callable) -> None:
+    """A loss that pairs each example with one other: one random half held both of each
+    pair at 4 and 8 examples; a probe per bit of the examples' index splits every pair."""
+    model = _model()
+    x = torch.randn(n, 6, generator=torch.Generator().manual_seed(7))
+    with pytest.raises(BatchboundError, match="couples"), watch(model, OnlineDiversity()):
+        z = model(x)
+        F.cosine_embedding_loss(z, z[partner(torch.arange(n))], torch.ones(n)).backward()
+
+
+@pytest.mark.parametrize("edit", ["div_", "sub_mean_", "setitem"])
+def test_an_output_edited_in_place_before_a_coupling_loss_is_refused(edit: str) -> None:
+    model = _model()
+    with pytest.raises(BatchboundError, match="couples"), watch(model, OnlineDiversity()):
+        z = model(_x())
+        if edit == "div_":
+            z.div_(0.5)
+        elif edit == "sub_mean_":
+            z.sub_(z.mean(0, keepdim=True))
+        else:
+            z[:, 0] = 0.0
+        _infonce(z).backward()
+
+
+def test_an_output_edited_in_place_before_a_per_example_loss_is_measured() -> None:
+    model, monitor = _model(), OnlineDiversity()
+    y = torch.randint(0, 5, (N,), generator=torch.Generator().manual_seed(8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with watch(model, monitor):
+            z = model(_x())
+            z.div_(0.5)
+            F.cross_entropy(z, y).backward()
+    assert monitor.steps == 1
+    assert not any("not checked" in str(w.message) for w in caught)
+
+
+def test_a_backward_watch_does_not_see_is_warned_once() -> None:
+    model, monitor = _model(), OnlineDiversity()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with watch(model, monitor):
+                torch.autograd.backward(_infonce(model(_x())))
+    said = [w for w in caught if "not started by loss.backward()" in str(w.message)]
+    assert len(said) == 1 and monitor.steps == 2
+
+
+def test_a_check_that_would_not_fit_in_the_gpus_free_memory_is_not_taken(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import batchbound.diversity.loss_coupling as loss_coupling
+
+    monkeypatch.setattr(loss_coupling, "_free_bytes", lambda device: 1024)
+    model, monitor = _model(), OnlineDiversity()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with watch(model, monitor):
+            _infonce(model(_x())).backward()
+    assert monitor.steps == 1
+    assert any("GiB of the GPU's free memory" in str(w.message) for w in caught)

@@ -6,21 +6,27 @@ A loss that is a sum of per-example terms, L = Σ_i ℓ_i(out_i), has a block-di
 Hessian in the outputs: ∂²L/∂out_i∂out_j = 0 for i ≠ j, exactly, since no operation of its
 graph reads two examples' rows together. InfoNCE, in-batch negatives, CLIP's two-way
 softmax, a batch's mean subtracted inside the loss all fill the blocks off the diagonal. So
-one Hessian-vector product, with a random vector on a random half of the examples, is zero
-on the other half for a per-example loss and not for these (double backward through the
-loss's part of the graph only: the model's is not run). It runs once per way the loss is
-written (``loss_graph``: its operations apart from sizes, and which each reads), on the
-first step that writes it so.
+a Hessian-vector product with a random vector on some of the examples is exactly zero on the
+others for a per-example loss, and not for these. One product per bit of the examples'
+index (in a random order): any two examples differ in a bit, so any pair the loss couples
+is split by one of them (⌈log₂ n⌉ products, after one double backward; through the loss's
+part of the graph only, the model's is not run). It runs once per way the loss is written
+(``loss_graph``: its operations with their sizes, and which each reads), on the first step
+that writes it so.
 
 Not seen: a coupling with no second derivative (the hardest example of the batch picked by
-a max, top-k mining; its choice is piecewise constant), and a loss whose graph has no double
-backward (a fused kernel, a custom ``autograd.Function``): then the check says it could not
-look (``UNCHECKED``).
+a max, top-k mining; its choice is piecewise constant), one the data switches on at the same
+sizes (a mask of same-label pairs, empty on the batch checked). Not checked, with the reason
+(``Coupling.checked`` false): a loss through a custom ``autograd.Function`` or with no double
+backward, one reading an output and another made from it, and, on a GPU, one whose check
+would not fit in the free memory (about 8 times the outputs it reads).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -28,30 +34,41 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 
 from batchbound.diversity.graph import Node
-from batchbound.diversity.rows import graph_structure, operations
-from batchbound.diversity.rule_check import tolerance
+from batchbound.diversity.rows import graph_structure
 
-UNCHECKED = "unchecked"
+# A per-example loss leaves the product exactly zero off the probed examples; a coupling
+# leaves it at its own scale there (a batch's mean subtracted, at 512 examples: 2 % of it)
+OFF_DIAGONAL = 1e-6
+CHECK_MEMORY = 8  # the check's peak, in multiples of the outputs the loss reads
+
+
+@dataclass(frozen=True)
+class Coupling:
+    """The check's answer where it is not "a per-example loss": ``checked`` and ``why`` the
+    loss couples the examples, or not ``checked`` and ``why`` not."""
+
+    checked: bool
+    why: str
 
 
 def loss_coupling(loss: Tensor, gradient: Tensor | None, nodes: list[Node],
-                  outputs: list[Tensor], fixed: frozenset[int], n: int) -> str | None:
+                  outputs: list[tuple[Node | None, int, Tensor]], fixed: frozenset[int],
+                  n: int) -> Coupling | None:
     """None where ``loss`` (backpropagated with ``gradient``, as ``loss.backward(gradient)``;
-    its graph's ``nodes``: ``loss_graph``) is a sum of per-example
-    terms of the model's ``outputs`` that hold its ``n`` examples along dim 0 (not those at
-    the ``fixed`` positions), ``UNCHECKED`` where this cannot be read, else what couples
-    them. Both derivatives are taken at the edges from the loss's nodes into the outputs, so
-    no node of the model runs (nor the rules' hooks on them): where one would (an output
-    the loss reads computed from another it reads), it is not taken (``UNCHECKED``). The
-    graph is left for the user's backward."""
+    its graph's ``nodes``: ``loss_graph``) is a sum of per-example terms of the model's
+    outputs that hold its ``n`` examples along dim 0 (``outputs``: each one's node and
+    output number as the forward left them, an in-place edit after it is the loss's, and
+    the tensor; not those at the ``fixed`` positions). Both derivatives are taken at the
+    edges from the loss's nodes into the outputs, so no node of the model runs (nor the
+    rules' hooks on them). The graph is left for the user's backward."""
     if n < 2 or not nodes:  # no nodes: the loss is one of the outputs, the row tracker's
         return None
     if any(isinstance(node, BackwardCFunction) for node in nodes):
-        # a custom autograd.Function: its backward may run no differentiable operation
-        # (once_differentiable, a kernel), whose second derivative then reads as zero
-        return UNCHECKED
-    position = {(t.grad_fn, t.output_nr): k for k, t in enumerate(outputs)
-                if t.grad_fn is not None}
+        # its backward may run no differentiable operation (once_differentiable, a kernel),
+        # whose second derivative then reads as zero
+        return _unchecked("it runs a custom autograd.Function, whose second derivative "
+                          "cannot be trusted")
+    position = {(node, nr): k for k, (node, nr, _) in enumerate(outputs) if node is not None}
     inside = set(nodes)
     edges: dict[tuple[Node, int], int | None] = {}
     for node in nodes:
@@ -61,14 +78,24 @@ def loss_coupling(loss: Tensor, gradient: Tensor | None, nodes: list[Node],
             if hasattr(child, "variable"):  # a parameter in the loss: refused as such
                 return None
             edges[(child, nr)] = position.get((child, nr))
-    held = [j for j, k in enumerate(edges.values()) if k is not None and k not in fixed
-            and outputs[k].is_floating_point() and outputs[k].dim() > 0
-            and outputs[k].shape[0] == n]
+    if None in edges.values():
+        return _unchecked("it reads an output of the model's last operations that watch did "
+                          "not see returned")
+    tensors = [outputs[k][2] for k in edges.values()]  # type: ignore[index]
+    held = [j for j, k in enumerate(edges.values()) if k not in fixed
+            and tensors[j].is_floating_point() and tensors[j].dim() > 0
+            and tensors[j].shape[0] == n]
     if not held:
         return None
-    targets = {node for node, _ in edges}
-    if _below_another(targets):  # the derivative at that edge would run the model's nodes
-        return UNCHECKED
+    if _below_another({node for node, _ in edges}):
+        return _unchecked("it reads an output of the model and another computed from it, and "
+                          "the check would run the model's operations between them")
+    device = tensors[held[0]].device
+    needed = CHECK_MEMORY * sum(tensors[j].numel() * tensors[j].element_size() for j in held)
+    free = _free_bytes(device)
+    if free is not None and free < needed:
+        return _unchecked(f"the check would take about {needed / 2**30:.1f} GiB of the GPU's "
+                          "free memory")
     inputs = [GradientEdge(node, nr) for node, nr in edges]
     try:
         with torch.enable_grad():
@@ -77,28 +104,75 @@ def loss_coupling(loss: Tensor, gradient: Tensor | None, nodes: list[Node],
             held = [j for j in held if grads[j] is not None and grads[j].requires_grad]
             if not held:  # linear in the outputs (aten's double backward raises where it
                 return None  # is missing): no example's gradient reads another's
-            device = grads[held[0]].device
-            generator = torch.Generator(device=device).manual_seed(0)
-            half = torch.randperm(n, generator=generator, device=device) < n // 2
-            dot = sum((grads[j] * torch.randn(grads[j].shape, generator=generator,
-                                              device=device, dtype=grads[j].dtype)
-                       * _rows(half, grads[j])).sum() for j in held)
-            products = torch.autograd.grad(dot, inputs, retain_graph=True, allow_unused=True)
-    except RuntimeError:  # no double backward somewhere on the loss's graph
-        return UNCHECKED
-    on, off = 0.0, 0.0
-    for j in held:
-        if products[j] is not None:
-            hv = products[j].detach().abs()
-            on = max(on, float((hv * _rows(half, hv)).max()))
-            off = max(off, float((hv * _rows(~half, hv)).max()))
-    if off > tolerance(grads[held[0]].dtype) * on:
-        return (f"the loss couples the batch's examples (its gradient for one example moves "
+            return _products([(j, grads[j]) for j in held], inputs, n, device)  # type: ignore[misc]
+    except RuntimeError as exc:  # no double backward somewhere on the loss's graph
+        return _unchecked(f"its graph has no second derivative ({str(exc)[:120]})")
+
+
+def _products(grads: list[tuple[int, Tensor]], inputs: list[GradientEdge], n: int,
+              device: torch.device) -> Coupling | None:
+    """One Hessian-vector product per bit of the examples' index, in a random order: the
+    loss's gradients at the ``inputs`` (by their position there), times random numbers on
+    the examples whose code has the bit, differentiated again."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    code = torch.randperm(n, generator=generator, device=device)
+    for bit in range(max(1, math.ceil(math.log2(n)))):
+        probed = (code >> bit) & 1 == 1
+        dot = sum((g * torch.randn(g.shape, generator=generator, device=device, dtype=g.dtype)
+                   * _rows(probed, g)).sum() for _, g in grads)
+        products = torch.autograd.grad(dot, inputs, retain_graph=True, allow_unused=True)
+        on, off = 0.0, 0.0
+        for j, _ in grads:
+            if products[j] is not None:
+                hv = products[j].detach().abs()
+                on = max(on, float((hv * _rows(probed, hv)).max()))
+                off = max(off, float((hv * _rows(~probed, hv)).max()))
+        if off > OFF_DIAGONAL * on:
+            return Coupling(True, (
+                f"the loss couples the batch's examples (its gradient for one example moves "
                 f"with another's outputs, {off:.2g} against {on:.2g} for its own: InfoNCE, "
                 "in-batch negatives, a batch statistic inside the loss), so the per-example "
                 "norms would be no example's own gradient's; Δ needs a loss that is a sum of "
-                "per-example terms")
+                "per-example terms"))
     return None
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """A GPU's free memory; None elsewhere (the host's is not bounded here)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
+def _unchecked(why: str) -> Coupling:
+    return Coupling(False, why)
+
+
+def loss_graph(root: Node, outputs: Sequence[Node]) -> tuple[list[Node], Hashable]:
+    """The loss's own operations, from its root to the model's ``outputs`` (not into them,
+    nor into a parameter's AccumulateGrad), in a fixed order, and what they are: each node's
+    type with its saved arguments, sizes included (``rows.graph_structure``: a pair loss
+    whose pairs the data chooses reads them at other sizes), and what each reads (a node of
+    the loss, an output by position, a parameter), so that a loss written otherwise on a
+    later step, or reading the outputs otherwise, is another."""
+    stops = {node: k for k, node in enumerate(outputs)}
+    order: dict[Node, int] = {}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node in order or node in stops or hasattr(node, "variable"):  # AccumulateGrad
+            continue
+        order[node] = len(order)
+        stack.extend(reversed([child for child, _ in node.next_functions if child is not None]))
+    nodes = list(order)
+
+    def read(child: Node | None) -> Hashable:
+        if child is None:
+            return None
+        if child in order:
+            return order[child]
+        return ("output", stops[child]) if child in stops else "parameter"
+
+    reads = tuple(tuple(read(child) for child, _ in node.next_functions) for node in nodes)
+    return nodes, (graph_structure(nodes), reads)
 
 
 def _below_another(targets: set[Node]) -> bool:
@@ -120,34 +194,6 @@ def _below_another(targets: set[Node]) -> bool:
         seen.add(node)
         stack.extend(child for child, _ in node.next_functions if child is not None)
     return False
-
-
-def loss_graph(root: Node, outputs: Sequence[Node]) -> tuple[list[Node], Hashable]:
-    """The loss's own operations, from its root to the model's ``outputs`` (not into them,
-    nor into a parameter's AccumulateGrad), in a fixed order, and what they are apart from
-    sizes: each node's type with its saved arguments that are no size (``rows.operations``)
-    and what each reads (a node of the loss, an output by position, a parameter), so that a
-    loss written otherwise on a later step, or reading the outputs otherwise, is another."""
-    stops = {node: k for k, node in enumerate(outputs)}
-    order: dict[Node, int] = {}
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        if node in order or node in stops or hasattr(node, "variable"):  # AccumulateGrad
-            continue
-        order[node] = len(order)
-        stack.extend(reversed([child for child, _ in node.next_functions if child is not None]))
-    nodes = list(order)
-
-    def read(child: Node | None) -> Hashable:
-        if child is None:
-            return None
-        if child in order:
-            return order[child]
-        return ("output", stops[child]) if child in stops else "parameter"
-
-    reads = tuple(tuple(read(child) for child, _ in node.next_functions) for node in nodes)
-    return nodes, (operations((), graph_structure(nodes))[1], reads)
 
 
 def _rows(mask: Tensor, like: Tensor) -> Tensor:

@@ -36,7 +36,7 @@ from batchbound.diversity.hooks import (
     fingerprint_of,
     plan_hooks,
 )
-from batchbound.diversity.loss_coupling import UNCHECKED, loss_coupling, loss_graph
+from batchbound.diversity.loss_coupling import loss_coupling, loss_graph
 from batchbound.diversity.loss_scale import check_loss_scale, loss_scale_of
 from batchbound.diversity.losses import resolve_loss
 from batchbound.diversity.online import OnlineDiversity, dense_gradient
@@ -201,6 +201,11 @@ def _watched_step(model: nn.Module, monitor: OnlineDiversity, reduction: str,
         raise BatchboundError(f"watch() saw no backward pass through {through}; call the "
                               "model and loss.backward() inside the block")
     assert planned is not None
+    if not watched.loss_seen and "backward" not in planned.warned:
+        planned.warned.add("backward")
+        warn("batchbound: watch(): the backward was not started by loss.backward() (by "
+             "torch.autograd.backward?), so whether the loss couples the batch's examples "
+             "(InfoNCE, in-batch negatives) was not checked; call loss.backward()")
     params = planned.params
     refused = {k: why for k, why in run.reasons.items() if why in REFUSED}
     if refused:
@@ -805,7 +810,8 @@ class _Watched:
         self._handles += [root.register_prehook(self._backward_reached) for root in roots]
         self.run.attach(roots)  # it calls _check_program before it hooks the rules
         # the first step of a form also checks that the loss is a sum of per-example terms
-        tensors = [t for t in flatten(output) if isinstance(t, Tensor)]
+        # each output's node as the forward leaves it: an in-place edit after it is the loss's
+        tensors = [(t.grad_fn, t.output_nr, t) for t in flatten(output) if isinstance(t, Tensor)]
         self._loss = _LossWatch(self.run, roots, (tensors, self.form.fixed),
                                 self.planned.losses)
         self._loss.__enter__()
@@ -880,6 +886,11 @@ class _Watched:
         if self._rows is not None:
             self._rows.__exit__(None, None, None)
             self._rows = None
+
+    @property
+    def loss_seen(self) -> bool:
+        """Whether the block's backward was a ``loss.backward()`` (its loss read)."""
+        return self._loss is not None and self._loss.called
 
     def _stop_loss(self) -> None:
         if self._loss is not None:
@@ -978,11 +989,12 @@ class _LossWatch(TorchFunctionMode):
     other way (``torch.autograd.backward``) is not seen: the fingerprints then decide."""
 
     def __init__(self, run: HooksPass, outputs: list[Node],
-                 tensors: tuple[list[Tensor], frozenset[int]],
+                 tensors: tuple[list[tuple[Node | None, int, Tensor]], frozenset[int]],
                  checked: dict[Hashable, None]) -> None:
         super().__init__()
         self.run, self.outputs = run, outputs
         self.tensors = tensors  # the model's outputs, and which hold no examples
+        self.called = False  # a loss.backward() was called: its coupling read
         self.checked = checked  # the ways of writing the loss checked on this model
         # the loss's precision: ``logits.float()`` in a float64 model rounds in float32
         self.seen = GradientPrecision()
@@ -1005,6 +1017,7 @@ class _LossWatch(TorchFunctionMode):
         if func is Tensor.backward and self.run.layout is not None and isinstance(args[0], Tensor):
             root = args[0].grad_fn
             if root is not None:
+                self.called = True
                 ids = {id(p): name for name, p in self.run.params.items()}
                 nodes, written = loss_graph(root, self.outputs)
                 for name in parameter_users(nodes, ids):
@@ -1022,14 +1035,14 @@ class _LossWatch(TorchFunctionMode):
     def _check_coupling(self, loss: Tensor, gradient: Tensor | None, nodes: list[Node]) -> None:
         """Refuse a loss that couples the examples before its backward runs (.grad as it
         was); warn where its graph has no second derivative to tell."""
-        why = loss_coupling(loss, gradient, nodes, *self.tensors, self.run.n)
-        if why == UNCHECKED:
-            warn("batchbound: watch(): whether the loss couples the batch's examples (InfoNCE, "
-                 "in-batch negatives) was not checked: its graph has no second derivative (a "
-                 "fused kernel, a custom autograd.Function); with such a loss the per-example "
-                 "norms are no example's own")
-        elif why is not None:
-            raise BatchboundError(f"watch(): {why}")
+        coupling = loss_coupling(loss, gradient, nodes, *self.tensors, self.run.n)
+        if coupling is None:
+            return
+        if coupling.checked:
+            raise BatchboundError(f"watch(): {coupling.why}")
+        warn(f"batchbound: watch(): whether the loss couples the batch's examples (InfoNCE, "
+             f"in-batch negatives) was not checked: {coupling.why}; with such a loss the "
+             "per-example norms are no example's own")
 
 
 LOSS_USE_IN_WATCH = ("used by the loss outside the model's layers (a regulariser written "
