@@ -156,10 +156,14 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     warned once. A use in the loss itself (a regulariser written into it) is refused: seen on
     the loss's graph at ``loss.backward()``, or, for a backward started another way, by
     comparing the gradient sums with the change in ``.grad`` (put regularisers outside the
-    block, or in the optimizer's weight decay). Under autocast the precision the forward
-    actually ran in sets the self-check's tolerance and is stated (``monitor.precision``,
-    a warning); see docs/precision.md. The model is planned once and the plan kept while
-    its structure stays the same. BatchNorm must be in eval mode.
+    block, or in the optimizer's weight decay). A loss that couples the examples (InfoNCE,
+    in-batch negatives) is refused at ``loss.backward()``, before it runs
+    (``loss_coupling.py``). A step whose ``.grad`` held so large a sum that its change lost
+    digits is left out of the monitor (``monitor.left_out``), with a warning. Under
+    autocast the precision the forward actually ran in sets the self-check's tolerance
+    and is stated (``monitor.precision``, a warning); see docs/precision.md. The model is
+    planned once and the plan kept while its structure stays the same. BatchNorm must be in
+    eval mode.
 
     ``loss_scale``: a ``torch.amp.GradScaler`` (or a number) whose scale the loss was
     multiplied by (``scaler.scale(loss).backward()`` in the block): its current scale is
