@@ -270,3 +270,44 @@ def test_a_check_that_would_not_fit_in_the_gpus_free_memory_is_not_taken(
             _infonce(model(_x())).backward()
     assert monitor.steps == 1
     assert any("GiB of the GPU's free memory" in str(w.message) for w in caught)
+
+
+class TwoViews(nn.Module):
+    """Class logits and two views' embeddings stacked, (2, n, D): the examples on dim 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.classify = nn.Linear(6, 5), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.classify(x[:, 0]), torch.stack([self.embed(x[:, 0]), self.embed(x[:, 1])])
+
+
+def _nt_xent(views: Tensor) -> Tensor:
+    z = F.normalize(torch.cat([views[0], views[1]]), dim=1)
+    similarity = z @ z.T / 0.1 - 1e9 * torch.eye(2 * N)
+    return F.cross_entropy(similarity, torch.cat([torch.arange(N) + N, torch.arange(N)]))
+
+
+@pytest.mark.parametrize("coupled", [True, False])
+def test_an_output_holding_the_examples_on_dim_1_is_probed_along_it(coupled: bool) -> None:
+    model, monitor = TwoViews(), OnlineDiversity()
+    x = torch.randn(N, 2, 6, generator=torch.Generator().manual_seed(9))
+    y = torch.zeros(N, dtype=torch.long)
+
+    def step() -> None:
+        with watch(model, monitor):
+            logits, views = model(x)
+            pull = _nt_xent(views) if coupled else (views[0] - views[1]).square().sum()
+            (F.cross_entropy(logits, y) + pull).backward()
+
+    if coupled:
+        with pytest.raises(BatchboundError, match="couples"):
+            step()
+    else:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+        assert monitor.steps == 1
+        assert not any("not checked" in str(w.message) for w in caught)

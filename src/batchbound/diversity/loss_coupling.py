@@ -18,8 +18,9 @@ Not seen: a coupling with no second derivative (the hardest example of the batch
 a max, top-k mining; its choice is piecewise constant), one the data switches on at the same
 sizes (a mask of same-label pairs, empty on the batch checked). Not checked, with the reason
 (``Coupling.checked`` false): a loss through a custom ``autograd.Function`` or with no double
-backward, one reading an output and another made from it, and, on a GPU, one whose check
-would not fit in the free memory (about 8 times the outputs it reads).
+backward, one reading an output and another made from it, an output with several axes of
+the examples' size (the examples' own not known), and, on a GPU, one whose check would not
+fit in the free memory (about 8 times the outputs it reads).
 """
 
 from __future__ import annotations
@@ -56,11 +57,12 @@ def loss_coupling(loss: Tensor, gradient: Tensor | None, nodes: list[Node],
                   n: int) -> Coupling | None:
     """None where ``loss`` (backpropagated with ``gradient``, as ``loss.backward(gradient)``;
     its graph's ``nodes``: ``loss_graph``) is a sum of per-example terms of the model's
-    outputs that hold its ``n`` examples along dim 0 (``outputs``: each one's node and
-    output number as the forward left them, an in-place edit after it is the loss's, and
-    the tensor; not those at the ``fixed`` positions). Both derivatives are taken at the
-    edges from the loss's nodes into the outputs, so no node of the model runs (nor the
-    rules' hooks on them). The graph is left for the user's backward."""
+    outputs that hold its ``n`` examples (``outputs``: each one's node and output number as
+    the forward left them, an in-place edit after it being the loss's, and the tensor; not
+    those at the ``fixed`` positions, whose size does not follow the examples'; in the
+    others the axis of size n holds them, dim 0 where several have it). Both derivatives are
+    taken at the edges from the loss's nodes into the outputs, so no node of the model runs
+    (nor the rules' hooks on them). The graph is left for the user's backward."""
     if n < 2 or not nodes:  # no nodes: the loss is one of the outputs, the row tracker's
         return None
     if any(isinstance(node, BackwardCFunction) for node in nodes):
@@ -82,9 +84,18 @@ def loss_coupling(loss: Tensor, gradient: Tensor | None, nodes: list[Node],
         return _unchecked("it reads an output of the model's last operations that watch did "
                           "not see returned")
     tensors = [outputs[k][2] for k in edges.values()]  # type: ignore[index]
-    held = [j for j, k in enumerate(edges.values()) if k not in fixed
-            and tensors[j].is_floating_point() and tensors[j].dim() > 0
-            and tensors[j].shape[0] == n]
+    # the examples' axis of each output that holds them (one whose size follows theirs)
+    axes: dict[int, int] = {}
+    for j, k in enumerate(edges.values()):
+        if k in fixed or not tensors[j].is_floating_point():
+            continue
+        along = [d for d, size in enumerate(tensors[j].shape) if size == n]
+        if len(along) > 1 and along[0] != 0:
+            return _unchecked(f"which axis of an output of shape {tuple(tensors[j].shape)} "
+                              f"holds the {n} examples is not known")
+        if along:
+            axes[j] = along[0]
+    held = list(axes)
     if not held:
         return None
     if _below_another({node for node, _ in edges}):
@@ -104,29 +115,30 @@ def loss_coupling(loss: Tensor, gradient: Tensor | None, nodes: list[Node],
             held = [j for j in held if grads[j] is not None and grads[j].requires_grad]
             if not held:  # linear in the outputs (aten's double backward raises where it
                 return None  # is missing): no example's gradient reads another's
-            return _products([(j, grads[j]) for j in held], inputs, n, device)  # type: ignore[misc]
+            return _products([(j, grads[j], axes[j]) for j in held],  # type: ignore[misc]
+                             inputs, n, device)
     except RuntimeError as exc:  # no double backward somewhere on the loss's graph
         return _unchecked(f"its graph has no second derivative ({str(exc)[:120]})")
 
 
-def _products(grads: list[tuple[int, Tensor]], inputs: list[GradientEdge], n: int,
+def _products(grads: list[tuple[int, Tensor, int]], inputs: list[GradientEdge], n: int,
               device: torch.device) -> Coupling | None:
     """One Hessian-vector product per bit of the examples' index, in a random order: the
-    loss's gradients at the ``inputs`` (by their position there), times random numbers on
-    the examples whose code has the bit, differentiated again."""
+    loss's gradients at the ``inputs`` (by their position there, with the examples' axis),
+    times random numbers on the examples whose code has the bit, differentiated again."""
     generator = torch.Generator(device=device).manual_seed(0)
     code = torch.randperm(n, generator=generator, device=device)
     for bit in range(max(1, math.ceil(math.log2(n)))):
         probed = (code >> bit) & 1 == 1
         dot = sum((g * torch.randn(g.shape, generator=generator, device=device, dtype=g.dtype)
-                   * _rows(probed, g)).sum() for _, g in grads)
+                   * _rows(probed, g, axis)).sum() for _, g, axis in grads)
         products = torch.autograd.grad(dot, inputs, retain_graph=True, allow_unused=True)
         on, off = 0.0, 0.0
-        for j, _ in grads:
+        for j, _, axis in grads:
             if products[j] is not None:
                 hv = products[j].detach().abs()
-                on = max(on, float((hv * _rows(probed, hv)).max()))
-                off = max(off, float((hv * _rows(~probed, hv)).max()))
+                on = max(on, float((hv * _rows(probed, hv, axis)).max()))
+                off = max(off, float((hv * _rows(~probed, hv, axis)).max()))
         if off > OFF_DIAGONAL * on:
             return Coupling(True, (
                 f"the loss couples the batch's examples (its gradient for one example moves "
@@ -196,6 +208,9 @@ def _below_another(targets: set[Node]) -> bool:
     return False
 
 
-def _rows(mask: Tensor, like: Tensor) -> Tensor:
-    """The boolean mask over examples as a 0/1 factor broadcast over ``like``'s other axes."""
-    return mask.to(like.dtype).reshape(-1, *([1] * (like.dim() - 1)))
+def _rows(mask: Tensor, like: Tensor, axis: int) -> Tensor:
+    """The boolean mask over examples as a 0/1 factor along ``like``'s ``axis``, broadcast
+    over its other axes."""
+    shape = [1] * like.dim()
+    shape[axis] = -1
+    return mask.to(like.dtype).reshape(shape)
