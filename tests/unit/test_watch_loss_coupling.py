@@ -311,3 +311,43 @@ def test_an_output_holding_the_examples_on_dim_1_is_probed_along_it(coupled: boo
             step()
         assert monitor.steps == 1
         assert not any("not checked" in str(w.message) for w in caught)
+
+
+def _same_label_pull(z: Tensor, labels: Tensor) -> Tensor:
+    """Cross-entropy, and a pull between examples of one label: coupled only where the
+    batch holds two of a label, at the same sizes either way."""
+    pairs = (labels[:, None] == labels[None]) & ~torch.eye(len(labels), dtype=torch.bool)
+    pull = (pairs.float() * (z[:, None] - z[None]).square().sum(-1)).sum()
+    return F.cross_entropy(z, labels % 5) + pull / len(labels)
+
+
+def test_a_coupling_the_data_switches_on_later_is_refused_on_a_later_check() -> None:
+    """The loss is checked again on its 2nd, 4th, 8th, … steps: the batch of step 1 holds
+    no two examples of a label, step 2's does, and is refused, naming the earlier steps."""
+    model, monitor = _model(), OnlineDiversity()
+    unpaired, paired = torch.arange(N), torch.arange(N) // 2
+    with watch(model, monitor):
+        _same_label_pull(model(_x()), unpaired).backward()
+    with pytest.raises(BatchboundError, match="seen on step 2 of this loss"), \
+            watch(model, monitor):
+        _same_label_pull(model(_x()), paired).backward()
+    assert monitor.steps == 1
+
+
+def test_the_loss_is_checked_on_its_steps_1_2_4_8(monkeypatch: pytest.MonkeyPatch) -> None:
+    import batchbound.diversity.steps as steps
+
+    checked = []
+    real = steps.loss_coupling
+    monkeypatch.setattr(steps, "loss_coupling",
+                        lambda *args: checked.append(len(checked)) or real(*args))
+    model, monitor = _model(), OnlineDiversity()
+    y = torch.randint(0, 5, (N,), generator=torch.Generator().manual_seed(10))
+    seen = []
+    for step in range(1, 11):
+        before = len(checked)
+        with watch(model, monitor):
+            F.cross_entropy(model(_x()), y).backward()
+        if len(checked) > before:
+            seen.append(step)
+    assert seen == [1, 2, 4, 8] and monitor.steps == 10

@@ -10,13 +10,13 @@ a Hessian-vector product with a random vector on some of the examples is exactly
 others for a per-example loss, and not for these. One product per bit of the examples'
 index (in a random order): any two examples differ in a bit, so any pair the loss couples
 is split by one of them (⌈log₂ n⌉ products, after one double backward; through the loss's
-part of the graph only, the model's is not run). It runs once per way the loss is written
-(``loss_graph``: its operations with their sizes, and which each reads), on the first step
-that writes it so.
+part of the graph only, the model's is not run). ``watch`` runs it on the 1st, 2nd, 4th,
+8th, … step of each way the loss is written (``loss_graph``: its operations with their
+sizes, and which each reads).
 
 Not seen: a coupling with no second derivative (the hardest example of the batch picked by
-a max, top-k mining; its choice is piecewise constant), one the data switches on at the same
-sizes (a mask of same-label pairs, empty on the batch checked). Not checked, with the reason
+a max, top-k mining; its choice is piecewise constant), and one the data switches on (a
+mask of same-label pairs) only on steps between the checks. Not checked, with the reason
 (``Coupling.checked`` false): a loss through a custom ``autograd.Function`` or with no double
 backward, one reading an output and another made from it, an output with several axes of
 the examples' size (the examples' own not known), and, on a GPU, one whose check would not

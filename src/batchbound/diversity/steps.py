@@ -545,8 +545,9 @@ class _Planned:
     # Per train/eval mode of the modules: whether two forward passes agree (no dropout).
     deterministic: dict[tuple[bool, ...], bool] = field(default_factory=dict)
     row_checks: RowChecks = field(default_factory=RowChecks)  # the steps the tracker sees
-    # the ways of writing the loss checked for coupling (``loss_coupling.loss_graph``)
-    losses: dict[Hashable, None] = field(default_factory=dict)
+    # the ways of writing the loss (``loss_coupling.loss_graph``): steps seen, the next
+    # one whose coupling is checked (0: none, it cannot be read)
+    losses: dict[Hashable, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -994,7 +995,7 @@ class _LossWatch(TorchFunctionMode):
 
     def __init__(self, run: HooksPass, outputs: list[Node],
                  tensors: tuple[list[tuple[Node | None, int, Tensor]], frozenset[int]],
-                 checked: dict[Hashable, None]) -> None:
+                 checked: dict[Hashable, list[int]]) -> None:
         super().__init__()
         self.run, self.outputs = run, outputs
         self.tensors = tensors  # the model's outputs, and which hold no examples
@@ -1027,26 +1028,39 @@ class _LossWatch(TorchFunctionMode):
                 for name in parameter_users(nodes, ids):
                     self.run.reasons[name] = LOSS_USE_IN_WATCH  # also over 'no rule'
                 self.run.fingerprint_vectors = {}  # the graph answered: no fingerprints
-                if written not in self.checked:
+                # steps of this way of writing the loss, and the next one checked: the 1st,
+                # 2nd, 4th, 8th, … (a coupling the data switches on: pairs of one label)
+                state = self.checked.setdefault(written, [0, 1])
+                if len(self.checked) > KNOWN_FORMS:
+                    del self.checked[next(iter(self.checked))]
+                state[0] += 1
+                if state[0] == state[1]:
                     gradient = (kwargs or {}).get("gradient", args[1] if len(args) > 1 else None)
-                    self._check_coupling(args[0], gradient, nodes)
-                    self.checked[written] = None
-                    if len(self.checked) > KNOWN_FORMS:
-                        del self.checked[next(iter(self.checked))]
+                    try:
+                        looked = self._check_coupling(args[0], gradient, nodes, state[0])
+                    except BatchboundError:
+                        self.checked.pop(written, None)  # refused again on its next step
+                        raise
+                    state[1] = 2 * state[1] if looked else 0
         return func(*args, **(kwargs or {}))
 
 
-    def _check_coupling(self, loss: Tensor, gradient: Tensor | None, nodes: list[Node]) -> None:
+    def _check_coupling(self, loss: Tensor, gradient: Tensor | None, nodes: list[Node],
+                        step: int) -> bool:
         """Refuse a loss that couples the examples before its backward runs (.grad as it
-        was); warn where its graph has no second derivative to tell."""
+        was), on the ``step``-th step written so; warn where it cannot be read (then not
+        again: the reason is the loss's graph). Whether it was read."""
         coupling = loss_coupling(loss, gradient, nodes, *self.tensors, self.run.n)
         if coupling is None:
-            return
+            return True
         if coupling.checked:
-            raise BatchboundError(f"watch(): {coupling.why}")
+            earlier = (f" (seen on step {step} of this loss, not on its earlier ones: the "
+                       "monitor's estimate from them is no more exact)" if step > 1 else "")
+            raise BatchboundError(f"watch(): {coupling.why}{earlier}")
         warn(f"batchbound: watch(): whether the loss couples the batch's examples (InfoNCE, "
              f"in-batch negatives) was not checked: {coupling.why}; with such a loss the "
              "per-example norms are no example's own")
+        return False
 
 
 LOSS_USE_IN_WATCH = ("used by the loss outside the model's layers (a regulariser written "
