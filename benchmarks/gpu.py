@@ -195,8 +195,8 @@ def tool_row(case: GpuCase, device: torch.device, precision: str, repeats: int) 
     errors: dict[str, str] = {}
     for name, step in list(contenders.items()):  # warm-up; a refusal is reported, not fatal
         try:
-            step()
-            step()
+            for _ in range(4):  # watch checks the loss again on its 2nd and 4th steps
+                step()
         except Exception as exc:  # the table says which tool failed and why
             errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
             del contenders[name]

@@ -3,8 +3,9 @@ the torch profiler (not a test; prints a table or JSON). Where a GPU step takes 
 its cost is kernel launches, one per operation, so the count tracks that cost on a machine
 without a GPU, and it is the same on every run (no timing noise).
 
-Three counts per step, from one profiled step after two warm-up steps (and one more step for
-the third):
+Three counts per step, from one profiled step after four warm-up steps (and one more step
+for the third; ``watch`` checks the model on its first step, and the loss's coupling again on
+its 2nd, 4th, 8th, …: ``loss_coupling.py``):
 
 - **ops**: the outermost aten operations (an aten op not called by another aten op): what
   Python and autograd dispatch, each ``torch._foreach_*`` counted once, whatever it loops
@@ -117,7 +118,7 @@ def count_events(events: list) -> Count:
     return Count(ops, compute)
 
 
-def profiled(step: Callable[[], object], warm: int = 2) -> Count:
+def profiled(step: Callable[[], object], warm: int = 4) -> Count:
     for _ in range(warm):
         step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:

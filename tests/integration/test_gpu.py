@@ -117,7 +117,7 @@ def test_watch_and_the_callbacks_bookkeeping_steps_do_not_sync_the_device():
 
     vocab = 20_000
     batches = [(torch.randint(0, vocab, (8, 6), device="cuda"),
-                torch.randint(0, 11, (8, 6), device="cuda")) for _ in range(6)]
+                torch.randint(0, 11, (8, 6), device="cuda")) for _ in range(7)]
     for autocast in (False, True):
         model = tiny_model(vocab).cuda()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -130,15 +130,18 @@ def test_watch_and_the_callbacks_bookkeeping_steps_do_not_sync_the_device():
                 F.cross_entropy(model(x).transpose(1, 2).float(), y).backward()
             opt.step()
 
-        step(*batches[0])  # the first step checks the model (the probe, the loop)
+        # the first step checks the model (the probe, the loop), the 2nd and 4th the loss's
+        # coupling again (then the 8th, …): one read each
+        for x, y in batches[:4]:
+            step(x, y)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            for x, y in batches[1:]:
+            for x, y in batches[4:]:
                 step(x, y)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert monitor.steps == 6 and monitor.batch_bound > 0
+        assert monitor.steps == 7 and monitor.batch_bound > 0
 
     model = tiny_model(vocab).cuda()
     norms, records = MicroBatchNorms(model.parameters()), StepRecords(OnlineDiversity(1000))
