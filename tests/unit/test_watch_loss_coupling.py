@@ -351,3 +351,30 @@ def test_the_loss_is_checked_on_its_steps_1_2_4_8(monkeypatch: pytest.MonkeyPatc
         if len(checked) > before:
             seen.append(step)
     assert seen == [1, 2, 4, 8] and monitor.steps == 10
+
+
+@pytest.mark.parametrize("where", ["output", "inside_the_loss", "retain_grad"])
+def test_a_users_hook_on_the_losss_tensors_runs_once_a_step(where: str) -> None:
+    """The check's derivatives would run a hook on a tensor they pass (a gradient logger):
+    with one there the check is not taken, said once, and the hook runs once a step."""
+    model, monitor = _model(), OnlineDiversity()
+    y = torch.randint(0, 5, (N,), generator=torch.Generator().manual_seed(11))
+    calls = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            with watch(model, monitor):
+                z = model(_x())
+                if where == "output":
+                    z.register_hook(lambda g: calls.append(1))
+                log_p = F.log_softmax(z, dim=1)
+                if where == "inside_the_loss":
+                    log_p.register_hook(lambda g: calls.append(1))
+                elif where == "retain_grad":
+                    log_p.retain_grad()
+                F.nll_loss(log_p, y).backward()
+            if where == "retain_grad":
+                calls.append(1) if log_p.grad is not None else None
+    assert len(calls) == 4 and monitor.steps == 4
+    said = [w for w in caught if "a hook on a tensor of the loss" in str(w.message)]
+    assert len(said) == 1

@@ -18,7 +18,8 @@ Not seen: a coupling with no second derivative (the hardest example of the batch
 a max, top-k mining; its choice is piecewise constant), and one the data switches on (a
 mask of same-label pairs) only on steps between the checks. Not checked, with the reason
 (``Coupling.checked`` false): a loss through a custom ``autograd.Function`` or with no double
-backward, one reading an output and another made from it, an output with several axes of
+backward, one with a user's hook on its tensors (``steps._LossWatch`` sees them made), one
+reading an output and another made from it, an output with several axes of
 the examples' size (the examples' own not known), and, on a GPU, one whose check would not
 fit in the free memory (about 8 times the outputs it reads).
 """

@@ -36,7 +36,7 @@ from batchbound.diversity.hooks import (
     fingerprint_of,
     plan_hooks,
 )
-from batchbound.diversity.loss_coupling import loss_coupling, loss_graph
+from batchbound.diversity.loss_coupling import Coupling, loss_coupling, loss_graph
 from batchbound.diversity.loss_scale import check_loss_scale, loss_scale_of
 from batchbound.diversity.losses import resolve_loss
 from batchbound.diversity.online import OnlineDiversity, dense_gradient
@@ -814,16 +814,15 @@ class _Watched:
         # before the rules' own hooks, so that a second backward is refused ahead of them
         self._handles += [root.register_prehook(self._backward_reached) for root in roots]
         self.run.attach(roots)  # it calls _check_program before it hooks the rules
-        # the first step of a form also checks that the loss is a sum of per-example terms
         # each output's node as the forward leaves it: an in-place edit after it is the loss's
         tensors = [(t.grad_fn, t.output_nr, t) for t in flatten(output) if isinstance(t, Tensor)]
+        if self.run.reasons or self.form.coupling:  # the outputs' gradients are needed
+            self.outputs = OutputGrads(output, self.run.n, self.form.fixed)
+        # entered after our own hooks on the outputs: the user's on the loss's tensors it sees
         self._loss = _LossWatch(self.run, roots, (tensors, self.form.fixed),
                                 self.planned.losses)
         self._loss.__enter__()
-        if self.run.reasons or self.form.coupling:  # the outputs' gradients are needed
-            self.outputs = OutputGrads(output, self.run.n, self.form.fixed)
-            return self.outputs.output
-        return None
+        return self.outputs.output if self.outputs is not None else None
 
     def _check_program(self) -> None:
         """A check holds for the operations the step it ran on ran (its program): a step of
@@ -1000,6 +999,8 @@ class _LossWatch(TorchFunctionMode):
         self.run, self.outputs = run, outputs
         self.tensors = tensors  # the model's outputs, and which hold no examples
         self.called = False  # a loss.backward() was called: its coupling read
+        # a hook on a tensor of the loss or on an output (its gradient read by the check)
+        self.hooked = any(t._backward_hooks or t.retains_grad for _, _, t in tensors[0])
         self.checked = checked  # the ways of writing the loss checked on this model
         # the loss's precision: ``logits.float()`` in a float64 model rounds in float32
         self.seen = GradientPrecision()
@@ -1007,6 +1008,8 @@ class _LossWatch(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         if func is not Tensor.backward:
+            if getattr(func, "__name__", None) in _HOOKING:
+                self.hooked = True  # the check's derivatives would run the user's hook
             out = func(*args, **(kwargs or {}))
             for t in flatten(out):
                 if isinstance(t, Tensor) and RANK.get(t.dtype, 3) < 2:
@@ -1050,7 +1053,10 @@ class _LossWatch(TorchFunctionMode):
         """Refuse a loss that couples the examples before its backward runs (.grad as it
         was), on the ``step``-th step written so; warn where it cannot be read (then not
         again: the reason is the loss's graph). Whether it was read."""
-        coupling = loss_coupling(loss, gradient, nodes, *self.tensors, self.run.n)
+        coupling = (Coupling(False, "a hook on a tensor of the loss or on the model's outputs "
+                             "(register_hook, retain_grad) would run in it")
+                    if self.hooked else
+                    loss_coupling(loss, gradient, nodes, *self.tensors, self.run.n))
         if coupling is None:
             return True
         if coupling.checked:
@@ -1062,6 +1068,8 @@ class _LossWatch(TorchFunctionMode):
              "per-example norms are no example's own")
         return False
 
+
+_HOOKING = ("register_hook", "retain_grad")  # Tensor methods whose hooks a backward runs
 
 LOSS_USE_IN_WATCH = ("used by the loss outside the model's layers (a regulariser written "
                      "into the loss?)")
