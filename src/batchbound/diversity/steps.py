@@ -260,7 +260,8 @@ def _watched_step(model: nn.Module, monitor: OnlineDiversity, reduction: str,
     b = run.n
     scale = float(b) if reduction == "mean" else 1.0
     S_B, T_B = batch_sums(sq_norms, [run.totals.get(k, delta[k]) for k in params], held)
-    inexact = _rounded_away(watched.held_norms, delta, run.totals, T_B, precision)
+    inexact = _rounded_away(watched.held_norms, delta, run.totals, T_B, precision,
+                            watched.held_sparse)
     if loss_scale is not None:  # the scale this step's gradients carry, on the device
         carried = watched.scale * watched.scale
         S_B, T_B = S_B / carried, T_B / carried
@@ -289,21 +290,23 @@ def batch_sums(sq_norms: dict[str, Tensor], sums: list[Tensor],
 
 
 def _rounded_away(held_norms: dict[str, Tensor], delta: dict[str, Tensor],
-                  exact: dict[str, Tensor], T_B: Tensor, precision: torch.dtype) -> Tensor | None:
+                  exact: dict[str, Tensor], T_B: Tensor, precision: torch.dtype,
+                  sparse: bool = False) -> Tensor | None:
     """Whether accumulation's rounding can move T_B by more than the step's precision allows
     (a 0-dim boolean tensor; None where no ``.grad`` held a sum). ``.grad += g`` rounds each
-    entry by ≤ 1 unit of |after| and reading the change after − before by ≤ 1 of |Δ|, so
-    ‖Δ − g‖ ≤ e = ε(‖after‖ + ‖Δ‖) per parameter (ε = 2 units: a sparse ``.grad``'s entries
-    are added in pairs) and |T̂ − T| ≤ Σ e(2‖Δ‖ + e): about 4kε of T after k micro-batches,
-    but where ``.grad`` held a sum ~10⁴ times the step's in float32 (a loop that never
-    clears it), or a few micro-batches' in bfloat16, T_B keeps fewer digits than its
-    precision and the monitor leaves the step out (tests/unit/test_watch_accumulated_digits
-    .py: T_B off by 1 % at 10⁷, and C, a difference, by more)."""
+    entry by ≤ u|after| (u the unit roundoff, ε/2) and reading the change after − before by
+    ≤ u|Δ|, so ‖Δ − g‖ ≤ e = u(‖after‖ + ‖Δ‖) per parameter (4u where a ``.grad`` is
+    ``sparse``: its entries are summed as it is made dense, as ``_accumulated_sparse``
+    allows) and |T̂ − T| ≤ Σ e(2‖Δ‖ + e): about 2ku of T after k micro-batches, but where
+    ``.grad`` held a sum ~10⁴ times the step's in float32 (a loop that never clears it), or
+    5 or more micro-batches' in bfloat16, T_B keeps fewer digits than its precision and the
+    monitor leaves the step out (tests/unit/test_watch_accumulated_digits.py: T_B off by 1 %
+    at 10⁷, and C, a difference, by more)."""
     held = [k for k in held_norms if k not in exact]
     if not held:
         return None
     change = torch.stack(torch._foreach_norm([delta[k] for k in held], 2, dtype=torch.float64))
-    unit = max(torch.finfo(delta[k].dtype).eps for k in held)
+    unit = max(torch.finfo(delta[k].dtype).eps for k in held) * (2 if sparse else 0.5)
     e = torch.stack([held_norms[k] for k in held]).add_(change).mul_(unit)
     error = torch.dot(e, change.mul_(2).add_(e))
     return error > tolerance(precision) * T_B
@@ -665,6 +668,7 @@ class _Watched:
         self.before: dict[str, Tensor | None] | None = None
         self.delta: dict[str, Tensor] | None = None
         self.held_norms: dict[str, Tensor] = {}
+        self.held_sparse = False
         self.versions: dict[str, int] = {}  # the parameters' versions at the backward's end
         self._queued = False
         self.run: HooksPass | None = None
@@ -882,6 +886,7 @@ class _Watched:
         self.held_norms = dict(zip(held, torch._foreach_norm(
             [dense_gradient(self.params[k].grad) for k in held], 2, dtype=torch.float64),
             strict=True)) if held else {}
+        self.held_sparse = any(self.params[k].grad.is_sparse for k in held)
         # the weights the step's gradients were taken at: the fallback reads them after the
         # block, so a change before then (an optimizer step inside it) is refused there
         self.versions = {k: p._version for k, p in self.params.items()}
