@@ -206,7 +206,7 @@ class OnlineDiversity:
         if left_out and not self.left_out:
             warn(f"batchbound: watch(): {left_out} step(s) left out of the monitor: .grad held "
                  "a sum so much larger than the step's gradient (never cleared, many "
-                 "micro-batches accumulated, or few into a bfloat16 .grad) that its change "
+                 "micro-batches accumulated, or several into a bfloat16 .grad) that its change "
                  "keeps fewer digits than the step's precision; clear .grad before the block "
                  "(optimizer.zero_grad()), or watch only each step's first micro-batches. "
                  "monitor.left_out counts them")
