@@ -299,7 +299,7 @@ def _rounded_away(held_norms: dict[str, Tensor], delta: dict[str, Tensor],
     ``sparse``: its entries are summed as it is made dense, as ``_accumulated_sparse``
     allows) and |T̂ − T| ≤ Σ e(2‖Δ‖ + e): about 2ku of T after k micro-batches, but where
     ``.grad`` held a sum ~10⁴ times the step's in float32 (a loop that never clears it), or
-    5 or more micro-batches' in bfloat16, T_B keeps fewer digits than its precision and the
+    about 6 micro-batches' in bfloat16, T_B keeps fewer digits than its precision and the
     monitor leaves the step out (tests/unit/test_watch_accumulated_digits.py: T_B off by 1 %
     at 10⁷, and C, a difference, by more)."""
     held = [k for k in held_norms if k not in exact]
@@ -994,8 +994,11 @@ class _LossWatch(TorchFunctionMode):
     """Between the model's forward and ``loss.backward()``: at that call, the loss's own
     graph is read from its root to the model's outputs, and every parameter it uses (a
     regulariser written into the loss) is named, by construction, with no fingerprint of the
-    gradients needed. The backward itself runs outside the mode. A backward started some
-    other way (``torch.autograd.backward``) is not seen: the fingerprints then decide."""
+    gradients needed, and whether the loss couples the examples (``loss_coupling.py``) is
+    checked on the 1st, 2nd, 4th, … step of each way it is written. The backward itself runs
+    outside the mode. A backward started some other way (``torch.autograd.backward``) is not
+    seen: the fingerprints then decide on a use in the loss, and its coupling is not checked
+    (``_watched_step`` warns once)."""
 
     def __init__(self, run: HooksPass, outputs: list[Node],
                  tensors: tuple[list[tuple[Node | None, int, Tensor]], frozenset[int]],
@@ -1051,7 +1054,6 @@ class _LossWatch(TorchFunctionMode):
                         raise
                     state[1] = 2 * state[1] if looked else 0
         return func(*args, **(kwargs or {}))
-
 
     def _check_coupling(self, loss: Tensor, gradient: Tensor | None, nodes: list[Node],
                         step: int) -> bool:
