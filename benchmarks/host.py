@@ -16,7 +16,10 @@ garbage collection of the process's heap moves the mean, not the median), one th
 - ``measure``: ``measure()`` of the same batch as one chunk, called again on the same model
   (its checks are kept from the first call), as ``benchmarks/gpu.py`` times it;
 - ``..., bf16``: the forward under ``torch.autocast("cpu", dtype=torch.bfloat16)``, as GPU
-  users train (its extra against the plain bf16 step).
+  users train (its extra against the plain bf16 step);
+- ``watch every 10th``: ten steps, the first inside ``watch`` and nine plain, per step: the
+  pattern docs/diversity.md gives for a host-bound GPU step (the monitor then holds a tenth
+  of the steps, and its interval says so).
 
 The ratios are the host's, not a GPU step's: where the GPU's own work is longer than the
 host's, a step's wall time is the GPU's.
@@ -89,7 +92,21 @@ def steps(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Callable[[], None
         "plain, bf16": step(none, bf16),
         "watch, bf16": step(lambda: watch(model, monitor), bf16),
         "watch:norms, bf16": step(lambda: watch(model, monitor, subset="norms"), bf16),
+        "watch every 10th": every(EVERY, step(lambda: watch(model, monitor)), step(none)),
     }
+
+
+EVERY = 10  # the steps of the amortised row, one of them watched
+
+
+def every(k: int, watched: Callable[[], None], plain: Callable[[], None]) -> Callable[[], None]:
+    """k steps, the first watched, as one run (its time is divided by k in the table)."""
+    def run() -> None:
+        watched()
+        for _ in range(k - 1):
+            plain()
+
+    return run
 
 
 def token_loss(outputs: Any, y: Tensor) -> Tensor:
@@ -117,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(4):
             run()
     times = interleaved(runs, args.repeats)
-    ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
-    mean = {name: 1e3 * statistics.fmean(t) for name, t in times.items()}
+    per = {name: EVERY if name.startswith("watch every") else 1 for name in times}
+    ms = {name: 1e3 * statistics.median(t) / per[name] for name, t in times.items()}
+    mean = {name: 1e3 * statistics.fmean(t) / per[name] for name, t in times.items()}
 
     def plain(name: str) -> str:
         return "plain, bf16" if "bf16" in name else "plain"
