@@ -48,16 +48,25 @@ class NonFiniteLossError(BatchboundError):
 
 def warn(message: str) -> None:
     """``warnings.warn`` attributed to the user's line: the first frame outside batchbound
-    (and outside ``contextlib``, which runs a ``with watch(...)`` block's end), wherever in
-    the package the warning is raised and whichever entry point was called."""
+    (and outside ``contextlib``, which runs a ``with watch(...)`` block's end, and torch's
+    Python, which runs a layer rule inside the user's ``loss.backward()``), wherever in the
+    package the warning is raised and whichever entry point was called."""
     frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_INSIDE):
+    inside = _INSIDE + _torch()
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, stacklevel=level + 1)
 
 
 _INSIDE = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
            os.path.dirname(os.path.abspath(contextlib.__file__)) + os.sep + "contextlib")
+
+
+def _torch() -> tuple[str, ...]:
+    """torch's package folder, where torch is imported (a warning from a rule is)."""
+    torch = sys.modules.get("torch")
+    file = getattr(torch, "__file__", None)
+    return (os.path.dirname(os.path.abspath(file)) + os.sep,) if file else ()
 
 
 @contextlib.contextmanager

@@ -5,7 +5,8 @@ summing over unique (example, index) pairs; no n×V×D tensor).
 Positions at ``padding_idx`` get no gradient. With ``scale_grad_by_freq`` each position is
 divided by how often its index occurs *in its own example* (the gradient of f_i computed on
 example i alone), which differs from autograd's batch gradient, whose counts run over the
-whole batch; the form then says so, and the engine sums the per-example gradients for T.
+whole batch; the form then says so, the engine sums the per-example gradients for T, and
+a warning states it (T is then not the step's ``.grad``: 2.5 % apart in an outside review).
 """
 
 from __future__ import annotations
@@ -15,6 +16,13 @@ from torch import Tensor, nn
 
 from batchbound.diversity.rules.forms import Outer, PerExampleGrad, segments
 from batchbound.diversity.rules.registry import Call, register_rule, trainable
+from batchbound.errors import warn
+
+BY_FREQUENCY = (
+    "batchbound: nn.Embedding(scale_grad_by_freq=True): each example's gradient is divided "
+    "by its indices' counts in that example (its gradient alone), while autograd's batch "
+    "gradient divides by their counts over the whole batch; S, T and Δ are the examples' "
+    "own gradients' (T their sum, not the step's .grad)")
 
 
 @register_rule(nn.Embedding, params=("weight",))
@@ -29,6 +37,7 @@ def embedding_rule(call: Call) -> dict[str, PerExampleGrad]:
     if layer.padding_idx is not None:
         b = b * (idx != layer.padding_idx).unsqueeze(-1).to(b.dtype)
     if layer.scale_grad_by_freq:
+        warn(BY_FREQUENCY)
         b = b / _counts_in_example(idx, layer.num_embeddings).unsqueeze(-1).to(b.dtype)
     return {"weight": Outer(idx, b, rows=layer.num_embeddings,
                             batch_sum_exact=not layer.scale_grad_by_freq)}
