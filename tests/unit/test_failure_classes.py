@@ -189,9 +189,9 @@ def test_class4_watch_states_that_scale_grad_by_freq_counts_within_each_example(
     model = nn.Sequential(nn.Embedding(6, 4, scale_grad_by_freq=True), nn.Flatten(),
                           nn.Linear(20, 3))
     x = torch.tensor([[1, 1, 2, 1, 5], [1, 3, 3, 3, 0], [2, 2, 2, 2, 2], [1, 2, 3, 4, 5]])
-    with pytest.warns(UserWarning, match="counts over the whole batch") as caught:
-        with watch(model, OnlineDiversity(100)):
-            F.cross_entropy(model(x), torch.randint(0, 3, (4,))).backward()
+    with (pytest.warns(UserWarning, match="counts over the whole batch") as caught,
+          watch(model, OnlineDiversity(100))):
+        F.cross_entropy(model(x), torch.randint(0, 3, (4,))).backward()
     assert {w.filename for w in caught if "scale_grad_by_freq" in str(w.message)} == {__file__}
 
 
