@@ -378,6 +378,52 @@ def self_check(
     return disagreements(fast.sq_norms, fast.losses, slow_sq, slow_losses, precision)
 
 
+LOSS_SCALE = 2.0**-3  # exact in every float format: a linear backward scales bit for bit
+
+
+def not_linear(model: nn.Module, x: Tensor | Inputs, y: Tensor, loss_fn: PerExampleLoss,
+               params: dict[str, nn.Parameter]) -> str | None:
+    """Why the model's backward is not linear in the loss, or None: its parameters'
+    gradients at ``LOSS_SCALE`` times the stand-in loss are not that times the gradients
+    (beyond the precision's rounding), on up to 8 of the examples. Every operation's
+    vector-Jacobian product is linear, so only what rewrites a gradient in the backward shows:
+    a hook that clamps, normalises or adds to it (``h.register_hook(lambda g: g.clamp(..))``),
+    an ``autograd.Function`` whose backward does. Under a mean loss ``watch`` reads each
+    example's gradient at 1/b and scales it by b, which such a rewrite does not commute with:
+    the per-example gradients would depend on the batch's size (25 % off on a clamp)."""
+    rows, size = spread_rows(x.shape[0])
+    xs, ys = examples(x[rows], size), examples(y[rows], size)
+    # a parameter's own gradient hook (p.register_hook) is named later, by the step's check
+    names = [k for k, p in params.items() if p.requires_grad and not p._backward_hooks]
+    with buffers_kept(model), rng_kept(params):
+        mode = nullcontext() if deterministic(model, xs) else eval_mode(model)
+        with mode:
+            wanted = [params[k] for k in names]
+            total = loss_fn(call_model(model, xs), ys).sum()
+            if not total.requires_grad:
+                return None
+            whole = gradients(total, wanted, retain_graph=True)
+            part = gradients(total * LOSS_SCALE, wanted)
+    worst, where = 0.0, ""
+    for name, a, b in zip(names, whole, part, strict=True):
+        if a is None or b is None:
+            continue
+        a, b = a.to_dense().double(), b.to_dense().double() / LOSS_SCALE  # sparse: Embedding
+        scale = float(a.abs().max()) + 1e-300
+        gap = float((a - b).abs().max()) / scale
+        if gap > worst:
+            worst, where = gap, name
+    if worst <= tolerance(lowest(*(g.dtype for g in whole if g is not None))):
+        return None
+    return (f"the model's backward is not linear in the loss: {where}'s gradient at 1/8 of "
+            f"the loss is not 1/8 of it (relative difference {worst:.1e}), so something in the "
+            "backward rewrites gradients (a hook that clamps, normalises or adds to them, "
+            "h.register_hook(lambda g: g.clamp(...)), or an autograd.Function whose backward "
+            "does); under a mean loss each example's gradient would then depend on the "
+            "batch's size, and its per-example gradients are not defined: remove it while "
+            "watching")
+
+
 def spread_rows(n: int) -> tuple[Tensor, int]:
     """The checks' rows: up to 8 spread over the ``n`` examples, and the checks' batch size
     (at least 3: ``examples`` repeats them)."""

@@ -63,6 +63,7 @@ from batchbound.diversity.rule_check import (
     call_failure,
     coupling_outputs,
     deterministic,
+    not_linear,
     output_kinds,
     padded_output,
     probe_layout,
@@ -796,10 +797,14 @@ class _Watched:
         # n experts' loads at a batch of n: no output of the examples, whatever its size
         kinds = output_kinds(self.model, x, self.params)
         fixed = kinds.fixed
-        reasons = self_check(self.model, x, y, functools.partial(_stand_in_loss, fixed=fixed),
-                             self.plan, self.params, layout, self.plan.static_reasons(), kinds)
+        stand_in = functools.partial(_stand_in_loss, fixed=fixed)
+        reasons = self_check(self.model, x, y, stand_in, self.plan, self.params, layout,
+                             self.plan.static_reasons(), kinds)
         if INTERACTING in reasons.values():  # or a padding that follows the batch, named
             why = padded_output(self.model, x, fixed) or why_coupled(self.model, x)
+            raise BatchboundError(f"watch(): {why}")
+        why = not_linear(self.model, x, y, stand_in, self.params)
+        if why:  # the rules and the fallback alike read the examples' gradients at 1/b
             raise BatchboundError(f"watch(): {why}")
         if kinds.unchecked:  # measure() runs each chunk apart instead (pairing.py)
             raise BatchboundError(
