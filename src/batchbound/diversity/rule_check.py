@@ -460,8 +460,10 @@ def padded_output(model: nn.Module, x: Tensor, fixed: frozenset[int] = frozenset
                             f"{a[k]} on one of them alone: its dimension {dims[0]} is the "
                             "batch's examples again, a quantity of every pair of examples (the "
                             "similarities a contrastive loss such as CLIP's reads), so the "
-                            "examples interact and their per-example gradients are not "
-                            "defined")
+                            "examples interact through it, and watch, whose check cannot tell "
+                            "which outputs the loss will read, refuses the model; a loss of "
+                            "the examples' own outputs alone (CLIP's embeddings) is measured "
+                            "by measure(), whose check reads the loss itself")
                 return (f"output {k} of the model has shape {s} on {size} examples but {a[k]} "
                         f"on one of them alone: its dimension {dims[0]} follows the batch (a "
                         "padding to the batch's longest example, as pad_packed_sequence "
