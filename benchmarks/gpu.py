@@ -1,7 +1,9 @@
 """The in-loop tools' cost on a GPU (not a test; prints markdown tables or JSON): per model, a
 plain forward+backward, ``measure()`` on the same batch, ``watch`` (and its cheap mode
-``subset="norms"``) around the same step, in float32 and under bf16 autocast, with peak
-memory; then the Lightning and Hugging Face ``DiversityCallback``s per optimizer step.
+``subset="norms"``) around the same step, ``watch`` on one step in ten (the rest plain, per
+step: docs/diversity.md's pattern for a host-bound step), in float32 and under bf16
+autocast, with peak memory; then the Lightning and Hugging Face ``DiversityCallback``s per
+optimizer step.
 
 Timing: CUDA-synchronised wall clock, the contenders interleaved, median of ``--repeats``
 rounds after a warm-up (which also runs the one-off model check of ``watch``/``measure``).
@@ -151,10 +153,14 @@ class ToolRow:
     measure_ratio: float | None
     watch_extra: float | None  # % over the plain step
     norms_extra: float | None  # watch(subset="norms"), % over the plain step
+    every_extra: float | None = None  # watch on 1 step in EVERY, the rest plain, per step
     plain_peak_mib: float | None = None
     watch_peak_mib: float | None = None
     measure_budget_peak_ratio: float | None = None  # peak / plain peak, budget 1.5× plain
     errors: dict[str, str] = field(default_factory=dict)
+
+
+EVERY = 10  # the amortised row: watch on one step in EVERY
 
 
 def tool_row(case: GpuCase, device: torch.device, precision: str, repeats: int) -> ToolRow:
@@ -188,8 +194,14 @@ def tool_row(case: GpuCase, device: torch.device, precision: str, repeats: int) 
         with autocast:
             measure(model, (x, y), case.loss, chunk_size=case.batch)
 
+    def one_in_every() -> None:  # docs/diversity.md's pattern for a host-bound step
+        watched("all")()
+        for _ in range(EVERY - 1):
+            plain()
+
     contenders: dict[str, Callable[[], None]] = {"plain": plain, "watch": watched("all"),
-                                                 "norms": watched("norms"), "measure": measured}
+                                                 "norms": watched("norms"), "measure": measured,
+                                                 "every": one_in_every}
     if not norm_layer_modules(model):  # no LayerNorm/RMSNorm: no cheap mode to time
         del contenders["norms"]
     errors: dict[str, str] = {}
@@ -207,12 +219,12 @@ def tool_row(case: GpuCase, device: torch.device, precision: str, repeats: int) 
     med = {name: statistics.median(t) for name, t in times.items()}
     p = med["plain"]
 
-    def extra(name: str) -> float | None:
-        return 100.0 * (med[name] - p) / p if name in med else None
+    def extra(name: str, steps: int = 1) -> float | None:
+        return 100.0 * (med[name] / steps - p) / p if name in med else None
 
     row = ToolRow(case.name, precision, case.batch, 1000 * p,
                   med["measure"] / p if "measure" in med else None, extra("watch"),
-                  extra("norms"), errors=errors)
+                  extra("norms"), extra("every", EVERY), errors=errors)
     budget = None
     plain_peak = peak_of(plain, device)
     if plain_peak is not None:
@@ -338,16 +350,17 @@ def fmt(value: float | None, pattern: str) -> str:
 def print_tools_header(device: str) -> None:
     print(f"device {device}, torch {torch.__version__}")
     print("| model (batch) | precision | plain fwd+bwd | `measure()` ÷ plain | `watch` per step "
-          "| `watch(subset='norms')` | plain peak MiB | `watch` peak MiB "
-          "| `measure` peak ÷ plain (budget 1.5×) | seconds |", flush=True)
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          f"| `watch(subset='norms')` | `watch` on 1 step in {EVERY}, per step | plain peak MiB "
+          "| `watch` peak MiB | `measure` peak ÷ plain (budget 1.5×) | seconds |", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
 
 
 def print_tool_row(r: ToolRow, seconds: float) -> None:
     """One row, printed (and flushed) as soon as it is measured."""
     print(f"| {r.case} ({r.batch}) | {r.precision} | {r.plain_ms:.1f} ms "
           f"| {fmt(r.measure_ratio, '{:.2f}×')} | {fmt(r.watch_extra, '{:+.0f} %')} "
-          f"| {fmt(r.norms_extra, '{:+.0f} %')} | {fmt(r.plain_peak_mib, '{:.0f}')} "
+          f"| {fmt(r.norms_extra, '{:+.0f} %')} | {fmt(r.every_extra, '{:+.0f} %')} "
+          f"| {fmt(r.plain_peak_mib, '{:.0f}')} "
           f"| {fmt(r.watch_peak_mib, '{:.0f}')} "
           f"| {fmt(r.measure_budget_peak_ratio, '{:.2f}')} | {seconds:.0f} |", flush=True)
     for tool, why in r.errors.items():

@@ -24,7 +24,7 @@ def test_gpu_benchmark_smoke_on_cpu() -> None:
     assert [r["case"] for r in rows] == ["MLP 784-512³-10", "HF GPT-2 2×64, context 32"]
     for row in rows:
         assert row["errors"] == {} and row["plain_ms"] > 0 and row["measure_ratio"] > 0
-        assert row["watch_extra"] is not None
+        assert row["watch_extra"] is not None and row["every_extra"] is not None
     assert rows[1]["norms_extra"] is not None  # GPT-2 has LayerNorms: the cheap mode ran
 
 
@@ -35,7 +35,8 @@ def test_host_benchmark_runs_every_step() -> None:
          "1", "--json"], capture_output=True, text=True, timeout=300, check=True)
     rows = json.loads(done.stdout)
     assert [r["step"] for r in rows] == ["plain", "watch", "watch:norms", "empty mode", "measure",
-                                         "plain, bf16", "watch, bf16", "watch:norms, bf16"]
+                                         "plain, bf16", "watch, bf16", "watch:norms, bf16",
+                                         "watch every 10th"]
     assert all(r["ms"] > 0 and r["mean ms"] > 0 for r in rows)
 
 
