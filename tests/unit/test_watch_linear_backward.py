@@ -92,3 +92,69 @@ def test_a_linear_rewrite_of_the_gradients_is_exact(how: str) -> None:
         F.cross_entropy(model(x), y).backward()
     assert monitor.m2 == pytest.approx(expected.m2, rel=1e-9)
     assert monitor.cross == pytest.approx(expected.cross, rel=1e-8)
+
+
+class FreesItsState(torch.autograd.Function):
+    """x²; its backward frees what it saved, as memory-minded users write (one backward)."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor) -> Tensor:  # type: ignore[no-untyped-def, override]
+        ctx.h = h.detach()
+        return h * h
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> Tensor:  # type: ignore[no-untyped-def, override]
+        h = ctx.h
+        del ctx.h
+        return 2 * h * g
+
+
+def test_a_function_that_frees_its_state_in_the_backward_is_exact() -> None:
+    """The check runs two forward passes, not a second backward through one (review)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+    square = model[1].register_forward_hook(lambda m, a, out: FreesItsState.apply(out))
+    x, y = data()
+    S, T = loop_S_T(copy.deepcopy(model), (x,), {},
+                    lambda out, i: F.cross_entropy(out, y[i:i + 1]), B)
+    monitor, expected = OnlineDiversity(100, decay=0.0), OnlineDiversity(100, decay=0.0)
+    expected.update_from_norms(S, T, B)
+    with watch(model, monitor):
+        F.cross_entropy(model(x), y).backward()
+    square.remove()
+    assert monitor.m2 == pytest.approx(expected.m2, rel=1e-9)
+
+
+def test_hooks_on_every_parameter_are_named_not_a_crash() -> None:
+    """With every parameter hooked there was nothing to compare: torch's RuntimeError."""
+    model, (x, y) = model_with("scale"), data()
+    for p in model.parameters():
+        p.register_hook(lambda g: 2 * g)
+    with pytest.raises(BatchboundError, match=r"a hook on its gradient \(register_hook\)"), \
+            watch(model, OnlineDiversity(100)):
+        F.cross_entropy(model(x), y).backward()
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-6])
+def test_float16_rounding_is_not_taken_for_a_rewrite(scale: float) -> None:
+    """float16 underflows at half the loss, and a gradient near zero (a key bias) is all
+    rounding: the difference is weighed against the whole gradient (Llama, BERT and ConvNeXt
+    under float16 autocast were refused, a review)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 64), nn.Tanh(), nn.Linear(64, 4))
+    x, y = data()
+    monitor = OnlineDiversity(100)
+    with watch(model, monitor):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x.float() * scale), y)
+        loss.backward()
+    assert monitor.steps == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_clamp_under_autocast_is_refused(dtype: torch.dtype) -> None:
+    """Its looser tolerance still sees a rewrite of a layer whose gradient is small."""
+    model, (x, y) = model_with("clamp").float(), data()
+    with pytest.raises(BatchboundError, match="backward is not linear in the loss"), \
+            watch(model, OnlineDiversity(100)), torch.autocast("cpu", dtype=dtype):
+        F.cross_entropy(model(x.float()), y).backward()

@@ -19,6 +19,7 @@ others).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -378,45 +379,57 @@ def self_check(
     return disagreements(fast.sq_norms, fast.losses, slow_sq, slow_losses, precision)
 
 
-LOSS_SCALE = 2.0**-3  # exact in every float format: a linear backward scales bit for bit
+LOSS_SCALE = 0.5  # exact in every float format, and the least underflow in float16
 
 
 def not_linear(model: nn.Module, x: Tensor | Inputs, y: Tensor, loss_fn: PerExampleLoss,
                params: dict[str, nn.Parameter]) -> str | None:
     """Why the model's backward is not linear in the loss, or None: its parameters'
     gradients at ``LOSS_SCALE`` times the stand-in loss are not that times the gradients
-    (beyond the precision's rounding), on up to 8 of the examples. Every operation's
-    vector-Jacobian product is linear, so only what rewrites a gradient in the backward shows:
-    a hook that clamps, normalises or adds to it (``h.register_hook(lambda g: g.clamp(..))``),
-    an ``autograd.Function`` whose backward does. Under a mean loss ``watch`` reads each
-    example's gradient at 1/b and scales it by b, which such a rewrite does not commute with:
-    the per-example gradients would depend on the batch's size (25 % off on a clamp)."""
+    (each parameter's difference against its gradient's norm plus the precision's tolerance
+    of the whole gradient's: float16's underflow and a sum's order on a GPU round below it,
+    where a parameter's gradient is near zero), on up to 8 of the examples. Every
+    operation's vector-Jacobian product is linear, so only what rewrites a gradient in the
+    backward shows: a hook that clamps, normalises or adds to it
+    (``h.register_hook(lambda g: g.clamp(..))``), an ``autograd.Function`` whose backward
+    does. Under a mean loss ``watch`` reads each example's gradient at 1/b and scales it by
+    b, which such a rewrite does not commute with: the per-example gradients would depend on
+    the batch's size (25 % off on a clamp). Two forward passes from the same buffers and
+    random state (a backward may free what its function saved)."""
     rows, size = spread_rows(x.shape[0])
     xs, ys = examples(x[rows], size), examples(y[rows], size)
     # a parameter's own gradient hook (p.register_hook) is named later, by the step's check
     names = [k for k, p in params.items() if p.requires_grad and not p._backward_hooks]
+    if not names:
+        return None
     with buffers_kept(model), rng_kept(params):
-        mode = nullcontext() if deterministic(model, xs) else eval_mode(model)
-        with mode:
-            wanted = [params[k] for k in names]
+        mode = nullcontext if deterministic(model, xs) else functools.partial(eval_mode, model)
+
+    def grads(scale: float) -> tuple[Tensor | None, ...] | None:
+        with buffers_kept(model), rng_kept(params), mode():
             total = loss_fn(call_model(model, xs), ys).sum()
-            if not total.requires_grad:
-                return None
-            whole = gradients(total, wanted, retain_graph=True)
-            part = gradients(total * LOSS_SCALE, wanted)
+            return gradients(total * scale, [params[k] for k in names]) \
+                if total.requires_grad else None
+
+    whole, part = grads(1.0), grads(LOSS_SCALE)
+    if whole is None or part is None:
+        return None
+    pairs = [(name, a.to_dense().double(), b.to_dense().double() / LOSS_SCALE)  # sparse too
+             for name, a, b in zip(names, whole, part, strict=True)
+             if a is not None and b is not None]
+    # the precision the forward ran in: autocast's where it is on (float16 rounds at 5e-2)
+    tol = tolerance(lowest(*(g.dtype for g in whole if g is not None), *autocast_dtypes()))
+    norms = [float(torch.linalg.vector_norm(a)) for _, a, _ in pairs]
+    floor = tol * math.sqrt(sum(n * n for n in norms))  # rounding below it is no rewrite
     worst, where = 0.0, ""
-    for name, a, b in zip(names, whole, part, strict=True):
-        if a is None or b is None:
-            continue
-        a, b = a.to_dense().double(), b.to_dense().double() / LOSS_SCALE  # sparse: Embedding
-        scale = float(a.abs().max()) + 1e-300
-        gap = float((a - b).abs().max()) / scale
+    for (name, a, b), norm in zip(pairs, norms, strict=True):
+        gap = float(torch.linalg.vector_norm(a - b)) / (norm + floor + 1e-300)
         if gap > worst:
             worst, where = gap, name
-    if worst <= tolerance(lowest(*(g.dtype for g in whole if g is not None))):
+    if worst <= tol:
         return None
-    return (f"the model's backward is not linear in the loss: {where}'s gradient at 1/8 of "
-            f"the loss is not 1/8 of it (relative difference {worst:.1e}), so something in the "
+    return (f"the model's backward is not linear in the loss: {where}'s gradient at half the "
+            f"loss is not half of it (relative difference {worst:.1e}), so something in the "
             "backward rewrites gradients (a hook that clamps, normalises or adds to them, "
             "h.register_hook(lambda g: g.clamp(...)), or an autograd.Function whose backward "
             "does); under a mean loss each example's gradient would then depend on the "
