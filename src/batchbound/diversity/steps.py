@@ -159,8 +159,10 @@ def watch(model: nn.Module, monitor: OnlineDiversity, *, reduction: str = "mean"
     comparing the gradient sums with the change in ``.grad`` (put regularisers outside the
     block, or in the optimizer's weight decay). A loss that couples the examples (InfoNCE,
     in-batch negatives) is refused at ``loss.backward()``, before it runs
-    (``loss_coupling.py``). A step whose ``.grad`` held so large a sum that its change lost
-    digits is left out of the monitor (``monitor.left_out``), with a warning. Under
+    (``loss_coupling.py``), and so is a model whose backward rewrites gradients other than
+    linearly (a hook that clamps them), on its first step (``rule_check.not_linear``). A step
+    whose ``.grad`` held so large a sum that its change lost digits is left out of the
+    monitor (``monitor.left_out``), with a warning. Under
     autocast the precision the forward actually ran in sets the self-check's tolerance
     and is stated (``monitor.precision``, a warning); see docs/precision.md. The model is
     planned once and the plan kept while its structure stays the same. BatchNorm must be in
