@@ -41,6 +41,9 @@ from batchbound.diversity import OnlineDiversity, measure, watch
 from batchbound.diversity.subsets import norm_layer_modules
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import EVERY, one_in
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_models import GPT, HFLogits, classification_loss, images, lenet5, mlp, small_resnet
 
 
@@ -160,9 +163,6 @@ class ToolRow:
     errors: dict[str, str] = field(default_factory=dict)
 
 
-EVERY = 10  # the amortised row: watch on one step in EVERY
-
-
 def tool_row(case: GpuCase, device: torch.device, precision: str, repeats: int) -> ToolRow:
     torch.manual_seed(0)
     with torch.device(device):  # parameters made and initialised on the device: no CPU init
@@ -194,14 +194,9 @@ def tool_row(case: GpuCase, device: torch.device, precision: str, repeats: int) 
         with autocast:
             measure(model, (x, y), case.loss, chunk_size=case.batch)
 
-    def one_in_every() -> None:  # docs/diversity.md's pattern for a host-bound step
-        watched("all")()
-        for _ in range(EVERY - 1):
-            plain()
-
     contenders: dict[str, Callable[[], None]] = {"plain": plain, "watch": watched("all"),
                                                  "norms": watched("norms"), "measure": measured,
-                                                 "every": one_in_every}
+                                                 "every": one_in(EVERY, watched("all"), plain)}
     if not norm_layer_modules(model):  # no LayerNorm/RMSNorm: no cheap mode to time
         del contenders["norms"]
     errors: dict[str, str] = {}

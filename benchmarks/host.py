@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from batchbound.diversity import OnlineDiversity, measure, watch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import interleaved
+from timing import EVERY, interleaved, one_in
 
 
 class EmptyMode(TorchDispatchMode):
@@ -92,21 +92,8 @@ def steps(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Callable[[], None
         "plain, bf16": step(none, bf16),
         "watch, bf16": step(lambda: watch(model, monitor), bf16),
         "watch:norms, bf16": step(lambda: watch(model, monitor, subset="norms"), bf16),
-        "watch every 10th": every(EVERY, step(lambda: watch(model, monitor)), step(none)),
+        "watch every 10th": one_in(EVERY, step(lambda: watch(model, monitor)), step(none)),
     }
-
-
-EVERY = 10  # the steps of the amortised row, one of them watched
-
-
-def every(k: int, watched: Callable[[], None], plain: Callable[[], None]) -> Callable[[], None]:
-    """k steps, the first watched, as one run (its time is divided by k in the table)."""
-    def run() -> None:
-        watched()
-        for _ in range(k - 1):
-            plain()
-
-    return run
 
 
 def token_loss(outputs: Any, y: Tensor) -> Tensor:

@@ -138,12 +138,12 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
                 module.training = training
 
 
-def gradients(total: Tensor, tensors: Sequence[Tensor | GradientEdge],
-              retain_graph: bool = False) -> tuple[Tensor | None, ...]:
+def gradients(total: Tensor,
+              tensors: Sequence[Tensor | GradientEdge]) -> tuple[Tensor | None, ...]:
     """∂total/∂tensors (or ∂total/∂ a node's output, for a GradientEdge) by
     ``torch.autograd.grad`` (so no ``.grad`` field is touched)."""
     try:
-        return torch.autograd.grad(total, tensors, retain_graph=retain_graph, allow_unused=True)
+        return torch.autograd.grad(total, tensors, allow_unused=True)
     except RuntimeError as exc:
         if "use_reentrant" in str(exc):
             raise BatchboundError(
